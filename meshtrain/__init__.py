@@ -1,0 +1,13 @@
+"""meshtrain: PyTorch-native distributed training. One Trainer, any layout over a device mesh."""
+
+__version__ = "0.1.0"
+
+from meshtrain.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from meshtrain.errors import ConfigError, LayoutError, MeshtrainError, WorkerFailed
+from meshtrain.parallel.layout import Layout
+from meshtrain.trainer import Trainer
+
+__all__ = [
+    "Callback", "ConfigError", "EarlyStopping", "Layout", "LayoutError", "LearningRateMonitor",
+    "MeshtrainError", "ModelCheckpoint", "Trainer", "WorkerFailed", "__version__",
+]

@@ -1,0 +1,140 @@
+"""Callbacks: code that runs at fixed points of training without touching the loop.
+
+Hooks run on every rank (so a callback may take part in collectives, e.g. saving a checkpoint);
+anything that writes files or prints should check ``trainer.is_global_zero``. Metrics seen by
+callbacks (``trainer.callback_metrics``) are already averaged over the data-parallel ranks, so
+every rank takes the same decision.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+from meshtrain.errors import ConfigError
+
+
+class Callback:
+    """Base class: override the hooks you need."""
+
+    def on_fit_start(self, trainer) -> None: ...
+    def on_fit_end(self, trainer) -> None: ...
+    def on_train_epoch_start(self, trainer) -> None: ...
+    def on_train_epoch_end(self, trainer) -> None: ...
+    def on_train_step_start(self, trainer) -> None: ...
+    def on_train_step_end(self, trainer, metrics: dict) -> None: ...
+    def on_validation_start(self, trainer) -> None: ...
+    def on_validation_end(self, trainer, metrics: dict) -> None: ...
+    def on_exception(self, trainer, error: BaseException) -> None: ...
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in ("min", "max"):
+        raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+
+
+def _improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> bool:
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` (a validation metric) has not improved for ``patience`` checks."""
+
+    def __init__(self, monitor: str = "val/loss", patience: int = 3, mode: str = "min",
+                 min_delta: float = 0.0):
+        _check_mode(mode)
+        if patience < 1:
+            raise ConfigError(f"EarlyStopping patience must be at least 1, got {patience}")
+        self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
+        self.best = math.inf if mode == "min" else -math.inf
+        self.num_bad_checks = 0
+        self.stopped_at_step: int | None = None
+
+    def on_validation_end(self, trainer, metrics: dict) -> None:
+        if self.monitor not in metrics:
+            raise ConfigError(
+                f"EarlyStopping monitors {self.monitor!r} but validation produced "
+                f"{sorted(metrics)}; set monitor= to one of those"
+            )
+        value = float(metrics[self.monitor])
+        if _improved(value, self.best, self.mode, self.min_delta):
+            self.best, self.num_bad_checks = value, 0
+            return
+        self.num_bad_checks += 1
+        if self.num_bad_checks >= self.patience:
+            trainer.should_stop = True
+            self.stopped_at_step = trainer.global_step
+            trainer.print(
+                f"early stopping at step {trainer.global_step}: {self.monitor} has not improved "
+                f"for {self.patience} validations (best {self.best:.4f})"
+            )
+
+
+class ModelCheckpoint(Callback):
+    """Save checkpoints: the best ``save_top_k`` by ``monitor``, every N steps, and/or the last.
+
+    Files go to ``dirpath`` (default ``<run folder>/checkpoints``); ``best_model_path`` names the
+    best one so far.
+    """
+
+    def __init__(self, dirpath: str | Path | None = None, monitor: str | None = None,
+                 mode: str = "min", save_top_k: int = 1, save_last: bool = True,
+                 every_n_steps: int | None = None):
+        _check_mode(mode)
+        if save_top_k < 0:
+            raise ConfigError(f"save_top_k must be >= 0, got {save_top_k}")
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ConfigError(f"every_n_steps must be positive, got {every_n_steps}")
+        self.dirpath = Path(dirpath) if dirpath else None
+        self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
+        self.save_last, self.every_n_steps = save_last, every_n_steps
+        self.best_k: dict[Path, float] = {}
+        self.best_model_path: Path | None = None
+        self.last_model_path: Path | None = None
+
+    def _dir(self, trainer) -> Path:
+        return self.dirpath or trainer.run_dir / "checkpoints"
+
+    def on_train_step_end(self, trainer, metrics: dict) -> None:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+            trainer.save_checkpoint(self._dir(trainer) / f"step_{trainer.global_step:07d}")
+
+    def on_validation_end(self, trainer, metrics: dict) -> None:
+        if self.monitor is None or self.save_top_k == 0:
+            return
+        if self.monitor not in metrics:
+            raise ConfigError(
+                f"ModelCheckpoint monitors {self.monitor!r} but validation produced "
+                f"{sorted(metrics)}; set monitor= to one of those"
+            )
+        value = float(metrics[self.monitor])
+        worst = max if self.mode == "min" else min
+        if len(self.best_k) >= self.save_top_k:
+            worst_path = worst(self.best_k, key=self.best_k.get)
+            if not _improved(value, self.best_k[worst_path], self.mode):
+                return
+            del self.best_k[worst_path]
+            if trainer.is_global_zero:
+                shutil.rmtree(worst_path, ignore_errors=True)
+        name = f"best_step_{trainer.global_step:07d}"
+        path = trainer.save_checkpoint(self._dir(trainer) / name)
+        self.best_k[path] = value
+        best = min if self.mode == "min" else max
+        self.best_model_path = best(self.best_k, key=self.best_k.get)
+
+    def on_fit_end(self, trainer) -> None:
+        if self.save_last:
+            self.last_model_path = trainer.save_checkpoint(self._dir(trainer) / "last")
+
+
+class LearningRateMonitor(Callback):
+    """Log each parameter group's learning rate as ``lr`` (``lr/group{i}`` if several)."""
+
+    def on_train_step_end(self, trainer, metrics: dict) -> None:
+        groups = trainer.optimizer.param_groups
+        if len(groups) == 1:
+            metrics["lr"] = groups[0]["lr"]
+        else:
+            for i, group in enumerate(groups):
+                metrics[f"lr/group{i}"] = group["lr"]

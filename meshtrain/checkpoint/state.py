@@ -1,0 +1,133 @@
+"""Saving and loading training state with torch distributed checkpoint (DCP).
+
+Every rank writes its own part in parallel, and a checkpoint saved on one world size loads on
+another. A checkpoint is a folder::
+
+    step_000200/
+        .metadata, __0_0.distcp, ...   model and optimizer (DCP)
+        trainer_state.pt               step, epoch, data position, scheduler, grad scaler
+        rng_rank{r}.pt                 each rank's random number generator states
+        meshtrain.json                 human-readable summary (step, layout, metrics)
+
+The folder is written under a temporary name and renamed when every rank has finished, so a
+half-written checkpoint is never mistaken for a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from meshtrain.errors import ConfigError
+
+TRAINER_STATE = "trainer_state.pt"
+SUMMARY = "meshtrain.json"
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def rng_state() -> dict:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict,
+    summary: dict,
+) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_state_dict(model, [])[0]}
+    dcp.save(state, checkpoint_id=tmp)
+    torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    if _rank() == 0:
+        torch.save(trainer_state, tmp / TRAINER_STATE)
+        (tmp / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    _barrier()
+    return path
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> dict:
+    """Collective: load model (and optimizer) in place; return the trainer state dict."""
+    path = Path(path)
+    if not (path / TRAINER_STATE).exists():
+        raise ConfigError(
+            f"{path} is not a complete meshtrain checkpoint (no {TRAINER_STATE}); pass the folder "
+            "of a checkpoint such as runs/<name>/<time>/checkpoints/final"
+        )
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_state_dict(model, [])[0]}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+        options=StateDictOptions(strict=True),
+    )
+    rng_file = path / f"rng_rank{_rank()}.pt"
+    if rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return torch.load(path / TRAINER_STATE, weights_only=False)
+
+
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Load only the model part of a checkpoint into a plain module, no process group needed."""
+    load_checkpoint(path, model, None)

@@ -1,0 +1,18 @@
+"""Error types. User mistakes raise a `ConfigError` (a `ValueError`) that says what is wrong and
+how to fix it; `assert` is kept for internal invariants."""
+
+
+class MeshtrainError(Exception):
+    """Base class of every error meshtrain raises on purpose."""
+
+
+class ConfigError(MeshtrainError, ValueError):
+    """A bad setting or input from the user, found before any process group is created."""
+
+
+class LayoutError(ConfigError):
+    """A layout string or object that cannot describe a mesh for this world size."""
+
+
+class WorkerFailed(MeshtrainError, RuntimeError):
+    """A worker process of a job exited with an error; the whole job was stopped."""

@@ -1,0 +1,188 @@
+"""`meshtrain slurm`: write (and optionally submit) an sbatch script that runs torchrun per node.
+
+Slurm starts one task per node; each task runs torchrun, which starts one worker per GPU. The
+nodes meet through c10d rendezvous hosted on the first node of the allocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from meshtrain.errors import ConfigError
+
+# Slurm's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+_TIME = re.compile(r"^(\d+-\d+(:\d{2}){0,2}|\d+(:\d{2}){0,2})$")
+
+
+def render_sbatch(
+    *,
+    script: str,
+    script_args: Sequence[str] = (),
+    nodes: int,
+    gpus_per_node: int,
+    cpus_per_task: int | None = None,
+    job_name: str = "meshtrain",
+    time: str | None = None,
+    partition: str | None = None,
+    account: str | None = None,
+    output: str = "%x-%j.out",
+    port: int = 29500,
+    workdir: str | None = None,
+    python: str = "python",
+) -> str:
+    """Return the text of an sbatch script that runs `script` on `nodes` x `gpus_per_node` workers.
+
+    Pure: reads no files and runs nothing. `workdir`, when given, becomes `#SBATCH --chdir`, so
+    relative paths mean the same wherever `sbatch` is called from.
+    """
+    _check_options(nodes, gpus_per_node, cpus_per_task, port, time)
+    directives = {
+        "job-name": job_name,
+        "nodes": nodes,
+        "ntasks-per-node": 1,
+        "gpus-per-node": gpus_per_node,
+        "cpus-per-task": cpus_per_task,
+        "time": time,
+        "partition": partition,
+        "account": account,
+        "output": output,
+        "chdir": workdir,
+    }
+    lines = ["#!/bin/bash"]
+    for key, value in directives.items():
+        if value is None:
+            continue
+        if not str(value) or any(c.isspace() for c in str(value)):
+            what = "the current folder" if key == "chdir" else f"--{key}"
+            raise ConfigError(
+                f"{what} {str(value)!r} is empty or has spaces, which an #SBATCH line cannot "
+                "hold: pick a value (or, for the folder, a place to run from) without spaces"
+            )
+        lines.append(f"#SBATCH --{key}={value}")
+
+    threads = max(1, cpus_per_task // gpus_per_node) if cpus_per_task else 1
+    cpus_flag = f" --cpus-per-task={cpus_per_task}" if cpus_per_task else ""
+    command = [python, "-m", "torch.distributed.run"]
+    user_part = " ".join(shlex.quote(a) for a in [script, *script_args])
+    lines += [
+        "",
+        "# Written by `meshtrain slurm`: one task per node runs torchrun, which starts",
+        f"# {gpus_per_node} workers; all nodes meet through c10d rendezvous on the first node.",
+        "set -euo pipefail",
+        "",
+        "# CPU threads per worker: the task's CPUs shared by its workers, unless already set.",
+        f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{threads}}}"',
+        "",
+        # awk (not head) reads all of scontrol's output, so pipefail never sees a SIGPIPE.
+        "head_node=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | awk 'NR == 1')",
+        'head_node_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address'
+        " | awk '{print $1}')",
+        f'echo "meshtrain: {nodes} node(s), rendezvous at $head_node_ip:{port} ($head_node)"',
+        "",
+        # srun does not pass --cpus-per-task on from sbatch in recent Slurm; name it again.
+        f"srun{cpus_flag} {' '.join(shlex.quote(c) for c in command)} \\",
+        '    --nnodes "$SLURM_NNODES" \\',
+        f"    --nproc-per-node {gpus_per_node} \\",
+        '    --rdzv-id "$SLURM_JOB_ID" \\',
+        "    --rdzv-backend c10d \\",
+        f'    --rdzv-endpoint "$head_node_ip:{port}" \\',
+        f"    {user_part}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _check_options(
+    nodes: int, gpus_per_node: int, cpus_per_task: int | None, port: int, time: str | None
+) -> None:
+    if nodes < 1:
+        raise ConfigError(f"--nodes is {nodes}: ask for at least 1 node, e.g. --nodes 2")
+    if gpus_per_node < 1:
+        raise ConfigError(
+            f"--gpus-per-node is {gpus_per_node}: it is also the number of workers per node, "
+            "so give at least 1, e.g. --gpus-per-node 8"
+        )
+    if cpus_per_task is not None and cpus_per_task < 1:
+        raise ConfigError(f"--cpus-per-task is {cpus_per_task}: give at least 1, or leave it out")
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port is {port}: pick a TCP port in 1..65535, e.g. --port 29500")
+    if time is not None and not _TIME.match(time):
+        raise ConfigError(
+            f"--time {time!r} is not a Slurm time: write HH:MM:SS (or D-HH:MM:SS), e.g. 04:00:00"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `meshtrain slurm` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="meshtrain slurm",
+        description="Write an sbatch script that runs SCRIPT with torchrun on every node "
+        "(one worker per GPU), print its path, and with --submit hand it to sbatch.",
+    )
+    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs = workers per node")
+    parser.add_argument("--cpus-per-task", type=int, help="CPUs per node's task (all workers)")
+    parser.add_argument("--job-name", default="meshtrain", help="Slurm job name")
+    parser.add_argument("--time", help="time limit, HH:MM:SS")
+    parser.add_argument("--partition", help="Slurm partition")
+    parser.add_argument("--account", help="Slurm account")
+    parser.add_argument("--output", default="%x-%j.out", help="log file (default %%x-%%j.out)")
+    parser.add_argument("--port", type=int, default=29500, help="rendezvous port on the head node")
+    parser.add_argument("--python", default="python", help="Python on the nodes (default python)")
+    parser.add_argument("--submit", action="store_true", help="run sbatch on the written file")
+    parser.add_argument("--sbatch-out", help="where to write the script (default JOB_NAME.sbatch)")
+    parser.add_argument("script", help="training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def slurm(argv: Sequence[str] | None = None) -> int:
+    """Write the sbatch script for `argv`, print its path, submit it with --submit; exit code."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not os.path.isfile(args.script):
+        raise ConfigError(
+            f"training script {args.script!r} does not exist (looked in {os.getcwd()}): "
+            "check the path"
+        )
+    text = render_sbatch(
+        script=args.script,
+        script_args=args.script_args,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        cpus_per_task=args.cpus_per_task,
+        job_name=args.job_name,
+        time=args.time,
+        partition=args.partition,
+        account=args.account,
+        output=args.output,
+        port=args.port,
+        workdir=os.getcwd(),
+        python=args.python,
+    )
+    path = args.sbatch_out or f"{args.job_name}.sbatch"
+    with open(path, "w") as f:
+        f.write(text)
+    print(path)
+    if not args.submit:
+        return 0
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise ConfigError(
+            f"Slurm's sbatch was not found on PATH, so nothing was submitted; the script was "
+            f"written to {path}: run `sbatch {path}` on a Slurm login node"
+        )
+    return subprocess.run([sbatch, path], check=False).returncode
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(slurm())
+    except ConfigError as exc:
+        print(f"meshtrain slurm: {exc}", file=sys.stderr)
+        sys.exit(2)

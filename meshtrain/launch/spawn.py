@@ -1,0 +1,267 @@
+"""Starting local worker processes without a launcher.
+
+Two ways in:
+
+* ``Trainer(devices=N)`` in a script started with plain ``python script.py``: the first process
+  becomes rank 0 and starts ranks 1..N-1 by running the same command again
+  (:func:`start_script_workers`). Every rank then runs the script from the top, exactly as under
+  ``torchrun``. A rank that fails stops the whole job with a non-zero exit.
+* :func:`run_workers` runs a picklable function on N fresh processes and returns what each rank
+  returned (used by the tests and benchmarks; works in notebooks too).
+
+In both, the launching process hosts the c10d ``TCPStore`` on a port the OS picks (no race for
+a free port) and workers join it as clients.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from meshtrain.errors import ConfigError, WorkerFailed
+
+STORE_ENV = "MESHTRAIN_STORE"  # "host:port" of a store hosted by the launching process
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, read from the environment torchrun (or we) set."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+    @classmethod
+    def from_environ(cls) -> DistEnv | None:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        world = int(os.environ["WORLD_SIZE"])
+        return cls(
+            rank=int(os.environ["RANK"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+            world_size=world,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        )
+
+
+def init_process_group(env: DistEnv, backend: str, timeout: timedelta, store=None) -> None:
+    """Create the default process group for ``env``: from our own store, or env:// (torchrun)."""
+    import torch.distributed as dist
+
+    if store is None and STORE_ENV in os.environ:
+        host, port = os.environ[STORE_ENV].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), env.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+    )
+
+
+def _host_store(world_size: int, timeout: timedelta):
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+
+
+def _worker_environ(rank: int, world_size: int, store_port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+        **{STORE_ENV: f"127.0.0.1:{store_port}"},
+    )
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer(devices=N): re-run the script for ranks 1..N-1
+# ---------------------------------------------------------------------------------------------
+def script_command() -> list[str]:
+    """The command that started this process, to run it again for the other ranks."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    refuse = ConfigError(
+        "Trainer(devices=N) starts the other workers by running this script again, but this "
+        f"process was not started as a script ({argv0 or 'interactive'}). Run it as "
+        "`python your_script.py`, launch it with `meshtrain run --nproc-per-node N script.py`, "
+        "or use meshtrain.launch.spawn.run_workers(fn, N) from a notebook or test."
+    )
+    if spec is not None and spec.name:
+        name = spec.name.removesuffix(".__main__")
+        if name in ("pytest", "ipykernel_launcher", "IPython"):
+            raise refuse
+        return [sys.executable, "-m", name, *sys.argv[1:]]
+    if not getattr(main, "__file__", None) or argv0 in ("pytest", "py.test", "-c", ""):
+        raise refuse
+    return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+
+
+class ScriptWorkers:
+    """Ranks 1..N-1 started by rank 0, watched by a thread that stops the job if one fails."""
+
+    def __init__(self, world_size: int, timeout: timedelta):
+        command = script_command()
+        self.store = _host_store(world_size, timeout)
+        self.world_size = world_size
+        self.failed: tuple[int, int] | None = None
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(1, world_size):
+            env = _worker_environ(rank, world_size, self.store.port)
+            self.procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+        os.environ.update(_worker_environ(0, world_size, self.store.port))
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="meshtrain-workers")
+        self._watcher.start()
+        atexit.register(self.join)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code not in (None, 0):
+                    self.failed = (rank, code)
+                    print(
+                        f"meshtrain: worker rank {rank} exited with code {code} (its traceback is "
+                        "above); stopping the job.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    self.terminate()
+                    # Rank 0 normally fails fast on the broken connection; if it is stuck
+                    # elsewhere, give it a moment to report, then end the job.
+                    time.sleep(10)
+                    os._exit(1)
+
+    def terminate(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def join(self) -> None:
+        """Wait for the other ranks to finish the script; exit non-zero if any failed."""
+        if self._stop.is_set():
+            return
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            self._stop.set()
+            self.terminate()
+            return
+        for proc in self.procs:
+            proc.wait()
+        self._stop.set()
+        bad = [(r, p.returncode) for r, p in enumerate(self.procs, 1) if p.returncode != 0]
+        if bad:
+            print(f"meshtrain: worker ranks failed: {bad}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def raise_if_failed(self, error: BaseException) -> None:
+        """Turn a broken-connection error on rank 0 into the real cause, a failed worker."""
+        self._stop.set()
+        self.terminate()
+        for _ in range(20):
+            if self.failed or all(p.poll() is not None for p in self.procs):
+                break
+            time.sleep(0.1)
+        failed = self.failed or next(
+            ((r, p.returncode) for r, p in enumerate(self.procs, 1) if p.returncode), None
+        )
+        if failed:
+            raise WorkerFailed(
+                f"worker rank {failed[0]} exited with code {failed[1]}; its traceback is above"
+            ) from error
+
+
+# ---------------------------------------------------------------------------------------------
+# run_workers(fn, N): a function on N fresh processes
+# ---------------------------------------------------------------------------------------------
+def _run_one(fn, args, rank: int, world_size: int, port: int, out_dir: str, threads: int):
+    os.environ.update(_worker_environ(rank, world_size, port))
+    import torch
+
+    torch.set_num_threads(threads)
+    result_path = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        value = fn(*args)
+    except BaseException:
+        result_path.write_bytes(pickle.dumps(("error", traceback.format_exc())))
+        raise
+    result_path.write_bytes(pickle.dumps(("ok", value)))
+
+
+def run_workers(fn, num_workers: int, args: tuple = (), *, timeout: float = 120.0, threads: int = 1):
+    """Run ``fn(*args)`` on ``num_workers`` new processes (ranks 0..N-1); return their results.
+
+    Each process sees RANK/WORLD_SIZE like under torchrun, so ``Trainer`` joins the job. A worker
+    that raises makes this raise ``WorkerFailed`` with its traceback; one that runs past
+    ``timeout`` seconds makes all of them be killed (a hang fails instead of blocking).
+    """
+    import multiprocessing as mp
+
+    if num_workers < 1:
+        raise ConfigError(f"num_workers must be at least 1, got {num_workers}")
+    ctx = mp.get_context("spawn")
+    store = _host_store(num_workers, timedelta(seconds=timeout))
+    with tempfile.TemporaryDirectory(prefix="meshtrain-") as out_dir:
+        procs = [
+            ctx.Process(
+                target=_run_one,
+                args=(fn, args, rank, num_workers, store.port, out_dir, threads),
+                daemon=True,
+            )
+            for rank in range(num_workers)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.is_alive() for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    time.sleep(2.0)  # let the others notice and write their errors
+                    break
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(
+                        f"workers did not finish within {timeout:.0f} s (hang?); killed them"
+                    )
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+        results, errors = [], []
+        for rank, proc in enumerate(procs):
+            path = Path(out_dir) / f"rank{rank}.pkl"
+            if not path.exists():
+                errors.append(f"rank {rank}: exited with code {proc.exitcode} and no result")
+                results.append(None)
+                continue
+            status, value = pickle.loads(path.read_bytes())
+            if status == "error":
+                errors.append(f"rank {rank} raised:\n{value}")
+                results.append(None)
+            else:
+                results.append(value)
+        if errors:
+            raise WorkerFailed("\n".join(errors))
+        return results

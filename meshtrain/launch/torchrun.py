@@ -1,0 +1,236 @@
+"""`meshtrain run`: a thin front over torchrun (`torch.distributed.run`), run in this process.
+
+It takes torchrun's own flags and adds three things: on one node it picks a free port on
+127.0.0.1 by itself, it checks the script and the port before any worker starts, and a worker
+failure ends in a short summary and exit code 1 instead of a long Python traceback.
+
+Fault tolerance (`--max-restarts`) is passed through as is. A later issue that builds restarts
+must know that with gloo, restarted ranks can read stale addresses from the rendezvous store
+that is shared between attempts (see /work/shared/notes/torch-2.13-cpu-gloo.md: hangs and
+`Connection refused`). What was seen to work: the worker side creates its process group on a
+store namespaced per attempt, `PrefixStore(f"attempt_{TORCHELASTIC_RESTART_COUNT}",
+TCPStore(...))` then `init_process_group(store=...)`. Setting
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` only helped with c10d rendezvous, so it is not set here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import ipaddress
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+
+from meshtrain.errors import ConfigError
+from meshtrain.launch.ports import check_port_free, find_free_port
+
+LOCAL_HOST = "127.0.0.1"
+# Words torchrun accepts for --nproc-per-node besides a number ("use every device/core").
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's own argument parser, renamed `meshtrain run`, so every torchrun flag works."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "meshtrain run"
+    parser.description = (
+        "Start TRAINING_SCRIPT on this node's workers with torchrun. Takes torchrun's flags. "
+        "On one node (no --nnodes > 1, no --rdzv-endpoint) it runs on 127.0.0.1 with a free "
+        "port unless --master-port names one; OMP_NUM_THREADS defaults to 1."
+    )
+    return parser
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` like torchrun, start the workers and wait; 0 if all succeeded, else 1."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run as torchrun
+
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    prepare_args(args)
+    with _restored_process_state(args.signals_to_handle):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            torchrun(args)
+        except ChildFailedError as err:
+            # torchrun's CLI would print this report as an uncaught exception; keep it.
+            print(str(err), file=sys.stderr)
+            print(failure_summary(err, args.log_dir), file=sys.stderr, flush=True)
+            return 1
+        except SignalException as exc:
+            name = signal.Signals(exc.sigval).name
+            print(f"meshtrain run: got {name}; the workers were stopped.", file=sys.stderr)
+            return 128 + int(exc.sigval)
+    return 0
+
+
+def prepare_args(args: argparse.Namespace) -> None:
+    """Check `args` and fill in the one-node rendezvous; raise `ConfigError` on a user mistake."""
+    _check_nproc(args.nproc_per_node)
+    _check_entrypoint(args)
+    try:
+        from torch.distributed.run import parse_min_max_nnodes
+
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(
+            f"--nnodes {args.nnodes!r} is not a node count: give N or MIN:MAX, e.g. --nnodes 2"
+        ) from exc
+    if not 0 < min_nodes <= max_nodes:
+        raise ConfigError(f"--nnodes {args.nnodes!r} needs 0 < MIN <= MAX, e.g. --nnodes 1:4")
+    if args.standalone and max_nodes > 1:
+        raise ConfigError(
+            f"--standalone runs on one node but --nnodes is {args.nnodes}: drop one of them"
+        )
+    if args.standalone or (max_nodes == 1 and not args.rdzv_endpoint):
+        _use_local_rendezvous(args)
+    elif max_nodes == 1:
+        host, port = _split_endpoint(args.rdzv_endpoint)
+        if port and _is_local(host):
+            check_port_free(host, port)
+
+    if args.log_dir is None:
+        # torchrun makes a temporary log folder anyway; making it here lets the failure
+        # summary say where a worker's stderr.log / error.json lie.
+        args.log_dir = tempfile.mkdtemp(prefix="meshtrain_run_")
+
+
+def _use_local_rendezvous(args: argparse.Namespace) -> None:
+    """One node: c10d rendezvous hosted here on 127.0.0.1, like --standalone but on a known port."""
+    port = args.master_port
+    if port is None:
+        port = find_free_port(LOCAL_HOST)
+    else:
+        check_port_free(LOCAL_HOST, port)
+    args.standalone = False
+    args.rdzv_backend = "c10d"
+    args.rdzv_endpoint = f"{LOCAL_HOST}:{port}"
+    args.rdzv_id = str(uuid.uuid4())
+    args.master_addr, args.master_port = LOCAL_HOST, port
+    if "is_host" not in args.rdzv_conf:
+        # Host the store or fail: without this, a port taken after the check makes torchrun
+        # connect to whatever holds it as a client and wait there.
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, "is_host=1"]))
+
+
+def _check_nproc(value: str) -> None:
+    if value in _NPROC_WORDS:
+        return
+    try:
+        ok = int(value) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"--nproc-per-node {value!r} is not a positive whole number: give the number of "
+            "worker processes on this node, e.g. --nproc-per-node 2 "
+            f"(or one of: {', '.join(_NPROC_WORDS)})"
+        )
+
+
+def _check_entrypoint(args: argparse.Namespace) -> None:
+    """The script file (or --no-python program) must exist; -m modules are left to Python."""
+    target = args.training_script
+    if args.module:
+        return
+    if args.no_python:
+        if not (os.path.isfile(target) or shutil.which(target)):
+            raise ConfigError(
+                f"program {target!r} was not found (--no-python runs it directly): "
+                "give a path to an executable or a command on PATH"
+            )
+        return
+    if not os.path.isfile(target):
+        raise ConfigError(
+            f"training script {target!r} does not exist (looked in {os.getcwd()}): "
+            "check the path, or pass -m to run a module"
+        )
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int | None]:
+    """'host:port' -> (host, port); a missing port gives None. Brackets of IPv6 are removed."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or "]" in port:
+        return endpoint.strip("[]"), None
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError as exc:
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r} has no valid port: write it as HOST:PORT"
+        ) from exc
+
+
+def _is_local(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def failure_summary(err, log_dir: str | None = None) -> str:
+    """One paragraph on the first worker that failed (a torchrun `ChildFailedError`)."""
+    rank, failure = err.get_first_failure()
+    if failure.exitcode < 0:
+        how = f"was killed by signal {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    # Workers that torchrun itself stopped show up as killed by SIGTERM; count only the others.
+    others = sum(1 for r, f in err.failures.items() if r != rank and f.exitcode > 0)
+    also = f" ({others} more worker(s) exited with errors too)" if others else ""
+    return (
+        f"meshtrain run: the job failed: rank {rank} (local rank {failure.local_rank}, "
+        f"pid {failure.pid}) {how} first{also}. "
+        f"{_traceback_location(failure, log_dir)}"
+    )
+
+
+def _traceback_location(failure, log_dir: str | None) -> str:
+    if failure.error_file and os.path.isfile(failure.error_file):
+        return f"Its traceback is in the report above and in {failure.error_file}."
+    if log_dir:
+        pattern = os.path.join(log_dir, "*", "attempt_*", str(failure.local_rank), "stderr.log")
+        logs = [p for p in glob.glob(pattern) if os.path.getsize(p) > 0]
+        if logs:
+            return f"Its stderr, traceback included, is in {max(logs, key=os.path.getmtime)}."
+    return (
+        "Its traceback is printed above, in this terminal's stderr (to keep it in a file too, "
+        "add --tee 3 --log-dir DIR)."
+    )
+
+
+@contextlib.contextmanager
+def _restored_process_state(signal_names: str) -> Iterator[None]:
+    """Undo what torchrun changes in this process: environment variables and signal handlers."""
+    env = dict(os.environ)
+    handlers = {}
+    for name in signal_names.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals):
+            handlers[sig] = signal.getsignal(sig)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        for sig, handler in handlers.items():
+            with contextlib.suppress(ValueError, TypeError):  # not the main thread / C handler
+                signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(run())
+    except ConfigError as exc:
+        print(f"meshtrain run: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,231 @@
+"""A small GPT (decoder-only transformer) kept in separate, splittable pieces.
+
+``forward(idx)`` is literally ``embed -> each block -> norm -> head``, so pipeline stages can
+take a contiguous run of these pieces. Attention uses separate ``wq``/``wk``/``wv``/``wo``
+projections and reads its head count from the local weight shape, so tensor parallelism can
+shard heads by slicing those Linear layers. The head is not tied to the token embedding.
+
+Initialisation (deterministic for a given ``seed``, and the same on every device): every
+Linear and Embedding weight ~ N(0, 0.02), biases zero, LayerNorm weight 1 / bias 0; the
+projections that write into the residual stream (``attn.wo`` and ``mlp.fc_out``) use
+std ``0.02 / sqrt(2 * num_layers)`` as in GPT-2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtrain.errors import ConfigError
+
+INIT_STD = 0.02
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class GPTConfig:
+    """Sizes of a GPT. ``mlp_ratio`` times ``d_model`` is the MLP hidden width."""
+
+    vocab_size: int
+    seq_len: int
+    num_layers: int
+    num_heads: int
+    d_model: int
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "mlp_ratio"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ConfigError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
+        if self.d_model % self.num_heads != 0:
+            suggestion = max(self.num_heads, self.d_model // self.num_heads * self.num_heads)
+            raise ConfigError(
+                f"GPTConfig.d_model={self.d_model} is not divisible by num_heads="
+                f"{self.num_heads}; pick d_model as a multiple of num_heads "
+                f"(e.g. d_model={suggestion})."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def mlp_hidden_dim(self) -> int:
+        return self.mlp_ratio * self.d_model
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention; the number of heads follows ``wq``'s output width."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        self.wq = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.wk = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.wv = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.wo = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    @property
+    def num_local_heads(self) -> int:
+        """Heads held by this module (all of them, or this rank's shard under tensor parallel)."""
+        return self.wq.out_features // self.head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        return self.resid_drop(self.wo(out))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``fc_in`` -> GELU -> ``fc_out``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(config.d_model, config.mlp_hidden_dim, bias=config.bias)
+        self.act = nn.GELU()
+        self.fc_out = nn.Linear(config.mlp_hidden_dim, config.d_model, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc_out(self.act(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.norm2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: ``(batch, seq)`` token ids -> ``(batch, seq, vocab)`` logits."""
+
+    def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Re-initialise every parameter with the scheme in the module docstring.
+
+        Values are drawn on the CPU from a generator seeded with ``seed`` and copied in, so
+        they do not depend on the global RNG or on the device the model lives on.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        residual_std = INIT_STD / math.sqrt(2 * self.config.num_layers)
+        for name, param in self.named_parameters():
+            module_name, _, kind = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            if isinstance(module, nn.LayerNorm):
+                param.fill_(1.0 if kind == "weight" else 0.0)
+            elif kind == "bias":
+                param.zero_()
+            else:
+                is_residual = name.endswith(("attn.wo.weight", "mlp.fc_out.weight"))
+                std = residual_std if is_residual else INIT_STD
+                values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                param.copy_(values * std)
+
+    def num_params(self) -> int:
+        """Number of parameter elements (embeddings included)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token plus position embedding of ``(batch, seq)`` ids -> ``(batch, seq, d_model)``."""
+        if idx.dim() != 2:
+            raise ConfigError(
+                f"GPT expects token ids of shape (batch, seq), got shape {tuple(idx.shape)}; "
+                f"add a batch dimension with idx.unsqueeze(0)."
+            )
+        seq = idx.shape[1]
+        if seq > self.config.seq_len:
+            raise ConfigError(
+                f"input has {seq} tokens but the model's seq_len is {self.config.seq_len}; "
+                f"crop it to the last {self.config.seq_len} tokens or build the model with a "
+                f"larger seq_len."
+            )
+        positions = torch.arange(seq, device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``(batch, seq)`` ids and return them all.
+
+        The model sees at most the last ``seq_len`` tokens. ``temperature=0`` picks the most
+        likely token; ``top_k`` samples among the k most likely. Runs in eval mode (no dropout)
+        and restores the previous mode afterwards.
+        """
+        if not _is_int(max_new_tokens) or max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
+        if temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
+        if top_k is not None and (not _is_int(top_k) or top_k <= 0):
+            raise ConfigError(f"top_k must be a positive integer or None, got {top_k!r}.")
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                logits = self(idx[:, -self.config.seq_len :])[:, -1, :].float()
+                if temperature == 0:
+                    next_id = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None:
+                        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    probs = F.softmax(logits, dim=-1)
+                    next_id = torch.multinomial(probs, 1, generator=generator)
+                idx = torch.cat([idx, next_id], dim=1)
+        finally:
+            self.train(was_training)
+        return idx

@@ -1,0 +1,705 @@
+"""The Trainer: one training loop for every layout.
+
+Research code (a model, a loss, an optimizer factory, data) goes in; the Trainer does the
+engineering: processes and the device mesh, the parallel layout, micro-batching and gradient
+accumulation, mixed precision, clipping, validation, logging, checkpoints.
+
+A training step, for a global batch of G samples on ``dp`` ranks with micro-batches of M::
+
+    for each of the G / (dp * M) micro-batches of this rank:
+        loss = loss(model(x), y) / accumulation      # no gradient sync but on the last one
+        loss.backward()
+    clip gradients by their global norm; optimizer.step(); scheduler.step()
+
+which is one step of one-process training on the same G samples: the parity tests check that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from meshtrain.callbacks import Callback
+from meshtrain.checkpoint.state import load_checkpoint, save_checkpoint
+from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.errors import ConfigError, WorkerFailed
+from meshtrain.launch.spawn import DistEnv, ScriptWorkers, init_process_group
+from meshtrain.parallel.apply import DataParallelOptions, parallelize
+from meshtrain.parallel.data_parallel import check_comm_hook
+from meshtrain.parallel.layout import Layout
+from meshtrain.precision import Precision, check_precision
+
+ModelLike = torch.nn.Module | Callable[[], torch.nn.Module]
+DataLike = Dataset | DataLoader
+
+
+def _positive(name: str, value, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+class Trainer:
+    """Train a model under a parallel ``layout`` on ``devices`` processes.
+
+    Args:
+        layout: e.g. ``"dp=2"`` (see :mod:`meshtrain.parallel.layout`); default: data parallel
+            over all processes.
+        devices: processes on this machine when started with plain ``python``; under
+            ``meshtrain run``/torchrun the launcher decides and this must match or be ``"auto"``.
+        accelerator: ``"cpu"``, ``"cuda"`` or ``"auto"``.
+        max_steps / max_epochs: when to stop (at least one).
+        global_batch_size: samples per optimizer step over all ranks.
+        micro_batch_size: samples per forward pass on one rank; default: as large as possible
+            (no accumulation). Accumulation = global / (dp * micro).
+        grad_clip_norm: clip gradients by their global L2 norm.
+        precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (GPU).
+        val_every_n_steps: validate every N optimizer steps (and at the end of fit).
+        limit_val_batches: use at most this many validation micro-batches per rank.
+        log_every_n_steps: how often the loss is averaged over ranks and logged.
+        run_dir: where logs and checkpoints go; default ``<root_dir>/<name>/<timestamp>``.
+        bucket_cap_mb, comm_hook, powersgd_rank: DDP settings (``comm_hook`` in fp16, bf16,
+            powersgd).
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: str | dict | Layout | None = None,
+        devices: int | str = 1,
+        accelerator: str = "auto",
+        max_steps: int | None = None,
+        max_epochs: int | None = None,
+        global_batch_size: int = 32,
+        micro_batch_size: int | None = None,
+        grad_clip_norm: float | None = None,
+        precision: str = "fp32",
+        seed: int = 0,
+        shuffle: bool = True,
+        val_every_n_steps: int | None = None,
+        limit_val_batches: int | None = None,
+        log_every_n_steps: int = 10,
+        callbacks: Iterable[Callback] = (),
+        loggers: Iterable[str] = ("csv", "tensorboard"),
+        root_dir: str | os.PathLike = "runs",
+        name: str = "run",
+        run_dir: str | os.PathLike | None = None,
+        save_final_checkpoint: bool = True,
+        progress_bar: bool = True,
+        num_workers: int = 0,
+        bucket_cap_mb: float = 25.0,
+        comm_hook: str | None = None,
+        powersgd_rank: int = 1,
+        collective_timeout_s: float = 600.0,
+    ):
+        if max_steps is None and max_epochs is None:
+            raise ConfigError("set max_steps or max_epochs (or both) so training knows when to stop")
+        _positive("max_steps", max_steps)
+        _positive("max_epochs", max_epochs)
+        _positive("global_batch_size", global_batch_size, allow_none=False)
+        _positive("micro_batch_size", micro_batch_size)
+        _positive("val_every_n_steps", val_every_n_steps)
+        _positive("limit_val_batches", limit_val_batches)
+        _positive("log_every_n_steps", log_every_n_steps, allow_none=False)
+        if grad_clip_norm is not None and not grad_clip_norm > 0:
+            raise ConfigError(f"grad_clip_norm must be positive, got {grad_clip_norm}")
+        if num_workers < 0:
+            raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+        check_comm_hook(comm_hook, powersgd_rank)
+
+        self.device_type = _resolve_accelerator(accelerator)
+        check_precision(precision, self.device_type)
+        self._env = DistEnv.from_environ()
+        self.world_size = self._resolve_world_size(devices)
+        self.layout = Layout.parse(layout, self.world_size)
+        dp = self.layout.dp_degree
+        if micro_batch_size is None:
+            if global_batch_size % dp:
+                raise ConfigError(
+                    f"global_batch_size={global_batch_size} does not divide over {dp} "
+                    f"data-parallel ranks; use a multiple of {dp}"
+                )
+            micro_batch_size = global_batch_size // dp
+        if global_batch_size % (dp * micro_batch_size):
+            raise ConfigError(
+                f"global_batch_size={global_batch_size} is not a multiple of data-parallel "
+                f"degree x micro_batch_size = {dp} x {micro_batch_size} = {dp * micro_batch_size}; "
+                f"choose a global batch that is a multiple of {dp * micro_batch_size}, or a "
+                f"micro_batch_size that divides {global_batch_size // dp}"
+            )
+
+        self.max_steps, self.max_epochs = max_steps, max_epochs
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.grad_accum_steps = global_batch_size // (dp * micro_batch_size)
+        self.grad_clip_norm, self.precision_name, self.seed = grad_clip_norm, precision, seed
+        self.shuffle = shuffle
+        self.val_every_n_steps, self.limit_val_batches = val_every_n_steps, limit_val_batches
+        self.log_every_n_steps = log_every_n_steps
+        self.callbacks = list(callbacks)
+        self.logger_names = _check_loggers(loggers)
+        self.root_dir, self.name = Path(root_dir), name
+        self._run_dir_arg = Path(run_dir) if run_dir else None
+        self.save_final_checkpoint, self.progress_bar = save_final_checkpoint, progress_bar
+        self.num_workers = num_workers
+        self.dp_options = DataParallelOptions(bucket_cap_mb, comm_hook, powersgd_rank)
+        self.collective_timeout = timedelta(seconds=collective_timeout_s)
+
+        # Set by fit / the set-up that follows it.
+        self.mesh = None
+        self.rank, self.local_rank = 0, 0
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler = None
+        self.global_step, self.current_epoch = 0, 0
+        self.should_stop = False
+        self.callback_metrics: dict[str, float] = {}
+        self.run_dir: Path | None = None
+        self._workers: ScriptWorkers | None = None
+        self._loggers: list = []
+        self._train_sampler: GlobalBatchSampler | None = None
+        self._val_data = None
+        self._loss_fn = None
+
+    # ------------------------------------------------------------------------------------------
+    # properties and small helpers
+    # ------------------------------------------------------------------------------------------
+    @property
+    def is_global_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank() if self.layout.dp_degree > 1 else 0
+
+    def print(self, *args, **kwargs) -> None:
+        """``print`` on global rank zero only (through the progress bar when one is live)."""
+        if not self.is_global_zero:
+            return
+        bar = getattr(self, "_bar", None)
+        if bar is not None:
+            bar.log(" ".join(str(a) for a in args))
+        else:
+            print(*args, **kwargs, flush=True)
+
+    def _resolve_world_size(self, devices) -> int:
+        if self._env is not None:
+            if devices not in ("auto", 1, self._env.world_size):
+                raise ConfigError(
+                    f"Trainer(devices={devices}) but the launcher started "
+                    f"{self._env.world_size} processes; make them agree or use devices='auto'"
+                )
+            return self._env.world_size
+        if devices == "auto":
+            return torch.cuda.device_count() if self.device_type == "cuda" else 1
+        _positive("devices", devices, allow_none=False)
+        if self.device_type == "cuda" and devices > torch.cuda.device_count():
+            raise ConfigError(
+                f"devices={devices} but only {torch.cuda.device_count()} GPUs are visible"
+            )
+        return devices
+
+    # ------------------------------------------------------------------------------------------
+    # processes, mesh, model
+    # ------------------------------------------------------------------------------------------
+    def _setup_world(self) -> None:
+        """Start the other processes if needed and create the process group and mesh (once)."""
+        if self.world_size == 1 or self.mesh is not None:
+            self.device = self._device(0)
+            return
+        env = self._env
+        if env is None:  # plain `python script.py` with devices=N: become rank 0
+            self._workers = ScriptWorkers(self.world_size, self.collective_timeout)
+            env = self._env = DistEnv.from_environ()
+        if self.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+        self.rank, self.local_rank = env.rank, env.local_rank
+        self.device = self._device(env.local_rank)
+        if not dist.is_initialized():
+            backend = "nccl" if self.device_type == "cuda" else "gloo"
+            init_process_group(env, backend, self.collective_timeout)
+        self.mesh = self.layout.build_mesh(self.device_type)
+
+    def _device(self, local_rank: int) -> torch.device:
+        if self.device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+
+    def _setup_run_dir(self) -> None:
+        if self.run_dir is not None:
+            return
+        path = self._run_dir_arg
+        if path is None:
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            path = self.root_dir / self.name / stamp
+        if dist.is_initialized():  # every rank writes checkpoints into rank 0's folder
+            box = [str(path)]
+            dist.broadcast_object_list(box, src=0)
+            path = Path(box[0])
+        self.run_dir = path
+        if self.is_global_zero:
+            path.mkdir(parents=True, exist_ok=True)
+            self._loggers = _make_loggers(self.logger_names, path)
+            for logger in self._loggers:
+                logger.log_hparams(self.hparams())
+
+    def hparams(self) -> dict:
+        return {
+            "layout": str(self.layout), "world_size": self.world_size,
+            "global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size,
+            "grad_accum_steps": self.grad_accum_steps, "precision": self.precision_name,
+            "max_steps": self.max_steps, "max_epochs": self.max_epochs, "seed": self.seed,
+            "grad_clip_norm": self.grad_clip_norm, "comm_hook": self.dp_options.comm_hook,
+        }
+
+    # ------------------------------------------------------------------------------------------
+    # fit
+    # ------------------------------------------------------------------------------------------
+    def fit(
+        self,
+        model: ModelLike,
+        train_data: DataLike,
+        val_data: DataLike | None = None,
+        *,
+        optimizer: Callable,
+        loss_fn: Callable | None = None,
+        lr_scheduler: Callable | None = None,
+        ckpt_path: str | os.PathLike | None = None,
+    ) -> torch.nn.Module:
+        """Train ``model`` and return it (the same module object the user passed or built).
+
+        ``optimizer`` is a factory ``params -> Optimizer``; ``lr_scheduler`` a factory
+        ``optimizer -> LRScheduler`` stepped every optimizer step. With ``loss_fn`` each batch
+        is ``(inputs, targets)`` and the loss is ``loss_fn(model(inputs), targets)``; without it
+        the model is called on the batch and returns the loss. ``ckpt_path`` resumes training.
+        """
+        _check_model(model)
+        _check_factory("optimizer", optimizer, required=True)
+        _check_factory("lr_scheduler", lr_scheduler, required=False)
+        _check_optimizer_factory(optimizer)
+        train_set = _dataset_of(train_data, "train_data")
+        val_set = _dataset_of(val_data, "val_data") if val_data is not None else None
+        if len(train_set) < self.global_batch_size:
+            raise ConfigError(
+                f"train_data has {len(train_set)} samples, fewer than one global batch of "
+                f"{self.global_batch_size}; lower global_batch_size or add data"
+            )
+        if ckpt_path is not None and not Path(ckpt_path).exists():
+            raise ConfigError(f"ckpt_path {ckpt_path} does not exist")
+
+        self._setup_world()
+        try:
+            self._setup_run_dir()
+            self._setup_model(model, optimizer, lr_scheduler)
+            self._loss_fn = loss_fn
+            self._train_sampler = GlobalBatchSampler(
+                len(train_set), global_batch_size=self.global_batch_size,
+                micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
+                dp_degree=self.layout.dp_degree, shuffle=self.shuffle, seed=self.seed,
+            )
+            train_loader = self._loader(train_set, train_data, self._train_sampler)
+            self._val_data = val_data
+            if ckpt_path is not None:
+                self.load_checkpoint(ckpt_path)
+            self._fit_loop(train_loader)
+        except BaseException as error:
+            self._call("on_exception", error)
+            if self._workers is not None:
+                self._workers.raise_if_failed(error)
+            raise
+        finally:
+            for logger in self._loggers:
+                logger.finalize()
+        return self.model
+
+    def _setup_model(self, model: ModelLike, optimizer_factory, scheduler_factory) -> None:
+        torch.manual_seed(self.seed)  # identical initial parameters on every rank
+        if not isinstance(model, torch.nn.Module):
+            built = model()
+            if not isinstance(built, torch.nn.Module):
+                raise ConfigError(
+                    f"the model factory returned {type(built).__name__}, not a torch.nn.Module"
+                )
+            model = built
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError("the model has no trainable parameters (requires_grad=True)")
+        self.model = model.to(self.device)
+        self.precision = Precision(self.precision_name, self.device_type)
+        self._train_module = parallelize(
+            self.model, self.layout, self.mesh, device=self.device, dp_options=self.dp_options
+        )
+        self.optimizer = optimizer_factory(self.model.parameters())
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"the optimizer factory returned {type(self.optimizer).__name__}, not a "
+                "torch.optim.Optimizer; write e.g. optimizer=lambda params: AdamW(params, lr=1e-3)"
+            )
+        self.lr_scheduler = scheduler_factory(self.optimizer) if scheduler_factory else None
+        # Different dropout masks per rank, reproducible per rank.
+        torch.manual_seed(self.seed + 1 + self.rank)
+
+    def _loader(self, dataset, original, batch_sampler) -> DataLoader:
+        collate = original.collate_fn if isinstance(original, DataLoader) else None
+        workers = original.num_workers if isinstance(original, DataLoader) else self.num_workers
+        return DataLoader(
+            dataset, batch_sampler=batch_sampler, collate_fn=collate, num_workers=workers,
+            pin_memory=self.device_type == "cuda", persistent_workers=workers > 0,
+        )
+
+    def _total_steps(self) -> int:
+        per_epoch = self._train_sampler.num_global_batches
+        by_epochs = self.max_epochs * per_epoch if self.max_epochs else math.inf
+        return int(min(self.max_steps or math.inf, by_epochs))
+
+    def _fit_loop(self, loader: DataLoader) -> None:
+        from meshtrain.observe.progress import ProgressBar
+
+        total = self._total_steps()
+        self.should_stop = False
+        self._call("on_fit_start")
+        self._bar = ProgressBar(total, enabled=self.progress_bar and self.is_global_zero)
+        self._bar.start()
+        sampler = self._train_sampler
+        tokens = 0
+        window_loss = torch.zeros((), device=self.device)
+        window_steps, window_start = 0, time.perf_counter()
+        try:
+            while self.global_step < total and not self.should_stop:
+                if sampler.consumed_samples >= sampler.num_global_batches * self.global_batch_size:
+                    self.current_epoch += 1
+                    sampler.set_epoch(self.current_epoch)
+                self._call("on_train_epoch_start")
+                batches = iter(loader)
+                while self.global_step < total and not self.should_stop:
+                    if sampler.consumed_samples >= sampler.num_global_batches * self.global_batch_size:
+                        break
+                    self._call("on_train_step_start")
+                    loss, step_tokens = self._train_step(batches)
+                    sampler.advance()
+                    self.global_step += 1
+                    window_loss += loss
+                    window_steps += 1
+                    tokens += step_tokens
+                    metrics: dict[str, float] = {}
+                    if self.global_step % self.log_every_n_steps == 0 or self.global_step == total:
+                        elapsed = time.perf_counter() - window_start
+                        metrics["train/loss"] = self._mean_over_dp(window_loss / window_steps)
+                        metrics["train/tokens_per_s"] = tokens * self.layout.dp_degree / elapsed
+                        metrics["epoch"] = self.current_epoch
+                        window_loss.zero_()
+                        window_steps, tokens, window_start = 0, 0, time.perf_counter()
+                    self._call("on_train_step_end", metrics)
+                    if metrics:
+                        self.callback_metrics.update(metrics)
+                        self.log_metrics(metrics)
+                        self._bar.update(self.global_step, {
+                            "loss": metrics.get("train/loss"),
+                            "tokens_per_s": metrics.get("train/tokens_per_s"),
+                        })
+                    if self._val_data is not None and self.val_every_n_steps and (
+                        self.global_step % self.val_every_n_steps == 0
+                    ) and self.global_step < total:
+                        self._run_validation()
+                else:
+                    pass
+                self._call("on_train_epoch_end")
+            if self._val_data is not None:
+                self._run_validation()
+            if self.save_final_checkpoint:
+                self.save_checkpoint(self.run_dir / "checkpoints" / "final")
+            self._call("on_fit_end")
+        finally:
+            self._bar.close()
+            self._bar = None
+        if self.is_global_zero:
+            self._plot_losses()
+
+    def _train_step(self, batches) -> tuple[torch.Tensor, int]:
+        """One optimizer step over this rank's micro-batches; returns (loss, tokens seen here)."""
+        module, accum = self._train_module, self.grad_accum_steps
+        total_loss = torch.zeros((), device=self.device)
+        num_tokens = 0
+        for micro_step in range(accum):
+            batch = _to_device(next(batches), self.device)
+            num_tokens += _count_tokens(batch)
+            last = micro_step == accum - 1
+            sync = contextlib.nullcontext() if last or module is self.model else module.no_sync()
+            with sync:
+                with self.precision.autocast():
+                    loss = self._compute_loss(module, batch) / accum
+                self.precision.backward(loss)
+            total_loss += loss.detach()
+        if self.grad_clip_norm is not None:
+            self.precision.unscale(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return total_loss, num_tokens
+
+    def _compute_loss(self, module, batch) -> torch.Tensor:
+        if self._loss_fn is not None:
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise ConfigError(
+                    "with loss_fn set, each batch must be (inputs, targets); got "
+                    f"{type(batch).__name__}. Return such pairs from the dataset, or drop "
+                    "loss_fn and let the model compute the loss"
+                )
+            inputs, targets = batch
+            return self._loss_fn(module(inputs), targets)
+        out = module(**batch) if isinstance(batch, dict) else (
+            module(*batch) if isinstance(batch, (tuple, list)) else module(batch)
+        )
+        loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise ConfigError(
+                "without loss_fn the model must return the loss (a scalar tensor, or an object "
+                f"with .loss / ['loss']); it returned {type(out).__name__}. Pass loss_fn="
+            )
+        return loss
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        if self.layout.dp_degree > 1:
+            value = value.detach().clone()
+            dist.all_reduce(value, group=self.mesh.get_group("dp"))
+            value /= self.layout.dp_degree
+        return float(value)
+
+    # ------------------------------------------------------------------------------------------
+    # validation and test
+    # ------------------------------------------------------------------------------------------
+    def _run_validation(self) -> dict[str, float]:
+        self._call("on_validation_start")
+        metrics = self._evaluate(self._val_data, prefix="val")
+        self.callback_metrics.update(metrics)
+        self.log_metrics(metrics)
+        self._call("on_validation_end", metrics)
+        if self.is_global_zero:
+            self.print(f"step {self.global_step}: " + ", ".join(
+                f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    def validate(self, val_data: DataLike | None = None) -> dict[str, float]:
+        """Mean loss over ``val_data`` (default: the fit's validation data) on the fitted model."""
+        data = val_data if val_data is not None else self._val_data
+        if self.model is None or data is None:
+            raise ConfigError("call fit(...) first, and pass val_data here or to fit")
+        return self._evaluate(data, prefix="val")
+
+    def test(self, test_data: DataLike) -> dict[str, float]:
+        """Mean loss over ``test_data`` on the fitted model."""
+        if self.model is None:
+            raise ConfigError("call fit(...) before test(...)")
+        metrics = self._evaluate(test_data, prefix="test")
+        self.log_metrics(metrics)
+        return metrics
+
+    @torch.no_grad()
+    def _evaluate(self, data: DataLike, prefix: str) -> dict[str, float]:
+        """Sample-weighted mean loss; every sample is seen exactly once over all ranks."""
+        dataset = _dataset_of(data, prefix)
+        dp = self.layout.dp_degree
+        sampler = GlobalBatchSampler(
+            len(dataset), global_batch_size=dp * self.micro_batch_size,
+            micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_degree=dp,
+            shuffle=False, last_batch="partial",
+        )
+        loader = self._loader(dataset, data, sampler)
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
+        for i, batch in enumerate(loader):
+            if self.limit_val_batches is not None and i >= self.limit_val_batches:
+                break
+            batch = _to_device(batch, self.device)
+            with self.precision.autocast():
+                loss = self._compute_loss(self.model, batch)
+            size = _batch_size(batch)
+            totals[0] += loss.double() * size
+            totals[1] += size
+        self.model.train(was_training)
+        if dp > 1:
+            dist.all_reduce(totals, group=self.mesh.get_group("dp"))
+        return {f"{prefix}/loss": float(totals[0] / totals[1].clamp(min=1))}
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints, logging, callbacks
+    # ------------------------------------------------------------------------------------------
+    def _trainer_state(self) -> dict:
+        return {
+            "global_step": self.global_step,
+            "current_epoch": self.current_epoch,
+            "sampler": self._train_sampler.state_dict() if self._train_sampler else None,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+            "grad_scaler": self.precision.state_dict(),
+            "global_batch_size": self.global_batch_size,
+        }
+
+    def save_checkpoint(self, path: str | os.PathLike) -> Path:
+        """Save model, optimizer and training position (collective: call on every rank)."""
+        summary = {
+            "step": self.global_step, "epoch": self.current_epoch, "layout": str(self.layout),
+            "world_size": self.world_size, "metrics": self.callback_metrics,
+            "hparams": self.hparams(),
+        }
+        return save_checkpoint(path, self.model, self.optimizer, self._trainer_state(), summary)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore a checkpoint saved by :meth:`save_checkpoint` into the fitted model."""
+        state = load_checkpoint(path, self.model, self.optimizer)
+        if state["global_batch_size"] != self.global_batch_size:
+            raise ConfigError(
+                f"the checkpoint was trained with global_batch_size={state['global_batch_size']} "
+                f"but this Trainer uses {self.global_batch_size}; use the same global batch"
+            )
+        self.global_step = state["global_step"]
+        self.current_epoch = state["current_epoch"]
+        if state["sampler"] is not None and self._train_sampler is not None:
+            self._train_sampler.load_state_dict(state["sampler"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.precision.load_state_dict(state["grad_scaler"])
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        """Send metrics to the loggers (rank zero); values must already agree across ranks."""
+        if self.is_global_zero:
+            for logger in self._loggers:
+                logger.log_metrics(metrics, self.global_step)
+
+    def _call(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    def _plot_losses(self) -> None:
+        csv = self.run_dir / "metrics.csv"
+        if not csv.exists():
+            return
+        from meshtrain.observe.loggers import read_metrics_csv
+        from meshtrain.observe.plots import plot_loss_curves
+
+        plot_loss_curves(read_metrics_csv(csv), self.run_dir / "loss.png", title=self.name)
+
+
+# ----------------------------------------------------------------------------------------------
+# input checks (all run before any process group exists)
+# ----------------------------------------------------------------------------------------------
+def _resolve_accelerator(accelerator: str) -> str:
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator not in ("cpu", "cuda"):
+        raise ConfigError(f"accelerator must be 'cpu', 'cuda' or 'auto', got {accelerator!r}")
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("accelerator='cuda' but no GPU is visible; use 'cpu' or 'auto'")
+    return accelerator
+
+
+def _check_loggers(names: Iterable[str]) -> list[str]:
+    names = [names] if isinstance(names, str) else list(names)
+    for name in names:
+        if name not in ("csv", "tensorboard"):
+            raise ConfigError(f"unknown logger {name!r}; choose from 'csv', 'tensorboard'")
+    return names
+
+
+def _make_loggers(names: list[str], run_dir: Path) -> list:
+    from meshtrain.observe.loggers import CSVLogger, TensorBoardLogger
+
+    return [CSVLogger(run_dir) if n == "csv" else TensorBoardLogger(run_dir) for n in names]
+
+
+def _check_model(model) -> None:
+    if not (isinstance(model, torch.nn.Module) or callable(model)):
+        raise ConfigError(
+            f"model must be a torch.nn.Module or a function that builds one, got "
+            f"{type(model).__name__}"
+        )
+
+
+def _check_factory(name: str, factory, required: bool) -> None:
+    if factory is None and not required:
+        return
+    if isinstance(factory, torch.optim.Optimizer):
+        raise ConfigError(
+            f"{name} must be a factory, not an optimizer instance: the Trainer creates it after "
+            f"placing the model; write {name}=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+        )
+    if not callable(factory):
+        raise ConfigError(f"{name} must be callable, got {type(factory).__name__}")
+
+
+def _check_optimizer_factory(factory) -> None:
+    """Call the factory on a throw-away parameter so a broken one fails before any process."""
+    probe = [torch.nn.Parameter(torch.zeros(1))]
+    try:
+        made = factory(probe)
+    except Exception as error:  # noqa: BLE001 - re-raised with context
+        raise ConfigError(f"the optimizer factory failed on a test parameter: {error!r}") from error
+    if not isinstance(made, torch.optim.Optimizer):
+        raise ConfigError(
+            f"the optimizer factory returned {type(made).__name__}, not a torch.optim.Optimizer; "
+            "did you forget `return`? Write e.g. optimizer=lambda params: AdamW(params, lr=1e-3)"
+        )
+
+
+def _dataset_of(data, what: str) -> Dataset:
+    dataset = data.dataset if isinstance(data, DataLoader) else data
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(
+            f"{what} is an IterableDataset; meshtrain shards data by index, so pass a map-style "
+            "Dataset (with __getitem__ and __len__)"
+        )
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ConfigError(
+            f"{what} must be a torch Dataset or DataLoader, got {type(data).__name__}"
+        )
+    if len(dataset) == 0:
+        raise ConfigError(f"{what} is empty")
+    return dataset
+
+
+def _to_device(batch, device: torch.device):
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _first_tensor(batch) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(items, Iterable):
+        for item in items:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _batch_size(batch) -> int:
+    first = _first_tensor(batch)
+    return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+
+
+def _count_tokens(batch) -> int:
+    """Tokens for integer (token id) inputs, else samples: what tokens/s counts."""
+    first = _first_tensor(batch)
+    if first is None:
+        return 1
+    return first.numel() if not first.is_floating_point() else int(first.shape[0])

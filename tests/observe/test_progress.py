@@ -1,0 +1,78 @@
+"""ProgressBar: plain lines for non-terminals, rich bar for terminals, silence when disabled."""
+
+import io
+from types import SimpleNamespace
+
+import pytest
+
+from meshtrain.errors import ConfigError
+from meshtrain.observe.progress import ProgressBar, format_metrics
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_plain_mode_prints_bounded_lines_and_final_step():
+    out = io.StringIO()
+    with ProgressBar(1003, stream=out, plain_interval_s=3600) as bar:
+        assert not bar.rich_mode
+        for step in range(1, 1001):
+            bar.update(step, {"loss": 2.0 + 1 / step, "lr": 3e-4, "tokens_per_s": 12345.0})
+        bar.log("val loss 1.95")
+    lines = out.getvalue().splitlines()
+    progress_lines = [ln for ln in lines if ln.startswith("step ")]
+    # first update + one per 10% + final line
+    assert 5 <= len(progress_lines) <= 13
+    assert "val loss 1.95" in lines
+    final = progress_lines[-1]
+    assert final.startswith("step 1000/1003")
+    assert "loss 2.001" in final and "lr 3.00e-04" in final and "12.3k tok/s" in final
+    assert "| eta 0:00:00" in final
+
+
+def test_plain_mode_time_trigger(monkeypatch):
+    import meshtrain.observe.progress as progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    out = io.StringIO()
+    bar = ProgressBar(1000, stream=out, plain_interval_s=10).start()
+    bar.update(1, {"loss": 1.0})
+    clock[0] = 5.0
+    bar.update(2, {"loss": 1.0})  # neither 10% nor 10 s: silent
+    clock[0] = 12.0
+    bar.update(3, {"loss": 1.0})  # 10 s passed: prints, with an eta from 2 steps in 12 s
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert [ln.split(" |")[0] for ln in lines] == ["step 1/1000", "step 3/1000"]
+    assert lines[0].endswith("eta ?")
+    assert lines[1].endswith("eta 1:39:42")  # 6 s/step * 997 steps = 5982 s
+
+
+def test_disabled_prints_nothing():
+    out = io.StringIO()
+    with ProgressBar(10, enabled=False, stream=out) as bar:
+        for step in range(1, 11):
+            bar.update(step, {"loss": 1.0})
+        bar.log("hello")
+    assert out.getvalue() == ""
+
+
+def test_rich_mode_on_terminal():
+    out = FakeTTY()
+    with ProgressBar(50, stream=out, refresh_per_second=20) as bar:
+        assert bar.rich_mode
+        for step in range(1, 51):
+            bar.update(step, {"loss": 0.5, "tokens_per_s": 2.5e6})
+        bar.log("validation done")
+    text = out.getvalue()
+    assert "validation done" in text
+    assert "50/50" in text and "2.5M tok/s" in text
+
+
+def test_format_metrics_and_bad_total():
+    assert format_metrics({"grad_norm": 1.5, "loss": 2.0, "note": "x"}) == "loss 2 | grad_norm 1.5"
+    with pytest.raises(ConfigError, match="total_steps"):
+        ProgressBar(0)
