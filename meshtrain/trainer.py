@@ -156,7 +156,8 @@ class Trainer:
 
         # Set by fit / the set-up that follows it.
         self.mesh = None
-        self.rank, self.local_rank = 0, 0
+        self.rank = self._env.rank if self._env else 0
+        self.local_rank = self._env.local_rank if self._env else 0
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler = None
@@ -283,12 +284,39 @@ class Trainer:
         is ``(inputs, targets)`` and the loss is ``loss_fn(model(inputs), targets)``; without it
         the model is called on the batch and returns the loss. ``ckpt_path`` resumes training.
         """
+        self._prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
+                      lr_scheduler=lr_scheduler, ckpt_path=ckpt_path)
+        try:
+            self._fit_loop(self._train_loader)
+        except BaseException as error:
+            self._call("on_exception", error)
+            if self._workers is not None:
+                self._workers.raise_if_failed(error)
+            raise
+        finally:
+            for logger in self._loggers:
+                logger.finalize()
+        return self.model
+
+    def lr_find(self, model: ModelLike, train_data: DataLike, *, optimizer: Callable,
+                loss_fn: Callable | None = None, min_lr: float = 1e-6, max_lr: float = 1.0,
+                num_steps: int = 100):
+        """Learning-rate range test; see :func:`meshtrain.lr_find.lr_find`."""
+        from meshtrain.lr_find import lr_find
+
+        return lr_find(self, model, train_data, optimizer=optimizer, loss_fn=loss_fn,
+                       min_lr=min_lr, max_lr=max_lr, num_steps=num_steps)
+
+    def _prepare(self, model, train_data, val_data, *, optimizer, loss_fn, lr_scheduler,
+                 ckpt_path=None) -> None:
+        """Check the inputs, then create processes, model, optimizer and data loaders."""
         _check_model(model)
         _check_factory("optimizer", optimizer, required=True)
         _check_factory("lr_scheduler", lr_scheduler, required=False)
         _check_optimizer_factory(optimizer)
         train_set = _dataset_of(train_data, "train_data")
-        val_set = _dataset_of(val_data, "val_data") if val_data is not None else None
+        if val_data is not None:
+            _dataset_of(val_data, "val_data")
         if len(train_set) < self.global_batch_size:
             raise ConfigError(
                 f"train_data has {len(train_set)} samples, fewer than one global batch of "
@@ -307,20 +335,14 @@ class Trainer:
                 micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
                 dp_degree=self.layout.dp_degree, shuffle=self.shuffle, seed=self.seed,
             )
-            train_loader = self._loader(train_set, train_data, self._train_sampler)
+            self._train_loader = self._loader(train_set, train_data, self._train_sampler)
             self._val_data = val_data
             if ckpt_path is not None:
                 self.load_checkpoint(ckpt_path)
-            self._fit_loop(train_loader)
         except BaseException as error:
-            self._call("on_exception", error)
             if self._workers is not None:
                 self._workers.raise_if_failed(error)
             raise
-        finally:
-            for logger in self._loggers:
-                logger.finalize()
-        return self.model
 
     def _setup_model(self, model: ModelLike, optimizer_factory, scheduler_factory) -> None:
         torch.manual_seed(self.seed)  # identical initial parameters on every rank
@@ -351,9 +373,13 @@ class Trainer:
     def _loader(self, dataset, original, batch_sampler) -> DataLoader:
         collate = original.collate_fn if isinstance(original, DataLoader) else None
         workers = original.num_workers if isinstance(original, DataLoader) else self.num_workers
+        # Every iter(loader) draws a worker seed from this generator; from the global one it would
+        # shift the stream that dropout uses, so a resumed (or validated) run would diverge.
+        generator = torch.Generator().manual_seed(self.seed + self.rank)
         return DataLoader(
             dataset, batch_sampler=batch_sampler, collate_fn=collate, num_workers=workers,
             pin_memory=self.device_type == "cuda", persistent_workers=workers > 0,
+            generator=generator,
         )
 
     def _total_steps(self) -> int:
@@ -540,7 +566,10 @@ class Trainer:
         return {
             "global_step": self.global_step,
             "current_epoch": self.current_epoch,
-            "sampler": self._train_sampler.state_dict() if self._train_sampler else None,
+            # `is not None`: the sampler has a __len__, which is 0 (falsy) at the end of an epoch
+            "sampler": (
+                self._train_sampler.state_dict() if self._train_sampler is not None else None
+            ),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
             "grad_scaler": self.precision.state_dict(),
             "global_batch_size": self.global_batch_size,

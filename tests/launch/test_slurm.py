@@ -73,7 +73,9 @@ def test_script_runs_torchrun_at_the_head_node_under_fake_slurm(tmp_path):
     """Run the script with stand-ins for scontrol/srun and read back the exact argv srun got."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _executable(bin_dir / "scontrol", 'test "$*" = "show hostnames n[1-2]" && printf "n1\\nn2\\n"\n')
+    _executable(
+        bin_dir / "scontrol", 'test "$*" = "show hostnames n[1-2]" && printf "n1\\nn2\\n"\n'
+    )
     _executable(
         bin_dir / "srun",
         'if [ "${*: -2}" = "hostname --ip-address" ]; then\n'
@@ -139,7 +141,8 @@ def test_submit_without_sbatch_raises_and_keeps_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     (tmp_path / "train.py").write_text("")
     out = tmp_path / "job.sbatch"
-    with pytest.raises(ConfigError, match=f"sbatch was not found.*written to {re.escape(str(out))}"):
+    written = f"sbatch was not found.*written to {re.escape(str(out))}"
+    with pytest.raises(ConfigError, match=written):
         slurm(["--nodes", "1", "--gpus-per-node", "1", "--submit", "--sbatch-out", str(out),
                "train.py"])  # fmt: skip
     assert "#SBATCH --nodes=1" in out.read_text()

@@ -1,4 +1,4 @@
-"""`meshtrain run` (meshtrain.launch.torchrun) starting real gloo workers in-process, and its checks."""
+"""`meshtrain run` (meshtrain.launch.torchrun): real gloo workers started in-process, and checks."""
 
 import os
 import signal
@@ -9,7 +9,7 @@ import pytest
 
 from meshtrain.errors import ConfigError
 from meshtrain.launch.ports import check_port_free, find_free_port
-from meshtrain.launch.torchrun import run
+from meshtrain.launch.torchrun import build_parser, prepare_args, run
 
 ALL_REDUCE = """
 import os, sys
@@ -104,6 +104,21 @@ def test_standalone_with_several_nodes_is_refused(tmp_path):
     script = _script(tmp_path, ALL_REDUCE)
     with pytest.raises(ConfigError, match="--standalone"):
         run(["--standalone", "--nnodes", "2", script])
+
+
+def test_one_node_gets_a_local_c10d_store_and_several_nodes_pass_through(tmp_path):
+    script = _script(tmp_path, ALL_REDUCE)
+    one = build_parser().parse_args(["--log-dir", str(tmp_path), script])
+    prepare_args(one)
+    host, port = one.rdzv_endpoint.split(":")
+    assert (one.rdzv_backend, host, one.nproc_per_node) == ("c10d", "127.0.0.1", "1")
+    assert int(port) == one.master_port > 0
+
+    given = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.9:29400"]
+    many = build_parser().parse_args([*given, "--log-dir", str(tmp_path), script])
+    prepare_args(many)
+    assert many.rdzv_endpoint == "10.0.0.9:29400"
+    assert (many.rdzv_backend, many.rdzv_id) == ("c10d", "none")
 
 
 def test_free_port_can_be_bound_and_a_listening_one_cannot():

@@ -1,0 +1,386 @@
+"""Framework overhead: meshtrain (and optionally Lightning) against a hand-written DDP loop.
+
+Every variant trains the same MLP classifier on the same synthetic data with AdamW and the same
+global batch, on 2 processes (gloo, CPU, one torch thread per rank):
+
+* ``raw``: the plain torchrun-style loop: a process group, ``DDP(model)``, a ``DataLoader``
+  over a ``DistributedSampler``, and per batch zero_grad / forward + cross-entropy / backward /
+  step. This is the floor: what any framework adds shows up as time above it.
+* ``meshtrain``: ``meshtrain.Trainer(layout="dp=2", ...)`` fit on the same data, with loggers,
+  progress bar and final checkpoint off.
+* ``lightning``: ``lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp")`` with
+  progress bar, logger, checkpointing and model summary off (skipped when ``lightning`` is not
+  installed: ``pip install -e '.[bench]'``).
+
+Each variant runs on fresh processes from ``meshtrain.launch.spawn.run_workers``. Start-up is
+not timed: every rank takes a timestamp at the end of each optimizer step, and the step time is
+(end of the last step - end of the last warm-up step) / timed steps, so it includes everything
+a framework does between two steps (data loading, hooks, logging). Repeats are interleaved
+(raw, meshtrain, lightning, raw, ...) so that machine noise hits all variants alike; the table
+shows the median over repeats.
+
+    python benchmarks/overhead.py                 # 20 warm-up + 200 timed steps, 5 repeats
+    python benchmarks/overhead.py --quick         # smoke run
+    python benchmarks/overhead.py --out overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from meshtrain.launch.spawn import run_workers
+
+WORLD_SIZE = 2
+VARIANTS = ("raw", "meshtrain", "lightning")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What every variant trains; one global batch per optimizer step."""
+
+    steps: int = 200  # timed optimizer steps
+    warmup: int = 20  # untimed steps before them
+    global_batch_size: int = 128  # 64 samples per rank
+    in_features: int = 256
+    hidden: int = 768
+    num_classes: int = 10
+    lr: float = 1e-3
+    seed: int = 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.global_batch_size // WORLD_SIZE
+
+    @property
+    def num_samples(self) -> int:
+        # One epoch covers the whole run: no variant pays for an epoch boundary in the window.
+        return self.global_batch_size * self.total_steps
+
+
+def build_model(cfg: Config) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(cfg.in_features, cfg.hidden), torch.nn.GELU(),
+        torch.nn.Linear(cfg.hidden, cfg.hidden), torch.nn.GELU(),
+        torch.nn.Linear(cfg.hidden, cfg.num_classes),
+    )
+
+
+def build_data(cfg: Config) -> TensorDataset:
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(cfg.num_samples, cfg.in_features, generator=gen)
+    y = torch.randint(0, cfg.num_classes, (cfg.num_samples,), generator=gen)
+    return TensorDataset(x, y)
+
+
+def make_optimizer(params, lr: float = 1e-3) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr)
+
+
+class StepClock:
+    """Timestamps at optimizer-step boundaries; the timed window starts after the warm-up."""
+
+    def __init__(self, warmup: int, steps: int):
+        self.warmup, self.steps = warmup, steps
+        self.ends: list[float] = []
+
+    def step_end(self) -> None:
+        self.ends.append(time.perf_counter())
+
+    def result(self, variant: str) -> dict:
+        need = self.warmup + self.steps
+        if len(self.ends) != need:
+            raise RuntimeError(f"{variant}: saw {len(self.ends)} step ends, expected {need}")
+        window = self.ends[self.warmup - 1 :]  # from the end of the last warm-up step
+        deltas = [b - a for a, b in zip(window, window[1:])]
+        return {
+            "variant": variant,
+            "rank": int(os.environ.get("RANK", 0)),
+            "mean_step_s": (window[-1] - window[0]) / self.steps,
+            "median_step_s": statistics.median(deltas),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) the hand-written loop
+# ---------------------------------------------------------------------------------------------
+def raw_worker(cfg: Config) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data.distributed import DistributedSampler
+
+    # run_workers gives RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT like torchrun; like torchrun's
+    # workers, we join the store the launcher hosts instead of hosting one on rank 0.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    dist.init_process_group("gloo")
+    torch.manual_seed(cfg.seed)
+    model = DDP(build_model(cfg))
+    optimizer = make_optimizer(model.parameters(), cfg.lr)
+    dataset = build_data(cfg)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=cfg.seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=cfg.per_rank_batch, sampler=sampler, drop_last=True)
+
+    clock = StepClock(cfg.warmup, cfg.steps)
+    step, epoch = 0, 0
+    while step < cfg.total_steps:
+        sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            clock.step_end()
+            if step == cfg.total_steps:
+                break
+        epoch += 1
+    result = clock.result("raw")
+    dist.destroy_process_group()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) meshtrain
+# ---------------------------------------------------------------------------------------------
+def meshtrain_worker(cfg: Config, log_every_n_steps: int) -> dict:
+    from meshtrain import Trainer
+    from meshtrain.callbacks import Callback
+
+    class Clock(Callback):
+        def __init__(self, clock: StepClock):
+            self.clock = clock
+
+        def on_train_step_end(self, trainer, metrics: dict) -> None:
+            self.clock.step_end()
+
+    clock = StepClock(cfg.warmup, cfg.steps)
+    with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as run_dir:
+        trainer = Trainer(
+            layout=f"dp={WORLD_SIZE}", accelerator="cpu", max_steps=cfg.total_steps,
+            global_batch_size=cfg.global_batch_size, seed=cfg.seed, shuffle=True,
+            callbacks=[Clock(clock)], loggers=(), progress_bar=False,
+            save_final_checkpoint=False, log_every_n_steps=log_every_n_steps, run_dir=run_dir,
+        )
+        trainer.fit(
+            lambda: build_model(cfg), build_data(cfg),
+            optimizer=lambda params: make_optimizer(params, cfg.lr), loss_fn=F.cross_entropy,
+        )
+    result = clock.result("meshtrain")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) Lightning
+# ---------------------------------------------------------------------------------------------
+def lightning_available() -> bool:
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def lightning_worker(cfg: Config) -> dict:
+    # Look like a torchrun worker, so Lightning picks TorchElasticEnvironment: it then starts
+    # no processes of its own, reads RANK/WORLD_SIZE/LOCAL_RANK, and (as under torchrun) every
+    # rank joins the store that run_workers' launching process hosts at MASTER_ADDR:MASTER_PORT.
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="meshtrain-overhead-bench", GROUP_RANK="0", ROLE_RANK=os.environ["RANK"],
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")  # e.g. "the DataLoader does not have many workers"
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # start-up banners and tips
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(cfg.seed)
+            self.net = build_model(cfg)
+
+        def training_step(self, batch, batch_idx):
+            inputs, targets = batch
+            return F.cross_entropy(self.net(inputs), targets)
+
+        def configure_optimizers(self):
+            return make_optimizer(self.parameters(), cfg.lr)
+
+    class Clock(L.Callback):
+        def __init__(self, clock: StepClock):
+            self.clock = clock
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.clock.step_end()
+
+    clock = StepClock(cfg.warmup, cfg.steps)
+    # shuffle=True: Lightning swaps in a DistributedSampler(shuffle=True) itself.
+    loader = DataLoader(build_data(cfg), batch_size=cfg.per_rank_batch, shuffle=True,
+                        drop_last=True)
+    with tempfile.TemporaryDirectory(prefix="lightning-bench-") as root:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=WORLD_SIZE, strategy="ddp", max_steps=cfg.total_steps,
+            enable_progress_bar=False, logger=False, enable_checkpointing=False,
+            enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Clock(clock)],
+            default_root_dir=root,
+        )
+        trainer.fit(Module(), loader)
+    return clock.result("lightning")
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------
+def run_variant(variant: str, cfg: Config, log_every_n_steps: int, timeout: float) -> dict:
+    if variant == "raw":
+        fn, args = raw_worker, (cfg,)
+    elif variant == "meshtrain":
+        fn, args = meshtrain_worker, (cfg, log_every_n_steps)
+    else:
+        fn, args = lightning_worker, (cfg,)
+    ranks = run_workers(fn, WORLD_SIZE, args, timeout=timeout, threads=1)
+    # Ranks step together (every step all-reduces); the slower rank's clock is the job's.
+    return {
+        "mean_step_s": max(r["mean_step_s"] for r in ranks),
+        "median_step_s": max(r["median_step_s"] for r in ranks),
+        "ranks": ranks,
+    }
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    summary = {}
+    for variant, reps in runs.items():
+        means = [r["mean_step_s"] for r in reps]
+        summary[variant] = {
+            "median_ms": 1e3 * statistics.median(means),
+            "min_ms": 1e3 * min(means),
+            "max_ms": 1e3 * max(means),
+            "repeats_ms": [1e3 * m for m in means],
+        }
+    raw = summary.get("raw")
+    for variant, row in summary.items():
+        if raw is None:
+            row["ratio_vs_raw"] = None
+            continue
+        row["ratio_vs_raw"] = row["median_ms"] / raw["median_ms"]
+        # Paired by repeat (each variant ran right after raw), less sensitive to slow drift.
+        pairs = [m / r for m, r in zip(row["repeats_ms"], raw["repeats_ms"])]
+        row["paired_ratio_median"] = statistics.median(pairs)
+    return summary
+
+
+def format_table(summary: dict[str, dict]) -> str:
+    lines = [
+        f"{'variant':<10} {'median ms/step':>15} {'min':>8} {'max':>8} {'x raw':>7} {'paired':>7}",
+        "-" * 60,
+    ]
+    for variant, row in summary.items():
+        ratio = "-" if row["ratio_vs_raw"] is None else f"{row['ratio_vs_raw']:.3f}"
+        paired = row.get("paired_ratio_median")
+        paired = "-" if paired is None else f"{paired:.3f}"
+        lines.append(
+            f"{variant:<10} {row['median_ms']:>15.3f} {row['min_ms']:>8.3f} "
+            f"{row['max_ms']:>8.3f} {ratio:>7} {paired:>7}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per run (200)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (20)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (5)")
+    parser.add_argument("--log-every-n-steps", type=int, default=50,
+                        help="meshtrain's log_every_n_steps (50)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 3 warm-up + 10 timed steps, 1 repeat")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds before a hung run is killed")
+    parser.add_argument("--out", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 10, 3, 1
+    if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
+        parser.error("--steps, --warmup and --repeats must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # One torch thread per rank for every variant (meshtrain and Lightning would otherwise pick
+    # cpu_count // local_world_size threads themselves).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    cfg = Config(steps=args.steps, warmup=args.warmup)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        print(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+        return 2
+    if "lightning" in variants and not lightning_available():
+        print("lightning: skipped (not installed; pip install -e '.[bench]')")
+        variants.remove("lightning")
+
+    print(f"overhead benchmark: {WORLD_SIZE} ranks (gloo, CPU, 1 thread each), "
+          f"MLP {cfg.in_features}-{cfg.hidden}-{cfg.hidden}-{cfg.num_classes}, "
+          f"global batch {cfg.global_batch_size}, AdamW, {cfg.warmup} warm-up + {cfg.steps} "
+          f"timed steps, {args.repeats} repeats, torch {torch.__version__}", flush=True)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for rep in range(args.repeats):
+        for variant in variants:
+            started = time.perf_counter()
+            res = run_variant(variant, cfg, args.log_every_n_steps, args.timeout)
+            runs[variant].append(res)
+            print(f"  repeat {rep + 1}/{args.repeats} {variant:<10} "
+                  f"{1e3 * res['mean_step_s']:8.3f} ms/step "
+                  f"(median single step {1e3 * res['median_step_s']:.3f} ms; "
+                  f"run took {time.perf_counter() - started:.1f} s)", flush=True)
+
+    summary = summarize(runs)
+    print()
+    print(format_table(summary))
+    if args.out:
+        payload = {
+            "config": asdict(cfg) | {"world_size": WORLD_SIZE, "backend": "gloo",
+                                     "threads_per_rank": 1, "repeats": args.repeats,
+                                     "log_every_n_steps": args.log_every_n_steps},
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "python": sys.version.split()[0], "torch": torch.__version__},
+            "summary": summary,
+            "runs": runs,
+        }
+        if "lightning" in variants:
+            import lightning
+
+            payload["machine"]["lightning"] = lightning.__version__
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

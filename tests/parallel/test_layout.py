@@ -1,0 +1,136 @@
+"""Layout.parse: the one place where a layout string is read and checked against the world size."""
+
+import pytest
+
+from meshtrain.errors import ConfigError, LayoutError
+from meshtrain.parallel.layout import Layout
+
+
+def test_layout_error_is_a_value_error():
+    assert issubclass(LayoutError, ConfigError)
+    assert issubclass(LayoutError, ValueError)
+
+
+@pytest.mark.parametrize("spec", ["dp=2", " dp = 2 ", "DP=2", "dp=2,", {"dp": 2}])
+def test_explicit_dp_degree(spec):
+    layout = Layout.parse(spec, 2)
+    assert layout.degrees == {"dp": 2}
+    assert layout.dp_degree == 2
+    assert layout.world_size == 2
+    assert layout.mesh_shape == (2,)
+    assert layout.axis_names == ("dp",)
+
+
+@pytest.mark.parametrize("spec", ["dp=auto", "dp=-1", "dp=AUTO", {"dp": "auto"}])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_auto_fills_the_world(spec, world):
+    layout = Layout.parse(spec, world)
+    assert layout.dp_degree == world
+    assert layout.world_size == world
+
+
+@pytest.mark.parametrize("spec", [None, "", "   "])
+@pytest.mark.parametrize("world", [1, 3])
+def test_no_layout_means_data_parallel_over_the_world(spec, world):
+    layout = Layout.parse(spec, world)
+    assert layout.dp_degree == world
+    assert layout.world_size == world
+
+
+def test_degree_one_axes_are_dropped_and_a_layout_parses_again():
+    single = Layout.parse("dp=1", 1)
+    assert single.degrees == {}
+    assert single.dp_degree == 1
+    assert single.world_size == 1
+    assert single.build_mesh("cpu") is None  # one process needs no mesh
+    layout = Layout.parse("dp=4", 4)
+    assert Layout.parse(layout, 4) == layout
+    assert Layout.parse(str(layout), 4) == layout
+
+
+def test_str():
+    assert str(Layout.parse("dp=2", 2)) == "dp=2"
+    assert str(Layout.parse("dp=auto", 8)) == "dp=8"
+    assert str(Layout.parse(None, 1)) == "single"
+
+
+@pytest.mark.parametrize("spec,world", [("dp=2", 4), ("dp=4", 2), ("dp=3", 1), ("dp=1", 2)])
+def test_degrees_must_multiply_to_the_world_size(spec, world):
+    with pytest.raises(LayoutError) as info:
+        Layout.parse(spec, world)
+    message = str(info.value)
+    assert f"world size is {world}" in message
+    # the fix: start the right number of processes, or change the degrees / use auto
+    assert "devices=" in message and "auto" in message
+
+
+def test_unknown_axis_lists_the_known_ones():
+    with pytest.raises(LayoutError, match=r"unknown layout axis 'foo'.*known axes: dp"):
+        Layout.parse("foo=2", 2)
+
+
+@pytest.mark.parametrize("axis", ["tp", "pp", "dp_shard", "zero3"])
+def test_planned_axis_says_it_is_not_available_yet(axis):
+    with pytest.raises(LayoutError) as info:
+        Layout.parse(f"{axis}=2", 2)
+    message = str(info.value)
+    assert "not available in this version" in message
+    assert "axes available now: dp" in message
+    assert "unknown" not in message
+
+
+def test_planned_axis_next_to_dp_is_refused_too():
+    with pytest.raises(LayoutError, match="'tp'.*not available"):
+        Layout.parse("dp=1,tp=2", 2)
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("dp:2", "axis=degree pairs, e.g. 'dp=2'"),
+    ("dp", "axis=degree pairs"),
+    ("=2", "axis=degree pairs"),
+    ("dp=2 dp=2", "axis=degree pairs"),
+    ("dp=x", "positive integer or 'auto'"),
+    ("dp=1.5", "positive integer or 'auto'"),
+    ("dp=0", "at least 1"),
+    ("dp=-2", "at least 1"),
+    ("dp=2,dp=2", "appears twice"),
+    ("dp=auto,DP=auto", "appears twice"),
+])
+def test_bad_syntax(spec, expected):
+    with pytest.raises(LayoutError) as info:
+        Layout.parse(spec, 2)
+    assert expected in str(info.value)
+
+
+def test_two_autos_are_refused(monkeypatch):
+    # Only one axis exists today, so two autos need a second axis: patch a test axis in, so that
+    # the two-autos check itself (not the unknown-axis check) is what fires.
+    from meshtrain.parallel import layout as layout_module
+
+    monkeypatch.setitem(layout_module.AXES, "tp_test", "test axis")
+    with pytest.raises(LayoutError, match="only one axis may be 'auto'"):
+        Layout.parse("dp=auto,tp_test=auto", 4)
+    with pytest.raises(LayoutError, match="only one axis may be 'auto'"):
+        Layout.parse("dp=-1,tp_test=auto", 4)
+
+
+def test_auto_with_a_fixed_degree_that_does_not_divide_the_world(monkeypatch):
+    from meshtrain.parallel import layout as layout_module
+
+    monkeypatch.setitem(layout_module.AXES, "tp_test", "test axis")
+    layout = Layout.parse("dp=auto,tp_test=2", 4)
+    assert layout.degrees == {"dp": 2, "tp_test": 2}
+    assert str(layout) == "dp=2,tp_test=2"
+    with pytest.raises(LayoutError, match="does not divide the world size 3"):
+        Layout.parse("dp=auto,tp_test=2", 3)
+
+
+@pytest.mark.parametrize("world", [0, -1])
+def test_world_size_must_be_positive(world):
+    with pytest.raises(LayoutError, match="at least 1"):
+        Layout.parse("dp=auto", world)
+
+
+def test_wrong_type():
+    with pytest.raises(LayoutError, match="string like 'dp=2'"):
+        Layout.parse(2, 2)

@@ -1,0 +1,82 @@
+"""The `meshtrain` command: the main job end to end (tiny), config errors, lr-find."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtrain.config import parse_override, resolve
+from meshtrain.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--data.max_chars=60000", "--data.seq_len=32", "--model.num_layers=1", "--model.d_model=32",
+    "--model.num_heads=2", "--trainer.global_batch_size=8", "--trainer.val_every_n_steps=4",
+    "--trainer.limit_val_batches=4", "--trainer.log_every_n_steps=2", "--sample.num_chars=20",
+]
+
+
+def meshtrain(*args, cwd, timeout=120):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(150)
+def test_train_main_job_on_two_processes(tmp_path):
+    config = ROOT / "examples" / "char_gpt.toml"
+    out = meshtrain("train", str(config), *TINY, "--trainer.max_steps=8",
+                    f"--trainer.root_dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "unigram baseline" in out.stdout and "--- sample" in out.stdout
+    assert out.stdout.count("validation loss") == 1, "console output must come from rank 0 only"
+    (run_dir,) = (tmp_path / "char_gpt").iterdir()
+    for name in ("config.toml", "metrics.csv", "loss.png", "tokenizer.json", "tensorboard",
+                 "checkpoints/final/.metadata"):
+        assert (run_dir / name).exists(), name
+    saved = (run_dir / "config.toml").read_text()
+    assert "max_steps = 8" in saved and 'layout = "dp=2"' in saved
+
+
+@pytest.mark.timeout(60)
+def test_bad_config_key_and_missing_data_path_are_clear_errors(tmp_path):
+    config = str(ROOT / "examples" / "char_gpt.toml")
+    out = meshtrain("train", config, "--trainer.max_stepz=3", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "unknown key trainer.max_stepz" in out.stderr and "max_steps" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = meshtrain("train", config, "--data.path=/no/such/file.txt", cwd=tmp_path)
+    assert out.returncode == 2 and "data.path /no/such/file.txt does not exist" in out.stderr
+    out = meshtrain("train", config, "--trainer.layout=dp=3", cwd=tmp_path)
+    assert out.returncode == 2 and "world size is 2" in out.stderr
+
+
+@pytest.mark.timeout(90)
+def test_lr_find_writes_a_plot_and_suggests_a_rate(tmp_path):
+    config = str(ROOT / "examples" / "char_gpt.toml")
+    out = meshtrain("lr-find", config, *TINY, "--trainer.devices=1", "--trainer.layout=dp=1",
+                    f"--trainer.root_dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "suggested learning rate" in out.stdout
+    assert list(tmp_path.glob("char_gpt/*/lr_find.png"))
+
+
+def test_version_and_help():
+    out = meshtrain("--version", cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.startswith("meshtrain ")
+    out = meshtrain("--help", cwd=ROOT)
+    assert "train" in out.stdout and "slurm" in out.stdout
+
+
+def test_overrides_are_read_as_toml_values():
+    assert parse_override("--trainer.max_steps=10") == ("trainer", "max_steps", 10)
+    assert parse_override("--trainer.layout=dp=2") == ("trainer", "layout", "dp=2")
+    assert parse_override("--optimizer.lr=1e-3") == ("optimizer", "lr", 1e-3)
+    with pytest.raises(ConfigError, match="--section.key=value"):
+        parse_override("--max_steps=10")
+    config = resolve({"a": {"x": 1, "y": "s"}}, {"a": {"x": 2}}, ["--a.y=t"])
+    assert config == {"a": {"x": 2, "y": "t"}}
+    with pytest.raises(ConfigError, match="unknown section"):
+        resolve({"a": {"x": 1}}, {"b": {"x": 2}}, [])

@@ -1,0 +1,193 @@
+"""Bad inputs fail with a ConfigError at Trainer() or fit(), before any process group exists."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from meshtrain import ConfigError, LayoutError, Trainer
+
+
+def _data(n=32):
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 4, generator=gen), torch.randn(n, 2, generator=gen))
+
+
+def _model():
+    return torch.nn.Linear(4, 2)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _kwargs(tmp_path, **overrides):
+    kwargs = dict(max_steps=2, global_batch_size=8, loggers=(), progress_bar=False,
+                  save_final_checkpoint=False, run_dir=tmp_path / "run")
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_before_or_after():
+    assert not dist.is_initialized()
+    yield
+    assert not dist.is_initialized(), "a process group was created before the error"
+
+
+@pytest.fixture
+def world_of_two(monkeypatch):
+    """Look like rank 0 of a 2-process job started by a launcher (nothing is started)."""
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+
+
+def _fit_raises(trainer_kwargs, match, *, model=_model, data=None, optimizer=_sgd, **fit_kwargs):
+    trainer = Trainer(**trainer_kwargs)
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(model, _data() if data is None else data, optimizer=optimizer,
+                    loss_fn=torch.nn.functional.mse_loss, **fit_kwargs)
+    assert not trainer_kwargs["run_dir"].exists(), "fit created the run folder before failing"
+    return trainer
+
+
+# ---- Trainer(...) -------------------------------------------------------------------------------
+def test_constructor_does_not_create_a_process_group(world_of_two, tmp_path):
+    trainer = Trainer(**_kwargs(tmp_path, global_batch_size=8))
+    assert trainer.world_size == 2 and trainer.layout.dp_degree == 2
+    assert trainer.micro_batch_size == 4 and trainer.grad_accum_steps == 1
+
+
+def test_global_batch_not_divisible_by_dp(world_of_two, tmp_path):
+    with pytest.raises(ConfigError, match="does not divide over 2 data-parallel ranks.*multiple of 2"):
+        Trainer(**_kwargs(tmp_path, global_batch_size=7))
+
+
+def test_global_batch_not_divisible_by_dp_times_micro(world_of_two, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        Trainer(**_kwargs(tmp_path, global_batch_size=12, micro_batch_size=4))
+    message = str(info.value)
+    assert "2 x 4 = 8" in message
+    assert "multiple of 8" in message and "divides 6" in message  # the two ways to fix it
+
+
+def test_divisible_by_dp_times_micro_is_accepted(world_of_two, tmp_path):
+    trainer = Trainer(**_kwargs(tmp_path, global_batch_size=16, micro_batch_size=4))
+    assert trainer.grad_accum_steps == 2
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True])
+def test_non_positive_or_non_integer_max_steps(tmp_path, value):
+    with pytest.raises(ConfigError, match="max_steps must be a positive integer"):
+        Trainer(**_kwargs(tmp_path, max_steps=value))
+
+
+def test_max_epochs_must_be_positive(tmp_path):
+    with pytest.raises(ConfigError, match="max_epochs must be a positive integer"):
+        Trainer(**_kwargs(tmp_path, max_steps=None, max_epochs=0))
+
+
+def test_neither_max_steps_nor_max_epochs(tmp_path):
+    with pytest.raises(ConfigError, match="set max_steps or max_epochs"):
+        Trainer(**_kwargs(tmp_path, max_steps=None))
+
+
+def test_unknown_precision(tmp_path):
+    with pytest.raises(ConfigError, match="unknown precision 'fp8'.*fp32, bf16-mixed, fp16-mixed"):
+        Trainer(**_kwargs(tmp_path, precision="fp8"))
+
+
+def test_fp16_mixed_on_cpu(tmp_path):
+    with pytest.raises(ConfigError, match="fp16-mixed' needs a GPU.*bf16-mixed"):
+        Trainer(**_kwargs(tmp_path, precision="fp16-mixed", accelerator="cpu"))
+
+
+def test_bad_comm_hook_name(tmp_path):
+    with pytest.raises(ConfigError, match="unknown comm_hook 'int8'.*fp16, bf16, powersgd"):
+        Trainer(**_kwargs(tmp_path, comm_hook="int8"))
+
+
+def test_devices_mismatching_the_launcher(world_of_two, tmp_path):
+    with pytest.raises(ConfigError, match="devices=4.*started 2 processes.*devices='auto'"):
+        Trainer(**_kwargs(tmp_path, devices=4))
+
+
+@pytest.mark.parametrize("devices", ["auto", 1, 2])
+def test_devices_agreeing_with_the_launcher(world_of_two, tmp_path, devices):
+    assert Trainer(**_kwargs(tmp_path, devices=devices)).world_size == 2
+
+
+def test_layout_not_matching_the_world(world_of_two, tmp_path):
+    with pytest.raises(LayoutError, match="needs 4 processes"):
+        Trainer(**_kwargs(tmp_path, layout="dp=4"))
+
+
+def test_unknown_logger(tmp_path):
+    with pytest.raises(ConfigError, match="unknown logger 'wandb'"):
+        Trainer(**_kwargs(tmp_path, loggers=("csv", "wandb")))
+
+
+# ---- fit(...) -----------------------------------------------------------------------------------
+def test_optimizer_factory_that_returns_none(tmp_path):
+    def forgot_return(params):
+        torch.optim.SGD(params, lr=0.1)
+
+    _fit_raises(_kwargs(tmp_path), r"returned NoneType.*forget `return`", optimizer=forgot_return)
+
+
+def test_optimizer_factory_that_raises(tmp_path):
+    def broken(params):
+        return torch.optim.SGD(params, lr=-1.0)
+
+    _fit_raises(_kwargs(tmp_path), "optimizer factory failed on a test parameter", optimizer=broken)
+
+
+def test_optimizer_instance_instead_of_a_factory(tmp_path):
+    instance = torch.optim.SGD(_model().parameters(), lr=0.1)
+    _fit_raises(_kwargs(tmp_path), "must be a factory, not an optimizer instance.*lambda params",
+                optimizer=instance)
+
+
+def test_lr_scheduler_that_is_not_callable(tmp_path):
+    _fit_raises(_kwargs(tmp_path), "lr_scheduler must be callable", lr_scheduler=3)
+
+
+def test_model_that_is_not_a_module(tmp_path):
+    _fit_raises(_kwargs(tmp_path), "model must be a torch.nn.Module", model=42)
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield from _data()
+
+
+@pytest.mark.parametrize("wrap", [lambda d: d, lambda d: DataLoader(d, batch_size=4)])
+def test_iterable_dataset(tmp_path, wrap):
+    _fit_raises(_kwargs(tmp_path), "IterableDataset.*map-style", data=wrap(_Stream()))
+
+
+def test_iterable_validation_dataset(tmp_path):
+    trainer = Trainer(**_kwargs(tmp_path))
+    with pytest.raises(ConfigError, match="val_data is an IterableDataset"):
+        trainer.fit(_model, _data(), _Stream(), optimizer=_sgd,
+                    loss_fn=torch.nn.functional.mse_loss)
+
+
+def test_dataset_smaller_than_one_global_batch(tmp_path):
+    _fit_raises(_kwargs(tmp_path, global_batch_size=16), "has 10 samples, fewer than one global "
+                "batch of 16", data=_data(10))
+
+
+def test_empty_dataset(tmp_path):
+    _fit_raises(_kwargs(tmp_path), "train_data is empty", data=_data(0))
+
+
+def test_missing_checkpoint(tmp_path):
+    _fit_raises(_kwargs(tmp_path), "ckpt_path .* does not exist",
+                ckpt_path=tmp_path / "no-such-checkpoint")
+
+
+def test_dataset_smaller_than_one_global_batch_on_two_ranks(world_of_two, tmp_path):
+    # the check uses the global batch (over both ranks), not one rank's share
+    _fit_raises(_kwargs(tmp_path, global_batch_size=16), "fewer than one global batch",
+                data=_data(12))
