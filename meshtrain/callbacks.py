@@ -129,12 +129,15 @@ class ModelCheckpoint(Callback):
 
 
 class LearningRateMonitor(Callback):
-    """Log each parameter group's learning rate as ``lr`` (``lr/group{i}`` if several)."""
+    """Log each parameter group's learning rate as ``lr`` (``lr/group{i}`` if several): the rate
+    the optimizer step used, read before the step (the scheduler steps at its end)."""
+
+    def on_train_step_start(self, trainer) -> None:
+        self._lrs = [group["lr"] for group in trainer.optimizer.param_groups]
 
     def on_train_step_end(self, trainer, metrics: dict) -> None:
-        groups = trainer.optimizer.param_groups
-        if len(groups) == 1:
-            metrics["lr"] = groups[0]["lr"]
+        if len(self._lrs) == 1:
+            metrics["lr"] = self._lrs[0]
         else:
-            for i, group in enumerate(groups):
-                metrics[f"lr/group{i}"] = group["lr"]
+            for i, lr in enumerate(self._lrs):
+                metrics[f"lr/group{i}"] = lr

@@ -399,6 +399,7 @@ class Trainer:
         tokens = 0
         window_loss = torch.zeros((), device=self.device)
         window_steps, window_start = 0, time.perf_counter()
+        validated_at = None  # the step of the last validation
         try:
             while self.global_step < total and not self.should_stop:
                 if sampler.consumed_samples >= sampler.num_global_batches * self.global_batch_size:
@@ -436,10 +437,10 @@ class Trainer:
                         self.global_step % self.val_every_n_steps == 0
                     ) and self.global_step < total:
                         self._run_validation()
-                else:
-                    pass
+                        validated_at = self.global_step
                 self._call("on_train_epoch_end")
-            if self._val_data is not None:
+            # not again when a validation just stopped training early (same weights)
+            if self._val_data is not None and validated_at != self.global_step:
                 self._run_validation()
             if self.save_final_checkpoint:
                 self.save_checkpoint(self.run_dir / "checkpoints" / "final")

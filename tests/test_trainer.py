@@ -15,6 +15,9 @@ from meshtrain.checkpoint.state import load_model_weights
 from meshtrain.launch.spawn import run_workers
 from meshtrain.observe.loggers import read_metrics_csv
 
+# single-process checkpoints: DCP says it saves/loads without a process group, as intended
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch):
@@ -29,7 +32,7 @@ def _one_thread(monkeypatch):
 
 def _trainer(run_dir, **kwargs) -> Trainer:
     base = dict(loggers=(), progress_bar=False, save_final_checkpoint=False, run_dir=run_dir,
-                seed=0, global_batch_size=16)
+                seed=0, global_batch_size=16, accelerator="cpu")
     base.update(kwargs)
     return Trainer(**base)
 
@@ -88,6 +91,7 @@ def _full_loss(model, dataset) -> float:
 def test_loss_goes_down_and_the_users_model_comes_back(tmp_path):
     data = regression_data()
     model = mlp()
+    before = _full_loss(model, data)
     recorder = LossRecorder()
     trainer = _trainer(tmp_path, max_steps=30, log_every_n_steps=1, callbacks=[recorder])
     returned = trainer.fit(model, data, optimizer=_adamw, loss_fn=F.mse_loss)
@@ -98,11 +102,8 @@ def test_loss_goes_down_and_the_users_model_comes_back(tmp_path):
     assert sorted(recorder.losses) == list(range(1, 31))
     first, last = recorder.losses[1], sum(recorder.losses[s] for s in range(26, 31)) / 5
     assert last < 0.5 * first, f"loss went from {first:.4f} to {last:.4f}"
-    # the model the user holds was trained: its full-data loss is as low as the training loss says
-    torch.manual_seed(0)
-    before = _full_loss(mlp(), data)  # the Trainer seeds the initial parameters with seed=0
-    after = _full_loss(model, data)
-    assert after < 0.5 * before
+    # the model object the user holds was trained in place
+    assert _full_loss(model, data) < 0.5 * before
 
 
 def test_max_epochs_sets_the_number_of_steps(tmp_path):
@@ -184,33 +185,30 @@ def test_validate_is_the_sample_weighted_mean_over_the_whole_set(tmp_path):
     assert model.training, "validate must restore train mode"
 
 
-def _validate_rank(steps):
+def _validate_rank(run_dir, steps):
     torch.set_num_threads(1)
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as run_dir:  # each rank writes nothing when it is not 0
-        trainer = _trainer(run_dir, layout="dp=2", max_steps=steps, global_batch_size=16,
-                           micro_batch_size=4)
-        torch.manual_seed(0)  # the initial parameters the one-process run gets from seed=0
-        user_model = mlp()
-        model = trainer.fit(user_model, regression_data(), optimizer=_adamw, loss_fn=F.mse_loss)
-        val = RecordingDataset(_val_data(23))
-        result = trainer.validate(val)
-        return {
-            "val": result["val/loss"], "fetched": val.fetched, "params": _params(model),
-            "same_model": model is user_model and type(model) is torch.nn.Sequential,
-            "rank": int(os.environ["RANK"]),
-        }
+    trainer = _trainer(run_dir, layout="dp=2", max_steps=steps, global_batch_size=16,
+                       micro_batch_size=4)
+    torch.manual_seed(0)  # the initial parameters the one-process run gets from seed=0
+    user_model = mlp()
+    model = trainer.fit(user_model, regression_data(), optimizer=_adamw, loss_fn=F.mse_loss)
+    val = RecordingDataset(_val_data(23))
+    result = trainer.validate(val)
+    return {
+        "val": result["val/loss"], "fetched": val.fetched, "params": _params(model),
+        "same_model": model is user_model and type(model) is torch.nn.Sequential,
+        "rank": int(os.environ["RANK"]),
+    }
 
 
 @pytest.mark.timeout(120)
 def test_validate_on_two_ranks_sees_every_sample_once_and_matches_one_process(tmp_path):
     steps = 3
-    one = _trainer(tmp_path, max_steps=steps, global_batch_size=16, micro_batch_size=4)
+    one = _trainer(tmp_path / "one", max_steps=steps, global_batch_size=16, micro_batch_size=4)
     one_model = one.fit(mlp, regression_data(), optimizer=_adamw, loss_fn=F.mse_loss)
     reference = one.validate(_val_data(23))["val/loss"]
 
-    ranks = run_workers(_validate_rank, 2, (steps,), timeout=100)
+    ranks = run_workers(_validate_rank, 2, (str(tmp_path / "two"), steps), timeout=100)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["same_model"] for r in ranks)
     # every one of the 23 indices was fetched exactly once over both ranks
@@ -329,7 +327,7 @@ def test_run_folder_contents(tmp_path):
     val_steps = [r["step"] for r in rows if r.get("val/loss") is not None]
     assert train_steps == [2, 4, 6]
     assert val_steps == [3, 6]
-    assert all(math.isfinite(r["train/loss"]) for r in rows if r["step"] in train_steps)
+    assert all(math.isfinite(r["train/loss"]) for r in rows if r.get("train/loss") is not None)
 
     events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0].stat().st_size > 0
@@ -354,53 +352,67 @@ def test_run_folder_contents(tmp_path):
 
 
 # ---- communication hooks and precision --------------------------------------------------------
-HOOK_COMMON = dict(max_steps=20, global_batch_size=16)
+HOOK_COMMON = dict(max_steps=20, global_batch_size=16, accelerator="cpu")
+
+
+def _sgd_momentum(params):
+    # SGD, not AdamW: Adam divides by |g|, so a coordinate whose mean gradient is ~0 can flip sign
+    # under any rounding and move by a full lr; SGD shows the communication error as it is.
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def _hooks_rank(hooks):
     from parity import train_state
 
-    return {hook: train_state(dict(HOOK_COMMON, layout="dp=2", comm_hook=hook)) for hook in hooks}
+    return {hook: train_state(dict(HOOK_COMMON, layout="dp=2", comm_hook=hook),
+                              optimizer_fn=_sgd_momentum) for hook in hooks}
 
 
 @pytest.mark.timeout(150)
 def test_comm_hooks_on_two_ranks(tmp_path):
-    reference = run_layout(dict(HOOK_COMMON), 1)
-    moved = max_param_diff(reference, run_layout(dict(HOOK_COMMON, max_steps=1), 1))
-    # one job, three fresh Trainers in it: cheaper than starting processes per hook
-    results = run_workers(_hooks_rank, 2, (("fp16", "bf16", "powersgd"),), timeout=140)[0]
+    reference = run_layout(dict(HOOK_COMMON), 1, optimizer_fn=_sgd_momentum)
+    moved = max_param_diff(
+        reference, run_layout(dict(HOOK_COMMON, max_steps=1), 1, optimizer_fn=_sgd_momentum))
+    # one job, fresh Trainers in it: cheaper than starting processes per hook
+    results = run_workers(_hooks_rank, 2, ((None, "fp16", "bf16", "powersgd"),), timeout=140)[0]
+    diffs = {hook: max_param_diff(reference, state) for hook, state in results.items()}
+    assert diffs[None] <= 1e-5
     # fp16 / bf16 gradients in the all-reduce: rounding only, so close to one process
     # (1e-2 is the looser parity tolerance for compressed communication)
     for hook in ("fp16", "bf16"):
-        diff = max_param_diff(reference, results[hook])
-        assert diff <= 1e-2, f"comm_hook={hook} differs from one process by {diff:.3e}"
-        assert diff < moved / 10
-    # bf16 rounds more coarsely than fp16 (8 vs 11 mantissa bits): the hooks really ran
-    assert max_param_diff(reference, results["fp16"]) < max_param_diff(reference, results["bf16"])
-    assert max_param_diff(reference, results["fp16"]) > 0
+        assert diffs[hook] <= 1e-2, f"comm_hook={hook}: {diffs[hook]:.3e} from one process"
+        assert moved > 10 * diffs[hook]
+    # the hooks really ran: rounding shows, and bf16 (8 mantissa bits) rounds more than fp16 (11)
+    assert diffs[None] < diffs["fp16"] < diffs["bf16"]
 
-    # PowerSGD is lossy by design (rank-1 compression); it must train, not match
+    # PowerSGD is lossy by design (rank-1 compression with error feedback): it must train
     data = regression_data()
-    x, y = data.tensors
-    model = mlp()
     torch.manual_seed(0)
     initial = _full_loss(mlp(), data)
-    model.load_state_dict(results["powersgd"])
-    assert _full_loss(model, data) < 0.5 * initial
-    assert max_param_diff(reference, results["powersgd"]) > 0
+    trained = {}
+    for hook in (None, "powersgd"):
+        model = mlp()
+        model.load_state_dict(results[hook])
+        trained[hook] = _full_loss(model, data)
+    assert trained["powersgd"] < 0.7 * initial
+    # at least half of the progress exact all-reduce makes in the same steps
+    assert initial - trained["powersgd"] > 0.5 * (initial - trained[None])
+    assert diffs["powersgd"] > diffs["fp16"]
 
 
 def test_bf16_mixed_on_cpu_runs_close_to_fp32(tmp_path):
-    common = dict(max_steps=20, global_batch_size=16)
+    common = dict(max_steps=20, global_batch_size=16, accelerator="cpu")
     fp32 = run_layout(dict(common), 1)
     bf16 = run_layout(dict(common, precision="bf16-mixed"), 1)
-    moved = max_param_diff(fp32, run_layout(dict(common, max_steps=1), 1))
+    torch.manual_seed(0)
+    moved = max_param_diff(fp32, _params(mlp()))  # how far fp32 training went from the start
     diff = max_param_diff(fp32, bf16)
     # bf16 autocast keeps ~3 significant digits in matmuls; AdamW (lr 1e-2) normalises the
     # gradient, so its rounding noise moves each parameter by up to ~lr per step. 5e-2 is the
     # looser tolerance seen for bf16 vs fp32 with this optimizer (the notes measured 0.05).
     assert diff <= 5e-2, f"bf16-mixed differs from fp32 by {diff:.3e}"
     assert diff > 0, "autocast did not run in bf16"
+    assert diff < moved / 4
     data = regression_data()
     model = mlp()
     model.load_state_dict(bf16)

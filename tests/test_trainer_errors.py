@@ -23,7 +23,7 @@ def _sgd(params):
 
 def _kwargs(tmp_path, **overrides):
     kwargs = dict(max_steps=2, global_batch_size=8, loggers=(), progress_bar=False,
-                  save_final_checkpoint=False, run_dir=tmp_path / "run")
+                  save_final_checkpoint=False, run_dir=tmp_path / "run", accelerator="cpu")
     kwargs.update(overrides)
     return kwargs
 
@@ -59,7 +59,7 @@ def test_constructor_does_not_create_a_process_group(world_of_two, tmp_path):
 
 
 def test_global_batch_not_divisible_by_dp(world_of_two, tmp_path):
-    with pytest.raises(ConfigError, match="does not divide over 2 data-parallel ranks.*multiple of 2"):
+    with pytest.raises(ConfigError, match="does not divide over 2 data-parallel ranks.*of 2"):
         Trainer(**_kwargs(tmp_path, global_batch_size=7))
 
 

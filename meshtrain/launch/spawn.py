@@ -66,6 +66,16 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta, store=Non
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
+    # Left to interpreter shutdown, the group's threads are torn down by static destructors and
+    # a finished rank sometimes aborts ("terminate called without an active exception").
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _host_store(world_size: int, timeout: timedelta):
@@ -178,14 +188,21 @@ class ScriptWorkers:
     def raise_if_failed(self, error: BaseException) -> None:
         """Turn a broken-connection error on rank 0 into the real cause, a failed worker."""
         self._stop.set()
-        self.terminate()
-        for _ in range(20):
-            if self.failed or all(p.poll() is not None for p in self.procs):
+        # A worker that failed by itself may still be exiting: wait for it before stopping the
+        # others, so that a worker stopped here (SIGTERM) is never blamed for rank 0's own error.
+        for _ in range(30):
+            codes = [p.poll() for p in self.procs]
+            if self.failed or any(c not in (None, 0) for c in codes) or None not in codes:
                 break
             time.sleep(0.1)
         failed = self.failed or next(
             ((r, p.returncode) for r, p in enumerate(self.procs, 1) if p.returncode), None
         )
+        self.terminate()
+        for _ in range(20):
+            if all(p.poll() is not None for p in self.procs):
+                break
+            time.sleep(0.1)
         if failed:
             raise WorkerFailed(
                 f"worker rank {failed[0]} exited with code {failed[1]}; its traceback is above"
