@@ -16,7 +16,6 @@ which is one step of one-process training on the same G samples: the parity test
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -33,7 +32,9 @@ from meshtrain.checkpoint.state import load_checkpoint, save_checkpoint
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.errors import ConfigError, WorkerFailed
 from meshtrain.launch.spawn import DistEnv, ScriptWorkers, init_process_group
-from meshtrain.parallel.apply import DataParallelOptions, parallelize
+from meshtrain.parallel.apply import (
+    ParallelOptions, build_optimizer, check_model, gradient_sync, parallelize,
+)
 from meshtrain.parallel.data_parallel import check_comm_hook
 from meshtrain.parallel.layout import Layout
 from meshtrain.precision import Precision, check_precision
@@ -100,6 +101,10 @@ class Trainer:
         bucket_cap_mb: float = 25.0,
         comm_hook: str | None = None,
         powersgd_rank: int = 1,
+        offload: str | None = None,
+        activation_checkpointing: str | None = None,
+        blocks: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
+        meta_init: bool | str = "auto",
         collective_timeout_s: float = 600.0,
     ):
         if max_steps is None and max_epochs is None:
@@ -116,12 +121,28 @@ class Trainer:
         if num_workers < 0:
             raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
         check_comm_hook(comm_hook, powersgd_rank)
+        if activation_checkpointing not in (None, "full", "selective"):
+            raise ConfigError(
+                f"activation_checkpointing must be 'full', 'selective' or None, got "
+                f"{activation_checkpointing!r}"
+            )
+        if meta_init not in (True, False, "auto"):
+            raise ConfigError(f"meta_init must be True, False or 'auto', got {meta_init!r}")
 
         self.device_type = _resolve_accelerator(accelerator)
         check_precision(precision, self.device_type)
         self._env = DistEnv.from_environ()
         self.world_size = self._resolve_world_size(devices)
         self.layout = Layout.parse(layout, self.world_size)
+        if offload is not None:
+            from meshtrain.parallel.fully_shard import check_offload
+
+            check_offload(offload, self.device_type)
+            if not self.layout.is_sharded:
+                raise ConfigError(
+                    f"offload={offload!r} moves sharded state to CPU memory and needs a sharded "
+                    f"layout (zero2/zero3/dp_shard); the layout is {self.layout}"
+                )
         dp = self.layout.dp_degree
         if micro_batch_size is None:
             if global_batch_size % dp:
@@ -151,7 +172,12 @@ class Trainer:
         self._run_dir_arg = Path(run_dir) if run_dir else None
         self.save_final_checkpoint, self.progress_bar = save_final_checkpoint, progress_bar
         self.num_workers = num_workers
-        self.dp_options = DataParallelOptions(bucket_cap_mb, comm_hook, powersgd_rank)
+        self.parallel_options = ParallelOptions(
+            bucket_cap_mb=bucket_cap_mb, comm_hook=comm_hook, powersgd_rank=powersgd_rank,
+            precision=precision, offload=offload,
+            activation_checkpointing=activation_checkpointing, blocks=blocks,
+        )
+        self.meta_init = meta_init
         self.collective_timeout = timedelta(seconds=collective_timeout_s)
 
         # Set by fit / the set-up that follows it.
@@ -180,14 +206,20 @@ class Trainer:
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank() if self.layout.dp_degree > 1 else 0
+        """This rank's index among the ranks that see different data."""
+        if self.layout.dp_degree == 1:
+            return 0
+        return self.mesh[self.layout.data_parallel_axes]._flatten().get_local_rank()
+
+    def _dp_group(self):
+        return self.mesh[self.layout.data_parallel_axes]._flatten().get_group()
 
     def print(self, *args, **kwargs) -> None:
         """``print`` on global rank zero only (through the progress bar when one is live)."""
         if not self.is_global_zero:
             return
         bar = getattr(self, "_bar", None)
-        if bar is not None:
+        if bar is not None and bar.enabled:
             bar.log(" ".join(str(a) for a in args))
         else:
             print(*args, **kwargs, flush=True)
@@ -260,7 +292,7 @@ class Trainer:
             "global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size,
             "grad_accum_steps": self.grad_accum_steps, "precision": self.precision_name,
             "max_steps": self.max_steps, "max_epochs": self.max_epochs, "seed": self.seed,
-            "grad_clip_norm": self.grad_clip_norm, "comm_hook": self.dp_options.comm_hook,
+            "grad_clip_norm": self.grad_clip_norm, "comm_hook": self.parallel_options.comm_hook,
         }
 
     # ------------------------------------------------------------------------------------------
@@ -314,6 +346,9 @@ class Trainer:
         _check_factory("optimizer", optimizer, required=True)
         _check_factory("lr_scheduler", lr_scheduler, required=False)
         _check_optimizer_factory(optimizer)
+        self._meta_model = _inspect_model(model)
+        if self._meta_model is not None:
+            check_model(self._meta_model, self.layout, self.parallel_options)
         train_set = _dataset_of(train_data, "train_data")
         if val_data is not None:
             _dataset_of(val_data, "val_data")
@@ -345,28 +380,44 @@ class Trainer:
             raise
 
     def _setup_model(self, model: ModelLike, optimizer_factory, scheduler_factory) -> None:
+        """Build (or take) the model, apply the layout, then create the optimizer."""
         torch.manual_seed(self.seed)  # identical initial parameters on every rank
+        on_meta = (
+            self.layout.is_sharded and self.meta_init is not False
+            and not isinstance(model, torch.nn.Module) and self._meta_model is not None
+            and callable(getattr(self._meta_model, "init_weights", None))
+        )
+        if self.meta_init is True and not on_meta:
+            raise ConfigError(
+                "meta_init=True needs a sharded layout, a model factory (not a built module) "
+                "and a model with init_weights(); use meta_init='auto' to fall back quietly"
+            )
+        if on_meta:  # each rank allocates only its own shards
+            model = self._meta_model
+        elif not isinstance(model, torch.nn.Module):
+            model = model()
         if not isinstance(model, torch.nn.Module):
-            built = model()
-            if not isinstance(built, torch.nn.Module):
-                raise ConfigError(
-                    f"the model factory returned {type(built).__name__}, not a torch.nn.Module"
-                )
-            model = built
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ConfigError("the model has no trainable parameters (requires_grad=True)")
-        self.model = model.to(self.device)
+            raise ConfigError(
+                f"the model factory returned {type(model).__name__}, not a torch.nn.Module"
+            )
+        check_model(model, self.layout, self.parallel_options)
+        self.model = model if on_meta else model.to(self.device)
         self.precision = Precision(self.precision_name, self.device_type)
         self._train_module = parallelize(
-            self.model, self.layout, self.mesh, device=self.device, dp_options=self.dp_options
+            self.model, self.layout, self.mesh, device=self.device, options=self.parallel_options
         )
-        self.optimizer = optimizer_factory(self.model.parameters())
+        if on_meta:
+            from meshtrain.parallel.fully_shard import materialize
+
+            materialize(self.model, self.device)
+        self.optimizer = build_optimizer(self.model, optimizer_factory, self.layout, self.mesh)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"the optimizer factory returned {type(self.optimizer).__name__}, not a "
                 "torch.optim.Optimizer; write e.g. optimizer=lambda params: AdamW(params, lr=1e-3)"
             )
         self.lr_scheduler = scheduler_factory(self.optimizer) if scheduler_factory else None
+        self._meta_model = None
         # Different dropout masks per rank, reproducible per rank.
         torch.manual_seed(self.seed + 1 + self.rank)
 
@@ -388,6 +439,7 @@ class Trainer:
         return int(min(self.max_steps or math.inf, by_epochs))
 
     def _fit_loop(self, loader: DataLoader) -> None:
+        from meshtrain.observe.memory import MemoryProbe
         from meshtrain.observe.progress import ProgressBar
 
         total = self._total_steps()
@@ -395,6 +447,7 @@ class Trainer:
         self._call("on_fit_start")
         self._bar = ProgressBar(total, enabled=self.progress_bar and self.is_global_zero)
         self._bar.start()
+        memory = MemoryProbe(self.model, self.optimizer, self.layout) if self.is_global_zero else None
         sampler = self._train_sampler
         tokens = 0
         window_loss = torch.zeros((), device=self.device)
@@ -414,6 +467,9 @@ class Trainer:
                     loss, step_tokens = self._train_step(batches)
                     sampler.advance()
                     self.global_step += 1
+                    if memory is not None and memory.row is not None:
+                        self._report_memory(memory)
+                        memory = None
                     window_loss += loss
                     window_steps += 1
                     tokens += step_tokens
@@ -451,6 +507,12 @@ class Trainer:
         if self.is_global_zero:
             self._plot_losses()
 
+    def _report_memory(self, probe) -> None:
+        """Rank zero's model-state bytes after the first step, beside the ZeRO formula."""
+        text = probe.summary()
+        self.print(text)
+        (self.run_dir / "memory.txt").write_text(text + "\n")
+
     def _train_step(self, batches) -> tuple[torch.Tensor, int]:
         """One optimizer step over this rank's micro-batches; returns (loss, tokens seen here)."""
         module, accum = self._train_module, self.grad_accum_steps
@@ -460,8 +522,7 @@ class Trainer:
             batch = _to_device(next(batches), self.device)
             num_tokens += _count_tokens(batch)
             last = micro_step == accum - 1
-            sync = contextlib.nullcontext() if last or module is self.model else module.no_sync()
-            with sync:
+            with gradient_sync(module, self.model, enabled=last):
                 with self.precision.autocast():
                     loss = self._compute_loss(module, batch) / accum
                 self.precision.backward(loss)
@@ -499,7 +560,7 @@ class Trainer:
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         if self.layout.dp_degree > 1:
             value = value.detach().clone()
-            dist.all_reduce(value, group=self.mesh.get_group("dp"))
+            dist.all_reduce(value, group=self._dp_group())
             value /= self.layout.dp_degree
         return float(value)
 
@@ -557,7 +618,7 @@ class Trainer:
             totals[1] += size
         self.model.train(was_training)
         if dp > 1:
-            dist.all_reduce(totals, group=self.mesh.get_group("dp"))
+            dist.all_reduce(totals, group=self._dp_group())
         return {f"{prefix}/loss": float(totals[0] / totals[1].clamp(min=1))}
 
     # ------------------------------------------------------------------------------------------
@@ -654,6 +715,19 @@ def _check_model(model) -> None:
             f"model must be a torch.nn.Module or a function that builds one, got "
             f"{type(model).__name__}"
         )
+
+
+def _inspect_model(model) -> torch.nn.Module | None:
+    """The model itself, or a factory's model built on the meta device (no memory), for checks
+    before any process starts; None if the factory cannot build on meta."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    try:
+        with torch.device("meta"):
+            built = model()
+    except Exception:  # noqa: BLE001 - such factories are simply built for real later
+        return None
+    return built if isinstance(built, torch.nn.Module) else None
 
 
 def _check_factory(name: str, factory, required: bool) -> None:

@@ -15,6 +15,7 @@ TINY = [
     "--data.max_chars=60000", "--data.seq_len=32", "--model.num_layers=1", "--model.d_model=32",
     "--model.num_heads=2", "--trainer.global_batch_size=8", "--trainer.val_every_n_steps=4",
     "--trainer.limit_val_batches=4", "--trainer.log_every_n_steps=2", "--sample.num_chars=20",
+    "--model.mlp_ratio=64",
 ]
 
 
@@ -80,3 +81,15 @@ def test_overrides_are_read_as_toml_values():
     assert config == {"a": {"x": 2, "y": "t"}}
     with pytest.raises(ConfigError, match="unknown section"):
         resolve({"a": {"x": 1}}, {"b": {"x": 2}}, [])
+
+
+@pytest.mark.timeout(120)
+def test_memory_prints_measured_and_predicted_model_state(tmp_path):
+    config = str(ROOT / "examples" / "char_gpt.toml")
+    out = meshtrain("memory", config, *TINY, "--trainer.layout=zero3=2",
+                    f"--trainer.root_dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ZeRO stage 3 (sharded over N = 2)" in out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.startswith("dp_shard=2"))
+    measured_total, predicted_total = (float(x) for x in row.split()[4:6])
+    assert predicted_total > 0 and abs(measured_total / predicted_total - 1) < 0.05

@@ -191,3 +191,30 @@ def test_dataset_smaller_than_one_global_batch_on_two_ranks(world_of_two, tmp_pa
     # the check uses the global batch (over both ranks), not one rank's share
     _fit_raises(_kwargs(tmp_path, global_batch_size=16), "fewer than one global batch",
                 data=_data(12))
+
+
+# ---- sharded layouts ----------------------------------------------------------------------------
+def test_shard_degree_that_does_not_divide_the_world(world_of_two, tmp_path):
+    with pytest.raises(LayoutError, match="world size is 2"):
+        Trainer(**_kwargs(tmp_path, layout="zero3=4"))
+    with pytest.raises(LayoutError, match="needs dp_shard.*write dp=2"):
+        Trainer(**_kwargs(tmp_path, layout="dp_replicate=2,dp_shard=1"))
+
+
+def test_cpu_offload_without_a_gpu_is_refused(world_of_two, tmp_path):
+    with pytest.raises(ConfigError, match="no GPU"):
+        Trainer(**_kwargs(tmp_path, layout="zero3=2", offload="cpu"))
+    with pytest.raises(ConfigError, match="offload"):
+        Trainer(**_kwargs(tmp_path, layout="zero3=2", offload="disk"))
+
+
+def test_model_without_parameters_to_shard(world_of_two, tmp_path):
+    _fit_raises(_kwargs(tmp_path, layout="zero3=2"), "no trainable parameters.*shard",
+                model=lambda: torch.nn.ReLU())
+
+
+def test_activation_checkpointing_needs_blocks(world_of_two, tmp_path):
+    _fit_raises(_kwargs(tmp_path, layout="zero3=2", activation_checkpointing="full"),
+                "repeated blocks.*blocks=", model=_model)
+    with pytest.raises(ConfigError, match="'full', 'selective' or None"):
+        Trainer(**_kwargs(tmp_path, activation_checkpointing="everything"))

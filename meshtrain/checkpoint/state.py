@@ -15,16 +15,19 @@ half-written checkpoint is never mistaken for a complete one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -32,9 +35,22 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.zero1 import (
+    load_zero1_state_dict,
+    zero1_state_dict,
+    zero1_state_dict_template,
+)
 
 TRAINER_STATE = "trainer_state.pt"
 SUMMARY = "meshtrain.json"
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes one process when there is no process group: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process")
+        yield
 
 
 def _barrier() -> None:
@@ -65,6 +81,22 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _state(model, optimizer, *, for_load: bool) -> dict:
+    """What DCP saves or fills: model and optimizer state keyed by parameter names.
+
+    ZeRO-1's optimizer is not understood by ``get_state_dict``; each rank then gives the
+    entries of the parameters it owns, in the same format, so checkpoints stay interchangeable.
+    """
+    if optimizer is None:
+        return {"model": get_state_dict(model, [])[0]}
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        model_sd = get_state_dict(model, [])[0]
+        optim_sd = (zero1_state_dict_template if for_load else zero1_state_dict)(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
@@ -79,12 +111,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_state_dict(model, [])[0]}
-    dcp.save(state, checkpoint_id=tmp)
+    with _quiet_single_process():
+        dcp.save(_state(model, optimizer, for_load=False), checkpoint_id=tmp)
     torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
         torch.save(trainer_state, tmp / TRAINER_STATE)
@@ -109,19 +137,21 @@ def load_checkpoint(
             f"{path} is not a complete meshtrain checkpoint (no {TRAINER_STATE}); pass the folder "
             "of a checkpoint such as runs/<name>/<time>/checkpoints/final"
         )
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+    state = _state(model, optimizer, for_load=True)
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=path)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={},
+                       options=StateDictOptions(strict=True))
+        load_zero1_state_dict(model, optimizer, state["optim"])
     else:
-        state = {"model": get_state_dict(model, [])[0]}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(
-        model,
-        optimizer if optimizer is not None else [],
-        model_state_dict=state["model"],
-        optim_state_dict=state.get("optim", {}),
-        options=StateDictOptions(strict=True),
-    )
+        set_state_dict(
+            model,
+            optimizer if optimizer is not None else [],
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}),
+            options=StateDictOptions(strict=True),
+        )
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))

@@ -66,16 +66,47 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta, store=Non
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
-    # Left to interpreter shutdown, the group's threads are torn down by static destructors and
-    # a finished rank sometimes aborts ("terminate called without an active exception").
-    atexit.register(_destroy_process_group)
+    _record_uncaught_exceptions()
+    atexit.register(_shutdown)
 
 
-def _destroy_process_group() -> None:
+# ---------------------------------------------------------------------------------------------
+# Shutdown. Left to interpreter teardown, a gloo/FSDP2 process sometimes aborts after all its work
+# is done ("terminate called without an active exception", SIGABRT, in C++ static destructors),
+# and a launcher then reports a failed job. Processes that a meshtrain launcher started therefore
+# end like this: wait for the other ranks (rank 0 of Trainer(devices=N)), destroy the process
+# group, flush, and leave with os._exit, skipping those destructors. The exit code is 1 after an
+# uncaught exception, else 0 (a script's own sys.exit(code) code is not seen here).
+# ---------------------------------------------------------------------------------------------
+LAUNCHER_ENV = "MESHTRAIN_LAUNCHER"
+_state = {"uncaught": False, "workers": None, "hooked": False}
+
+
+def _record_uncaught_exceptions() -> None:
+    if _state["hooked"]:
+        return
+    previous = sys.excepthook
+
+    def hook(*exc_info):
+        _state["uncaught"] = True
+        previous(*exc_info)
+
+    sys.excepthook = hook
+    _state["hooked"] = True
+
+
+def _shutdown() -> None:
     import torch.distributed as dist
 
+    workers = _state["workers"]
+    if workers is not None:
+        workers.join()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if STORE_ENV in os.environ or LAUNCHER_ENV in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if _state["uncaught"] else 0)
 
 
 def _host_store(world_size: int, timeout: timedelta):
@@ -140,7 +171,8 @@ class ScriptWorkers:
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="meshtrain-workers")
         self._watcher.start()
-        atexit.register(self.join)
+        atexit.register(self.join)  # in case no process group is ever created
+        _state["workers"] = self
 
     def _watch(self) -> None:
         while not self._stop.wait(0.2):

@@ -59,6 +59,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     prepare_args(args)
     with _restored_process_state(args.signals_to_handle):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # Workers that create their group through meshtrain end cleanly (see launch/spawn.py).
+        os.environ["MESHTRAIN_LAUNCHER"] = "torchrun"
         try:
             torchrun(args)
         except ChildFailedError as err:

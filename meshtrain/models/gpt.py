@@ -142,12 +142,24 @@ class GPT(nn.Module):
         self.init_weights(seed)
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """Re-initialise every parameter with the scheme in the module docstring.
 
         Values are drawn on the CPU from a generator seeded with ``seed`` and copied in, so
-        they do not depend on the global RNG or on the device the model lives on.
+        they do not depend on the global RNG or on the device the model lives on. ``seed=None``
+        reuses the last seed (the constructor's), so a model built on the meta device and then
+        materialised gets the values of ``GPT(config, seed=seed)``.
+
+        Sharded (DTensor) parameters, e.g. under FSDP2: each rank draws the full tensor and keeps
+        only its own part, so the sharded model equals the unsharded one. On the meta device
+        (no storage yet) there is nothing to fill and this returns at once.
         """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        seed = getattr(self, "_init_seed", 0) if seed is None else seed
+        self._init_seed = seed
+        if all(p.is_meta for p in self.parameters()):
+            return
         generator = torch.Generator().manual_seed(seed)
         residual_std = INIT_STD / math.sqrt(2 * self.config.num_layers)
         for name, param in self.named_parameters():
@@ -161,7 +173,14 @@ class GPT(nn.Module):
                 is_residual = name.endswith(("attn.wo.weight", "mlp.fc_out.weight"))
                 std = residual_std if is_residual else INIT_STD
                 values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-                param.copy_(values * std)
+                values = values * std
+                if isinstance(param, DTensor):
+                    # Every rank holds the same full values: split them locally, no comms.
+                    part = distribute_tensor(values.to(param.device), param.device_mesh,
+                                             param.placements, src_data_rank=None)
+                    param.to_local().copy_(part.to_local())
+                else:
+                    param.copy_(values)
 
     def num_params(self) -> int:
         """Number of parameter elements (embeddings included)."""

@@ -8,15 +8,25 @@ Syntax: comma-separated ``axis=degree`` pairs; at most one degree may be ``auto`
 then filled with whatever the world size leaves. Axes with degree 1 may be left out. An empty
 string or ``None`` means one process per world rank of plain data parallelism (``dp=auto``).
 
-Axes available now:
+Axes (mesh order, outermost first):
 
-====== ===========================================================================
-``dp`` data parallel, replicated parameters, gradients averaged by all-reduce (DDP)
-====== ===========================================================================
+================ =============================================================================
+``dp_replicate`` replicas of a sharded model: HSDP, with ``dp_shard`` (gradients all-reduced)
+``dp``           data parallel with replicated parameters (DDP)
+``dp_shard``     fully sharded data parallel (FSDP2 ``fully_shard``, ZeRO-3)
+================ =============================================================================
 
-Later strategies (sharded data parallel, tensor and pipeline parallel) add their axes to
-``AXES`` and an ``apply_*`` step to ``meshtrain.parallel.apply``; the parser, the checks and the
-mesh construction stay as they are.
+ZeRO names are aliases that also pick what is sharded (Rajbhandari et al., SC 2020):
+
+* ``zero1=N``: ``dp=N`` with the optimizer state sharded (``ZeroRedundancyOptimizer``);
+* ``zero2=N``: ``dp_shard=N`` with parameters kept gathered from forward to backward
+  (``reshard_after_forward=False``): gradients and optimizer state sharded;
+* ``zero3=N``: ``dp_shard=N``: parameters, gradients and optimizer state sharded.
+
+Hybrid sharding: ``dp_replicate=2,dp_shard=2`` (or ``dp_replicate=2,zero2=2``).
+
+Later strategies (tensor and pipeline parallel) add their axes to ``AXES`` and an ``apply_*``
+step to ``meshtrain.parallel.apply``; the parser, the checks and the mesh stay as they are.
 """
 
 from __future__ import annotations
@@ -29,16 +39,19 @@ from meshtrain.errors import LayoutError
 
 #: Axes in mesh order (outermost first) with a one-line description for error messages.
 AXES: dict[str, str] = {
+    "dp_replicate": "replicas of a sharded model (HSDP, used with dp_shard)",
     "dp": "data parallel (DistributedDataParallel, replicated parameters)",
+    "dp_shard": "fully sharded data parallel (FSDP2, ZeRO-3)",
 }
+
+#: Data-parallel axes: ranks along them see different data.
+DATA_PARALLEL_AXES = ("dp_replicate", "dp", "dp_shard")
+
+#: ZeRO aliases: name -> (axis, ZeRO stage).
+ZERO_ALIASES = {"zero1": ("dp", 1), "zero2": ("dp_shard", 2), "zero3": ("dp_shard", 3)}
 
 #: Axis names later issues will add; a clear message beats "unknown axis" for these.
 PLANNED_AXES = {
-    "zero1": "ZeRO-1 (sharded optimizer state)",
-    "zero2": "ZeRO-2 (sharded gradients and optimizer state)",
-    "zero3": "ZeRO-3 / FSDP (fully sharded)",
-    "dp_shard": "sharded data parallel (FSDP)",
-    "dp_replicate": "hybrid sharded data parallel (HSDP)",
     "tp": "tensor parallel",
     "pp": "pipeline parallel",
 }
@@ -48,9 +61,14 @@ _PAIR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\S+)\s*$")
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel degrees by axis name; ``degrees`` holds only axes with a degree above 1."""
+    """Parallel degrees by axis name; ``degrees`` holds only axes with a degree above 1.
+
+    ``zero_stage`` says what data parallelism shards: 0 nothing (DDP), 1 optimizer state,
+    2 gradients and optimizer state, 3 everything (parameters too).
+    """
 
     degrees: dict[str, int] = field(default_factory=dict)
+    zero_stage: int = 0
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -59,7 +77,7 @@ class Layout:
         if world_size < 1:
             raise LayoutError(f"world size must be at least 1, got {world_size}")
         if isinstance(spec, Layout):
-            raw = dict(spec.degrees)
+            return cls(*_resolve(_layout_to_raw(spec), world_size, str(spec)))
         elif spec is None or (isinstance(spec, str) and not spec.strip()):
             raw = {"dp": "auto"}
         elif isinstance(spec, str):
@@ -70,7 +88,7 @@ class Layout:
             raise LayoutError(
                 f"layout must be a string like 'dp=2', a dict or a Layout, got {type(spec).__name__}"
             )
-        return cls(_resolve(raw, world_size, spec))
+        return cls(*_resolve(raw, world_size, spec))
 
     # -- queries ------------------------------------------------------------------------------
     def degree(self, axis: str) -> int:
@@ -79,8 +97,17 @@ class Layout:
 
     @property
     def dp_degree(self) -> int:
-        """Ranks that see different data (all data-parallel flavours together)."""
-        return self.degree("dp")
+        """Ranks that see different data (all data-parallel axes together)."""
+        return math.prod(self.degree(a) for a in DATA_PARALLEL_AXES)
+
+    @property
+    def data_parallel_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in DATA_PARALLEL_AXES if a in self.degrees)
+
+    @property
+    def is_sharded(self) -> bool:
+        """Parameters and gradients sharded with FSDP2 (ZeRO-2 and ZeRO-3, HSDP)."""
+        return "dp_shard" in self.degrees
 
     @property
     def world_size(self) -> int:
@@ -103,7 +130,14 @@ class Layout:
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
 
     def __str__(self) -> str:
-        return ",".join(f"{a}={self.degrees[a]}" for a in self.axis_names) or "single"
+        names = {"dp": "zero1"} if self.zero_stage == 1 else (
+            {"dp_shard": "zero2"} if self.zero_stage == 2 else {})
+        text = ",".join(f"{names.get(a, a)}={self.degrees[a]}" for a in self.axis_names)
+        return text or "single"
+
+
+def _layout_to_raw(layout: Layout) -> dict:
+    return _parse_pairs(str(layout)) if layout.degrees else {}
 
 
 def _parse_pairs(spec: str) -> dict[str, str]:
@@ -125,9 +159,22 @@ def _parse_pairs(spec: str) -> dict[str, str]:
 
 
 def _resolve(raw: dict, world_size: int, spec) -> dict[str, int]:
-    known = ", ".join(AXES)
+    known = ", ".join([*AXES, *ZERO_ALIASES])
     degrees: dict[str, int] = {}
     auto_axis = None
+    zero_stage = None
+    for name in list(raw):
+        if name in ZERO_ALIASES:
+            axis, stage = ZERO_ALIASES[name]
+            if zero_stage is not None:
+                raise LayoutError(f"layout {spec!r} names two ZeRO stages; pick one")
+            if axis in raw:
+                raise LayoutError(
+                    f"layout {spec!r} names both {name!r} and {axis!r}, which are the same axis; "
+                    f"keep {name!r}"
+                )
+            zero_stage = stage
+            raw = {(axis if k == name else k): v for k, v in raw.items()}
     for axis, value in raw.items():
         if axis not in AXES:
             if axis in PLANNED_AXES:
@@ -169,4 +216,17 @@ def _resolve(raw: dict, world_size: int, spec) -> dict[str, int]:
             f"start {fixed} processes (devices={fixed} or --nproc-per-node {fixed}) or change the "
             f"degrees so they multiply to {world_size} (or set one to 'auto')"
         )
-    return {a: d for a, d in degrees.items() if d > 1}
+    degrees = {a: d for a, d in degrees.items() if d > 1}
+    if "dp" in degrees and "dp_shard" in degrees:
+        raise LayoutError(
+            f"layout {spec!r} combines dp (replicated) with dp_shard (sharded); for hybrid "
+            f"sharding write dp_replicate={degrees['dp']},dp_shard={degrees['dp_shard']}"
+        )
+    if "dp_replicate" in degrees and "dp_shard" not in degrees:
+        raise LayoutError(
+            f"layout {spec!r}: dp_replicate replicates a sharded model and needs dp_shard "
+            f"(HSDP); for plain replication write dp={degrees['dp_replicate']}"
+        )
+    if zero_stage is None:
+        zero_stage = 3 if "dp_shard" in raw else 0
+    return degrees, zero_stage

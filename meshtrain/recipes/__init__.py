@@ -1,7 +1,8 @@
 """Recipes: complete jobs described by a TOML config (``meshtrain train CONFIG.toml``).
 
 A config names its recipe in ``[job] recipe = "..."``; each recipe module has ``DEFAULTS`` (every
-key it accepts, with its default) and ``run(config, lr_find=False)``.
+key it accepts, with its default) and ``run(config, mode="train")``, where mode is ``train``,
+``lr-find`` or ``memory`` (one step, then the per-rank model-state table).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ def _recipes() -> dict:
     return {"char_lm": char_lm}
 
 
-def run_config(path: str, overrides: list[str], lr_find: bool = False):
+MODES = ("train", "lr-find", "memory")
+
+
+def run_config(path: str, overrides: list[str], mode: str = "train"):
+    assert mode in MODES, mode
     file_config = load_toml(path)
     name = file_config.get("job", {}).get("recipe", "char_lm")
     recipes = _recipes()
@@ -30,4 +35,4 @@ def run_config(path: str, overrides: list[str], lr_find: bool = False):
         from meshtrain.config import dumps_toml
 
         print(f"# resolved config ({path})\n{dumps_toml(config)}", flush=True)
-    return recipe.run(config, lr_find=lr_find)
+    return recipe.run(config, mode=mode)

@@ -70,8 +70,11 @@ class _SaveConfig(Callback):
             (trainer.run_dir / "tokenizer.json").write_text(json.dumps(self.tokenizer.to_dict()))
 
 
-def run(config: dict, lr_find: bool = False):
+def run(config: dict, mode: str = "train"):
     data, opt, trainer_cfg = config["data"], config["optimizer"], dict(config["trainer"])
+    if mode == "memory":  # one step is enough to measure every rank's model state
+        trainer_cfg.update(max_steps=1, max_epochs=None, val_every_n_steps=None,
+                           progress_bar=False)
     text = load_text(data)
     tokenizer = CharTokenizer.from_text(text)
     train_tokens, val_tokens = split_tokens(tokenizer.encode(text), data["val_fraction"])
@@ -81,16 +84,20 @@ def run(config: dict, lr_find: bool = False):
     model_config = GPTConfig(vocab_size=tokenizer.vocab_size, seq_len=data["seq_len"],
                              **config["model"])
 
+    extra = dict(loggers=(), save_final_checkpoint=False) if mode == "memory" else {}
     trainer = Trainer(name=config["job"]["name"],
-                      callbacks=[_SaveConfig(config, tokenizer)], **trainer_cfg)
+                      callbacks=[_SaveConfig(config, tokenizer)], **trainer_cfg, **extra)
     build = lambda: GPT(model_config, seed=trainer.seed)  # noqa: E731
     optimizer = lambda params: torch.optim.AdamW(  # noqa: E731
         params, lr=opt["lr"], weight_decay=opt["weight_decay"], betas=(opt["beta1"], opt["beta2"]))
     loss_fn = lambda logits, targets: torch.nn.functional.cross_entropy(  # noqa: E731
         logits.flatten(0, 1), targets.flatten())
 
-    if lr_find:
+    if mode == "lr-find":
         return trainer.lr_find(build, train_set, optimizer=optimizer, loss_fn=loss_fn)
+    if mode == "memory":
+        trainer.fit(build, train_set, optimizer=optimizer, loss_fn=loss_fn)
+        return {"run_dir": trainer.run_dir}
 
     total = trainer_cfg["max_steps"] or 10**9
     schedule = cosine_with_warmup(total, opt["warmup_steps"], opt["min_lr_ratio"])

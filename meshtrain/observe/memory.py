@@ -1,0 +1,407 @@
+"""Per-rank model-state memory: what this rank holds, and what the ZeRO formulas predict.
+
+Model state is parameters, gradients and optimizer state (Rajbhandari et al., "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", SC 2020); activations, buffers and
+temporary communication buffers are not part of it. With Ψ parameters on N ranks, b_p and b_g
+bytes per parameter and gradient element and K bytes of optimizer state per parameter, one rank
+holds
+
+=========  ==========  ==========  ========  ==========================================
+stage      params      grads       optim     what meshtrain runs
+=========  ==========  ==========  ========  ==========================================
+0          b_p·Ψ       b_g·Ψ       K·Ψ       ``dp``: DDP
+1          b_p·Ψ       b_g·Ψ       K·Ψ/N     ``zero1``: DDP + ZeroRedundancyOptimizer
+2          b_p·Ψ       b_g·Ψ/N     K·Ψ/N     ``zero2``: FSDP2, reshard_after_forward=False
+3          b_p·Ψ/N     b_g·Ψ/N     K·Ψ/N     ``zero3`` / ``dp_shard``: FSDP2
+=========  ==========  ==========  ========  ==========================================
+
+The paper counts mixed-precision Adam: fp16 parameters and gradients plus fp32 master
+parameters, momentum and variance, i.e. 2Ψ + 2Ψ + KΨ with K = 12 (16Ψ in all at stage 0).
+meshtrain keeps fp32 parameters (with DDP, ``bf16-mixed`` is autocast: only activations are
+bf16), so with Adam it is 4Ψ + 4Ψ + 8Ψ: the parameter *is* the master copy and K = 8 (momentum
++ variance).
+FSDP2 realises the stages like this:
+
+* its sharded fp32 parameter (a DTensor, dim 0 split over the mesh) is the master copy the
+  optimizer updates; the full parameter exists only while it is gathered;
+* ZeRO-3 (``reshard_after_forward=True``) frees the gathered parameters of each block after its
+  forward and again after its backward, so at rest a rank holds Ψ/N;
+* ZeRO-2 (``reshard_after_forward=False``) keeps them from forward to the end of backward. The
+  formula's full b_p·Ψ is what a rank holds *in that window*; after backward FSDP2 reshards, so
+  after the optimizer step it holds Ψ/N like ZeRO-3. Compare stage 2 with the parameters
+  measured between forward and backward (:class:`ForwardParamBytes`). In that window the
+  sharded master copy (b_p·Ψ/N) is resident too; the formula does not count it (in the paper's
+  mixed-precision form it is part of K);
+* the root module's own parameters (those outside the sharded blocks, e.g. embeddings or a final
+  norm) stay gathered after forward by default, because backward needs them at once.
+
+With FSDP2's bf16 ``param_dtype`` (``bf16-mixed`` on a sharded layout) the gathered copy is bf16,
+so ZeRO-2's window holds 2Ψ of parameters beside the fp32 shards: the paper's mixed-precision form.
+
+Measurement points: gradients are read from ``p.grad``, which exists from backward until
+``zero_grad(set_to_none=True)`` (DDP keeps its gradient bucket allocated even then, but it is no
+longer reachable from the parameters), and optimizer state from the first ``step()``: measure
+after the first step and before zero_grad. :class:`MemoryProbe` does exactly that with hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ForwardParamBytes",
+    "MemoryProbe",
+    "MemoryRow",
+    "ModelStateBytes",
+    "format_memory_table",
+    "memory_row",
+    "memory_summary",
+    "model_state_bytes",
+    "optimizer_bytes_per_param",
+    "predicted_bytes",
+    "shard_count",
+]
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer state on one rank."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+# -------------------------------------------------------------------------------------------------
+# measured
+# -------------------------------------------------------------------------------------------------
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` stored on this rank (a DTensor's local shard, else itself)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
+
+class _StorageSet:
+    """Counts the bytes of storages seen for the first time (each storage once)."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int]] = set()
+
+    def add(self, tensor: torch.Tensor) -> int:
+        storage = _local(tensor).untyped_storage()
+        size = storage.nbytes()
+        if size == 0:  # e.g. FSDP2's freed (resharded) full parameter
+            return 0
+        key = (str(storage.device), storage.data_ptr())
+        if key in self._seen:
+            return 0
+        self._seen.add(key)
+        return size
+
+    def add_all(self, tensors: Iterable[torch.Tensor]) -> int:
+        return sum(self.add(t) for t in tensors)
+
+
+def _optimizer_states(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Per-parameter state dicts held by this rank, looking inside ZeroRedundancyOptimizer."""
+    states = list(optimizer.state.values())
+    inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer: this rank's partition
+    if isinstance(inner, torch.optim.Optimizer):
+        states += list(inner.state.values())
+    return states
+
+
+def _state_tensors(state) -> Iterable[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _state_tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _state_tensors(value)
+
+
+def model_state_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> ModelStateBytes:
+    """Bytes of model state this rank holds now, counted from the local tensors.
+
+    * parameters: those ``model.parameters()`` yields now. A DTensor counts its local shard.
+      Under FSDP2 these are the sharded parameters at rest, and the gathered full parameters of
+      modules that are unsharded at the moment (ZeRO-2 between forward and backward; the root's
+      own parameters after forward); the sharded master copy behind a gathered parameter is not
+      counted then (see the module docstring).
+    * gradients: ``p.grad`` of those parameters (None counts nothing).
+    * optimizer: every tensor in ``optimizer.state`` (for ZeroRedundancyOptimizer its local
+      ``optimizer.optim.state``), including Adam's 4-byte ``step`` counters.
+
+    Bytes are counted per storage, each storage once, at its full allocated size. This is what
+    the allocator holds, and it gets three cases right: DDP's ``gradient_as_bucket_view`` makes
+    every ``p.grad`` a view into a shared bucket (counted once, not once per view); FSDP2's
+    gradients of one module are views into one reduce-scatter output; and FSDP2 pads each
+    sharded parameter so that dim 0 divides the mesh (``to_local()`` is an unpadded view of the
+    padded storage), so the padding, up to N-1 rows per parameter, is counted. Optimizer state is
+    created with ``zeros_like`` of the unpadded local shard and has no padding. Sizes that divide
+    N give exactly zero padding.
+    """
+    seen = _StorageSet()
+    params = [p for p in model.parameters()]
+    param_bytes = seen.add_all(params)
+    grad_bytes = seen.add_all(p.grad for p in params if p.grad is not None)
+    opt_bytes = 0
+    if optimizer is not None:
+        for state in _optimizer_states(optimizer):
+            opt_bytes += seen.add_all(_state_tensors(state))
+    return ModelStateBytes(param_bytes, grad_bytes, opt_bytes)
+
+
+class ForwardParamBytes:
+    """Parameter bytes right after each forward of ``model``; ``.bytes`` is the largest seen.
+
+    This is the measurement point for ZeRO-2: FSDP2 with ``reshard_after_forward=False`` holds
+    the full parameters from forward to the end of backward. Register it after ``fully_shard``
+    (so the hook runs after FSDP2's own post-forward hook) and ``remove()`` it when done::
+
+        watch = ForwardParamBytes(model)
+        ...  # forward, backward, optimizer.step()
+        summary = memory_summary(model, optimizer, layout, forward_params=watch.bytes)
+        watch.remove()
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.bytes: int | None = None
+        self._model = model
+        self._handle = model.register_forward_hook(self._record)
+
+    def _record(self, module, args, output) -> None:
+        now = _StorageSet().add_all(self._model.parameters())
+        self.bytes = now if self.bytes is None else max(self.bytes, now)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+# -------------------------------------------------------------------------------------------------
+# predicted
+# -------------------------------------------------------------------------------------------------
+def predicted_bytes(
+    num_params: int,
+    zero_stage: int,
+    num_shards: int,
+    *,
+    bytes_per_param: int = 4,
+    bytes_per_grad: int = 4,
+    optimizer_bytes_per_param: int = 8,
+) -> ModelStateBytes:
+    """Per-rank model-state bytes from the ZeRO paper's formulas (see the module docstring).
+
+    ``num_params`` is Ψ (the full model), ``num_shards`` N (ranks the state is sharded over);
+    the defaults are fp32 parameters and gradients with Adam (K = 8). Mixed precision as in the
+    paper: ``bytes_per_param=2, bytes_per_grad=2, optimizer_bytes_per_param=12``. Divisions are
+    exact (floats rounded to whole bytes).
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    n = num_shards
+    params = bytes_per_param * num_params / (n if zero_stage >= 3 else 1)
+    grads = bytes_per_grad * num_params / (n if zero_stage >= 2 else 1)
+    opt = optimizer_bytes_per_param * num_params / (n if zero_stage >= 1 else 1)
+    return ModelStateBytes(round(params), round(grads), round(opt))
+
+
+def shard_count(layout) -> int:
+    """N of the formulas for a :class:`~meshtrain.parallel.layout.Layout`.
+
+    ZeRO-1 shards the optimizer over the ``dp`` ranks; ZeRO-2/3 shard over ``dp_shard`` (with
+    HSDP the ``dp_replicate`` replicas each hold a full set of shards, so they do not divide).
+    """
+    if layout.zero_stage == 1:
+        return layout.degree("dp")
+    if layout.zero_stage in (2, 3):
+        return layout.degree("dp_shard")
+    return 1
+
+
+def optimizer_bytes_per_param(optimizer: torch.optim.Optimizer, default: int = 8) -> int:
+    """K: bytes of parameter-sized optimizer state per parameter (Adam fp32: 8, SGD momentum: 4).
+
+    Read after a step from the state slots of the first parameter that has state (``step`` and
+    other entries not the parameter's size excluded); no state at all then means a stateless
+    optimizer (plain SGD: 0). ``default`` is for a ZeRO-1 rank that owns no parameters.
+    """
+    inner = getattr(optimizer, "optim", None)
+    opt = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+    for param, state in opt.state.items():
+        numel = _local(param).numel()
+        return sum(
+            _local(v).element_size() for k, v in state.items()
+            if isinstance(v, torch.Tensor) and k != "step" and _local(v).numel() == numel
+        )
+    owns_params = any(group["params"] for group in opt.param_groups)
+    return 0 if owns_params else default
+
+
+def _num_params(model: torch.nn.Module) -> int:
+    # DTensor.numel() is the global size, so this is Ψ under FSDP2 too.
+    return sum(p.numel() for p in model.parameters())
+
+
+# -------------------------------------------------------------------------------------------------
+# reporting
+# -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryRow:
+    """One layout's measured and predicted per-rank bytes (a row of the table)."""
+
+    layout: str
+    measured: ModelStateBytes
+    predicted: ModelStateBytes
+    num_params: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """Measured total / predicted total."""
+        return self.measured.total / self.predicted.total if self.predicted.total else float("nan")
+
+
+def memory_row(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout,
+    num_params: int | None = None,
+    *,
+    forward_params: int | None = None,
+) -> MemoryRow:
+    """Measure this rank's model state now and predict it for ``layout``.
+
+    Call after an optimizer step and before ``zero_grad`` (so gradients and optimizer state
+    exist). ``num_params`` defaults to Ψ counted from ``model``. For ZeRO-2 the parameters are
+    taken from ``forward_params`` (a :class:`ForwardParamBytes` reading) when given.
+    """
+    measured = model_state_bytes(model, optimizer)
+    if layout.zero_stage == 2 and forward_params is not None:
+        measured = ModelStateBytes(forward_params, measured.grads, measured.optimizer)
+    first = next(model.parameters())
+    num_params = _num_params(model) if num_params is None else num_params
+    predicted = predicted_bytes(
+        num_params,
+        layout.zero_stage,
+        shard_count(layout),
+        bytes_per_param=first.element_size(),
+        bytes_per_grad=first.element_size(),
+        optimizer_bytes_per_param=optimizer_bytes_per_param(optimizer),
+    )
+    return MemoryRow(str(layout), measured, predicted, num_params)
+
+
+def format_memory_table(rows: Iterable[MemoryRow]) -> str:
+    """An aligned text table of rows, sizes in MiB."""
+    header = ("layout", "params", "grads", "optimizer", "total", "predicted", "ratio")
+    lines = [header]
+    for row in rows:
+        m = row.measured
+        lines.append((
+            row.layout, *(f"{b / MIB:.2f}" for b in (m.params, m.grads, m.optimizer, m.total)),
+            f"{row.predicted.total / MIB:.2f}", f"{row.ratio:.3f}",
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                  enumerate(zip(line, widths)))
+        for line in lines
+    ]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def memory_summary(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout,
+    num_params: int | None = None,
+    *,
+    forward_params: int | None = None,
+) -> str:
+    """This rank's model-state memory against the ZeRO formula for ``layout``, as text (MiB).
+
+    Call after the first optimizer step and before ``zero_grad``; see :func:`memory_row`.
+    """
+    return _summary_text(
+        memory_row(model, optimizer, layout, num_params, forward_params=forward_params), layout,
+        forward_params is not None,
+    )
+
+
+def _summary_text(row: MemoryRow, layout, have_forward: bool) -> str:
+    n = shard_count(layout)
+    sharding = f"sharded over N = {n}" if layout.zero_stage else "replicated"
+    text = (f"model state on this rank (MiB): {_fmt_count(row.num_params)} parameters, ZeRO "
+            f"stage {layout.zero_stage} ({sharding})\n" + format_memory_table([row]))
+    if layout.zero_stage == 2 and n > 1 and not have_forward:
+        text += ("\nnote: ZeRO-2 parameters were measured after the step (resharded, 1/N); the "
+                 "formula's full size holds between forward and backward (ForwardParamBytes)")
+    return text
+
+
+class MemoryProbe:
+    """Measures model state once, right after the first optimizer step.
+
+    Hooks do the timing, so the training loop needs no change: a forward hook records the
+    parameters after forward (the ZeRO-2 measurement point) and an optimizer step post-hook
+    measures everything after the step, before ``zero_grad`` can free the gradients. Create it
+    after the model is parallelized and the optimizer built; read :attr:`row` or
+    :meth:`summary` after the first step (``None`` before). The forward hook goes after the
+    measurement; the step hook (a no-op from then on) goes with :meth:`summary` or
+    :meth:`remove`, because removing it from inside the optimizer's own hook loop breaks that
+    loop ("OrderedDict mutated during iteration").
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout,
+                 num_params: int | None = None):
+        self.model, self.optimizer, self.layout = model, optimizer, layout
+        self.num_params = _num_params(model) if num_params is None else num_params
+        self.row: MemoryRow | None = None
+        self._forward = ForwardParamBytes(model)
+        self._step_hook = optimizer.register_step_post_hook(self._after_step)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if self.row is not None:
+            return
+        self.row = memory_row(self.model, self.optimizer, self.layout, self.num_params,
+                              forward_params=self._forward.bytes)
+        self._forward.remove()
+
+    def summary(self) -> str | None:
+        """The table of :func:`memory_summary` (and the hooks removed), or None before the
+        first step."""
+        if self.row is None:
+            return None
+        self.remove()
+        return _summary_text(self.row, self.layout, self._forward.bytes is not None)
+
+    def remove(self) -> None:
+        self._forward.remove()
+        self._step_hook.remove()
+
+
+def _fmt_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)

@@ -1,0 +1,191 @@
+"""Fully sharded data parallelism with FSDP2 (Zhao et al., VLDB 2023, "PyTorch FSDP").
+
+ZeRO (Rajbhandari et al., SC 2020) removes the redundancy of data parallelism: each of the N
+ranks keeps 1/N of the parameters, gradients and optimizer state. FSDP2's ``fully_shard`` turns
+every parameter into a ``DTensor`` sharded on dim 0; before a module's forward (and backward) its
+parameters are all-gathered, after backward its gradients are reduce-scattered. Sharding the
+model block by block means only one block is ever gathered at a time.
+
+* 1-D mesh: FSDP. ``reshard_after_forward=True`` frees the gathered parameters after forward
+  (ZeRO-3); ``False`` keeps them until backward (ZeRO-2: gradients and optimizer state sharded).
+* 2-D mesh ``(replicate, shard)``: HSDP. Shard inside each group, all-reduce across groups.
+
+Meta-device construction (``build_on_meta`` -> ``apply_fsdp`` -> ``materialize``) lets a model
+that fits on no single rank be built: each rank only ever allocates its own shards, and the
+model's ``init_weights()`` fills them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from meshtrain.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+OFFLOADS = (None, "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# What to shard
+# ---------------------------------------------------------------------------------------------
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_blocks(model: nn.Module, *, min_num_params: int | None = None) -> list[nn.Module]:
+    """The units to shard one by one, outermost first, never overlapping; ``[]`` if none.
+
+    By default, the model's repeated blocks: children of an ``nn.ModuleList`` / ``nn.Sequential``
+    whose class appears there at least twice and that have parameters (GPT's ``model.layers``;
+    the Linear layers of a Sequential MLP). With ``min_num_params``, instead the largest
+    submodules that hold at least that many parameters (containers without a forward, such as
+    ``nn.ModuleList``, are looked into, never returned).
+    """
+    if min_num_params is not None and min_num_params < 1:
+        raise ConfigError(f"min_num_params must be a positive integer, got {min_num_params!r}")
+    blocks: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if min_num_params is not None:
+                callable_unit = not isinstance(child, (nn.ModuleList, nn.ModuleDict))
+                if callable_unit and _num_params(child) >= min_num_params:
+                    blocks.append(child)
+                    continue
+            elif isinstance(module, (nn.ModuleList, nn.Sequential)) and _num_params(child) > 0:
+                if sum(type(other) is type(child) for other in module.children()) >= 2:
+                    blocks.append(child)
+                    continue
+            visit(child)
+
+    visit(model)
+    return blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# Options: precision and offload
+# ---------------------------------------------------------------------------------------------
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2 mixed precision: compute in half precision on gathered copies, reduce gradients in
+    fp32, keep the sharded (master) parameters and optimizer state in fp32."""
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "fp16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+
+
+def check_offload(offload: str | None, device_type: str) -> None:
+    """Reject offload settings that cannot work, before any process group exists.
+
+    ``offload="cpu"`` keeps the sharded parameters, gradients and optimizer state in (pinned) CPU
+    memory to save GPU memory. On a CPU-only job everything already lives in CPU memory, so it
+    would be a silent no-op at best; it is rejected so that nobody believes it is doing something.
+    """
+    if offload not in OFFLOADS:
+        raise ConfigError(f"unknown offload {offload!r}; choose None (no offload) or 'cpu'")
+    if offload == "cpu" and device_type == "cpu":
+        raise ConfigError(
+            "offload='cpu' moves the sharded parameters, gradients and optimizer state from GPU "
+            "memory to CPU memory, but this job runs on the CPU (no GPU here), so there is "
+            "nothing to offload; remove offload='cpu' or run on GPUs"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding
+# ---------------------------------------------------------------------------------------------
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = True,
+    precision: str = "fp32",
+    offload: str | None = None,
+    blocks: list[nn.Module] | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 ``fully_shard``: each block, then the root.
+
+    ``mesh`` is 1-D (FSDP: ZeRO-3, or ZeRO-2 with ``reshard_after_forward=False``) or 2-D with
+    dims ``(replicate, shard)`` (HSDP). ``blocks`` defaults to :func:`find_blocks`; with no blocks
+    only the root is sharded, which is correct but gathers the whole model at once. Gradients are
+    averaged over the ranks, so each rank's loss should be the mean over its own samples.
+    Returns ``model`` itself (now also an ``FSDPModule``).
+    """
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(
+            f"{type(model).__name__} has no parameters, so there is nothing to shard; check that "
+            "its layers are registered as attributes or in nn.ModuleList (not in a plain list)"
+        )
+    if mesh.ndim not in (1, 2):
+        raise ConfigError(
+            f"apply_fsdp needs a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
+            f"{mesh.ndim}-D mesh {mesh.mesh_dim_names or ''}; pass the data-parallel sub-mesh"
+        )
+    check_offload(offload, mesh.device_type)
+    options = dict(mesh=mesh, mp_policy=mixed_precision_policy(precision))
+    if offload == "cpu":
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    blocks = find_blocks(model) if blocks is None else list(blocks)
+    if any(block is model for block in blocks):
+        raise ConfigError(
+            "blocks contains the model itself, which apply_fsdp always shards last as the root; "
+            "pass only its submodules (e.g. model.layers), or no blocks to shard the root alone"
+        )
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again as soon as backward starts, so (as in
+        # torchtitan) it is not resharded: this saves one all-gather and barely changes peak memory.
+        last = i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **options)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Meta-device construction
+# ---------------------------------------------------------------------------------------------
+def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
+    """Build ``factory()`` on the meta device: shapes and dtypes only, no parameter storage."""
+    with torch.device("meta"):
+        return factory()
+
+
+def supports_meta_init(model_or_factory) -> bool:
+    """Whether the model (a module, its class, or a factory) defines ``init_weights()``.
+
+    A factory that is not a class is built on the meta device to find out (which allocates
+    nothing); one that cannot be built there does not support meta construction either.
+    """
+    target = model_or_factory
+    while isinstance(target, functools.partial):
+        target = target.func
+    if isinstance(target, nn.Module):
+        target = type(target)
+    if not inspect.isclass(target):
+        try:
+            target = type(build_on_meta(model_or_factory))
+        except Exception:
+            return False
+    return issubclass(target, nn.Module) and callable(getattr(target, "init_weights", None))
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate a meta-built model's storage on ``device`` (after :func:`apply_fsdp`: only this
+    rank's shards) and fill it with ``model.init_weights()``; buffers are that method's job too."""
+    if not callable(getattr(model, "init_weights", None)):
+        raise ConfigError(
+            f"to build on the meta device a model needs init_weights() to fill its parameters "
+            f"(and buffers) after they are allocated; {type(model).__name__} has none. Add an "
+            f"init_weights(self) method, or build the model on a real device instead"
+        )
+    model.to_empty(device=torch.device(device))
+    model.init_weights()
