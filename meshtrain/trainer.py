@@ -503,6 +503,8 @@ class Trainer:
             self._call("on_fit_end")
         finally:
             self._bar.close()
+            if memory is not None:  # fit ended before the first step: take the hooks off
+                memory.remove()
             self._bar = None
         if self.is_global_zero:
             self._plot_losses()
