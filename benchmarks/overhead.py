@@ -16,17 +16,23 @@ Each variant runs on fresh processes from ``meshtrain.launch.spawn.run_workers``
 not timed: every rank takes a timestamp at the end of each optimizer step, and the step time is
 (end of the last step - end of the last warm-up step) / timed steps, so it includes everything
 a framework does between two steps (data loading, hooks, logging). Repeats are interleaved
-(raw, meshtrain, lightning, raw, ...) so that machine noise hits all variants alike; the table
-shows the median over repeats.
+(raw, meshtrain, lightning, raw, ...) so that machine noise hits all variants alike. The table
+shows, per variant, the median over repeats of the wall-clock step time, its ratio to raw
+(``x raw``), the median of the per-repeat ratios to the raw run just before (``paired``), and
+the CPU time per step of a rank (all its threads), which other jobs on the machine disturb much
+less than wall-clock time.
 
-    python benchmarks/overhead.py                 # 20 warm-up + 200 timed steps, 5 repeats
-    python benchmarks/overhead.py --quick         # smoke run
+    python benchmarks/overhead.py                   # 20 warm-up + 200 timed steps, 5 repeats
+    python benchmarks/overhead.py --quick           # smoke run (one short run of each variant)
+    python benchmarks/overhead.py --raw-bucket-view # raw DDP with meshtrain's DDP setting
     python benchmarks/overhead.py --out overhead.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
@@ -58,6 +64,9 @@ class Config:
     num_classes: int = 10
     lr: float = 1e-3
     seed: int = 0
+    # meshtrain wraps with DDP(gradient_as_bucket_view=True); the plain loop uses DDP's default
+    # (False) unless --raw-bucket-view asks for the same setting (framework cost alone).
+    raw_bucket_view: bool = False
 
     @property
     def total_steps(self) -> int:
@@ -92,15 +101,38 @@ def make_optimizer(params, lr: float = 1e-3) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
+def drain_collectives() -> None:
+    """Let the gloo worker threads retire their finished work before the process group dies.
+
+    Work launched during backward carries the autograd thread-local state, including a Python
+    object (``torch.autograd.graph._engine_run_backward`` stashes a ``contextvars`` context), so
+    the gloo thread that retires it must take the GIL. If the last reference to the DDP reducer
+    (hence to the ``ProcessGroupGloo``) is dropped at that moment, the destructor joins that
+    thread while holding the GIL and both wait forever (seen with torch 2.13: roughly one run
+    in ten hung at teardown, in every variant). A barrier waits for all earlier work; the sleep
+    releases the GIL so the gloo threads can finish retiring it.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        time.sleep(0.05)
+
+
 class StepClock:
     """Timestamps at optimizer-step boundaries; the timed window starts after the warm-up."""
 
     def __init__(self, warmup: int, steps: int):
         self.warmup, self.steps = warmup, steps
         self.ends: list[float] = []
+        self.cpu: list[float] = []
 
     def step_end(self) -> None:
         self.ends.append(time.perf_counter())
+        # CPU time of all this rank's threads (gloo's included), only at the window's two ends:
+        # reading it costs about a millisecond here, far more than perf_counter.
+        if len(self.ends) in (self.warmup, self.warmup + self.steps):
+            self.cpu.append(time.process_time())
 
     def result(self, variant: str) -> dict:
         need = self.warmup + self.steps
@@ -113,6 +145,7 @@ class StepClock:
             "rank": int(os.environ.get("RANK", 0)),
             "mean_step_s": (window[-1] - window[0]) / self.steps,
             "median_step_s": statistics.median(deltas),
+            "cpu_step_s": (self.cpu[1] - self.cpu[0]) / self.steps,
         }
 
 
@@ -129,7 +162,7 @@ def raw_worker(cfg: Config) -> dict:
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     dist.init_process_group("gloo")
     torch.manual_seed(cfg.seed)
-    model = DDP(build_model(cfg))
+    model = DDP(build_model(cfg), gradient_as_bucket_view=cfg.raw_bucket_view)
     optimizer = make_optimizer(model.parameters(), cfg.lr)
     dataset = build_data(cfg)
     sampler = DistributedSampler(dataset, shuffle=True, seed=cfg.seed, drop_last=True)
@@ -150,6 +183,7 @@ def raw_worker(cfg: Config) -> dict:
                 break
         epoch += 1
     result = clock.result("raw")
+    drain_collectives()
     dist.destroy_process_group()
     return result
 
@@ -169,7 +203,8 @@ def meshtrain_worker(cfg: Config, log_every_n_steps: int) -> dict:
             self.clock.step_end()
 
     clock = StepClock(cfg.warmup, cfg.steps)
-    with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as run_dir:
+    quiet = contextlib.redirect_stdout(io.StringIO())  # e.g. the model-state table after step 1
+    with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as run_dir, quiet:
         trainer = Trainer(
             layout=f"dp={WORLD_SIZE}", accelerator="cpu", max_steps=cfg.total_steps,
             global_batch_size=cfg.global_batch_size, seed=cfg.seed, shuffle=True,
@@ -180,12 +215,11 @@ def meshtrain_worker(cfg: Config, log_every_n_steps: int) -> dict:
             lambda: build_model(cfg), build_data(cfg),
             optimizer=lambda params: make_optimizer(params, cfg.lr), loss_fn=F.cross_entropy,
         )
-    result = clock.result("meshtrain")
-    import torch.distributed as dist
+        drain_collectives()  # while the trainer (and its DDP wrapper) is still alive
+        import torch.distributed as dist
 
-    if dist.is_initialized():
         dist.destroy_process_group()
-    return result
+    return clock.result("meshtrain")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,16 +238,17 @@ def lightning_worker(cfg: Config) -> dict:
     # no processes of its own, reads RANK/WORLD_SIZE/LOCAL_RANK, and (as under torchrun) every
     # rank joins the store that run_workers' launching process hosts at MASTER_ADDR:MASTER_PORT.
     os.environ.update(
-        TORCHELASTIC_RUN_ID="meshtrain-overhead-bench", GROUP_RANK="0", ROLE_RANK=os.environ["RANK"],
-        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RUN_ID="meshtrain-overhead-bench", GROUP_RANK="0",
+        ROLE_RANK=os.environ["RANK"], TORCHELASTIC_USE_AGENT_STORE="True",
     )
     import logging
     import warnings
 
     warnings.filterwarnings("ignore")  # e.g. "the DataLoader does not have many workers"
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)  # start-up banners and tips
     import lightning as L
+
+    for name in ("lightning.pytorch", "lightning.fabric"):  # start-up banners and tips
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -247,62 +282,75 @@ def lightning_worker(cfg: Config) -> dict:
             default_root_dir=root,
         )
         trainer.fit(Module(), loader)
+        drain_collectives()
     return clock.result("lightning")
 
 
 # ---------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------
+def bench_worker(variant: str, cfg: Config, log_every_n_steps: int, hang_s: float) -> dict:
+    """One rank of one run; if it hangs, its stack goes to stderr before it is killed."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(hang_s, exit=False)
+    try:
+        if variant == "raw":
+            return raw_worker(cfg)
+        if variant == "meshtrain":
+            return meshtrain_worker(cfg, log_every_n_steps)
+        return lightning_worker(cfg)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def run_variant(variant: str, cfg: Config, log_every_n_steps: int, timeout: float) -> dict:
-    if variant == "raw":
-        fn, args = raw_worker, (cfg,)
-    elif variant == "meshtrain":
-        fn, args = meshtrain_worker, (cfg, log_every_n_steps)
-    else:
-        fn, args = lightning_worker, (cfg,)
-    ranks = run_workers(fn, WORLD_SIZE, args, timeout=timeout, threads=1)
+    args = (variant, cfg, log_every_n_steps, max(1.0, timeout - 10))
+    ranks = run_workers(bench_worker, WORLD_SIZE, args, timeout=timeout, threads=1)
     # Ranks step together (every step all-reduces); the slower rank's clock is the job's.
     return {
-        "mean_step_s": max(r["mean_step_s"] for r in ranks),
-        "median_step_s": max(r["median_step_s"] for r in ranks),
-        "ranks": ranks,
-    }
+        key: max(r[key] for r in ranks)
+        for key in ("mean_step_s", "median_step_s", "cpu_step_s")
+    } | {"ranks": ranks}
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     summary = {}
     for variant, reps in runs.items():
         means = [r["mean_step_s"] for r in reps]
+        cpu = [r["cpu_step_s"] for r in reps]
         summary[variant] = {
             "median_ms": 1e3 * statistics.median(means),
             "min_ms": 1e3 * min(means),
             "max_ms": 1e3 * max(means),
             "repeats_ms": [1e3 * m for m in means],
+            "cpu_median_ms": 1e3 * statistics.median(cpu),
         }
     raw = summary.get("raw")
-    for variant, row in summary.items():
+    for row in summary.values():
         if raw is None:
-            row["ratio_vs_raw"] = None
+            row["ratio_vs_raw"] = row["paired_ratio_median"] = row["cpu_ratio_vs_raw"] = None
             continue
         row["ratio_vs_raw"] = row["median_ms"] / raw["median_ms"]
-        # Paired by repeat (each variant ran right after raw), less sensitive to slow drift.
+        # Paired by repeat (each ran right next to a raw run): less sensitive to slow drift.
         pairs = [m / r for m, r in zip(row["repeats_ms"], raw["repeats_ms"])]
         row["paired_ratio_median"] = statistics.median(pairs)
+        row["cpu_ratio_vs_raw"] = row["cpu_median_ms"] / raw["cpu_median_ms"]
     return summary
 
 
 def format_table(summary: dict[str, dict]) -> str:
-    lines = [
-        f"{'variant':<10} {'median ms/step':>15} {'min':>8} {'max':>8} {'x raw':>7} {'paired':>7}",
-        "-" * 60,
-    ]
+    def ratio(value) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    header = (f"{'variant':<10} {'median ms/step':>14} {'min':>7} {'max':>7} {'x raw':>6} "
+              f"{'paired':>6} {'cpu ms/step':>11} {'cpu x raw':>9}")
+    lines = [header, "-" * len(header)]
     for variant, row in summary.items():
-        ratio = "-" if row["ratio_vs_raw"] is None else f"{row['ratio_vs_raw']:.3f}"
-        paired = row.get("paired_ratio_median")
-        paired = "-" if paired is None else f"{paired:.3f}"
         lines.append(
-            f"{variant:<10} {row['median_ms']:>15.3f} {row['min_ms']:>8.3f} "
-            f"{row['max_ms']:>8.3f} {ratio:>7} {paired:>7}"
+            f"{variant:<10} {row['median_ms']:>14.2f} {row['min_ms']:>7.2f} {row['max_ms']:>7.2f} "
+            f"{ratio(row['ratio_vs_raw']):>6} {ratio(row['paired_ratio_median']):>6} "
+            f"{row['cpu_median_ms']:>11.2f} {ratio(row['cpu_ratio_vs_raw']):>9}"
         )
     return "\n".join(lines)
 
@@ -316,6 +364,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="meshtrain's log_every_n_steps (50)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--raw-bucket-view", action="store_true",
+                        help="give the raw loop DDP(gradient_as_bucket_view=True) as meshtrain has")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 3 warm-up + 10 timed steps, 1 repeat")
     parser.add_argument("--timeout", type=float, default=300.0,
@@ -334,7 +384,7 @@ def main(argv=None) -> int:
     # One torch thread per rank for every variant (meshtrain and Lightning would otherwise pick
     # cpu_count // local_world_size threads themselves).
     os.environ["OMP_NUM_THREADS"] = "1"
-    cfg = Config(steps=args.steps, warmup=args.warmup)
+    cfg = Config(steps=args.steps, warmup=args.warmup, raw_bucket_view=args.raw_bucket_view)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -347,7 +397,8 @@ def main(argv=None) -> int:
     print(f"overhead benchmark: {WORLD_SIZE} ranks (gloo, CPU, 1 thread each), "
           f"MLP {cfg.in_features}-{cfg.hidden}-{cfg.hidden}-{cfg.num_classes}, "
           f"global batch {cfg.global_batch_size}, AdamW, {cfg.warmup} warm-up + {cfg.steps} "
-          f"timed steps, {args.repeats} repeats, torch {torch.__version__}", flush=True)
+          f"timed steps, {args.repeats} repeats, torch {torch.__version__}; raw loop: DDP("
+          f"gradient_as_bucket_view={cfg.raw_bucket_view})", flush=True)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for rep in range(args.repeats):
         for variant in variants:
@@ -356,19 +407,26 @@ def main(argv=None) -> int:
             runs[variant].append(res)
             print(f"  repeat {rep + 1}/{args.repeats} {variant:<10} "
                   f"{1e3 * res['mean_step_s']:8.3f} ms/step "
-                  f"(median single step {1e3 * res['median_step_s']:.3f} ms; "
+                  f"(median single step {1e3 * res['median_step_s']:.3f} ms, "
+                  f"cpu {1e3 * res['cpu_step_s']:.3f} ms/step; "
                   f"run took {time.perf_counter() - started:.1f} s)", flush=True)
 
     summary = summarize(runs)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print()
     print(format_table(summary))
+    if load is not None:
+        # Other jobs on the machine show up in the wall-clock columns (not much in cpu ms/step).
+        print(f"load average at the end (1/5/15 min): {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
+              f"on {os.cpu_count()} CPUs")
     if args.out:
         payload = {
             "config": asdict(cfg) | {"world_size": WORLD_SIZE, "backend": "gloo",
                                      "threads_per_rank": 1, "repeats": args.repeats,
                                      "log_every_n_steps": args.log_every_n_steps},
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "python": sys.version.split()[0], "torch": torch.__version__},
+                        "python": sys.version.split()[0], "torch": torch.__version__,
+                        "load_average_at_end": load},
             "summary": summary,
             "runs": runs,
         }
