@@ -16,6 +16,7 @@ which is one step of one-process training on the same G samples: the parity test
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -32,6 +33,7 @@ from meshtrain.checkpoint.state import load_checkpoint, save_checkpoint
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.errors import ConfigError, WorkerFailed
 from meshtrain.launch.spawn import DistEnv, ScriptWorkers, init_process_group
+from meshtrain.parallel.data_parallel import allreduce_gradients
 from meshtrain.parallel.apply import (
     ParallelOptions, build_optimizer, check_model, gradient_sync, parallelize,
 )
@@ -105,6 +107,13 @@ class Trainer:
         activation_checkpointing: str | None = None,
         blocks: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
         meta_init: bool | str = "auto",
+        pp_schedule: str = "1f1b",
+        stages_per_rank: int = 1,
+        pp_balance: str = "params",
+        split_points: list[int] | None = None,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
+        tp_plan: dict | None = None,
         collective_timeout_s: float = 600.0,
     ):
         if max_steps is None and max_epochs is None:
@@ -144,6 +153,11 @@ class Trainer:
                     f"layout (zero2/zero3/dp_shard); the layout is {self.layout}"
                 )
         dp = self.layout.dp_degree
+        pp = self.layout.degree("pp")
+        if pp > 1 and micro_batch_size is None and global_batch_size % dp == 0:
+            # enough micro-batches to fill the pipeline: one per stage
+            per_dp, fill = global_batch_size // dp, pp * stages_per_rank
+            micro_batch_size = per_dp // fill if per_dp % fill == 0 else per_dp
         if micro_batch_size is None:
             if global_batch_size % dp:
                 raise ConfigError(
@@ -162,6 +176,15 @@ class Trainer:
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.grad_accum_steps = global_batch_size // (dp * micro_batch_size)
+        # Under pp the pipeline schedule runs the micro-batches of a step, not the loop.
+        self.num_microbatches = self.grad_accum_steps if pp > 1 else 1
+        self._loader_batch_size = global_batch_size // dp if pp > 1 else micro_batch_size
+        self.pp_options = dict(schedule=pp_schedule, stages_per_rank=stages_per_rank,
+                               balance=pp_balance, split_points=split_points)
+        if pp == 1 and (stages_per_rank != 1 or split_points is not None):
+            raise ConfigError("stages_per_rank and split_points need a pipeline layout (pp=N)")
+        if pp_balance not in ("params", "time", "memory"):
+            raise ConfigError(f"pp_balance must be 'params', 'time' or 'memory', got {pp_balance!r}")
         self.grad_clip_norm, self.precision_name, self.seed = grad_clip_norm, precision, seed
         self.shuffle = shuffle
         self.val_every_n_steps, self.limit_val_batches = val_every_n_steps, limit_val_batches
@@ -176,6 +199,7 @@ class Trainer:
             bucket_cap_mb=bucket_cap_mb, comm_hook=comm_hook, powersgd_rank=powersgd_rank,
             precision=precision, offload=offload,
             activation_checkpointing=activation_checkpointing, blocks=blocks,
+            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, tp_plan=tp_plan,
         )
         self.meta_init = meta_init
         self.collective_timeout = timedelta(seconds=collective_timeout_s)
@@ -196,6 +220,7 @@ class Trainer:
         self._train_sampler: GlobalBatchSampler | None = None
         self._val_data = None
         self._loss_fn = None
+        self._pipeline = None  # PipelineRunner under pp
 
     # ------------------------------------------------------------------------------------------
     # properties and small helpers
@@ -320,6 +345,7 @@ class Trainer:
                       lr_scheduler=lr_scheduler, ckpt_path=ckpt_path)
         try:
             self._fit_loop(self._train_loader)
+            _drain_collectives()
         except BaseException as error:
             self._call("on_exception", error)
             if self._workers is not None:
@@ -349,7 +375,14 @@ class Trainer:
         self._meta_model = _inspect_model(model)
         if self._meta_model is not None:
             check_model(self._meta_model, self.layout, self.parallel_options)
+        if self.layout.degree("pp") > 1:
+            self._check_pipeline(loss_fn)
         train_set = _dataset_of(train_data, "train_data")
+        if self.layout.degree("pp") > 1 and self.pp_options["balance"] != "params":
+            first = train_set[0]
+            self._sample_inputs = torch.stack(
+                [train_set[i][0] for i in range(min(len(train_set), self.micro_batch_size))]
+            ) if isinstance(first, (tuple, list)) else None
         if val_data is not None:
             _dataset_of(val_data, "val_data")
         if len(train_set) < self.global_batch_size:
@@ -363,11 +396,11 @@ class Trainer:
         self._setup_world()
         try:
             self._setup_run_dir()
-            self._setup_model(model, optimizer, lr_scheduler)
             self._loss_fn = loss_fn
+            self._setup_model(model, optimizer, lr_scheduler)
             self._train_sampler = GlobalBatchSampler(
                 len(train_set), global_batch_size=self.global_batch_size,
-                micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
+                micro_batch_size=self._loader_batch_size, dp_rank=self.dp_rank,
                 dp_degree=self.layout.dp_degree, shuffle=self.shuffle, seed=self.seed,
             )
             self._train_loader = self._loader(train_set, train_data, self._train_sampler)
@@ -382,8 +415,10 @@ class Trainer:
     def _setup_model(self, model: ModelLike, optimizer_factory, scheduler_factory) -> None:
         """Build (or take) the model, apply the layout, then create the optimizer."""
         torch.manual_seed(self.seed)  # identical initial parameters on every rank
+        # (not under pp: a stage cannot re-run the full model's initialisation by itself)
         on_meta = (
             self.layout.is_sharded and self.meta_init is not False
+            and self.layout.degree("pp") == 1
             and not isinstance(model, torch.nn.Module) and self._meta_model is not None
             and callable(getattr(self._meta_model, "init_weights", None))
         )
@@ -403,9 +438,13 @@ class Trainer:
         check_model(model, self.layout, self.parallel_options)
         self.model = model if on_meta else model.to(self.device)
         self.precision = Precision(self.precision_name, self.device_type)
-        self._train_module = parallelize(
-            self.model, self.layout, self.mesh, device=self.device, options=self.parallel_options
-        )
+        if self.layout.degree("pp") > 1:
+            self.model = self._train_module = self._setup_pipeline(self.model)
+        else:
+            self._train_module = parallelize(
+                self.model, self.layout, self.mesh, device=self.device,
+                options=self.parallel_options,
+            )
         if on_meta:
             from meshtrain.parallel.fully_shard import materialize
 
@@ -420,6 +459,78 @@ class Trainer:
         self._meta_model = None
         # Different dropout masks per rank, reproducible per rank.
         torch.manual_seed(self.seed + 1 + self.rank)
+
+    # ------------------------------------------------------------------------------------------
+    # pipeline parallel
+    # ------------------------------------------------------------------------------------------
+    def _check_pipeline(self, loss_fn) -> None:
+        from meshtrain.parallel.pipeline import check_pipeline, pipeline_blocks
+
+        if loss_fn is None:
+            raise ConfigError(
+                "pipeline layouts need loss_fn: the last stage computes loss_fn(output, targets) "
+                "on each micro-batch; pass loss_fn= to fit"
+            )
+        if self._meta_model is None:
+            return  # a factory that cannot build on meta: checked when it is built
+        opts = self.pp_options
+        check_pipeline(
+            len(pipeline_blocks(self._meta_model)), self.layout.degree("pp"),
+            schedule=opts["schedule"], num_microbatches=self.num_microbatches,
+            stages_per_rank=opts["stages_per_rank"],
+            batch_size=self.global_batch_size // self.layout.dp_degree,
+        )
+        if self.layout.is_sharded and opts["schedule"] in ("zero-bubble", "zbv", "dualpipev"):
+            raise ConfigError(
+                f"pp_schedule={opts['schedule']!r} with a sharded layout gives wrong gradients "
+                "in torch 2.13 (per-block FSDP under zero-bubble schedules); use 1f1b, gpipe or "
+                "interleaved-1f1b with dp_shard, or plain dp with the zero-bubble schedules"
+            )
+
+    def _setup_pipeline(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Split ``model`` into stages, keep this rank's, parallelize them, build the runner."""
+        from meshtrain.parallel.partition import partition_blocks
+        from meshtrain.parallel.pipeline import (
+            PipelineRunner, merge_stages, pipeline_blocks, rank_stages, split_model,
+        )
+
+        opts, pp = self.pp_options, self.layout.degree("pp")
+        num_stages = pp * opts["stages_per_rank"]
+        blocks = pipeline_blocks(model)
+        split = partition_blocks(blocks, num_stages, balance=opts["balance"],
+                                 sample_input=self._sample_block_input(model),
+                                 split_points=opts["split_points"])
+        indices = rank_stages(self.mesh["pp"].get_local_rank(), pp, opts["stages_per_rank"],
+                              opts["schedule"])
+        stages = [split_model(model, split, i) for i in indices]
+        stage_options = dataclasses.replace(self.parallel_options, blocks=pipeline_blocks)
+        for stage in stages:
+            parallelize(stage, self.layout, self.mesh, device=self.device, options=stage_options)
+        self._pipeline = PipelineRunner(
+            stages, indices, num_stages, self.mesh["pp"], self.device,
+            schedule=opts["schedule"], num_microbatches=self.num_microbatches,
+            loss_fn=self._loss_fn,
+        )
+        self._pp_split_points = split
+        if self.is_global_zero:
+            self.print(f"pipeline: {num_stages} stages split before blocks {split} "
+                       f"({opts['balance']}-balanced), schedule {opts['schedule']}, "
+                       f"{self.num_microbatches} micro-batches")
+        return merge_stages(stages)
+
+    def _sample_block_input(self, model):
+        """The hidden state entering the first block, for time/memory balancing."""
+        if self.pp_options["balance"] == "params" or self.pp_options["split_points"]:
+            return None
+        embed = getattr(model, "embed", None)
+        if not callable(embed):
+            raise ConfigError(
+                f"pp_balance={self.pp_options['balance']!r} measures each block on a sample "
+                "input, which needs model.embed(x); use pp_balance='params' or split_points="
+            )
+        inputs = _to_device(self._sample_inputs, self.device)
+        with torch.no_grad():
+            return embed(inputs[: self.micro_batch_size])
 
     def _loader(self, dataset, original, batch_sampler) -> DataLoader:
         collate = original.collate_fn if isinstance(original, DataLoader) else None
@@ -517,6 +628,8 @@ class Trainer:
 
     def _train_step(self, batches) -> tuple[torch.Tensor, int]:
         """One optimizer step over this rank's micro-batches; returns (loss, tokens seen here)."""
+        if self._pipeline is not None:
+            return self._pipeline_step(batches)
         module, accum = self._train_module, self.grad_accum_steps
         total_loss = torch.zeros((), device=self.device)
         num_tokens = 0
@@ -529,14 +642,40 @@ class Trainer:
                     loss = self._compute_loss(module, batch) / accum
                 self.precision.backward(loss)
             total_loss += loss.detach()
+        self._finish_step()
+        return total_loss, num_tokens
+
+    def _pipeline_step(self, batches) -> tuple[torch.Tensor, int]:
+        """One optimizer step: the schedule runs this rank's stages over all micro-batches."""
+        inputs, targets = _to_device(next(batches), self.device)
+        with self.precision.autocast():
+            loss = self._pipeline.step(inputs, targets)  # None unless this rank has the last stage
+        self._finish_step()
+        loss = loss if loss is not None else torch.zeros((), device=self.device)
+        return loss.detach(), _count_tokens(inputs)
+
+    def _finish_step(self) -> None:
+        """Reduce what DDP/FSDP did not, clip by the global norm, step, zero the gradients."""
+        params = list(self.model.parameters())
+        if self._needs_grad_allreduce():
+            allreduce_gradients(params, self._dp_group())
         if self.grad_clip_norm is not None:
             self.precision.unscale(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+            if self._pipeline is not None:
+                from meshtrain.parallel.pipeline import clip_grad_norm_
+
+                clip_grad_norm_(params, self.grad_clip_norm, self.mesh["pp"])
+            else:
+                torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        return total_loss, num_tokens
+
+    def _needs_grad_allreduce(self) -> bool:
+        """Plain dp combined with pp or tp: DDP does not apply, gradients are averaged here."""
+        layout = self.layout
+        return layout.degree("dp") > 1 and (layout.degree("pp") > 1 or layout.degree("tp") > 1)
 
     def _compute_loss(self, module, batch) -> torch.Tensor:
         if self._loss_fn is not None:
@@ -560,6 +699,9 @@ class Trainer:
         return loss
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
+        if self._pipeline is not None:  # only the last stage has the loss; the others hold 0
+            value = value.detach().clone()
+            dist.all_reduce(value, group=self.mesh.get_group("pp"))
         if self.layout.dp_degree > 1:
             value = value.detach().clone()
             dist.all_reduce(value, group=self._dp_group())
@@ -614,11 +756,18 @@ class Trainer:
                 break
             batch = _to_device(batch, self.device)
             with self.precision.autocast():
-                loss = self._compute_loss(self.model, batch)
+                if self._pipeline is not None:
+                    loss = self._pipeline.eval_loss(*batch)
+                else:
+                    loss = self._compute_loss(self.model, batch)
+            if loss is None:  # a pipeline rank without the last stage
+                continue
             size = _batch_size(batch)
             totals[0] += loss.double() * size
             totals[1] += size
         self.model.train(was_training)
+        if self._pipeline is not None:
+            dist.all_reduce(totals, group=self.mesh.get_group("pp"))
         if dp > 1:
             dist.all_reduce(totals, group=self._dp_group())
         return {f"{prefix}/loss": float(totals[0] / totals[1].clamp(min=1))}
@@ -717,6 +866,15 @@ def _check_model(model) -> None:
             f"model must be a torch.nn.Module or a function that builds one, got "
             f"{type(model).__name__}"
         )
+
+
+def _drain_collectives() -> None:
+    """Let every rank finish before objects holding collectives (DDP, ZeRO) can be freed: in
+    torch 2.13 freeing DDP while a gloo worker thread still finishes a backward-time collective
+    can deadlock (seen about 1 run in 10 without this)."""
+    if dist.is_initialized():
+        dist.barrier()
+        time.sleep(0.05)
 
 
 def _inspect_model(model) -> torch.nn.Module | None:

@@ -44,7 +44,14 @@ def train_state(trainer_kwargs: dict, model_fn=mlp, data_fn=regression_data,
         kwargs.update(trainer_kwargs)
         trainer = Trainer(**kwargs)
         model = trainer.fit(model_fn, data_fn(), optimizer=optimizer_fn, loss_fn=loss_fn)
-        return {k: _full(v).detach().cpu().clone() for k, v in model.state_dict().items()}
+        state = {k: _full(v).detach().cpu().clone() for k, v in model.state_dict().items()}
+        if trainer.layout.degree("pp") > 1:  # each rank holds its stages: put them together
+            import torch.distributed as dist
+
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, state)
+            state = {k: v for part in parts for k, v in part.items()}
+        return state
 
 
 def _full(tensor):
@@ -77,10 +84,11 @@ def assert_parity(layout: str, num_procs: int, *, tol: float = 1e-5, steps: int 
     """
     fns = fns or {}
     reference_kwargs = kwargs.pop("reference_kwargs", {})
+    parallel_kwargs = kwargs.pop("parallel_kwargs", {})  # e.g. pipeline options
     common = dict(max_steps=steps, global_batch_size=global_batch_size, **kwargs)
     reference = run_layout(dict(common, **reference_kwargs), 1, **fns)
-    parallel = run_layout(dict(common, layout=layout, micro_batch_size=micro_batch_size),
-                          num_procs, **fns)
+    parallel = run_layout(dict(common, layout=layout, micro_batch_size=micro_batch_size,
+                               **parallel_kwargs), num_procs, **fns)
     diff = max_param_diff(reference, parallel)
     moved = max_param_diff(reference, run_layout(dict(common, max_steps=1), 1, **fns))
     assert moved > 2 * tol, "training barely moved the parameters: the test would prove nothing"
@@ -92,10 +100,17 @@ def assert_parity(layout: str, num_procs: int, *, tol: float = 1e-5, steps: int 
 VOCAB, SEQ = 16, 8
 
 
-def tiny_gpt():
+def tiny_gpt(num_layers: int = 2):
     from meshtrain.models.gpt import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=2, d_model=16))
+    # no biases: attention's key bias has an exactly zero true gradient (softmax ignores a shift
+    # shared by all keys), and AdamW turns the rounding noise on it into lr-sized steps
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=num_layers, num_heads=2,
+                         d_model=16, bias=False))
+
+
+def tiny_gpt_4_layers():
+    return tiny_gpt(num_layers=4)
 
 
 def token_data(seed: int = 99) -> TensorDataset:
@@ -109,3 +124,4 @@ def lm_loss(logits, targets):
 
 
 GPT_FNS = dict(model_fn=tiny_gpt, data_fn=token_data, loss_fn=lm_loss)
+GPT4_FNS = dict(model_fn=tiny_gpt_4_layers, data_fn=token_data, loss_fn=lm_loss)

@@ -74,8 +74,8 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta, store=Non
 # Shutdown. Left to interpreter teardown, a gloo/FSDP2 process sometimes aborts after all its work
 # is done ("terminate called without an active exception", SIGABRT, in C++ static destructors),
 # and a launcher then reports a failed job. Processes that a meshtrain launcher started therefore
-# end like this: wait for the other ranks (rank 0 of Trainer(devices=N)), destroy the process
-# group, flush, and leave with os._exit, skipping those destructors. The exit code is 1 after an
+# end like this: wait for the other ranks (rank 0 of Trainer(devices=N)), flush, and leave with
+# os._exit, skipping those destructors. Other processes destroy the process group. The exit code is 1 after an
 # uncaught exception, else 0 (a script's own sys.exit(code) code is not seen here).
 # ---------------------------------------------------------------------------------------------
 LAUNCHER_ENV = "MESHTRAIN_LAUNCHER"
@@ -101,12 +101,14 @@ def _shutdown() -> None:
     workers = _state["workers"]
     if workers is not None:
         workers.join()
-    if dist.is_initialized():
-        dist.destroy_process_group()
     if STORE_ENV in os.environ or LAUNCHER_ENV in os.environ:
+        # No destroy_process_group here: with DDP or ZeRO objects still alive it can deadlock
+        # with gloo's worker threads, and os._exit leaves nothing for it to clean up.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1 if _state["uncaught"] else 0)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _host_store(world_size: int, timeout: timedelta):

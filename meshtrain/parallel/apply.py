@@ -33,6 +33,9 @@ class ParallelOptions:
     offload: str | None = None
     activation_checkpointing: str | None = None
     blocks: BlocksFn | None = None
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    tp_plan: dict | None = None
 
 
 def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch.nn.Module]:
@@ -70,8 +73,15 @@ def parallelize(
     """Apply ``layout`` to ``model`` in place; return the module to call for training steps.
 
     The returned module may be a wrapper (DDP) used only inside the Trainer; ``model`` itself
-    keeps its parameters, so user code reads and saves ``model`` as it is.
+    keeps its parameters, so user code reads and saves ``model`` as it is. Under ``pp`` this is
+    called once per pipeline stage; with ``pp`` or ``tp``, plain ``dp`` gradients are averaged by
+    the Trainer (``allreduce_gradients``) rather than by DDP.
     """
+    if layout.degree("tp") > 1:
+        from meshtrain.parallel.tensor_parallel import apply_tp
+
+        apply_tp(model, mesh["tp"], plan=options.tp_plan,
+                 sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
     needs_blocks = options.activation_checkpointing or layout.is_sharded
     blocks = model_blocks(model, options) if needs_blocks else []
     if options.activation_checkpointing:
@@ -87,7 +97,7 @@ def parallelize(
             precision=options.precision, offload=options.offload, blocks=blocks or None,
         )
         return model
-    if layout.degree("dp") > 1:
+    if layout.degree("dp") > 1 and layout.degree("pp") == 1 and layout.degree("tp") == 1:
         from meshtrain.parallel.data_parallel import apply_ddp
 
         return apply_ddp(

@@ -94,3 +94,25 @@ def _make_cast_hook(dtype: torch.dtype):
         return work.get_future().then(decompress)
 
     return cast_allreduce_hook
+
+
+def allreduce_gradients(parameters, group) -> None:
+    """Average gradients over ``group`` with one all-reduce per dtype (flattened buckets).
+
+    Used where DDP cannot wrap the model: pipeline stages (DDP breaks under pipelining) and
+    tensor-parallel models (DTensor parameters); sharded layouts use FSDP2 instead.
+    """
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    world = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        for grad, reduced in zip(same, _unflatten_dense_tensors(flat, same)):
+            grad.copy_(reduced)

@@ -11,9 +11,11 @@ string or ``None`` means one process per world rank of plain data parallelism (`
 Axes (mesh order, outermost first):
 
 ================ =============================================================================
+``pp``           pipeline parallel: consecutive blocks split into stages, micro-batches in flight
 ``dp_replicate`` replicas of a sharded model: HSDP, with ``dp_shard`` (gradients all-reduced)
 ``dp``           data parallel with replicated parameters (DDP)
 ``dp_shard``     fully sharded data parallel (FSDP2 ``fully_shard``, ZeRO-3)
+``tp``           tensor parallel (Megatron-LM column then row splits, DTensor)
 ================ =============================================================================
 
 ZeRO names are aliases that also pick what is sharded (Rajbhandari et al., SC 2020):
@@ -25,8 +27,9 @@ ZeRO names are aliases that also pick what is sharded (Rajbhandari et al., SC 20
 
 Hybrid sharding: ``dp_replicate=2,dp_shard=2`` (or ``dp_replicate=2,zero2=2``).
 
-Later strategies (tensor and pipeline parallel) add their axes to ``AXES`` and an ``apply_*``
-step to ``meshtrain.parallel.apply``; the parser, the checks and the mesh stay as they are.
+Composition: any combination on one mesh, e.g. ``pp=2,dp_shard=2,tp=2``. With ``pp`` or ``tp``,
+``dp`` gradients are averaged by an explicit all-reduce instead of DDP (DDP breaks under
+pipelining and does not take DTensor parameters); ``zero1`` is for plain data parallelism only.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ from meshtrain.errors import LayoutError
 
 #: Axes in mesh order (outermost first) with a one-line description for error messages.
 AXES: dict[str, str] = {
+    "pp": "pipeline parallel (stages of consecutive blocks)",
     "dp_replicate": "replicas of a sharded model (HSDP, used with dp_shard)",
     "dp": "data parallel (DistributedDataParallel, replicated parameters)",
     "dp_shard": "fully sharded data parallel (FSDP2, ZeRO-3)",
+    "tp": "tensor parallel (Megatron-style column/row splits)",
 }
 
 #: Data-parallel axes: ranks along them see different data.
@@ -52,8 +57,6 @@ ZERO_ALIASES = {"zero1": ("dp", 1), "zero2": ("dp_shard", 2), "zero3": ("dp_shar
 
 #: Axis names later issues will add; a clear message beats "unknown axis" for these.
 PLANNED_AXES = {
-    "tp": "tensor parallel",
-    "pp": "pipeline parallel",
 }
 
 _PAIR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\S+)\s*$")
@@ -226,6 +229,11 @@ def _resolve(raw: dict, world_size: int, spec) -> dict[str, int]:
         raise LayoutError(
             f"layout {spec!r}: dp_replicate replicates a sharded model and needs dp_shard "
             f"(HSDP); for plain replication write dp={degrees['dp_replicate']}"
+        )
+    if zero_stage == 1 and ("pp" in degrees or "tp" in degrees):
+        raise LayoutError(
+            f"layout {spec!r}: zero1 is available with plain data parallelism only; with pp or "
+            f"tp shard the optimizer state with zero2/zero3 (dp_shard) instead"
         )
     if zero_stage is None:
         zero_stage = 3 if "dp_shard" in raw else 0

@@ -100,18 +100,18 @@ def optimizer_spec(optimizer_factory) -> tuple[type[torch.optim.Optimizer], dict
     optimizer_class = type(probe_opt)
     options = _constructor_options(optimizer_class, probe_opt.defaults)
     wanted = _options(group)
+    fix = f"pass the options as constructor arguments: lambda params: {name}(params, lr=...)"
     try:
         rebuilt = optimizer_class([torch.nn.Parameter(torch.zeros(2))], **options)
-        got = _options(rebuilt.param_groups[0])
     except Exception as error:
-        got, wanted = {"error": repr(error)}, {"error": None}
+        raise ConfigError(f"zero1 cannot rebuild {name}: {error}; {fix}") from error
+    got = _options(rebuilt.param_groups[0])
     different = sorted(k for k in wanted.keys() | got.keys()
                        if not _same(wanted.get(k, "<missing>"), got.get(k, "<missing>")))
     if different:
         raise ConfigError(
-            f"zero1 cannot rebuild the optimizer the factory makes: {name}(params, "
-            f"**optimizer.defaults) differs in {', '.join(different)}. Set these options as "
-            f"constructor arguments, e.g. lambda params: {name}(params, lr=..., weight_decay=...)"
+            f"zero1 cannot rebuild the optimizer the factory makes: {name}(params, **defaults) "
+            f"differs in {', '.join(different)} (options set per group?); {fix}"
         )
     return optimizer_class, options
 

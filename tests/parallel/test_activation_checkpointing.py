@@ -168,8 +168,7 @@ def _parallel_rank():
         model = gpt()
         fully_shard(model.layers[0])
         apply_activation_checkpointing(model, "full", list(model.layers))
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # end together; the group is destroyed at exit, after DDP and FSDP are freed
     return results
 
 
