@@ -35,7 +35,7 @@ from meshtrain.errors import ConfigError, WorkerFailed
 from meshtrain.launch.spawn import DistEnv, ScriptWorkers, init_process_group
 from meshtrain.parallel.data_parallel import allreduce_gradients
 from meshtrain.parallel.apply import (
-    ParallelOptions, build_optimizer, check_model, gradient_sync, parallelize,
+    ParallelOptions, build_optimizer, check_model, gradient_sync, loss_context, parallelize,
 )
 from meshtrain.parallel.data_parallel import check_comm_hook
 from meshtrain.parallel.layout import Layout
@@ -637,18 +637,18 @@ class Trainer:
             batch = _to_device(next(batches), self.device)
             num_tokens += _count_tokens(batch)
             last = micro_step == accum - 1
-            with gradient_sync(module, self.model, enabled=last):
+            with gradient_sync(module, self.model, enabled=last), self._loss_context():
                 with self.precision.autocast():
                     loss = self._compute_loss(module, batch) / accum
                 self.precision.backward(loss)
-            total_loss += loss.detach()
+            total_loss += _plain(loss.detach())
         self._finish_step()
         return total_loss, num_tokens
 
     def _pipeline_step(self, batches) -> tuple[torch.Tensor, int]:
         """One optimizer step: the schedule runs this rank's stages over all micro-batches."""
         inputs, targets = _to_device(next(batches), self.device)
-        with self.precision.autocast():
+        with self.precision.autocast(), self._loss_context():
             loss = self._pipeline.step(inputs, targets)  # None unless this rank has the last stage
         self._finish_step()
         loss = loss if loss is not None else torch.zeros((), device=self.device)
@@ -671,6 +671,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+    def _loss_context(self):
+        return loss_context(self.layout, self.parallel_options)
 
     def _needs_grad_allreduce(self) -> bool:
         """Plain dp combined with pp or tp: DDP does not apply, gradients are averaged here."""
@@ -755,7 +758,7 @@ class Trainer:
             if self.limit_val_batches is not None and i >= self.limit_val_batches:
                 break
             batch = _to_device(batch, self.device)
-            with self.precision.autocast():
+            with self.precision.autocast(), self._loss_context():
                 if self._pipeline is not None:
                     loss = self._pipeline.eval_loss(*batch)
                 else:
@@ -763,7 +766,7 @@ class Trainer:
             if loss is None:  # a pipeline rank without the last stage
                 continue
             size = _batch_size(batch)
-            totals[0] += loss.double() * size
+            totals[0] += _plain(loss).double() * size
             totals[1] += size
         self.model.train(was_training)
         if self._pipeline is not None:
@@ -942,6 +945,11 @@ def _to_device(batch, device: torch.device):
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under loss parallel it is a replicated DTensor)."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def _first_tensor(batch) -> torch.Tensor | None:

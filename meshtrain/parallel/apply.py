@@ -49,6 +49,10 @@ def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch
 
 def check_model(model: torch.nn.Module, layout: Layout, options: ParallelOptions) -> None:
     """Checks that need the model but no process group (run on a meta-device copy)."""
+    if layout.degree("tp") > 1 and options.tp_plan is None:
+        from meshtrain.parallel.tensor_parallel import check_tp
+
+        check_tp(model, layout.degree("tp"), sequence_parallel=options.sequence_parallel)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(
             "the model has no trainable parameters (requires_grad=True), so there is nothing "
@@ -132,3 +136,13 @@ def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled
             model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+def loss_context(layout: Layout, options: ParallelOptions):
+    """Where the loss and its backward run: under ``loss_parallel()`` when the tensor-parallel
+    head leaves the logits sharded over the vocabulary, else nothing special."""
+    if options.loss_parallel and layout.degree("tp") > 1:
+        from meshtrain.parallel.tensor_parallel import loss_parallel_context
+
+        return loss_parallel_context(True)
+    return contextlib.nullcontext()

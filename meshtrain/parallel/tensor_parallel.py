@@ -37,26 +37,39 @@ __all__ = [
 
 
 # --- Checks (no process group needed; a meta-device model is enough) ---------------------------
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) pairs of ``model.layers``: a ModuleList, or a pipeline stage's ModuleDict
+    keyed by the blocks' indices in the full model."""
+    layers = model.layers
+    items = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
+    return [(str(name), block) for name, block in items]
+
+
 def is_gpt_like(model: nn.Module) -> bool:
-    """meshtrain's GPT, or any model with its attribute structure."""
+    """meshtrain's GPT (or a pipeline stage of it), or any model with its attribute structure."""
     try:
-        attn, mlp = model.layers[0].attn, model.layers[0].mlp
+        first = _blocks(model)[0][1]
+        attn, mlp = first.attn, first.mlp
     except (AttributeError, IndexError, TypeError):
         return False
-    names = ("tok_emb", "norm", "head")
+    names = ("tok_emb", "norm", "head")  # None on pipeline stages that do not hold them
     return (all(hasattr(model, n) for n in names) and hasattr(attn, "head_dim")
             and all(hasattr(attn, n) for n in ("wq", "wk", "wv", "wo"))
             and hasattr(mlp, "fc_in") and hasattr(mlp, "fc_out"))
 
 
 def _gpt_sizes(model: nn.Module) -> dict[str, int]:
-    attn = model.layers[0].attn
-    return {
-        "num_heads": attn.wq.out_features // attn.head_dim,
-        "d_model": model.tok_emb.embedding_dim,
-        "mlp_hidden_dim": model.layers[0].mlp.fc_in.out_features,
-        "vocab_size": model.tok_emb.num_embeddings,
+    block = _blocks(model)[0][1]
+    sizes = {
+        "num_heads": block.attn.wq.out_features // block.attn.head_dim,
+        "d_model": block.attn.wq.in_features,
+        "mlp_hidden_dim": block.mlp.fc_in.out_features,
     }
+    if model.tok_emb is not None:
+        sizes["vocab_size"] = model.tok_emb.num_embeddings
+    elif model.head is not None:
+        sizes["vocab_size"] = model.head.out_features
+    return sizes
 
 
 def _divisors(n: int) -> list[int]:
@@ -180,15 +193,22 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool,
             "apply_tp(model, mesh, plan={...}) built with attention_plan() and mlp_plan()"
         )
     sp = sequence_parallel
-    plan: dict[str, ParallelStyle] = {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-    }
+    blocks = _blocks(model)
+    whole = model.tok_emb is not None and model.head is not None
+    if sp and not whole:
+        raise ConfigError(
+            "sequence_parallel is not available on pipeline stages yet (activations between "
+            "stages would be sequence shards); use tensor parallel without it under pp"
+        )
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_emb is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if sp:  # Slice the replicated stream at the first block only (later blocks get shards).
-        plan["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),),
-                                              desired_input_layouts=(Shard(1),),
-                                              use_local_output=True)
-    for i, block in enumerate(model.layers):
-        prefix = f"layers.{i}"
+        plan[f"layers.{blocks[0][0]}"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+            use_local_output=True)
+    for name, block in blocks:
+        prefix = f"layers.{name}"
         if sp:
             plan[f"{prefix}.norm1"] = SequenceParallel()
             plan[f"{prefix}.norm2"] = SequenceParallel()
@@ -198,11 +218,12 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool,
         plan.update(mlp_plan(f"{prefix}.mlp", "fc_in", "fc_out", sequence_parallel=sp))
     if sp:
         plan["norm"] = SequenceParallel()
-    plan["head"] = ColwiseParallel(
-        input_layouts=Shard(1) if sp else Replicate(),
-        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-        use_local_output=not loss_parallel,  # loss parallel needs the DTensor
-    )
+    if model.head is not None:
+        plan["head"] = ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,  # loss parallel needs the DTensor
+        )
     for name, module in model.named_modules():  # pos_emb, and the norms without SP
         leaf = next(module.children(), None) is None
         if leaf and name not in plan and next(module.parameters(recurse=False), None) is not None:
