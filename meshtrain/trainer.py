@@ -648,8 +648,14 @@ class Trainer:
     def _pipeline_step(self, batches) -> tuple[torch.Tensor, int]:
         """One optimizer step: the schedule runs this rank's stages over all micro-batches."""
         inputs, targets = _to_device(next(batches), self.device)
+        record = self.global_step == 1  # the second step: past one-time start-up costs
         with self.precision.autocast(), self._loss_context():
-            loss = self._pipeline.step(inputs, targets)  # None unless this rank has the last stage
+            if record:
+                loss, events = self._pipeline.timed_step(inputs, targets)
+            else:  # None unless this rank has the last stage
+                loss = self._pipeline.step(inputs, targets)
+        if record and self.is_global_zero:
+            self._report_timeline(events)
         self._finish_step()
         loss = loss if loss is not None else torch.zeros((), device=self.device)
         return loss.detach(), _count_tokens(inputs)
@@ -671,6 +677,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+    def _report_timeline(self, events) -> None:
+        """The pipeline diagram of one step, and its measured bubble beside the formula."""
+        from meshtrain.parallel.pipeline import (
+            bubble_fraction, ideal_bubble_fraction, plot_timeline,
+        )
+
+        opts, pp = self.pp_options, self.layout.degree("pp")
+        ideal = ideal_bubble_fraction(pp, self.num_microbatches, opts["stages_per_rank"])
+        measured = bubble_fraction(events)
+        path = self.run_dir / "pipeline_timeline.png"
+        plot_timeline(events, path, title=f"{opts['schedule']}, p={pp}, "
+                      f"m={self.num_microbatches}: bubble {measured:.2f} (formula {ideal:.2f})")
+        self.print(f"pipeline step {self.global_step + 1}: measured bubble {measured:.2f}, "
+                   f"formula (p-1)/(v*m+p-1) = {ideal:.2f}; timeline: {path}")
 
     def _loss_context(self):
         return loss_context(self.layout, self.parallel_options)

@@ -218,3 +218,60 @@ def test_activation_checkpointing_needs_blocks(world_of_two, tmp_path):
                 "repeated blocks.*blocks=", model=_model)
     with pytest.raises(ConfigError, match="'full', 'selective' or None"):
         Trainer(**_kwargs(tmp_path, activation_checkpointing="everything"))
+
+
+# ---- pipeline and tensor parallel -----------------------------------------------------------------
+def _gpt(num_layers=2, num_heads=2, vocab=16):
+    from meshtrain.models.gpt import GPT, GPTConfig
+
+    return lambda: GPT(GPTConfig(vocab_size=vocab, seq_len=8, num_layers=num_layers,
+                                 num_heads=num_heads, d_model=16))
+
+
+def _tokens(n=32):
+    tokens = torch.randint(0, 16, (n, 9), generator=torch.Generator().manual_seed(0))
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def _lm_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _fit_lm_raises(trainer_kwargs, match, model):
+    trainer = Trainer(**trainer_kwargs)
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(model, _tokens(), optimizer=_sgd, loss_fn=_lm_loss)
+
+
+def test_more_stages_than_blocks(world_of_two, tmp_path):
+    _fit_lm_raises(_kwargs(tmp_path, layout="pp=2", pp_schedule="interleaved-1f1b",
+                           stages_per_rank=2), "4 stages but the model has only 2 blocks",
+                   _gpt(num_layers=2))
+
+
+def test_micro_batches_must_divide_the_batch(world_of_two, tmp_path):
+    with pytest.raises(ConfigError, match="not a multiple of"):
+        Trainer(**_kwargs(tmp_path, layout="pp=2", global_batch_size=8, micro_batch_size=3))
+
+
+def test_interleaved_needs_micro_batches_a_multiple_of_pp(world_of_two, tmp_path):
+    # 8 samples in micro-batches of 8/3 do not exist; 1 micro-batch of 8 is not a multiple of 2
+    _fit_lm_raises(_kwargs(tmp_path, layout="pp=2", pp_schedule="interleaved-1f1b",
+                           stages_per_rank=2, micro_batch_size=8), "multiple of",
+                   _gpt(num_layers=4))
+
+
+def test_pipeline_needs_a_loss_function(world_of_two, tmp_path):
+    trainer = Trainer(**_kwargs(tmp_path, layout="pp=2"))
+    with pytest.raises(ConfigError, match="pipeline layouts need loss_fn"):
+        trainer.fit(_gpt(), _tokens(), optimizer=_sgd)
+
+
+def test_tp_must_divide_the_heads(world_of_two, tmp_path):
+    _fit_lm_raises(_kwargs(tmp_path, layout="tp=2"), "num_heads", _gpt(num_heads=1))
+    _fit_lm_raises(_kwargs(tmp_path, layout="tp=2"), "vocab_size", _gpt(vocab=17))
+
+
+def test_pipeline_options_without_a_pipeline(tmp_path):
+    with pytest.raises(ConfigError, match="need a pipeline layout"):
+        Trainer(**_kwargs(tmp_path, stages_per_rank=2))

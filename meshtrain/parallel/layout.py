@@ -55,10 +55,6 @@ DATA_PARALLEL_AXES = ("dp_replicate", "dp", "dp_shard")
 #: ZeRO aliases: name -> (axis, ZeRO stage).
 ZERO_ALIASES = {"zero1": ("dp", 1), "zero2": ("dp_shard", 2), "zero3": ("dp_shard", 3)}
 
-#: Axis names later issues will add; a clear message beats "unknown axis" for these.
-PLANNED_AXES = {
-}
-
 _PAIR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\S+)\s*$")
 
 
@@ -180,11 +176,6 @@ def _resolve(raw: dict, world_size: int, spec) -> dict[str, int]:
             raw = {(axis if k == name else k): v for k, v in raw.items()}
     for axis, value in raw.items():
         if axis not in AXES:
-            if axis in PLANNED_AXES:
-                raise LayoutError(
-                    f"layout axis {axis!r} ({PLANNED_AXES[axis]}) is not available in this version "
-                    f"of meshtrain; axes available now: {known}"
-                )
             raise LayoutError(f"unknown layout axis {axis!r} in {spec!r}; known axes: {known}")
         if str(value).strip().lower() in ("auto", "-1"):
             if auto_axis is not None:

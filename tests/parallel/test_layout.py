@@ -65,23 +65,27 @@ def test_degrees_must_multiply_to_the_world_size(spec, world):
 
 
 def test_unknown_axis_lists_the_known_ones():
-    with pytest.raises(LayoutError, match=r"unknown layout axis 'foo'.*known axes: dp"):
+    with pytest.raises(LayoutError, match=r"unknown layout axis 'foo'.*known axes: pp, "
+                       r"dp_replicate, dp, dp_shard, tp, zero1, zero2, zero3"):
         Layout.parse("foo=2", 2)
 
 
-@pytest.mark.parametrize("axis", ["tp", "pp"])
-def test_planned_axis_says_it_is_not_available_yet(axis):
-    with pytest.raises(LayoutError) as info:
-        Layout.parse(f"{axis}=2", 2)
-    message = str(info.value)
-    assert "not available in this version" in message
-    assert "axes available now: dp_replicate, dp, dp_shard, zero1, zero2, zero3" in message
-    assert "unknown" not in message
+@pytest.mark.parametrize("spec,world,shape,names", [
+    ("pp=2,tp=2", 4, (2, 2), ("pp", "tp")),
+    ("tp=2,pp=2", 4, (2, 2), ("pp", "tp")),  # mesh order is fixed, whatever the string's
+    ("pp=2,dp_shard=2,tp=2", 8, (2, 2, 2), ("pp", "dp_shard", "tp")),
+    ("dp=2,tp=auto", 8, (2, 4), ("dp", "tp")),
+])
+def test_model_parallel_axes_take_their_place_in_the_mesh(spec, world, shape, names):
+    layout = Layout.parse(spec, world)
+    assert layout.mesh_shape == shape and layout.axis_names == names
+    # tensor- and pipeline-parallel ranks see the same data
+    assert layout.dp_degree == world // (layout.degree("pp") * layout.degree("tp"))
 
 
-def test_planned_axis_next_to_dp_is_refused_too():
-    with pytest.raises(LayoutError, match="'tp'.*not available"):
-        Layout.parse("dp=1,tp=2", 2)
+def test_zero1_only_with_plain_data_parallelism():
+    with pytest.raises(LayoutError, match="zero1 is available with plain data parallelism"):
+        Layout.parse("zero1=2,tp=2", 4)
 
 
 @pytest.mark.parametrize("spec,expected", [
