@@ -22,3 +22,9 @@ def test_tp2_with_clipping():
 def test_tp2_composed_with_dp_or_pp_matches_one_process(layout):
     fns = GPT4_FNS if "pp" in layout else GPT_FNS
     assert_parity(layout, 4, steps=5, fns=fns, micro_batch_size=2 if "pp" in layout else None)
+
+
+@pytest.mark.timeout(300)
+def test_3d_pp2_dp_shard2_tp2_on_8_ranks_matches_one_process():
+    # data x pipeline x tensor parallel on one 2x2x2 mesh (8 processes on 2 cores: 3 steps)
+    assert_parity("pp=2,dp_shard=2,tp=2", 8, steps=3, fns=GPT4_FNS, micro_batch_size=4)
