@@ -420,12 +420,13 @@ class Trainer:
             self.layout.is_sharded and self.meta_init is not False
             and self.layout.degree("pp") == 1
             and not isinstance(model, torch.nn.Module) and self._meta_model is not None
-            and callable(getattr(self._meta_model, "init_weights", None))
+            and _supports_meta_init(self._meta_model)
         )
         if self.meta_init is True and not on_meta:
             raise ConfigError(
                 "meta_init=True needs a sharded layout, a model factory (not a built module) "
-                "and a model with init_weights(); use meta_init='auto' to fall back quietly"
+                "and a model that supports sharded init (supports_sharded_init = True and "
+                "init_weights()); use meta_init='auto' to fall back quietly"
             )
         if on_meta:  # each rank allocates only its own shards
             model = self._meta_model
@@ -890,6 +891,12 @@ def _check_model(model) -> None:
             f"model must be a torch.nn.Module or a function that builds one, got "
             f"{type(model).__name__}"
         )
+
+
+def _supports_meta_init(model: torch.nn.Module) -> bool:
+    from meshtrain.parallel.fully_shard import supports_meta_init
+
+    return supports_meta_init(model)
 
 
 def _drain_collectives() -> None:

@@ -130,6 +130,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only language model: ``(batch, seq)`` token ids -> ``(batch, seq, vocab)`` logits."""
 
+    #: init_weights() gives sharded parameters the unsharded model's values, so a sharded
+    #: layout may build this model on the meta device (see meshtrain.parallel.fully_shard).
+    supports_sharded_init = True
+
     def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
         super().__init__()
         self.config = config

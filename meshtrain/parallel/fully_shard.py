@@ -160,7 +160,11 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
 
 
 def supports_meta_init(model_or_factory) -> bool:
-    """Whether the model (a module, its class, or a factory) defines ``init_weights()``.
+    """Whether the model (a module, its class, or a factory) opts in to meta-device building:
+    its class sets ``supports_sharded_init = True`` and defines ``init_weights()`` that fills
+    sharded (DTensor) parameters with the values the unsharded model would get. (Many models
+    have an ``init_weights``, e.g. Hugging Face's, that draws from the global random stream in
+    its own order: sharded, that gives other values than one process, so it is not enough.)
 
     A factory that is not a class is built on the meta device to find out (which allocates
     nothing); one that cannot be built there does not support meta construction either.
@@ -175,7 +179,8 @@ def supports_meta_init(model_or_factory) -> bool:
             target = type(build_on_meta(model_or_factory))
         except Exception:
             return False
-    return issubclass(target, nn.Module) and callable(getattr(target, "init_weights", None))
+    return (issubclass(target, nn.Module) and callable(getattr(target, "init_weights", None))
+            and getattr(target, "supports_sharded_init", False) is True)
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
