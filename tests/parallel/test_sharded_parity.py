@@ -34,3 +34,11 @@ def test_zero3_bf16_mixed_within_a_looser_tolerance():
     # dp=2 too), so the bound is looser than fp32's 1e-5.
     assert_parity("zero3=2", 2, tol=5e-2, precision="bf16-mixed",
                   reference_kwargs={"precision": "fp32"})
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_zero3_with_activation_checkpointing_matches_one_process(mode):
+    # recomputing activations in backward must not change a single gradient
+    assert_parity("zero3=2", 2, steps=6, fns=GPT_FNS, activation_checkpointing=mode,
+                  reference_kwargs={"activation_checkpointing": None})
