@@ -8,7 +8,7 @@ import tempfile
 import torch
 from torch.utils.data import TensorDataset
 
-from meshtrain import Trainer
+from meshtrain import Callback, Trainer
 from meshtrain.launch.spawn import run_workers
 
 NUM_SAMPLES, IN_FEATURES, OUT_FEATURES = 96, 12, 3
@@ -36,11 +36,13 @@ def adamw(params):
 
 def train_state(trainer_kwargs: dict, model_fn=mlp, data_fn=regression_data,
                 optimizer_fn=adamw, loss_fn=torch.nn.functional.mse_loss) -> dict:
-    """Train in this process (or as one rank of a job) and return the parameters (rank 0)."""
+    """Train in this process (or as one rank of a job) and return the parameters, and under
+    ``LOSSES`` the loss of every step (averaged over the ranks, as the Trainer logs it)."""
     torch.set_num_threads(1)
+    curve = _LossCurve()
     with tempfile.TemporaryDirectory() as run_dir:
         kwargs = dict(loggers=(), progress_bar=False, save_final_checkpoint=False,
-                      run_dir=run_dir, seed=0)
+                      run_dir=run_dir, seed=0, log_every_n_steps=1, callbacks=[curve])
         kwargs.update(trainer_kwargs)
         trainer = Trainer(**kwargs)
         model = trainer.fit(model_fn, data_fn(), optimizer=optimizer_fn, loss_fn=loss_fn)
@@ -51,7 +53,20 @@ def train_state(trainer_kwargs: dict, model_fn=mlp, data_fn=regression_data,
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, state)
             state = {k: v for part in parts for k, v in part.items()}
+        state[LOSSES] = torch.tensor(curve.losses, dtype=torch.float64)
         return state
+
+
+LOSSES = "__losses__"
+
+
+class _LossCurve(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_step_end(self, trainer, metrics):
+        if "train/loss" in metrics:
+            self.losses.append(metrics["train/loss"])
 
 
 def _full(tensor):
@@ -70,8 +85,9 @@ def _train_rank(trainer_kwargs, fns):
 
 
 def max_param_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    names = [k for k in a if k != LOSSES]
+    assert sorted(names) == sorted(k for k in b if k != LOSSES)
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in names)
 
 
 def assert_parity(layout: str, num_procs: int, *, tol: float = 1e-5, steps: int = 20,
@@ -93,6 +109,10 @@ def assert_parity(layout: str, num_procs: int, *, tol: float = 1e-5, steps: int 
     moved = max_param_diff(reference, run_layout(dict(common, max_steps=1), 1, **fns))
     assert moved > 2 * tol, "training barely moved the parameters: the test would prove nothing"
     assert diff <= tol, f"{layout} on {num_procs} ranks differs from one process by {diff:.3e}"
+    curves = reference[LOSSES], parallel[LOSSES]
+    assert len(curves[0]) == len(curves[1]) == steps
+    curve_diff = (curves[0] - curves[1]).abs().max().item()
+    assert curve_diff <= max(tol, 1e-5), f"{layout}: loss curves differ by {curve_diff:.3e}"
     return diff
 
 

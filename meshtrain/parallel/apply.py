@@ -82,9 +82,13 @@ def parallelize(
     the Trainer (``allreduce_gradients``) rather than by DDP.
     """
     if layout.degree("tp") > 1:
+        from meshtrain.models.hf import default_tp_plan  # None unless a Hugging Face model
         from meshtrain.parallel.tensor_parallel import apply_tp
 
-        apply_tp(model, mesh["tp"], plan=options.tp_plan,
+        plan = options.tp_plan or default_tp_plan(
+            model, layout.degree("tp"), sequence_parallel=options.sequence_parallel,
+            loss_parallel=options.loss_parallel)
+        apply_tp(model, mesh["tp"], plan=plan,
                  sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
     needs_blocks = options.activation_checkpointing or layout.is_sharded
     blocks = model_blocks(model, options) if needs_blocks else []

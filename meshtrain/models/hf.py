@@ -1,0 +1,224 @@
+"""Hugging Face ``transformers`` causal LMs under meshtrain (optional extra ``meshtrain[hf]``).
+
+Models are built from a config only (nothing is downloaded). Batches are dicts
+``{"input_ids", "labels"}`` passed as ``model(**batch)``; the model returns ``.loss`` itself, so
+``fit`` needs no ``loss_fn``::
+
+    trainer.fit(lambda: tiny_llama(), random_token_data(), optimizer=...)
+
+Layouts: ``dp``, ``zero1/2/3`` (FSDP2 shards each decoder layer, found by ``find_blocks``) work for
+any such model. ``tp`` has a built-in plan for Llama-style models (Llama, Mistral, Qwen2, ...:
+``model.layers[i].self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``), chosen
+automatically when the Trainer gets no ``tp_plan`` (:func:`default_tp_plan`). GPT-2 has no tp
+plan: its attention is one fused ``Conv1D`` (``c_attn``, weight stored transposed) whose output
+is q, k and v side by side, so a column split would give each rank a mix of q/k/v columns, and
+DTensor's ``ColwiseParallel`` / ``RowwiseParallel`` accept only ``nn.Linear`` / ``nn.Embedding``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.utils.data import Dataset
+
+from meshtrain.errors import ConfigError
+
+__all__ = [
+    "RandomTokenDataset", "default_tp_plan", "hf_tp_plan", "is_hf_model", "is_llama_like",
+    "random_token_data", "tiny_gpt2", "tiny_llama",
+]
+
+_INSTALL_HINT = "install the optional extra: pip install 'meshtrain[hf]' (transformers>=4.50)"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigError(f"Hugging Face models need transformers; {_INSTALL_HINT}") from exc
+    return transformers
+
+
+# --- Tiny models from configs (no download) ----------------------------------------------------
+def _build(model_cls, config, seed: int) -> nn.Module:
+    config._attn_implementation = "sdpa"  # works on CPU; no flash-attention needed
+    with torch.random.fork_rng(devices=[]):  # the same weights whatever the caller's RNG state
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    return model
+
+
+def tiny_llama(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2,
+               num_heads: int = 4, num_kv_heads: int = 2, seq_len: int = 16, seed: int = 0,
+               intermediate_size: int | None = None, tie_word_embeddings: bool = False):
+    """A small ``LlamaForCausalLM`` (grouped-query attention, RoPE, SwiGLU) built from a config."""
+    tf = _transformers()
+    config = tf.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        max_position_embeddings=seq_len, attention_dropout=0.0,
+        tie_word_embeddings=tie_word_embeddings, use_cache=False,
+    )
+    return _build(tf.LlamaForCausalLM, config, seed)
+
+
+def tiny_gpt2(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2,
+              num_heads: int = 4, seq_len: int = 16, seed: int = 0):
+    """A small ``GPT2LMHeadModel`` (tied embeddings, learned positions) built from a config."""
+    tf = _transformers()
+    config = tf.GPT2Config(
+        vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
+        n_positions=seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )
+    return _build(tf.GPT2LMHeadModel, config, seed)
+
+
+# --- Data ---------------------------------------------------------------------------------------
+class RandomTokenDataset(Dataset):
+    """Random tokens as ``{"input_ids", "labels"}`` (labels = input_ids: HF models shift them)."""
+
+    def __init__(self, num_samples: int = 64, seq_len: int = 16, vocab_size: int = 32,
+                 seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab_size, (num_samples, seq_len), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens = self.tokens[index]
+        return {"input_ids": tokens, "labels": tokens.clone()}
+
+
+def random_token_data(num_samples: int = 64, seq_len: int = 16, vocab_size: int = 32,
+                      seed: int = 0) -> RandomTokenDataset:
+    return RandomTokenDataset(num_samples, seq_len, vocab_size, seed)
+
+
+# --- Tensor parallel ----------------------------------------------------------------------------
+def is_hf_model(model: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel`` (checked without importing transformers)."""
+    tf = sys.modules.get("transformers")
+    if tf is None:
+        return False
+    return isinstance(model, tf.PreTrainedModel)
+
+
+def _base(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(prefix, base model) of a Llama-style model: ``model.model`` of ``*ForCausalLM``."""
+    for prefix in ("model", ""):
+        base = getattr(model, prefix, None) if prefix else model
+        layers = getattr(base, "layers", None)
+        if isinstance(layers, nn.ModuleList) and hasattr(base, "embed_tokens"):
+            return prefix, base
+    return None
+
+
+def is_llama_like(model: nn.Module) -> bool:
+    found = _base(model)
+    if found is None or len(found[1].layers) == 0:
+        return False
+    layer = found[1].layers[0]
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+    return all(isinstance(getattr(m, n, None), nn.Linear) for m, n in names)
+
+
+def _uses_conv1d(model: nn.Module) -> bool:
+    return any(type(m).__name__ == "Conv1D" for m in model.modules())
+
+
+def _check_divisible(model: nn.Module, config, tp: int) -> None:
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None)
+        or config.num_attention_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+    }
+    for what, size in sizes.items():
+        if size % tp:
+            options = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
+            raise ConfigError(
+                f"tensor parallel tp={tp} splits {what}={size} of {type(model).__name__} over "
+                f"{tp} ranks, but {size} is not divisible by {tp}; use a tp that divides it "
+                f"({options}) or change the model's config"
+            )
+
+
+def hf_tp_plan(model: nn.Module, tp: int | None = None) -> dict[str, ParallelStyle]:
+    """The Megatron plan for a Llama-style Hugging Face causal LM: module FQN -> ParallelStyle.
+
+    Embedding split by vocabulary rows (replicated output); q/k/v and gate/up column-parallel,
+    o_proj and down_proj row-parallel (heads and MLP units split, one all-reduce each forward);
+    ``lm_head`` column-parallel with replicated (gathered) logits, so the model's own loss runs
+    unchanged; norms replicated as DTensors so that every parameter is a DTensor. Llama's
+    attention reshapes with ``view(*shape, -1, head_dim)``, so each rank runs its local heads
+    (and ``num_key_value_groups`` = heads / kv_heads is the same locally). With ``tp`` given the
+    head, kv-head, MLP and vocabulary sizes are checked to divide by it.
+    """
+    from meshtrain.parallel.tensor_parallel import ReplicateParallel
+
+    if _uses_conv1d(model):
+        raise ConfigError(
+            f"{type(model).__name__} (GPT-2 style) has no tensor-parallel plan: its attention is "
+            "one fused Conv1D (c_attn) producing q, k and v side by side, which a column split "
+            "would mix across ranks, and DTensor's Colwise/RowwiseParallel only handle nn.Linear. "
+            "Train it with dp / zero1-3 (or use a Llama-style model for tp)"
+        )
+    if not is_llama_like(model):
+        raise ConfigError(
+            f"{type(model).__name__} has no built-in tensor-parallel plan (expected a Llama-style "
+            "model: layers[i].self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj as "
+            "nn.Linear); pass Trainer(tp_plan={fqn: ParallelStyle}) instead"
+        )
+    prefix, base = _base(model)
+    join = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
+    head = getattr(model, "lm_head", None)
+    if head is not None and head.weight is base.embed_tokens.weight:
+        raise ConfigError(
+            "tensor parallel of a Hugging Face model with tied input/output embeddings is not "
+            "supported (the two layers would be split into separate parameters); build it with "
+            "tie_word_embeddings=False"
+        )
+    if tp is not None:
+        _check_divisible(model, model.config, tp)
+    plan: dict[str, ParallelStyle] = {
+        join("embed_tokens"): RowwiseParallel(input_layouts=Replicate(),
+                                              output_layouts=Replicate()),
+    }
+    for i in range(len(base.layers)):
+        layer = join(f"layers.{i}")
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{layer}.self_attn.{name}"] = ColwiseParallel()
+        plan[f"{layer}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"{layer}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{layer}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{layer}.mlp.down_proj"] = RowwiseParallel()
+    if head is not None:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    for name, module in model.named_modules():  # norms (and anything else left whole)
+        leaf = next(module.children(), None) is None
+        if leaf and name not in plan and next(module.parameters(recurse=False), None) is not None:
+            plan[name] = ReplicateParallel()
+    return plan
+
+
+def default_tp_plan(model: nn.Module, tp: int | None = None, *, sequence_parallel: bool = False,
+                    loss_parallel: bool = False) -> dict[str, ParallelStyle] | None:
+    """The built-in plan for a Hugging Face model, or ``None`` for other models (meshtrain's
+    own GPT plan then applies). Sequence and loss parallel are not available for HF models."""
+    if not is_hf_model(model):
+        return None
+    if sequence_parallel or loss_parallel:
+        raise ConfigError(
+            "sequence_parallel and loss_parallel are not available for Hugging Face models "
+            "(the model computes its loss itself from replicated logits); turn them off"
+        )
+    return hf_tp_plan(model, tp)
