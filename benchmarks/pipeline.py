@@ -1,0 +1,434 @@
+"""Pipeline bubble and step time of GPipe, 1F1B and interleaved 1F1B on 2 ranks.
+
+Every schedule trains the same GPT (4 blocks) on the same global batch with AdamW, through
+``meshtrain.parallel.pipeline.PipelineRunner`` on p = 2 processes (gloo, CPU, one torch thread
+per rank), for m = 2, 4 and 8 micro-batches:
+
+* ``gpipe``: all forwards, then all backwards (Huang et al. 2019); one stage (2 blocks) per rank;
+* ``1f1b``: one forward one backward in the steady state (PipeDream-Flush); one stage per rank;
+* ``interleaved-1f1b``: v = 2 stages (1 block each) per rank, rank r holding stages r and r + 2
+  (Narayanan et al. 2021).
+
+Bubble: ``PipelineRunner.timed_step`` records every stage's forward (F) and backward (B) action
+on every rank; the measured bubble is ``bubble_fraction``: per rank, 1 - (time in F and B) /
+(first start to last end over all ranks), averaged over the ranks. Everything that is not F or B
+compute counts as idle: waiting for the other rank, but also gloo's send/recv and the loss. The
+formula is ``ideal_bubble_fraction``: (p-1)/(m+p-1), and (p-1)/(v*m+p-1) interleaved.
+
+Step time: forward + backward over all micro-batches + AdamW step + zero_grad, timed over
+``--steps`` consecutive steps after ``--warmup`` untimed ones (the slower rank's clock). The
+baselines run on rank 0 alone while rank 1 waits in a barrier, in the same processes, so that
+they are interleaved with the pipelined runs: ``1proc`` is one process on the whole global batch
+(one forward/backward), ``1proc xm`` the same batch as m micro-batches with gradient accumulation.
+Repeats are interleaved (all cases, then all again); the table shows medians over repeats and,
+for the ratios, medians of the per-repeat ratios ("paired").
+
+    python benchmarks/pipeline.py            # 2 warm-up + 6 timed steps, 3 timelines, 5 repeats
+    python benchmarks/pipeline.py --quick    # smoke run: tiny GPT, 1 repeat
+    python benchmarks/pipeline.py --from-json benchmarks/results/pipeline.json   # redraw only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.launch.spawn import run_workers
+
+PP = 2
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, stages per rank)
+PLOT_M = 4  # the timelines drawn
+
+
+@dataclass(frozen=True)
+class Config:
+    steps: int = 6  # timed steps per case and repeat
+    warmup: int = 2  # untimed steps before them
+    timelines: int = 3  # timed_step() calls per case and repeat (bubble: their median)
+    global_batch_size: int = 16
+    seq_len: int = 64
+    d_model: int = 192
+    num_heads: int = 4
+    num_layers: int = 4
+    vocab_size: int = 256
+    microbatches: tuple[int, ...] = (2, 4, 8)
+    lr: float = 1e-3
+    seed: int = 0
+
+    def gpt_config(self):
+        from meshtrain.models.gpt import GPTConfig
+
+        return GPTConfig(vocab_size=self.vocab_size, seq_len=self.seq_len,
+                         num_layers=self.num_layers, num_heads=self.num_heads,
+                         d_model=self.d_model)
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def case_name(schedule: str, m: int) -> str:
+    return f"{schedule} m={m}"
+
+
+def even_splits(num_blocks: int, num_stages: int) -> list[int]:
+    return [num_blocks * k // num_stages for k in range(1, num_stages)]
+
+
+# -------------------------------------------------------------------------------------------------
+# the run (on every rank)
+# -------------------------------------------------------------------------------------------------
+def pipeline_worker(cfg: Config, repeats: int, hang_s: float) -> dict:
+    """Every case (and, on rank 0, the baselines) ``repeats`` times, interleaved."""
+    import faulthandler
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshtrain.launch.spawn import DistEnv, init_process_group
+    from meshtrain.models.gpt import GPT
+    from meshtrain.parallel.pipeline import PipelineRunner, rank_stages, split_model
+
+    faulthandler.dump_traceback_later(hang_s, exit=False)  # a hang shows its stack
+    init_process_group(DistEnv.from_environ(), "gloo", timedelta(seconds=hang_s))
+    rank, group = dist.get_rank(), dist.group.WORLD
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randint(0, cfg.vocab_size, (cfg.global_batch_size, cfg.seq_len), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (cfg.global_batch_size, cfg.seq_len), generator=gen)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=cfg.lr)
+
+    runners = {}
+    for m in cfg.microbatches:
+        for schedule, v in SCHEDULES:
+            num_stages = PP * v
+            indices = rank_stages(rank, PP, v, schedule)
+            model = GPT(cfg.gpt_config(), seed=cfg.seed)
+            points = even_splits(cfg.num_layers, num_stages)
+            stages = [split_model(model, points, i) for i in indices]
+            runner = PipelineRunner(stages, indices, num_stages, group, torch.device("cpu"),
+                                    schedule=schedule, num_microbatches=m, loss_fn=lm_loss)
+            runners[case_name(schedule, m)] = runner, adamw(runner.parameters())
+    if rank == 0:
+        reference = GPT(cfg.gpt_config(), seed=cfg.seed)
+        ref_opt = adamw(reference.parameters())
+
+    def pipeline_step(runner, opt):
+        runner.step(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def baseline_step(m):
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):
+            (lm_loss(reference(xs), ys) / m).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+
+    def timed(step, n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            step()
+        return (time.perf_counter() - start) / n
+
+    out: dict = {"rank": rank, "step_s": {}, "timelines": {}, "idle_cpu_s": [],
+                 "send_recv_ms": {}}
+    # gloo's cost of handing one micro-batch's activation to the other rank: ping-pong, halved
+    for m in cfg.microbatches:
+        buf = torch.randn(cfg.global_batch_size // m, cfg.seq_len, cfg.d_model)
+        times = []
+        for _ in range(25):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            times.append((time.perf_counter() - start) / 2)
+        out["send_recv_ms"][m] = 1e3 * statistics.median(times[5:])
+    baselines = {"1proc": 1, **{f"1proc x{m}": m for m in cfg.microbatches}}
+    for _ in range(repeats):
+        for m in cfg.microbatches:
+            for schedule, _v in SCHEDULES:
+                name = case_name(schedule, m)
+                runner, opt = runners[name]
+                dist.barrier()
+                timed(lambda: pipeline_step(runner, opt), cfg.warmup)
+                dist.barrier()
+                out["step_s"].setdefault(name, []).append(
+                    timed(lambda: pipeline_step(runner, opt), cfg.steps))
+                for _ in range(cfg.timelines):
+                    _, events = runner.timed_step(x, y)
+                    out["timelines"].setdefault(name, []).append(
+                        [(e.rank, e.stage, e.microbatch, e.kind, e.start, e.end) for e in events])
+                    opt.zero_grad(set_to_none=True)
+        # The baselines: rank 0 alone; rank 1 waits in the barrier (its CPU time is recorded).
+        dist.barrier()
+        cpu = time.process_time()
+        if rank == 0:
+            for name, m in baselines.items():
+                timed(lambda: baseline_step(m), cfg.warmup)
+                out["step_s"].setdefault(name, []).append(
+                    timed(lambda: baseline_step(m), cfg.steps))
+        dist.barrier()
+        out["idle_cpu_s"].append(time.process_time() - cpu)
+    faulthandler.cancel_dump_traceback_later()
+    dist.barrier()
+    time.sleep(0.05)  # let gloo retire its last work before the group goes
+    dist.destroy_process_group()
+    return out
+
+
+def run(cfg: Config, repeats: int, timeout: float) -> list[dict]:
+    return run_workers(pipeline_worker, PP, (cfg, repeats, max(1.0, timeout - 10)),
+                       timeout=timeout, threads=1)
+
+
+# -------------------------------------------------------------------------------------------------
+# summary, table, charts
+# -------------------------------------------------------------------------------------------------
+def _events(rows):
+    from meshtrain.parallel.pipeline import TimelineEvent
+
+    return [TimelineEvent(*row) for row in rows]
+
+
+def handoffs(rows) -> list[tuple[int, int, str, float]]:
+    """(stage, micro-batch, kind, ms) for every F (B) whose input comes from the previous (next)
+    stage on the other rank and whose rank sat idle when that stage finished: the time from the
+    producer's end to this action's start. With nothing else in the way, this is what handing
+    one activation (gradient) over costs inside the schedule: the send/recv and the schedule's
+    own work around it. The ranks' clocks are aligned by the barrier that starts the step, to
+    about 0.5 ms (values slightly below 0 are that skew)."""
+    events = _events(rows)
+    by_key = {(e.stage, e.microbatch, e.kind): e for e in events}
+    out = []
+    for e in events:
+        producer = by_key.get((e.stage - 1 if e.kind == "F" else e.stage + 1, e.microbatch,
+                               e.kind))
+        if producer is None or producer.rank == e.rank:
+            continue
+        before = [o.end for o in events if o.rank == e.rank and o.end <= e.start]
+        if not before or max(before) <= producer.end:  # waiting for the producer
+            out.append((e.stage, e.microbatch, e.kind, 1e3 * (e.start - producer.end)))
+    return out
+
+
+def summarize(cfg: Config, ranks: list[dict]) -> dict:
+    from meshtrain.parallel.pipeline import bubble_fraction, ideal_bubble_fraction
+
+    names = list(ranks[0]["step_s"])
+    # A job's step takes as long as its slower rank (the baselines ran on rank 0 only).
+    step_s = {n: [max(r["step_s"][n][i] for r in ranks if n in r["step_s"])
+                  for i in range(len(ranks[0]["step_s"][n]))] for n in names}
+    summary: dict[str, dict] = {}
+    for m in cfg.microbatches:
+        gpipe = step_s[case_name("gpipe", m)]
+        send_ms = ranks[0]["send_recv_ms"][m]
+        for schedule, v in SCHEDULES:
+            name = case_name(schedule, m)
+            timelines = ranks[0]["timelines"][name]
+            bubbles = [bubble_fraction(_events(t)) for t in timelines]
+            spans = [max(e[5] for e in t) - min(e[4] for e in t) for t in timelines]
+            formula = ideal_bubble_fraction(PP, m, v)
+            # idle time beyond the formula's, per F or B action of a rank (2*v*m of them)
+            excess = [(b - formula) * s / (2 * v * m) for b, s in zip(bubbles, spans)]
+            median_bubble = statistics.median(bubbles)
+            chosen = min(range(len(bubbles)), key=lambda i: abs(bubbles[i] - median_bubble))
+            events = _events(timelines[chosen])
+            times = step_s[name]
+            summary[name] = {
+                "schedule": schedule, "m": m, "v": v,
+                "bubble": median_bubble, "bubbles": bubbles, "formula": formula,
+                "median_ms": 1e3 * statistics.median(times),
+                "repeats_ms": [1e3 * t for t in times],
+                "x_gpipe": statistics.median([t / g for t, g in zip(times, gpipe)]),
+                "x_1proc": statistics.median([t / b for t, b in zip(times, step_s["1proc"])]),
+                "x_1proc_accum": statistics.median(
+                    [t / b for t, b in zip(times, step_s[f"1proc x{m}"])]),
+                # with equal stages and no communication: (v*m+p-1)/(p*v*m) of one process
+                # running the same micro-batches one after the other
+                "formula_x_1proc_accum": (v * m + PP - 1) / (PP * v * m),
+                "f_ms": 1e3 * statistics.mean(e.end - e.start for e in events if e.kind == "F"),
+                "b_ms": 1e3 * statistics.mean(e.end - e.start for e in events if e.kind == "B"),
+                "span_ms": 1e3 * (max(e.end for e in events) - min(e.start for e in events)),
+                "excess_ms_per_action": 1e3 * statistics.median(excess),
+                "handoff_ms": statistics.median(h[-1] for t in timelines for h in handoffs(t)),
+                # the first of the step: stage 0's first forward output to stage 1
+                "first_handoff_ms": statistics.median(
+                    h[-1] for t in timelines for h in handoffs(t) if h[:3] == (1, 0, "F")),
+                "send_ms": send_ms,  # one activation (or its gradient) to the other rank
+                "timeline": timelines[chosen],
+            }
+    for name in ("1proc", *(f"1proc x{m}" for m in cfg.microbatches)):
+        times = step_s[name]
+        summary[name] = {"median_ms": 1e3 * statistics.median(times),
+                         "repeats_ms": [1e3 * t for t in times]}
+    return summary
+
+
+def _table(header, rows) -> str:
+    lines = [tuple(header), *rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                     enumerate(zip(line, widths))) for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def format_table(summary: dict) -> str:
+    """Two tables: the bubble (and what it is made of), then step times and their ratios."""
+    cases = [row for row in summary.values() if "schedule" in row]
+    bubble = _table(
+        ("schedule", "v", "m", "bubble", "formula", "excess/action ms", "F ms", "B ms",
+         "send ms", "handoff ms", "1st handoff ms"),
+        [(r["schedule"], str(r["v"]), str(r["m"]), f"{r['bubble']:.3f}", f"{r['formula']:.3f}",
+          f"{r['excess_ms_per_action']:.2f}", f"{r['f_ms']:.1f}", f"{r['b_ms']:.1f}",
+          f"{r['send_ms']:.2f}", f"{r['handoff_ms']:.2f}", f"{r['first_handoff_ms']:.2f}")
+         for r in cases])
+    rows = [(r["schedule"], str(r["v"]), str(r["m"]), f"{r['median_ms']:.1f}",
+             f"{r['x_gpipe']:.3f}", f"{r['x_1proc']:.3f}", f"{r['x_1proc_accum']:.3f}",
+             f"{r['formula_x_1proc_accum']:.3f}") for r in cases]
+    rows += [(name, "-", "-", f"{row['median_ms']:.1f}", "-", "-", "-", "-")
+             for name, row in summary.items() if "schedule" not in row]
+    time = _table(("schedule", "v", "m", "ms/step", "x gpipe", "x 1proc", "x 1proc xm",
+                   "ideal x 1proc xm"), rows)
+    return f"{bubble}\n\n{time}"
+
+
+def plot_all(summary: dict, out_dir: Path, title: str) -> list[Path]:
+    """The timeline of each schedule at m=4 (the median-bubble step) and bubble vs m."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from meshtrain.parallel.pipeline import plot_timeline
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for schedule, v in SCHEDULES:
+        row = summary.get(case_name(schedule, PLOT_M))
+        if row is None:
+            continue
+        path = out_dir / f"pipeline_timeline_{schedule}.png"
+        plot_timeline(_events(row["timeline"]), path,
+                      title=f"{schedule}, p={PP}, m={PLOT_M}, v={v}: measured bubble "
+                            f"{row['bubble']:.2f} (formula {row['formula']:.2f}), "
+                            f"step {row['span_ms']:.0f} ms")
+        paths.append(path)
+
+    fig = Figure(figsize=(6.5, 4), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    colors = {"gpipe": "#4c72b0", "1f1b": "#dd8452", "interleaved-1f1b": "#55a868"}
+    for schedule, v in SCHEDULES:
+        rows = [r for r in summary.values() if r.get("schedule") == schedule]
+        ms = [r["m"] for r in rows]
+        ax.plot(ms, [r["formula"] for r in rows], "--", color=colors[schedule], alpha=0.7)
+        ax.plot(ms, [r["bubble"] for r in rows], "o-", color=colors[schedule],
+                label=f"{schedule} (v={v})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["m"] for r in summary.values() if "m" in r}))
+    ax.get_xaxis().set_major_formatter("{x:.0f}")
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble fraction")
+    ax.set_ylim(0, None)
+    ax.set_title("Pipeline bubble, p=2: measured (solid) vs formula (dashed)\n" + title,
+                 fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "pipeline_bubble.png"
+    fig.savefig(path)
+    return [*paths, path]
+
+
+# -------------------------------------------------------------------------------------------------
+# driver
+# -------------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per case (6)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
+    parser.add_argument("--timelines", type=int, default=3,
+                        help="recorded steps per case and repeat for the bubble (3)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (5)")
+    parser.add_argument("--d-model", type=int, default=192, help="GPT width (192)")
+    parser.add_argument("--microbatches", default="2,4,8", help="values of m (2,4,8)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: d_model 64, 1 warm-up + 2 timed steps, 1 repeat")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds before a hung run is killed")
+    parser.add_argument("--out-dir", default="benchmarks/results",
+                        help="where pipeline.json and the PNGs go")
+    parser.add_argument("--from-json", help="only redraw table and charts from pipeline.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.timelines, args.repeats, args.d_model = 2, 1, 1, 1, 64
+    args.microbatches = tuple(int(m) for m in args.microbatches.split(","))
+    if min(args.steps, args.warmup, args.timelines, args.repeats) < 1:
+        parser.error("--steps, --warmup, --timelines and --repeats must be >= 1")
+    batch = Config.global_batch_size
+    if any(m % PP or batch % m for m in args.microbatches) or PLOT_M not in args.microbatches:
+        parser.error(f"micro-batch counts must be multiples of {PP} that divide the global "
+                     f"batch of {batch}, and include {PLOT_M}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir)
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        print(format_table(result["summary"]))
+        for path in plot_all(result["summary"], out_dir, result["title"]):
+            print(f"wrote {path}")
+        return 0
+    os.environ["OMP_NUM_THREADS"] = "1"
+    cfg = Config(steps=args.steps, warmup=args.warmup, timelines=args.timelines,
+                 d_model=args.d_model, microbatches=args.microbatches)
+    from meshtrain.models.gpt import GPT
+
+    num_params = GPT(cfg.gpt_config()).num_params()
+    title = (f"{PP} ranks (gloo, CPU, 1 thread each), GPT {cfg.num_layers} blocks d={cfg.d_model} "
+             f"seq={cfg.seq_len} vocab={cfg.vocab_size} ({num_params / 1e6:.2f}M params), "
+             f"global batch {cfg.global_batch_size}")
+    print(f"pipeline benchmark: {title}; m in {list(cfg.microbatches)}, {cfg.warmup} warm-up + "
+          f"{cfg.steps} timed steps + {cfg.timelines} timelines per case, {args.repeats} "
+          f"repeats, torch {torch.__version__}", flush=True)
+    started, load_before = time.perf_counter(), os.getloadavg()
+    ranks = run(cfg, args.repeats, args.timeout)
+    print(f"(ran in {time.perf_counter() - started:.0f} s, load average {load_before[0]:.1f} "
+          f"before, {os.getloadavg()[0]:.1f} after; rank 1 used "
+          f"{statistics.median(ranks[1]['idle_cpu_s']):.2f} s CPU while waiting for the "
+          f"baselines)\n")
+    summary = summarize(cfg, ranks)
+    print(format_table(summary))
+    paths = plot_all(summary, out_dir, title)
+    result = {
+        "title": title,
+        "config": asdict(cfg) | {"num_params": num_params, "pp": PP},
+        "repeats": args.repeats,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "summary": summary,
+        "idle_rank_cpu_s": ranks[1]["idle_cpu_s"],
+    }
+    (out_dir / "pipeline.json").write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out_dir / 'pipeline.json'}, " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
