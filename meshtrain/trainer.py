@@ -206,6 +206,7 @@ class Trainer:
 
         # Set by fit / the set-up that follows it.
         self.mesh = None
+        self._dp_mesh = None  # the data-parallel axes flattened into one (set with the mesh)
         self.rank = self._env.rank if self._env else 0
         self.local_rank = self._env.local_rank if self._env else 0
         self.model: torch.nn.Module | None = None
@@ -232,12 +233,10 @@ class Trainer:
     @property
     def dp_rank(self) -> int:
         """This rank's index among the ranks that see different data."""
-        if self.layout.dp_degree == 1:
-            return 0
-        return self.mesh[self.layout.data_parallel_axes]._flatten().get_local_rank()
+        return self._dp_mesh.get_local_rank() if self._dp_mesh is not None else 0
 
     def _dp_group(self):
-        return self.mesh[self.layout.data_parallel_axes]._flatten().get_group()
+        return self._dp_mesh.get_group()
 
     def print(self, *args, **kwargs) -> None:
         """``print`` on global rank zero only (through the progress bar when one is live)."""
@@ -286,6 +285,8 @@ class Trainer:
             backend = "nccl" if self.device_type == "cuda" else "gloo"
             init_process_group(env, backend, self.collective_timeout)
         self.mesh = self.layout.build_mesh(self.device_type)
+        if self.layout.dp_degree > 1:  # all data-parallel axes as one, built once
+            self._dp_mesh = self.mesh[self.layout.data_parallel_axes]._flatten()
 
     def _device(self, local_rank: int) -> torch.device:
         if self.device_type == "cuda":
@@ -663,11 +664,11 @@ class Trainer:
 
     def _finish_step(self) -> None:
         """Reduce what DDP/FSDP did not, clip by the global norm, step, zero the gradients."""
-        params = list(self.model.parameters())
         if self._needs_grad_allreduce():
-            allreduce_gradients(params, self._dp_group())
+            allreduce_gradients(self.model.parameters(), self._dp_group())
         if self.grad_clip_norm is not None:
             self.precision.unscale(self.optimizer)
+            params = list(self.model.parameters())
             if self._pipeline is not None:
                 from meshtrain.parallel.pipeline import clip_grad_norm_
 
