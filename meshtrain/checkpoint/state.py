@@ -97,30 +97,59 @@ def _state(model, optimizer, *, for_load: bool) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
+def tmp_path(path: str | os.PathLike) -> Path:
+    """Where the checkpoint for ``path`` is written before it is renamed: ``.tmp-<name>``."""
+    path = Path(path)
+    return path.with_name(f".tmp-{path.name}")
+
+
+def prepare_tmp(tmp: Path) -> None:
+    """Collective: rank 0 empties and creates ``tmp``; every rank then may write into it."""
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+
+
+def write_extras(tmp: Path, trainer_state: dict, summary: dict) -> None:
+    """This rank's RNG states; on rank 0 also the trainer state and the summary. No collective."""
+    torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    if _rank() == 0:
+        torch.save(trainer_state, tmp / TRAINER_STATE)
+        (tmp / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
+
+
+def checkpoint_state(model, optimizer) -> dict:
+    """The dict DCP saves: model and optimizer state keyed by parameter names."""
+    return _state(model, optimizer, for_load=False)
+
+
+def commit_tmp(tmp: Path, path: Path) -> None:
+    """Rank 0 replaces ``path`` with the fully written ``tmp`` (no collective)."""
+    if _rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     trainer_state: dict,
     summary: dict,
+    *,
+    process_group=None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final folder."""
     path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
+    tmp = tmp_path(path)
+    prepare_tmp(tmp)
     with _quiet_single_process():
-        dcp.save(_state(model, optimizer, for_load=False), checkpoint_id=tmp)
-    torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
-    if _rank() == 0:
-        torch.save(trainer_state, tmp / TRAINER_STATE)
-        (tmp / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
+        dcp.save(checkpoint_state(model, optimizer), checkpoint_id=tmp,
+                 process_group=process_group)
+    write_extras(tmp, trainer_state, summary)
     _barrier()
-    if _rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+    commit_tmp(tmp, path)
     _barrier()
     return path
 

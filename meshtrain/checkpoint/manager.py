@@ -1,0 +1,283 @@
+"""Periodic, atomic, optionally asynchronous checkpoints (torch distributed checkpoint, DCP).
+
+A :class:`CheckpointManager` saves ``<directory>/step_00000012`` every N steps and/or every N
+minutes, keeps the last k, and never leaves a half-written folder that looks complete: every
+save goes into ``.tmp-<name>`` and is renamed by rank 0 once all ranks have written.
+
+With ``async_save=True`` the model and optimizer state is copied to CPU memory (DCP's staging,
+during :meth:`CheckpointManager.save`) and written by a background thread while training goes
+on; one save is in flight at most. The caller commits it once every rank's write is done
+(:meth:`~CheckpointManager.poll` on every rank, then :meth:`~CheckpointManager.commit`), or
+blocks for it with :meth:`~CheckpointManager.wait`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from meshtrain.checkpoint.state import (
+    SUMMARY,
+    TRAINER_STATE,
+    _barrier,
+    _quiet_single_process,
+    _rank,
+    checkpoint_state,
+    commit_tmp,
+    prepare_tmp,
+    tmp_path,
+    write_extras,
+)
+from meshtrain.errors import ConfigError, MeshtrainError
+
+DCP_METADATA = ".metadata"
+_now = time.monotonic  # (the tests replace it)
+_STEP_NAME = re.compile(r"step_(\d+)$")
+
+
+class CheckpointWriteError(MeshtrainError, RuntimeError):
+    """An asynchronous checkpoint write failed in the background."""
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder name of the checkpoint at ``step``: ``step_00000012``."""
+    return f"step_{int(step):08d}"
+
+
+def _step_of(folder: Path) -> int | None:
+    """The step of a complete checkpoint folder, or None if it is not one."""
+    if folder.name.startswith(".") or not folder.is_dir():
+        return None
+    if not all((folder / f).is_file() for f in (TRAINER_STATE, SUMMARY, DCP_METADATA)):
+        return None
+    try:
+        step = json.loads((folder / SUMMARY).read_text()).get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+    except (OSError, ValueError, AttributeError):
+        return None
+    match = _STEP_NAME.match(folder.name)
+    return int(match.group(1)) if match else None
+
+
+def list_complete(directory: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints in ``directory`` (``step_*``, ``final``, ...), oldest to newest.
+
+    Sorted by step, then by modification time; ``.tmp-*`` and incomplete folders are left out.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for folder in directory.iterdir():
+        try:
+            step = _step_of(folder)
+            if step is not None:
+                found.append((step, folder.stat().st_mtime, folder.name, folder))
+        except OSError:  # removed meanwhile (pruned by rank 0)
+            continue
+    return [entry[-1] for entry in sorted(found)]
+
+
+def latest_complete(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in ``directory``, or None."""
+    complete = list_complete(directory)
+    return complete[-1] if complete else None
+
+
+def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:
+    """Young/Daly's optimal time between checkpoints: sqrt(2 * save cost * MTBF)."""
+    if not (math.isfinite(save_cost_s) and save_cost_s >= 0):
+        raise ConfigError(f"save_cost_s must be a finite number >= 0, got {save_cost_s!r}")
+    if not (math.isfinite(mtbf_s) and mtbf_s > 0):
+        raise ConfigError(f"mtbf_s (mean time between failures) must be > 0, got {mtbf_s!r}")
+    return math.sqrt(2.0 * save_cost_s * mtbf_s)
+
+
+def _positive_int(name: str, value) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+    return value
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_all_finite(model: torch.nn.Module, optimizer) -> bool:
+    """Local: whether this rank's parameters and floating-point optimizer state are finite."""
+    tensors = [_local(p.detach()) for p in model.parameters()]
+    if optimizer is not None:
+        inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        for state in inner.state.values():
+            tensors += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+    extremes = [r for t in tensors if t.is_floating_point() and t.numel()
+                for r in (t.amax(), t.amin())]  # NaN propagates through amax/amin
+    return bool(torch.isfinite(torch.stack(extremes)).all()) if extremes else True
+
+
+def all_finite(model: torch.nn.Module, optimizer) -> bool:
+    """Collective when a process group exists: False if any rank holds NaN/Inf values."""
+    finite = local_all_finite(model, optimizer)
+    if dist.is_initialized():
+        flag = torch.tensor([0 if finite else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        finite = not flag.item()
+    return finite
+
+
+class CheckpointManager:
+    """Periodic atomic checkpoints in ``directory``; see the module docstring.
+
+    Args:
+        every_n_steps: a save is due at steps divisible by this (or None).
+        every_n_minutes: a save is due this long after the last one started (or None).
+        keep_last_k: after each commit, delete all but the newest k ``step_*`` checkpoints.
+        async_save: write in a background thread (DCP ``async_save``, thread mode).
+        process_group: the group DCP's own collectives use. With ``async_save`` it should be a
+            gloo group of its own so the background write never interleaves with training
+            collectives; if None one is created (collectively) at the first save.
+    """
+
+    def __init__(self, directory, *, every_n_steps=None, every_n_minutes=None, keep_last_k=None,
+                 async_save=False, process_group=None):
+        self.directory = Path(directory)
+        self.every_n_steps = _positive_int("every_n_steps", every_n_steps)
+        if every_n_minutes is not None and (
+            isinstance(every_n_minutes, bool) or not isinstance(every_n_minutes, (int, float))
+            or not math.isfinite(every_n_minutes) or every_n_minutes <= 0
+        ):
+            raise ConfigError(
+                f"every_n_minutes must be a number > 0 or None, got {every_n_minutes!r}")
+        self.every_n_minutes = every_n_minutes
+        self.keep_last_k = _positive_int("keep_last_k", keep_last_k)
+        if not isinstance(async_save, bool):
+            raise ConfigError(f"async_save must be True or False, got {async_save!r}")
+        self.async_save = async_save
+        self.process_group = process_group
+        self.last_blocking_s: float | None = None  # time the last save() kept its caller
+        self.last_save_s: float | None = None  # start of the last save to its commit
+        self._last_start = _now()
+        self._pending: tuple[Future, int, Path, Path, float] | None = None
+
+    # -- when ---------------------------------------------------------------------------------
+    def due_by_steps(self, step: int) -> bool:
+        return self.every_n_steps is not None and step % self.every_n_steps == 0
+
+    def due_by_time(self) -> bool:
+        """Local: whether every_n_minutes have passed since the last save started."""
+        if self.every_n_minutes is None:
+            return False
+        return _now() - self._last_start >= 60.0 * self.every_n_minutes
+
+    # -- saving -------------------------------------------------------------------------------
+    def save(self, step: int, model, optimizer, trainer_state: dict, summary: dict) -> bool:
+        """Collective: save (or start saving) the checkpoint of ``step``; False if refused."""
+        start = _now()
+        self.wait()
+        if not all_finite(model, optimizer):
+            warnings.warn(f"checkpoint of step {step} not saved: the model or optimizer state "
+                          "holds NaN or Inf values (on at least one rank)", stacklevel=2)
+            self.last_blocking_s = _now() - start
+            return False
+        self._last_start = start
+        if self.async_save and self.process_group is None and dist.is_initialized():
+            self.process_group = dist.new_group(backend="gloo")
+        final = self.directory / checkpoint_name(step)
+        tmp = tmp_path(final)
+        prepare_tmp(tmp)
+        write_extras(tmp, trainer_state, summary)
+        state = checkpoint_state(model, optimizer)
+        where = dict(checkpoint_id=tmp, process_group=self.process_group)
+        with _quiet_single_process():  # (an async save's thread may still warn, once)
+            if not self.async_save:
+                dcp.save(state, **where)
+            else:
+                future = dcp.async_save(
+                    state, async_checkpointer_type=AsyncCheckpointerType.THREAD, **where)
+                future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse
+                self._pending = (future, step, tmp, final, start)
+        if not self.async_save:
+            # dcp.save returns on a rank only after every rank wrote (extras included) and the
+            # coordinator wrote .metadata: the folder is complete.
+            commit_tmp(tmp, final)
+            self._prune(final)
+            _barrier()
+        self.last_blocking_s = _now() - start
+        if not self.async_save:
+            self.last_save_s = self.last_blocking_s
+        return True
+
+    @property
+    def in_flight(self) -> bool:
+        """An asynchronous save has started and is not committed yet."""
+        return self._pending is not None
+
+    def poll(self) -> bool:
+        """Local, non-blocking: True if nothing is in flight or this rank's write is done."""
+        return self._pending is None or self._pending[0].done()
+
+    def commit(self) -> Path | None:
+        """Finish the in-flight save once every rank's :meth:`poll` is True (no collective).
+
+        Rank 0 renames the folder into place and prunes old checkpoints. Returns the
+        committed folder, or None if nothing was in flight.
+        """
+        if self._pending is None:
+            return None
+        future, step, tmp, final, start = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except BaseException as exc:
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(
+                f"the asynchronous checkpoint of step {step} could not be written to {tmp}: "
+                f"{exc}") from exc
+        commit_tmp(tmp, final)
+        self._prune(final)
+        self.last_save_s = _now() - start
+        return final
+
+    def wait(self) -> Path | None:
+        """Collective: block until the in-flight save is written everywhere, then commit it."""
+        if self._pending is None:
+            return None
+        final = self.commit()  # blocks in the future's result()
+        _barrier()  # every rank sees the renamed folder
+        return final
+
+    # -- housekeeping -------------------------------------------------------------------------
+    def _prune(self, keep: Path) -> None:
+        """Rank 0: delete the oldest complete ``step_*`` checkpoints beyond keep_last_k."""
+        if self.keep_last_k is None or _rank() != 0:
+            return
+        steps = [p for p in list_complete(self.directory) if _STEP_NAME.match(p.name)]
+        for old in steps[: max(0, len(steps) - self.keep_last_k)]:
+            if old != keep:  # renamed first: never seen half-deleted under its own name
+                trash = old.with_name(f".tmp-pruned-{old.name}")
+                os.replace(old, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+
+    def cleanup_partial(self) -> None:
+        """Rank 0: delete ``.tmp-*`` folders left by an interrupted save (call at start-up)."""
+        if _rank() != 0 or not self.directory.is_dir():
+            return
+        busy = self._pending[2] if self._pending is not None else None
+        for folder in self.directory.glob(".tmp-*"):
+            if folder.is_dir() and folder != busy:
+                shutil.rmtree(folder, ignore_errors=True)
