@@ -32,6 +32,7 @@ from pathlib import Path
 from meshtrain.errors import ConfigError, WorkerFailed
 
 STORE_ENV = "MESHTRAIN_STORE"  # "host:port" of a store hosted by the launching process
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun for its workers: 0, 1, ...
 
 
 @dataclass(frozen=True)
@@ -56,18 +57,64 @@ class DistEnv:
         )
 
 
+def restart_count() -> int:
+    """How many times torchrun (``--max-restarts``) has restarted this job's workers; 0 if none.
+
+    0 on the first attempt and outside torchelastic. A Trainer that sees more than 0 was
+    restarted after a failure and resumes from the latest complete checkpoint of its run.
+    """
+    return int(os.environ.get(RESTART_COUNT_ENV) or 0)
+
+
 def init_process_group(env: DistEnv, backend: str, timeout: timedelta, store=None) -> None:
-    """Create the default process group for ``env``: from our own store, or env:// (torchrun)."""
+    """Create the default process group for ``env``.
+
+    From the store given, else from our own launcher's store (``MESHTRAIN_STORE``), else under
+    torchelastic from the job's store namespaced per restart attempt (see :func:`_attempt_store`),
+    else env:// (MASTER_ADDR/MASTER_PORT).
+    """
     import torch.distributed as dist
 
     if store is None and STORE_ENV in os.environ:
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         store = dist.TCPStore(host, int(port), env.world_size, is_master=False, timeout=timeout)
+    elif store is None and RESTART_COUNT_ENV in os.environ:
+        store = _attempt_store(env, timeout)
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
     _record_uncaught_exceptions()
     atexit.register(_shutdown)
+
+
+def _attempt_store(env: DistEnv, timeout: timedelta):
+    """The torchelastic job's store at MASTER_ADDR:MASTER_PORT, namespaced per restart attempt.
+
+    With torchrun's c10d rendezvous (what `meshtrain run` uses) the workers' store is the agent's
+    rendezvous store, which lives for the whole job: every restart attempt would write its
+    process-group keys (gloo's peer addresses among them) under the same names as the attempts
+    before it, and a restarted rank could read a dead rank's address (hangs, `Connection
+    refused`; see /work/shared/notes/torch-2.13-cpu-gloo.md). ``attempt_{N}/`` keeps each
+    attempt's keys apart. torchrun sets TORCHELASTIC_USE_AGENT_STORE=True when its agent hosts
+    that store (the workers join as clients); otherwise rank 0 hosts it, as env:// does.
+    """
+    import torch.distributed as dist
+
+    host = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise ConfigError(
+            f"{RESTART_COUNT_ENV} is set (a torchelastic worker) but MASTER_ADDR/MASTER_PORT are "
+            "not: start the script with torchrun or `meshtrain run`"
+        )
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        store = dist.TCPStore(host, int(port), env.world_size, is_master=False, timeout=timeout)
+    else:
+        store = dist.TCPStore(
+            host, int(port), env.world_size, is_master=env.rank == 0, timeout=timeout,
+            multi_tenant=True,
+        )
+    return dist.PrefixStore(f"attempt_{restart_count()}", store)
 
 
 # ---------------------------------------------------------------------------------------------
