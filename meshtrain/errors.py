@@ -16,3 +16,12 @@ class LayoutError(ConfigError):
 
 class WorkerFailed(MeshtrainError, RuntimeError):
     """A worker process of a job exited with an error; the whole job was stopped."""
+
+
+class CollectiveMismatch(MeshtrainError, RuntimeError):
+    """Ranks were about to run different collectives (or one never joined); names the ranks and
+    each one's call site. ``ranks`` holds the ranks that disagree or are missing."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
