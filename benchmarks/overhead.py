@@ -67,6 +67,9 @@ class Config:
     # meshtrain wraps with DDP(gradient_as_bucket_view=True); the plain loop uses DDP's default
     # (False) unless --raw-bucket-view asks for the same setting (framework cost alone).
     raw_bucket_view: bool = False
+    # meshtrain's per-step NaN/Inf check (one small all-reduce and a pass over the gradients);
+    # "none" turns it off to measure what it costs
+    nan_policy: str = "error"
 
     @property
     def total_steps(self) -> int:
@@ -210,6 +213,7 @@ def meshtrain_worker(cfg: Config, log_every_n_steps: int) -> dict:
             global_batch_size=cfg.global_batch_size, seed=cfg.seed, shuffle=True,
             callbacks=[Clock(clock)], loggers=(), progress_bar=False,
             save_final_checkpoint=False, log_every_n_steps=log_every_n_steps, run_dir=run_dir,
+            nan_policy=None if cfg.nan_policy == "none" else cfg.nan_policy, resume=None,
         )
         trainer.fit(
             lambda: build_model(cfg), build_data(cfg),
@@ -366,6 +370,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--raw-bucket-view", action="store_true",
                         help="give the raw loop DDP(gradient_as_bucket_view=True) as meshtrain has")
+    parser.add_argument("--nan-policy", default="error", choices=("error", "skip", "none"),
+                        help="meshtrain's nan_policy (default error, the Trainer's default)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 3 warm-up + 10 timed steps, 1 repeat")
     parser.add_argument("--timeout", type=float, default=300.0,
@@ -384,7 +390,8 @@ def main(argv=None) -> int:
     # One torch thread per rank for every variant (meshtrain and Lightning would otherwise pick
     # cpu_count // local_world_size threads themselves).
     os.environ["OMP_NUM_THREADS"] = "1"
-    cfg = Config(steps=args.steps, warmup=args.warmup, raw_bucket_view=args.raw_bucket_view)
+    cfg = Config(steps=args.steps, warmup=args.warmup, raw_bucket_view=args.raw_bucket_view,
+                 nan_policy=args.nan_policy)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
     if unknown:

@@ -119,6 +119,8 @@ class ModelCheckpoint(Callback):
                 shutil.rmtree(worst_path, ignore_errors=True)
         name = f"best_step_{trainer.global_step:07d}"
         path = trainer.save_checkpoint(self._dir(trainer) / name)
+        if path is None:  # not written: the weights hold NaN/Inf
+            return
         self.best_k[path] = value
         best = min if self.mode == "min" else max
         self.best_model_path = best(self.best_k, key=self.best_k.get)

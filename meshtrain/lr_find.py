@@ -43,6 +43,8 @@ def lr_find(trainer, model, train_data, *, optimizer, loss_fn=None, min_lr: floa
         raise ConfigError(f"need 0 < min_lr < max_lr, got min_lr={min_lr}, max_lr={max_lr}")
     if num_steps < 5:
         raise ConfigError(f"num_steps must be at least 5 for a useful curve, got {num_steps}")
+    # a range test starts from scratch, and its loss is meant to blow up at the end
+    trainer.resume, trainer.nan_policy = None, None
     trainer._prepare(model, train_data, None, optimizer=optimizer, loss_fn=loss_fn,
                      lr_scheduler=None)
     model_state = copy.deepcopy(trainer.model.state_dict())
@@ -59,7 +61,7 @@ def lr_find(trainer, model, train_data, *, optimizer, loss_fn=None, min_lr: floa
         if sampler.consumed_samples >= sampler.num_global_batches * trainer.global_batch_size:
             sampler.set_epoch(sampler.epoch + 1)
             batches = iter(loader)
-        loss, _ = trainer._train_step(batches)
+        loss, _, _ = trainer._train_step(batches)
         sampler.advance()
         value = trainer._mean_over_dp(loss)
         average = smoothing * average + (1 - smoothing) * value

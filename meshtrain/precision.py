@@ -68,6 +68,11 @@ class Precision:
         else:
             optimizer.step()
 
+    def skip_step(self) -> None:
+        """The step's update was dropped (nan_policy): let the grad scaler start a new step."""
+        if self.scaler:
+            self.scaler.update(self.scaler.get_scale())  # same scale; clears per-step state
+
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler else {}
 

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -42,6 +43,7 @@ from meshtrain.parallel.layout import Layout
 from meshtrain.precision import Precision, check_precision
 
 ModelLike = torch.nn.Module | Callable[[], torch.nn.Module]
+MAX_ROLLBACKS = 10  # nan_policy="rollback" gives up after this many in one fit
 DataLike = Dataset | DataLoader
 
 
@@ -114,7 +116,17 @@ class Trainer:
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         tp_plan: dict | None = None,
-        collective_timeout_s: float = 600.0,
+        collective_timeout_s: float = 300.0,
+        init_timeout_s: float = 600.0,
+        stall_timeout_s: float | None = 240.0,
+        debug_collectives: bool = False,
+        checkpoint_every_n_steps: int | None = None,
+        checkpoint_every_n_minutes: float | None = None,
+        keep_last_k: int | None = None,
+        async_checkpoint: bool = False,
+        resume: str | os.PathLike | None = "auto",
+        nan_policy: str | None = "error",
+        mtbf_hours: float = 3.0,
     ):
         if max_steps is None and max_epochs is None:
             raise ConfigError("set max_steps or max_epochs (or both) so training knows when to stop")
@@ -202,7 +214,20 @@ class Trainer:
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, tp_plan=tp_plan,
         )
         self.meta_init = meta_init
+        self._check_fault_tolerance(
+            collective_timeout_s=collective_timeout_s, init_timeout_s=init_timeout_s,
+            stall_timeout_s=stall_timeout_s, checkpoint_every_n_steps=checkpoint_every_n_steps,
+            checkpoint_every_n_minutes=checkpoint_every_n_minutes, keep_last_k=keep_last_k,
+            resume=resume, nan_policy=nan_policy, mtbf_hours=mtbf_hours,
+        )
         self.collective_timeout = timedelta(seconds=collective_timeout_s)
+        self.init_timeout = timedelta(seconds=init_timeout_s)
+        self.stall_timeout_s, self.debug_collectives = stall_timeout_s, debug_collectives
+        self.checkpoint_options = dict(
+            every_n_steps=checkpoint_every_n_steps, every_n_minutes=checkpoint_every_n_minutes,
+            keep_last_k=keep_last_k, async_save=async_checkpoint,
+        )
+        self.resume, self.nan_policy, self.mtbf_hours = resume, nan_policy, mtbf_hours
 
         # Set by fit / the set-up that follows it.
         self.mesh = None
@@ -222,6 +247,14 @@ class Trainer:
         self._val_data = None
         self._loss_fn = None
         self._pipeline = None  # PipelineRunner under pp
+        # fault tolerance (see _setup_fault_tolerance)
+        self._checkpoints = None  # CheckpointManager of run_dir/checkpoints
+        self._resume_from: Path | None = None
+        self._step_flags = None  # StepFlags: the per-step agreement all-reduce
+        self._watchdog = None
+        self._time_due = self._write_pending = False
+        self._bad_batches: set[tuple[int, int]] = set()  # (epoch, consumed_samples) to skip
+        self.num_skipped_steps, self.num_rollbacks = 0, 0
 
     # ------------------------------------------------------------------------------------------
     # properties and small helpers
@@ -265,6 +298,43 @@ class Trainer:
             )
         return devices
 
+    @staticmethod
+    def _check_fault_tolerance(*, collective_timeout_s, init_timeout_s, stall_timeout_s,
+                               checkpoint_every_n_steps, checkpoint_every_n_minutes,
+                               keep_last_k, resume, nan_policy, mtbf_hours) -> None:
+        from meshtrain.checkpoint.resume import check_resume
+        from meshtrain.observe.nonfinite import check_nan_policy
+
+        for name, value in (("collective_timeout_s", collective_timeout_s),
+                            ("init_timeout_s", init_timeout_s), ("mtbf_hours", mtbf_hours)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if stall_timeout_s is not None:
+            if not (isinstance(stall_timeout_s, (int, float)) and stall_timeout_s > 0):
+                raise ConfigError(f"stall_timeout_s must be positive or None, got {stall_timeout_s!r}")
+            if stall_timeout_s >= collective_timeout_s:
+                raise ConfigError(
+                    f"stall_timeout_s={stall_timeout_s} must be below collective_timeout_s="
+                    f"{collective_timeout_s}: otherwise the ranks waiting for a stalled one time "
+                    "out and exit before the watchdog can write their stacks"
+                )
+        _positive("checkpoint_every_n_steps", checkpoint_every_n_steps)
+        _positive("keep_last_k", keep_last_k)
+        if checkpoint_every_n_minutes is not None and not (
+            isinstance(checkpoint_every_n_minutes, (int, float)) and checkpoint_every_n_minutes > 0
+        ):
+            raise ConfigError(
+                f"checkpoint_every_n_minutes must be positive or None, got "
+                f"{checkpoint_every_n_minutes!r}"
+            )
+        check_resume(resume)
+        check_nan_policy(nan_policy)
+        if nan_policy == "rollback" and not (checkpoint_every_n_steps or checkpoint_every_n_minutes):
+            raise ConfigError(
+                "nan_policy='rollback' restores the last checkpoint, so it needs periodic "
+                "checkpoints: set checkpoint_every_n_steps (or checkpoint_every_n_minutes)"
+            )
+
     # ------------------------------------------------------------------------------------------
     # processes, mesh, model
     # ------------------------------------------------------------------------------------------
@@ -275,7 +345,7 @@ class Trainer:
             return
         env = self._env
         if env is None:  # plain `python script.py` with devices=N: become rank 0
-            self._workers = ScriptWorkers(self.world_size, self.collective_timeout)
+            self._workers = ScriptWorkers(self.world_size, self.init_timeout)
             env = self._env = DistEnv.from_environ()
         if self.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
@@ -283,8 +353,17 @@ class Trainer:
         self.device = self._device(env.local_rank)
         if not dist.is_initialized():
             backend = "nccl" if self.device_type == "cuda" else "gloo"
-            init_process_group(env, backend, self.collective_timeout)
+            if self.debug_collectives:
+                from meshtrain.observe.desync import enable_collective_checks
+
+                enable_collective_checks()
+                self.print("debug_collectives: every collective is first checked across ranks "
+                           "(a few ms each); use it to find a desync, not for speed")
+            # long enough for start-up and the first step; shortened after it
+            init_process_group(env, backend, self.init_timeout)
         self.mesh = self.layout.build_mesh(self.device_type)
+        # the mesh's sub-groups get torch's 30-minute default, not init_process_group's timeout
+        self._set_collective_timeout(self.init_timeout)
         if self.layout.dp_degree > 1:  # all data-parallel axes as one, built once
             self._dp_mesh = self.mesh[self.layout.data_parallel_axes]._flatten()
 
@@ -297,15 +376,21 @@ class Trainer:
     def _setup_run_dir(self) -> None:
         if self.run_dir is not None:
             return
-        path = self._run_dir_arg
-        if path is None:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-            path = self.root_dir / self.name / stamp
+        path, resume_from = self._run_dir_arg, None
+        if self.is_global_zero:  # rank 0 decides; the others follow (broadcast below)
+            from meshtrain.checkpoint.resume import find_checkpoint
+
+            resume_from, resumed_run = find_checkpoint(
+                self.resume, run_dir=path, root_dir=self.root_dir, name=self.name)
+            path = path or resumed_run
+            if path is None:
+                stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+                path = self.root_dir / self.name / stamp
         if dist.is_initialized():  # every rank writes checkpoints into rank 0's folder
-            box = [str(path)]
+            box = [str(path), resume_from and str(resume_from)]
             dist.broadcast_object_list(box, src=0)
-            path = Path(box[0])
-        self.run_dir = path
+            path, resume_from = Path(box[0]), box[1] and Path(box[1])
+        self.run_dir, self._resume_from = path, resume_from
         if self.is_global_zero:
             path.mkdir(parents=True, exist_ok=True)
             self._loggers = _make_loggers(self.logger_names, path)
@@ -345,7 +430,13 @@ class Trainer:
         self._prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
                       lr_scheduler=lr_scheduler, ckpt_path=ckpt_path)
         try:
-            self._fit_loop(self._train_loader)
+            if self.debug_collectives and dist.is_initialized():
+                from meshtrain.observe.desync import collective_check_context
+
+                with collective_check_context():
+                    self._fit_loop(self._train_loader)
+            else:
+                self._fit_loop(self._train_loader)
             _drain_collectives()
         except BaseException as error:
             self._call("on_exception", error)
@@ -406,12 +497,37 @@ class Trainer:
             )
             self._train_loader = self._loader(train_set, train_data, self._train_sampler)
             self._val_data = val_data
-            if ckpt_path is not None:
-                self.load_checkpoint(ckpt_path)
+            self._setup_fault_tolerance()
+            start_from = Path(ckpt_path) if ckpt_path is not None else self._resume_from
+            if start_from is not None:
+                self.load_checkpoint(start_from)
+                self.print(f"resumed from {start_from} at step {self.global_step}")
         except BaseException as error:
             if self._workers is not None:
                 self._workers.raise_if_failed(error)
             raise
+
+    def _setup_fault_tolerance(self) -> None:
+        """Periodic checkpoints, the per-step agreement on NaNs and save times, the watchdog."""
+        from meshtrain.checkpoint.manager import CheckpointManager
+        from meshtrain.observe.nonfinite import StepFlags
+
+        opts = self.checkpoint_options
+        group = None
+        if opts["async_save"] and dist.is_initialized():
+            # DCP's own collectives of a background write go over a group of their own, so
+            # they never interleave with the training step's collectives.
+            group = dist.new_group(backend="gloo")
+        self._checkpoints = CheckpointManager(
+            self.run_dir / "checkpoints", process_group=group, **opts)
+        if self.is_global_zero:
+            self._checkpoints.cleanup_partial()
+        self._step_flags = StepFlags(self.rank, self.world_size, self.device)
+        if self.stall_timeout_s is not None:
+            from meshtrain.observe.watchdog import StallWatchdog
+
+            self._watchdog = StallWatchdog(
+                self.stall_timeout_s, self.run_dir / "stacks", self.rank, self.world_size)
 
     def _setup_model(self, model: ModelLike, optimizer_factory, scheduler_factory) -> None:
         """Build (or take) the model, apply the layout, then create the optimizer."""
@@ -562,36 +678,60 @@ class Trainer:
         self._bar.start()
         memory = MemoryProbe(self.model, self.optimizer, self.layout) if self.is_global_zero else None
         sampler = self._train_sampler
+        epoch_samples = sampler.num_global_batches * self.global_batch_size
         tokens = 0
         window_loss = torch.zeros((), device=self.device)
         window_steps, window_start = 0, time.perf_counter()
         validated_at = None  # the step of the last validation
+        steps_here = 0  # optimizer steps run by this process (a resumed run starts at 0)
+        if self._watchdog is not None:
+            self._watchdog.start()
         try:
             while self.global_step < total and not self.should_stop:
-                if sampler.consumed_samples >= sampler.num_global_batches * self.global_batch_size:
+                if sampler.consumed_samples >= epoch_samples:
                     self.current_epoch += 1
                     sampler.set_epoch(self.current_epoch)
                 self._call("on_train_epoch_start")
                 batches = iter(loader)
                 while self.global_step < total and not self.should_stop:
-                    if sampler.consumed_samples >= sampler.num_global_batches * self.global_batch_size:
+                    if sampler.consumed_samples >= epoch_samples:
                         break
+                    if self._skip_bad_batch():  # a batch that a rollback ruled out
+                        batches = iter(loader)
+                        continue
                     self._call("on_train_step_start")
-                    loss, step_tokens = self._train_step(batches)
+                    if self._watchdog is not None and steps_here > 0:  # not the slow first step
+                        self._watchdog.arm(self.global_step + 1)
+                    loss, step_tokens, outcome = self._train_step(batches)
+                    if self._watchdog is not None:
+                        self._watchdog.disarm()
+                    if outcome == "rollback":
+                        self._rollback()
+                        batches = iter(loader)
+                        window_loss.zero_()
+                        window_steps, tokens, window_start = 0, 0, time.perf_counter()
+                        continue
                     sampler.advance()
                     self.global_step += 1
+                    steps_here += 1
+                    if steps_here == 1:
+                        self._shorten_collective_timeout()
                     if memory is not None and memory.row is not None:
                         self._report_memory(memory)
                         memory = None
-                    window_loss += loss
-                    window_steps += 1
+                    if outcome == "ok":
+                        window_loss += loss
+                        window_steps += 1
                     tokens += step_tokens
                     metrics: dict[str, float] = {}
                     if self.global_step % self.log_every_n_steps == 0 or self.global_step == total:
                         elapsed = time.perf_counter() - window_start
-                        metrics["train/loss"] = self._mean_over_dp(window_loss / window_steps)
+                        if window_steps:  # every rank skips alike, so this agrees
+                            metrics["train/loss"] = self._mean_over_dp(window_loss / window_steps)
                         metrics["train/tokens_per_s"] = tokens * self.layout.dp_degree / elapsed
                         metrics["epoch"] = self.current_epoch
+                        if self.num_skipped_steps:
+                            metrics["train/skipped_steps"] = self.num_skipped_steps
                         window_loss.zero_()
                         window_steps, tokens, window_start = 0, 0, time.perf_counter()
                     self._call("on_train_step_end", metrics)
@@ -607,14 +747,18 @@ class Trainer:
                     ) and self.global_step < total:
                         self._run_validation()
                         validated_at = self.global_step
+                    self._maybe_checkpoint(total)
                 self._call("on_train_epoch_end")
             # not again when a validation just stopped training early (same weights)
             if self._val_data is not None and validated_at != self.global_step:
                 self._run_validation()
+            self._checkpoints.wait()
             if self.save_final_checkpoint:
                 self.save_checkpoint(self.run_dir / "checkpoints" / "final")
             self._call("on_fit_end")
         finally:
+            if self._watchdog is not None:
+                self._watchdog.stop()
             self._bar.close()
             if memory is not None:  # fit ended before the first step: take the hooks off
                 memory.remove()
@@ -628,8 +772,11 @@ class Trainer:
         self.print(text)
         (self.run_dir / "memory.txt").write_text(text + "\n")
 
-    def _train_step(self, batches) -> tuple[torch.Tensor, int]:
-        """One optimizer step over this rank's micro-batches; returns (loss, tokens seen here)."""
+    def _train_step(self, batches) -> tuple[torch.Tensor, int, str]:
+        """One optimizer step over this rank's micro-batches.
+
+        Returns (loss, tokens seen here, outcome): outcome "ok", "skip" (update dropped) or
+        "rollback" (nothing changed yet; the caller restores the last checkpoint)."""
         if self._pipeline is not None:
             return self._pipeline_step(batches)
         module, accum = self._train_module, self.grad_accum_steps
@@ -644,10 +791,10 @@ class Trainer:
                     loss = self._compute_loss(module, batch) / accum
                 self.precision.backward(loss)
             total_loss += _plain(loss.detach())
-        self._finish_step()
-        return total_loss, num_tokens
+        outcome = self._finish_step(total_loss)
+        return total_loss, num_tokens, outcome
 
-    def _pipeline_step(self, batches) -> tuple[torch.Tensor, int]:
+    def _pipeline_step(self, batches) -> tuple[torch.Tensor, int, str]:
         """One optimizer step: the schedule runs this rank's stages over all micro-batches."""
         inputs, targets = _to_device(next(batches), self.device)
         record = self.global_step == 1  # the second step: past one-time start-up costs
@@ -658,14 +805,20 @@ class Trainer:
                 loss = self._pipeline.step(inputs, targets)
         if record and self.is_global_zero:
             self._report_timeline(events)
-        self._finish_step()
-        loss = loss if loss is not None else torch.zeros((), device=self.device)
-        return loss.detach(), _count_tokens(inputs)
+        loss = loss.detach() if loss is not None else torch.zeros((), device=self.device)
+        outcome = self._finish_step(loss)
+        return loss, _count_tokens(inputs), outcome
 
-    def _finish_step(self) -> None:
-        """Reduce what DDP/FSDP did not, clip by the global norm, step, zero the gradients."""
+    def _finish_step(self, loss: torch.Tensor) -> str:
+        """Reduce what DDP/FSDP did not, agree on the step's fate, clip by the global norm, step,
+        zero the gradients. Returns "ok", "skip" or "rollback" (see ``nan_policy``)."""
         if self._needs_grad_allreduce():
             allreduce_gradients(self.model.parameters(), self._dp_group())
+        outcome = self._agree_on_step(loss)
+        if outcome != "ok":
+            self.optimizer.zero_grad(set_to_none=True)
+            self.precision.skip_step()
+            return outcome
         if self.grad_clip_norm is not None:
             self.precision.unscale(self.optimizer)
             params = list(self.model.parameters())
@@ -679,6 +832,115 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        return "ok"
+
+    # ------------------------------------------------------------------------------------------
+    # fault tolerance: non-finite values, periodic checkpoints, rollback, timeouts
+    # ------------------------------------------------------------------------------------------
+    def _agree_on_step(self, loss: torch.Tensor) -> str:
+        """One small all-reduce: did any rank see a NaN/Inf, is a checkpoint due by the clock,
+        is an asynchronous checkpoint still being written somewhere?"""
+        manager = self._checkpoints
+        if not (self.nan_policy or self.checkpoint_options["every_n_minutes"]
+                or manager.in_flight):
+            return "ok"
+        from meshtrain.observe.nonfinite import NonFiniteError, describe, nonfinite_flag
+
+        flag = None
+        if self.nan_policy is not None:
+            # under fp16 the grad scaler itself skips steps with inf gradients: check the loss
+            flag = nonfinite_flag(loss, self.model.parameters(),
+                                  check_grads=self.precision.scaler is None)
+        bad_ranks, self._time_due, self._write_pending = self._step_flags.exchange(
+            flag, manager.due_by_time(), not manager.poll())
+        if not bad_ranks:
+            return "ok"
+        step = self.global_step + 1
+        what = f"step {step} (epoch {self.current_epoch}): {describe(bad_ranks)}"
+        if self.nan_policy == "error":
+            raise NonFiniteError(
+                f"{what}. Lower the learning rate, clip gradients (grad_clip_norm=1.0), check "
+                "the data of this step, or set nan_policy='skip' or 'rollback'")
+        if self.nan_policy == "skip":
+            self.num_skipped_steps += 1
+            self.print(f"{what}; update skipped on every rank (nan_policy='skip')")
+            return "skip"
+        return "rollback"
+
+    def _rollback(self) -> None:
+        """nan_policy='rollback': restore the last checkpoint; the offending batch is skipped."""
+        from meshtrain.checkpoint.manager import latest_complete
+        from meshtrain.observe.nonfinite import NonFiniteError
+
+        step, epoch = self.global_step + 1, self.current_epoch
+        self._checkpoints.wait()
+        path = latest_complete(self.run_dir / "checkpoints")
+        if path is None:
+            raise NonFiniteError(
+                f"step {step}: non-finite loss or gradients and nan_policy='rollback', but no "
+                "checkpoint has been saved yet; checkpoint earlier (checkpoint_every_n_steps) "
+                "or use nan_policy='skip'")
+        self.num_rollbacks += 1
+        if self.num_rollbacks > MAX_ROLLBACKS:
+            raise NonFiniteError(
+                f"step {step}: non-finite values again after {MAX_ROLLBACKS} rollbacks; the "
+                "problem is not a few bad batches: lower the learning rate or clip gradients")
+        self._bad_batches.add((epoch, self._train_sampler.consumed_samples))
+        self.load_checkpoint(path)
+        self.print(f"step {step}: non-finite loss or gradients; rolled back to {path} (step "
+                   f"{self.global_step}); the batch of step {step} will be skipped")
+
+    def _skip_bad_batch(self) -> bool:
+        """Pass over a batch that a rollback ruled out (it counts as a step, with no update)."""
+        sampler = self._train_sampler
+        if (self.current_epoch, sampler.consumed_samples) not in self._bad_batches:
+            return False
+        sampler.advance()
+        self.global_step += 1
+        self.num_skipped_steps += 1
+        return True
+
+    def _maybe_checkpoint(self, total: int) -> None:
+        manager = self._checkpoints
+        if manager.in_flight and not self._write_pending:  # written on every rank: commit
+            manager.commit()
+        due = manager.due_by_steps(self.global_step) or self._time_due
+        self._time_due = False
+        if not due or (self.global_step == total and self.save_final_checkpoint):
+            return
+        start = time.perf_counter()
+        saved = manager.save(self.global_step, self.model, self.optimizer,
+                             self._trainer_state(), self._summary())
+        blocked = time.perf_counter() - start
+        if saved and not getattr(self, "_save_cost_reported", False):
+            self._save_cost_reported = True
+            self._report_save_cost(blocked)
+
+    def _report_save_cost(self, blocked_s: float) -> None:
+        """Young/Daly: the checkpoint interval that loses the least time is sqrt(2 C M)."""
+        from meshtrain.checkpoint.manager import young_daly_interval_s
+
+        interval = young_daly_interval_s(blocked_s, self.mtbf_hours * 3600)
+        self.print(
+            f"checkpoint at step {self.global_step} blocked training for {blocked_s:.2f} s. With "
+            f"a failure every {self.mtbf_hours:g} h on average (mtbf_hours), the Young/Daly "
+            f"interval sqrt(2 x save cost x MTBF) is {interval / 60:.1f} min; a failure loses "
+            "the steps since the last checkpoint")
+
+    def _shorten_collective_timeout(self) -> None:
+        """After the first step: collectives that wait longer than this mean a hang."""
+        if dist.is_initialized() and self.collective_timeout != self.init_timeout:
+            self._set_collective_timeout(self.collective_timeout)
+
+    def _set_collective_timeout(self, timeout: timedelta) -> None:
+        """On every group but the one of background checkpoint writes (which may be slow)."""
+        from meshtrain.observe.desync import set_collective_timeout
+
+        skip = getattr(self._checkpoints, "process_group", None)
+        groups = [g for g in dist.distributed_c10d._world.pg_map if g is not skip]
+        with warnings.catch_warnings():  # under debug_collectives: a note on torch's wrapper
+            warnings.simplefilter("ignore")
+            set_collective_timeout(timeout.total_seconds(), groups)
 
     def _report_timeline(self, events) -> None:
         """The pipeline diagram of one step, and its measured bubble beside the formula."""
@@ -811,28 +1073,55 @@ class Trainer:
             ),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
             "grad_scaler": self.precision.state_dict(),
-            "global_batch_size": self.global_batch_size,
+            "num_skipped_steps": self.num_skipped_steps,
+            **self._run_identity(),
         }
 
-    def save_checkpoint(self, path: str | os.PathLike) -> Path:
-        """Save model, optimizer and training position (collective: call on every rank)."""
-        summary = {
+    def _run_identity(self) -> dict:
+        """What a resumed run is compared against (see checkpoint/resume.py)."""
+        return {"global_batch_size": self.global_batch_size, "seed": self.seed,
+                "shuffle": self.shuffle, "world_size": self.world_size, "layout": str(self.layout)}
+
+    def _summary(self) -> dict:
+        return {
             "step": self.global_step, "epoch": self.current_epoch, "layout": str(self.layout),
             "world_size": self.world_size, "metrics": self.callback_metrics,
             "hparams": self.hparams(),
         }
-        return save_checkpoint(path, self.model, self.optimizer, self._trainer_state(), summary)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> Path | None:
+        """Save model, optimizer and training position (collective: call on every rank).
+
+        Returns the folder, or None when some rank holds NaN/Inf values: such a checkpoint is
+        never written."""
+        from meshtrain.checkpoint.manager import all_finite
+
+        if not all_finite(self.model, self.optimizer):
+            warnings.warn(f"step {self.global_step}: the model or optimizer holds NaN/Inf "
+                          f"values; {path} was not written", stacklevel=2)
+            return None
+        return save_checkpoint(path, self.model, self.optimizer, self._trainer_state(),
+                               self._summary())
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint saved by :meth:`save_checkpoint` into the fitted model."""
+        """Restore a checkpoint saved by :meth:`save_checkpoint` into the fitted model.
+
+        Works across layouts and world sizes: model and optimizer are resharded by DCP, and the
+        data continues at the same sample of the global order."""
+        from meshtrain.checkpoint.resume import check_same_run, has_randomness, warn_rng_change
+
+        path = Path(path)
+        saved = torch.load(path / "trainer_state.pt", weights_only=False) if (
+            path / "trainer_state.pt").is_file() else None
+        if saved is not None:  # refuse before touching the model
+            check_same_run(saved, self._run_identity())
         state = load_checkpoint(path, self.model, self.optimizer)
-        if state["global_batch_size"] != self.global_batch_size:
-            raise ConfigError(
-                f"the checkpoint was trained with global_batch_size={state['global_batch_size']} "
-                f"but this Trainer uses {self.global_batch_size}; use the same global batch"
-            )
+        if not warn_rng_change(state, self._run_identity(), has_randomness(self.model)):
+            # the saved per-rank streams belong to other ranks: start reproducible new ones
+            torch.manual_seed(self.seed + 1 + self.rank + 1_000_003 * state["global_step"])
         self.global_step = state["global_step"]
         self.current_epoch = state["current_epoch"]
+        self.num_skipped_steps = state.get("num_skipped_steps", 0)
         if state["sampler"] is not None and self._train_sampler is not None:
             self._train_sampler.load_state_dict(state["sampler"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:

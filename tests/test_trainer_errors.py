@@ -275,3 +275,29 @@ def test_tp_must_divide_the_heads(world_of_two, tmp_path):
 def test_pipeline_options_without_a_pipeline(tmp_path):
     with pytest.raises(ConfigError, match="need a pipeline layout"):
         Trainer(**_kwargs(tmp_path, stages_per_rank=2))
+
+
+# ---- fault tolerance settings -------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, match", [
+    (dict(nan_policy="ignore"), "nan_policy must be one of"),
+    (dict(nan_policy="rollback"), "needs periodic checkpoints"),
+    (dict(stall_timeout_s=300, collective_timeout_s=300), "must be below collective_timeout_s"),
+    (dict(stall_timeout_s=-1), "stall_timeout_s must be positive"),
+    (dict(collective_timeout_s=0), "collective_timeout_s must be a positive"),
+    (dict(checkpoint_every_n_steps=0), "checkpoint_every_n_steps must be a positive"),
+    (dict(checkpoint_every_n_minutes=-2.0), "checkpoint_every_n_minutes must be positive"),
+    (dict(keep_last_k=0), "keep_last_k must be a positive"),
+    (dict(resume=42), "resume must be 'auto', None or a checkpoint folder"),
+])
+def test_bad_fault_tolerance_settings(world_of_two, tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        Trainer(**_kwargs(tmp_path, **overrides))
+
+
+def test_resume_from_a_missing_or_incomplete_checkpoint(world_of_two, tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        Trainer(**_kwargs(tmp_path, resume=tmp_path / "nowhere"))
+    partial = tmp_path / "checkpoints" / "step_00000004"
+    partial.mkdir(parents=True)  # e.g. a save that was interrupted
+    with pytest.raises(ConfigError, match="not a complete meshtrain checkpoint"):
+        Trainer(**_kwargs(tmp_path, resume=partial))

@@ -33,6 +33,10 @@ DEFAULTS = {
         "grad_clip_norm": 1.0, "precision": "fp32", "seed": 0, "val_every_n_steps": 100,
         "limit_val_batches": None, "log_every_n_steps": 10, "root_dir": "runs",
         "num_workers": 0, "bucket_cap_mb": 25.0, "comm_hook": None, "progress_bar": True,
+        # fault tolerance: "resume" is "auto" (the latest checkpoint of this job), "none" or a path
+        "checkpoint_every_n_steps": None, "checkpoint_every_n_minutes": None,
+        "keep_last_k": None, "async_checkpoint": False, "resume": "auto", "nan_policy": "error",
+        "stall_timeout_s": 240.0, "collective_timeout_s": 300.0, "debug_collectives": False,
     },
     "sample": {"prompt": "def ", "num_chars": 300, "temperature": 0.8, "top_k": 20},
 }
@@ -72,9 +76,13 @@ class _SaveConfig(Callback):
 
 def run(config: dict, mode: str = "train"):
     data, opt, trainer_cfg = config["data"], config["optimizer"], dict(config["trainer"])
+    for key in ("resume", "nan_policy"):  # TOML has no null: "none" stands for None
+        if trainer_cfg[key] in ("none", ""):
+            trainer_cfg[key] = None
     if mode == "memory":  # one step is enough to measure every rank's model state
         trainer_cfg.update(max_steps=1, max_epochs=None, val_every_n_steps=None,
-                           progress_bar=False)
+                           progress_bar=False, resume=None, checkpoint_every_n_steps=None,
+                           checkpoint_every_n_minutes=None)
     text = load_text(data)
     tokenizer = CharTokenizer.from_text(text)
     train_tokens, val_tokens = split_tokens(tokenizer.encode(text), data["val_fraction"])

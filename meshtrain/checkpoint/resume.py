@@ -1,0 +1,103 @@
+"""Which checkpoint a new fit starts from (``Trainer(resume=...)``), and what a resume under a
+different layout or world size can and cannot continue exactly.
+
+``resume="auto"`` looks for the newest complete checkpoint of this job: in ``run_dir/checkpoints``
+when a run folder is given, else in every ``root_dir/name/*/checkpoints``; the run then continues
+in that checkpoint's run folder. Running the same command again after a crash (or under
+``meshtrain run --max-restarts K``) therefore picks up where the job stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from meshtrain.checkpoint.manager import latest_complete
+from meshtrain.checkpoint.state import SUMMARY, TRAINER_STATE
+from meshtrain.errors import ConfigError
+
+
+def check_resume(resume) -> None:
+    """Before any process starts: ``resume`` is "auto", None or an existing complete checkpoint."""
+    if resume is None or resume == "auto":
+        return
+    if not isinstance(resume, (str, os.PathLike)):
+        raise ConfigError(f"resume must be 'auto', None or a checkpoint folder, got {resume!r}")
+    path = Path(resume)
+    if not path.is_dir():
+        raise ConfigError(
+            f"resume={str(resume)!r} does not exist; give a checkpoint folder such as "
+            "runs/<name>/<time>/checkpoints/step_00000100, resume='auto' or resume=None"
+        )
+    if not (path / TRAINER_STATE).is_file():
+        raise ConfigError(
+            f"resume={str(resume)!r} is not a complete meshtrain checkpoint (no {TRAINER_STATE}; "
+            "an interrupted save?); pick another folder in its checkpoints/ or use resume='auto'"
+        )
+
+
+def _step_of(path: Path) -> tuple[int, float]:
+    try:
+        step = int(json.loads((path / SUMMARY).read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        step = -1
+    return step, path.stat().st_mtime
+
+
+def find_checkpoint(resume, *, run_dir: Path | None, root_dir: Path,
+                    name: str) -> tuple[Path | None, Path | None]:
+    """(checkpoint to load or None, the run folder to continue in or None for a new one)."""
+    if resume is None:
+        return None, None
+    if resume != "auto":
+        return Path(resume), None
+    if run_dir is not None:
+        return latest_complete(run_dir / "checkpoints"), None
+    job = root_dir / name
+    found = [c for c in (latest_complete(d) for d in job.glob("*/checkpoints")) if c is not None]
+    if not found:
+        return None, None
+    newest = max(found, key=_step_of)
+    return newest, newest.parent.parent
+
+
+def has_randomness(model: torch.nn.Module) -> bool:
+    """Does the forward pass draw random numbers (dropout with p > 0)?"""
+    return any(
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()
+    )
+
+
+def check_same_run(saved: dict, now: dict) -> None:
+    """Refuse what cannot continue the same run; warn about what continues only approximately."""
+    if saved.get("global_batch_size") != now["global_batch_size"]:
+        raise ConfigError(
+            f"the checkpoint was trained with global_batch_size={saved.get('global_batch_size')} "
+            f"but this Trainer uses {now['global_batch_size']}; resume with the same global "
+            "batch (the micro-batch and accumulation may change freely)"
+        )
+    for key in ("seed", "shuffle"):
+        if key in saved and saved[key] != now[key]:
+            raise ConfigError(
+                f"the checkpoint was trained with {key}={saved[key]!r} but this Trainer uses "
+                f"{now[key]!r}: the data order would change mid-run; use {key}={saved[key]!r}"
+            )
+
+
+def warn_rng_change(saved: dict, now: dict, random_model: bool) -> bool:
+    """True if the per-rank RNG states can be restored (same world size and layout)."""
+    same = saved.get("world_size") == now["world_size"] and saved.get("layout") == now["layout"]
+    if not same and random_model:
+        warnings.warn(
+            f"resuming a checkpoint saved by {saved.get('world_size')} ranks under layout "
+            f"{saved.get('layout')} on {now['world_size']} ranks under {now['layout']}: the "
+            "model, optimizer and data position continue exactly, but the per-rank random "
+            "streams (dropout masks) start afresh, so the run will not match an uninterrupted "
+            "one bit for bit",
+            stacklevel=3,
+        )
+    return same

@@ -1,0 +1,91 @@
+"""Non-finite loss or gradients: detection and the ``nan_policy`` of the Trainer.
+
+Every rank checks its own loss and the gradients it holds (local shards under FSDP/TP, its
+stages under pp) without a host sync; the Trainer then adds one flag per rank to the small
+all-reduce it runs each step (:class:`StepFlags`), so every rank learns *which* ranks saw a
+non-finite value and takes the same decision:
+
+* ``"error"``: stop with :class:`NonFiniteError` naming the step and the ranks;
+* ``"skip"``: drop this step's update on every rank (the batch counts as consumed);
+* ``"rollback"``: restore the last checkpoint and replay, skipping the offending batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.errors import ConfigError, MeshtrainError
+
+NAN_POLICIES = ("error", "skip", "rollback")
+
+
+class NonFiniteError(MeshtrainError, FloatingPointError):
+    """A loss or gradient was NaN or infinite and ``nan_policy='error'``."""
+
+
+def check_nan_policy(policy: str | None) -> None:
+    if policy is not None and policy not in NAN_POLICIES:
+        raise ConfigError(
+            f"nan_policy must be one of {', '.join(map(repr, NAN_POLICIES))} or None, got "
+            f"{policy!r}"
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly DTensor) tensor stored on this rank."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def nonfinite_flag(loss: torch.Tensor, params: Iterable[torch.nn.Parameter],
+                   check_grads: bool = True) -> torch.Tensor:
+    """A 0-dim int tensor (no host sync): bit 1 set if ``loss`` is NaN/Inf, bit 2 if a local
+    gradient is. The loss says where a problem started: data-parallel gradients are averaged,
+    so one rank's NaN reaches every rank's gradients."""
+    flag = (~torch.isfinite(_local(loss.detach()).float()).all()).to(torch.int32)
+    if check_grads:
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        grads = [g for g in grads if g.numel()]
+        if grads:
+            norms = torch._foreach_norm(grads)  # one fused pass over the gradients
+            flag = flag + 2 * (~torch.isfinite(torch.stack(norms)).all()).to(torch.int32)
+    return flag
+
+
+def describe(flags: dict[int, int]) -> str:
+    """``{rank: flag}`` of the ranks that saw something -> "loss on rank(s) [1], ..."."""
+    loss = [r for r, f in flags.items() if f & 1]
+    grads = [r for r, f in flags.items() if f & 2]
+    parts = ([f"loss on rank(s) {loss}"] if loss else []) + (
+        [f"gradients on rank(s) {grads}"] if grads else [])
+    return "non-finite " + " and ".join(parts)
+
+
+class StepFlags:
+    """One small MAX all-reduce per step that makes every rank agree on step-level decisions.
+
+    Slots: one "non-finite" flag per rank, then "a checkpoint is due by time" (rank 0's clock
+    decides) and "an async checkpoint is still being written somewhere".
+    """
+
+    def __init__(self, rank: int, world_size: int, device: torch.device):
+        self.rank, self.world_size = rank, world_size
+        self.buffer = torch.zeros(world_size + 2, dtype=torch.int32, device=device)
+
+    def exchange(self, nonfinite: torch.Tensor | None, time_due: bool,
+                 write_pending: bool) -> tuple[dict[int, int], bool, bool]:
+        """Collective over the world: ({rank: non-finite flag} of the ranks that saw one,
+        save due, write pending)."""
+        buffer = self.buffer
+        buffer.zero_()
+        if nonfinite is not None:
+            buffer[self.rank] = nonfinite
+        buffer[-2] = int(time_due and self.rank == 0)
+        buffer[-1] = int(write_pending)
+        if self.world_size > 1:
+            dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+        values = buffer.tolist()
+        bad = {r: values[r] for r in range(self.world_size) if values[r]}
+        return bad, bool(values[-2]), bool(values[-1])

@@ -1,0 +1,83 @@
+"""nan_policy: a NaN injected through one sample, on 2 ranks; no checkpoint holds NaN/Inf."""
+
+import pytest
+import torch
+from fault_job import mlp, train
+from records import checkpoints_are_finite, final_weights, assert_equal_weights
+
+from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.errors import WorkerFailed
+from meshtrain.launch.spawn import run_workers
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+NAN_INDEX = 37
+GLOBAL_BATCH, DP = 16, 2
+
+
+def where_is(index: int, num_epochs: int = 1) -> list[tuple[int, int]]:
+    """[(1-based step, dp rank)] at which the global order gives ``index`` to a rank."""
+    found = []
+    for dp_rank in range(DP):
+        sampler = GlobalBatchSampler(96, global_batch_size=GLOBAL_BATCH,
+                                     micro_batch_size=GLOBAL_BATCH // DP, dp_rank=dp_rank,
+                                     dp_degree=DP, shuffle=True, seed=0)
+        for epoch in range(num_epochs):
+            sampler.set_epoch(epoch)
+            for step, batch in enumerate(sampler, start=1 + epoch * len(sampler)):
+                if index in batch:
+                    found.append((step, dp_rank))
+    return sorted(found)
+
+
+def _job(run_dir, policy, *extra):
+    return ["--run-dir", str(run_dir), "--layout", "dp=2", "--max-steps", "10",
+            "--nan-index", str(NAN_INDEX), "--nan-policy", policy, *extra]
+
+
+@pytest.mark.timeout(120)
+def test_error_names_the_step_and_rank_and_writes_no_bad_checkpoint(tmp_path):
+    step, dp_rank = where_is(NAN_INDEX)[0]
+    assert 2 < step < 6, "pick NAN_INDEX so that the NaN comes after a checkpoint"
+    with pytest.raises(WorkerFailed) as failure:
+        run_workers(train, DP, (_job(tmp_path, "error", "--ckpt-every", "2"),), timeout=100)
+    text = str(failure.value)
+    assert "NonFiniteError" in text
+    assert f"step {step} (epoch 0): non-finite loss on rank(s) [{dp_rank}]" in text
+    saved = checkpoints_are_finite(tmp_path, mlp)
+    assert [p.name for p in saved] == [f"step_{s:08d}" for s in range(2, step, 2)]
+
+
+@pytest.mark.timeout(180)
+def test_skip_and_rollback_drop_the_same_update(tmp_path):
+    # 6 steps an epoch: the NaN sample comes once in each of the 2 epochs of 10 steps
+    num_bad = len([s for s, _ in where_is(NAN_INDEX, num_epochs=2) if s <= 10])
+    assert num_bad == 2
+    skip = run_workers(train, DP, (_job(tmp_path / "skip", "skip"),), timeout=100)
+    rollback = run_workers(
+        train, DP, (_job(tmp_path / "rollback", "rollback", "--ckpt-every", "2"),), timeout=100)
+    assert [r["skipped"] for r in skip] == [num_bad] * DP  # every rank alike
+    assert [(r["skipped"], r["rollbacks"]) for r in rollback] == [(num_bad, num_bad)] * DP
+    assert [r["global_step"] for r in skip + rollback] == [10] * 4
+
+    skipped, rolled = final_weights(tmp_path / "skip", mlp), final_weights(tmp_path / "rollback", mlp)
+    for value in skipped.values():
+        assert torch.isfinite(value).all()
+    # rollback = restore the last checkpoint, replay, skip the bad batch: the same as skip
+    assert_equal_weights(skipped, rolled)
+    checkpoints_are_finite(tmp_path / "rollback", mlp)
+    # and the dropped update mattered: a run without the NaN sample ends elsewhere
+    run_workers(train, DP, (["--run-dir", str(tmp_path / "clean"), "--layout", "dp=2",
+                             "--max-steps", "10"],), timeout=100)
+    clean = final_weights(tmp_path / "clean", mlp)
+    assert any(not torch.equal(clean[k], skipped[k]) for k in clean)
+
+
+def test_no_checkpoint_with_non_finite_values_is_written(tmp_path):
+    # no policy: the NaN reaches the weights, and every save after it is refused
+    step, _ = where_is(NAN_INDEX)[0]
+    with pytest.warns(UserWarning, match="NaN/Inf"):
+        train(["--run-dir", str(tmp_path), "--max-steps", "8", "--ckpt-every", "1",
+               "--nan-index", str(NAN_INDEX), "--nan-policy", "none"])
+    saved = checkpoints_are_finite(tmp_path, mlp)
+    assert [p.name for p in saved] == [f"step_{s:08d}" for s in range(1, step)]
