@@ -841,8 +841,8 @@ class Trainer:
         """One small all-reduce: did any rank see a NaN/Inf, is a checkpoint due by the clock,
         is an asynchronous checkpoint still being written somewhere?"""
         manager = self._checkpoints
-        if not (self.nan_policy or self.checkpoint_options["every_n_minutes"]
-                or manager.in_flight):
+        need_flags = bool(self.checkpoint_options["every_n_minutes"] or manager.in_flight)
+        if not (self.nan_policy or need_flags):
             return "ok"
         from meshtrain.observe.nonfinite import NonFiniteError, describe, nonfinite_flag
 
@@ -851,6 +851,10 @@ class Trainer:
             # under fp16 the grad scaler itself skips steps with inf gradients: check the loss
             flag = nonfinite_flag(loss, self.model.parameters(),
                                   check_grads=self.precision.scaler is None)
+            if not need_flags and self._gradients_identical() and not flag.item() & 2:
+                # every rank holds the same averaged gradients, so this local check is already
+                # everyone's answer: no all-reduce (a NaN found here is exchanged below, by all)
+                return "ok"
         bad_ranks, self._time_due, self._write_pending = self._step_flags.exchange(
             flag, manager.due_by_time(), not manager.poll())
         if not bad_ranks:
@@ -866,6 +870,13 @@ class Trainer:
             self.print(f"{what}; update skipped on every rank (nan_policy='skip')")
             return "skip"
         return "rollback"
+
+    def _gradients_identical(self) -> bool:
+        """After the step's gradient sync, does every rank hold the same full gradients?
+        (plain DDP and ZeRO-1, fp32/bf16; not sharded, tensor or pipeline parallel)"""
+        layout = self.layout
+        return self.precision.scaler is None and (self.world_size == 1 or (
+            not layout.is_sharded and layout.degree("tp") == 1 and layout.degree("pp") == 1))
 
     def _rollback(self) -> None:
         """nan_policy='rollback': restore the last checkpoint; the offending batch is skipped."""

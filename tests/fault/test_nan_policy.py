@@ -30,17 +30,21 @@ def where_is(index: int, num_epochs: int = 1) -> list[tuple[int, int]]:
     return sorted(found)
 
 
-def _job(run_dir, policy, *extra):
-    return ["--run-dir", str(run_dir), "--layout", "dp=2", "--max-steps", "10",
+def _job(run_dir, policy, *extra, layout="dp=2"):
+    return ["--run-dir", str(run_dir), "--layout", layout, "--max-steps", "10",
             "--nan-index", str(NAN_INDEX), "--nan-policy", policy, *extra]
 
 
+# dp: gradients are identical after the sync, so each rank decides alone; zero3: each rank
+# holds other gradient shards, so the ranks exchange flags every step
 @pytest.mark.timeout(120)
-def test_error_names_the_step_and_rank_and_writes_no_bad_checkpoint(tmp_path):
+@pytest.mark.parametrize("layout", ["dp=2", "zero3=2"])
+def test_error_names_the_step_and_rank_and_writes_no_bad_checkpoint(tmp_path, layout):
     step, dp_rank = where_is(NAN_INDEX)[0]
     assert 2 < step < 6, "pick NAN_INDEX so that the NaN comes after a checkpoint"
     with pytest.raises(WorkerFailed) as failure:
-        run_workers(train, DP, (_job(tmp_path, "error", "--ckpt-every", "2"),), timeout=100)
+        run_workers(train, DP, (_job(tmp_path, "error", "--ckpt-every", "2", layout=layout),),
+                    timeout=100)
     text = str(failure.value)
     assert "NonFiniteError" in text
     assert f"step {step} (epoch 0): non-finite loss on rank(s) [{dp_rank}]" in text
