@@ -33,6 +33,8 @@ from meshtrain.callbacks import Callback
 from meshtrain.checkpoint.state import load_checkpoint, save_checkpoint
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.errors import ConfigError, WorkerFailed
+from meshtrain.fault import StepGuard, set_collective_timeout
+from meshtrain.fault import check_settings as check_fault_tolerance_settings
 from meshtrain.launch.spawn import DistEnv, ScriptWorkers, init_process_group
 from meshtrain.parallel.data_parallel import allreduce_gradients
 from meshtrain.parallel.apply import (
@@ -43,7 +45,6 @@ from meshtrain.parallel.layout import Layout
 from meshtrain.precision import Precision, check_precision
 
 ModelLike = torch.nn.Module | Callable[[], torch.nn.Module]
-MAX_ROLLBACKS = 10  # nan_policy="rollback" gives up after this many in one fit
 DataLike = Dataset | DataLoader
 
 
@@ -214,7 +215,7 @@ class Trainer:
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, tp_plan=tp_plan,
         )
         self.meta_init = meta_init
-        self._check_fault_tolerance(
+        check_fault_tolerance_settings(
             collective_timeout_s=collective_timeout_s, init_timeout_s=init_timeout_s,
             stall_timeout_s=stall_timeout_s, checkpoint_every_n_steps=checkpoint_every_n_steps,
             checkpoint_every_n_minutes=checkpoint_every_n_minutes, keep_last_k=keep_last_k,
@@ -247,13 +248,8 @@ class Trainer:
         self._val_data = None
         self._loss_fn = None
         self._pipeline = None  # PipelineRunner under pp
-        # fault tolerance (see _setup_fault_tolerance)
-        self._checkpoints = None  # CheckpointManager of run_dir/checkpoints
+        self._guard: StepGuard | None = None  # checkpoints, NaN/Inf, watchdog (fault.py)
         self._resume_from: Path | None = None
-        self._step_flags = None  # StepFlags: the per-step agreement all-reduce
-        self._watchdog = None
-        self._time_due = self._write_pending = False
-        self._bad_batches: set[tuple[int, int]] = set()  # (epoch, consumed_samples) to skip
         self.num_skipped_steps, self.num_rollbacks = 0, 0
 
     # ------------------------------------------------------------------------------------------
@@ -298,43 +294,6 @@ class Trainer:
             )
         return devices
 
-    @staticmethod
-    def _check_fault_tolerance(*, collective_timeout_s, init_timeout_s, stall_timeout_s,
-                               checkpoint_every_n_steps, checkpoint_every_n_minutes,
-                               keep_last_k, resume, nan_policy, mtbf_hours) -> None:
-        from meshtrain.checkpoint.resume import check_resume
-        from meshtrain.observe.nonfinite import check_nan_policy
-
-        for name, value in (("collective_timeout_s", collective_timeout_s),
-                            ("init_timeout_s", init_timeout_s), ("mtbf_hours", mtbf_hours)):
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        if stall_timeout_s is not None:
-            if not (isinstance(stall_timeout_s, (int, float)) and stall_timeout_s > 0):
-                raise ConfigError(f"stall_timeout_s must be positive or None, got {stall_timeout_s!r}")
-            if stall_timeout_s >= collective_timeout_s:
-                raise ConfigError(
-                    f"stall_timeout_s={stall_timeout_s} must be below collective_timeout_s="
-                    f"{collective_timeout_s}: otherwise the ranks waiting for a stalled one time "
-                    "out and exit before the watchdog can write their stacks"
-                )
-        _positive("checkpoint_every_n_steps", checkpoint_every_n_steps)
-        _positive("keep_last_k", keep_last_k)
-        if checkpoint_every_n_minutes is not None and not (
-            isinstance(checkpoint_every_n_minutes, (int, float)) and checkpoint_every_n_minutes > 0
-        ):
-            raise ConfigError(
-                f"checkpoint_every_n_minutes must be positive or None, got "
-                f"{checkpoint_every_n_minutes!r}"
-            )
-        check_resume(resume)
-        check_nan_policy(nan_policy)
-        if nan_policy == "rollback" and not (checkpoint_every_n_steps or checkpoint_every_n_minutes):
-            raise ConfigError(
-                "nan_policy='rollback' restores the last checkpoint, so it needs periodic "
-                "checkpoints: set checkpoint_every_n_steps (or checkpoint_every_n_minutes)"
-            )
-
     # ------------------------------------------------------------------------------------------
     # processes, mesh, model
     # ------------------------------------------------------------------------------------------
@@ -363,7 +322,7 @@ class Trainer:
             init_process_group(env, backend, self.init_timeout)
         self.mesh = self.layout.build_mesh(self.device_type)
         # the mesh's sub-groups get torch's 30-minute default, not init_process_group's timeout
-        self._set_collective_timeout(self.init_timeout)
+        set_collective_timeout(self.init_timeout)
         if self.layout.dp_degree > 1:  # all data-parallel axes as one, built once
             self._dp_mesh = self.mesh[self.layout.data_parallel_axes]._flatten()
 
@@ -404,6 +363,9 @@ class Trainer:
             "grad_accum_steps": self.grad_accum_steps, "precision": self.precision_name,
             "max_steps": self.max_steps, "max_epochs": self.max_epochs, "seed": self.seed,
             "grad_clip_norm": self.grad_clip_norm, "comm_hook": self.parallel_options.comm_hook,
+            "nan_policy": self.nan_policy, "collective_timeout_s":
+            self.collective_timeout.total_seconds(), "stall_timeout_s": self.stall_timeout_s,
+            **{f"checkpoint_{k}": v for k, v in self.checkpoint_options.items()},
         }
 
     # ------------------------------------------------------------------------------------------
@@ -497,7 +459,7 @@ class Trainer:
             )
             self._train_loader = self._loader(train_set, train_data, self._train_sampler)
             self._val_data = val_data
-            self._setup_fault_tolerance()
+            self._guard = StepGuard(self)
             start_from = Path(ckpt_path) if ckpt_path is not None else self._resume_from
             if start_from is not None:
                 self.load_checkpoint(start_from)
@@ -506,28 +468,6 @@ class Trainer:
             if self._workers is not None:
                 self._workers.raise_if_failed(error)
             raise
-
-    def _setup_fault_tolerance(self) -> None:
-        """Periodic checkpoints, the per-step agreement on NaNs and save times, the watchdog."""
-        from meshtrain.checkpoint.manager import CheckpointManager
-        from meshtrain.observe.nonfinite import StepFlags
-
-        opts = self.checkpoint_options
-        group = None
-        if opts["async_save"] and dist.is_initialized():
-            # DCP's own collectives of a background write go over a group of their own, so
-            # they never interleave with the training step's collectives.
-            group = dist.new_group(backend="gloo")
-        self._checkpoints = CheckpointManager(
-            self.run_dir / "checkpoints", process_group=group, **opts)
-        if self.is_global_zero:
-            self._checkpoints.cleanup_partial()
-        self._step_flags = StepFlags(self.rank, self.world_size, self.device)
-        if self.stall_timeout_s is not None:
-            from meshtrain.observe.watchdog import StallWatchdog
-
-            self._watchdog = StallWatchdog(
-                self.stall_timeout_s, self.run_dir / "stacks", self.rank, self.world_size)
 
     def _setup_model(self, model: ModelLike, optimizer_factory, scheduler_factory) -> None:
         """Build (or take) the model, apply the layout, then create the optimizer."""
@@ -683,9 +623,8 @@ class Trainer:
         window_loss = torch.zeros((), device=self.device)
         window_steps, window_start = 0, time.perf_counter()
         validated_at = None  # the step of the last validation
-        steps_here = 0  # optimizer steps run by this process (a resumed run starts at 0)
-        if self._watchdog is not None:
-            self._watchdog.start()
+        guard = self._guard
+        guard.start()
         try:
             while self.global_step < total and not self.should_stop:
                 if sampler.consumed_samples >= epoch_samples:
@@ -696,26 +635,21 @@ class Trainer:
                 while self.global_step < total and not self.should_stop:
                     if sampler.consumed_samples >= epoch_samples:
                         break
-                    if self._skip_bad_batch():  # a batch that a rollback ruled out
+                    if guard.skip_bad_batch():  # a batch that a rollback ruled out
                         batches = iter(loader)
                         continue
                     self._call("on_train_step_start")
-                    if self._watchdog is not None and steps_here > 0:  # not the slow first step
-                        self._watchdog.arm(self.global_step + 1)
+                    guard.step_begins()
                     loss, step_tokens, outcome = self._train_step(batches)
-                    if self._watchdog is not None:
-                        self._watchdog.disarm()
+                    guard.step_ends(outcome)
                     if outcome == "rollback":
-                        self._rollback()
+                        guard.rollback()
                         batches = iter(loader)
                         window_loss.zero_()
                         window_steps, tokens, window_start = 0, 0, time.perf_counter()
                         continue
                     sampler.advance()
                     self.global_step += 1
-                    steps_here += 1
-                    if steps_here == 1:
-                        self._shorten_collective_timeout()
                     if memory is not None and memory.row is not None:
                         self._report_memory(memory)
                         memory = None
@@ -747,18 +681,17 @@ class Trainer:
                     ) and self.global_step < total:
                         self._run_validation()
                         validated_at = self.global_step
-                    self._maybe_checkpoint(total)
+                    guard.after_step(total)
                 self._call("on_train_epoch_end")
             # not again when a validation just stopped training early (same weights)
             if self._val_data is not None and validated_at != self.global_step:
                 self._run_validation()
-            self._checkpoints.wait()
+            guard.checkpoints.wait()
             if self.save_final_checkpoint:
                 self.save_checkpoint(self.run_dir / "checkpoints" / "final")
             self._call("on_fit_end")
         finally:
-            if self._watchdog is not None:
-                self._watchdog.stop()
+            guard.stop()
             self._bar.close()
             if memory is not None:  # fit ended before the first step: take the hooks off
                 memory.remove()
@@ -814,7 +747,7 @@ class Trainer:
         zero the gradients. Returns "ok", "skip" or "rollback" (see ``nan_policy``)."""
         if self._needs_grad_allreduce():
             allreduce_gradients(self.model.parameters(), self._dp_group())
-        outcome = self._agree_on_step(loss)
+        outcome = self._guard.decide(loss)
         if outcome != "ok":
             self.optimizer.zero_grad(set_to_none=True)
             self.precision.skip_step()
@@ -833,125 +766,6 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return "ok"
-
-    # ------------------------------------------------------------------------------------------
-    # fault tolerance: non-finite values, periodic checkpoints, rollback, timeouts
-    # ------------------------------------------------------------------------------------------
-    def _agree_on_step(self, loss: torch.Tensor) -> str:
-        """One small all-reduce: did any rank see a NaN/Inf, is a checkpoint due by the clock,
-        is an asynchronous checkpoint still being written somewhere?"""
-        manager = self._checkpoints
-        need_flags = bool(self.checkpoint_options["every_n_minutes"] or manager.in_flight)
-        if not (self.nan_policy or need_flags):
-            return "ok"
-        from meshtrain.observe.nonfinite import NonFiniteError, describe, nonfinite_flag
-
-        flag = None
-        if self.nan_policy is not None:
-            # under fp16 the grad scaler itself skips steps with inf gradients: check the loss
-            flag = nonfinite_flag(loss, self.model.parameters(),
-                                  check_grads=self.precision.scaler is None)
-            if not need_flags and self._gradients_identical() and not flag.item() & 2:
-                # every rank holds the same averaged gradients, so this local check is already
-                # everyone's answer: no all-reduce (a NaN found here is exchanged below, by all)
-                return "ok"
-        bad_ranks, self._time_due, self._write_pending = self._step_flags.exchange(
-            flag, manager.due_by_time(), not manager.poll())
-        if not bad_ranks:
-            return "ok"
-        step = self.global_step + 1
-        what = f"step {step} (epoch {self.current_epoch}): {describe(bad_ranks)}"
-        if self.nan_policy == "error":
-            raise NonFiniteError(
-                f"{what}. Lower the learning rate, clip gradients (grad_clip_norm=1.0), check "
-                "the data of this step, or set nan_policy='skip' or 'rollback'")
-        if self.nan_policy == "skip":
-            self.num_skipped_steps += 1
-            self.print(f"{what}; update skipped on every rank (nan_policy='skip')")
-            return "skip"
-        return "rollback"
-
-    def _gradients_identical(self) -> bool:
-        """After the step's gradient sync, does every rank hold the same full gradients?
-        (plain DDP and ZeRO-1, fp32/bf16; not sharded, tensor or pipeline parallel)"""
-        layout = self.layout
-        return self.precision.scaler is None and (self.world_size == 1 or (
-            not layout.is_sharded and layout.degree("tp") == 1 and layout.degree("pp") == 1))
-
-    def _rollback(self) -> None:
-        """nan_policy='rollback': restore the last checkpoint; the offending batch is skipped."""
-        from meshtrain.checkpoint.manager import latest_complete
-        from meshtrain.observe.nonfinite import NonFiniteError
-
-        step, epoch = self.global_step + 1, self.current_epoch
-        self._checkpoints.wait()
-        path = latest_complete(self.run_dir / "checkpoints")
-        if path is None:
-            raise NonFiniteError(
-                f"step {step}: non-finite loss or gradients and nan_policy='rollback', but no "
-                "checkpoint has been saved yet; checkpoint earlier (checkpoint_every_n_steps) "
-                "or use nan_policy='skip'")
-        self.num_rollbacks += 1
-        if self.num_rollbacks > MAX_ROLLBACKS:
-            raise NonFiniteError(
-                f"step {step}: non-finite values again after {MAX_ROLLBACKS} rollbacks; the "
-                "problem is not a few bad batches: lower the learning rate or clip gradients")
-        self._bad_batches.add((epoch, self._train_sampler.consumed_samples))
-        self.load_checkpoint(path)
-        self.print(f"step {step}: non-finite loss or gradients; rolled back to {path} (step "
-                   f"{self.global_step}); the batch of step {step} will be skipped")
-
-    def _skip_bad_batch(self) -> bool:
-        """Pass over a batch that a rollback ruled out (it counts as a step, with no update)."""
-        sampler = self._train_sampler
-        if (self.current_epoch, sampler.consumed_samples) not in self._bad_batches:
-            return False
-        sampler.advance()
-        self.global_step += 1
-        self.num_skipped_steps += 1
-        return True
-
-    def _maybe_checkpoint(self, total: int) -> None:
-        manager = self._checkpoints
-        if manager.in_flight and not self._write_pending:  # written on every rank: commit
-            manager.commit()
-        due = manager.due_by_steps(self.global_step) or self._time_due
-        self._time_due = False
-        if not due or (self.global_step == total and self.save_final_checkpoint):
-            return
-        start = time.perf_counter()
-        saved = manager.save(self.global_step, self.model, self.optimizer,
-                             self._trainer_state(), self._summary())
-        blocked = time.perf_counter() - start
-        if saved and not getattr(self, "_save_cost_reported", False):
-            self._save_cost_reported = True
-            self._report_save_cost(blocked)
-
-    def _report_save_cost(self, blocked_s: float) -> None:
-        """Young/Daly: the checkpoint interval that loses the least time is sqrt(2 C M)."""
-        from meshtrain.checkpoint.manager import young_daly_interval_s
-
-        interval = young_daly_interval_s(blocked_s, self.mtbf_hours * 3600)
-        self.print(
-            f"checkpoint at step {self.global_step} blocked training for {blocked_s:.2f} s. With "
-            f"a failure every {self.mtbf_hours:g} h on average (mtbf_hours), the Young/Daly "
-            f"interval sqrt(2 x save cost x MTBF) is {interval / 60:.1f} min; a failure loses "
-            "the steps since the last checkpoint")
-
-    def _shorten_collective_timeout(self) -> None:
-        """After the first step: collectives that wait longer than this mean a hang."""
-        if dist.is_initialized() and self.collective_timeout != self.init_timeout:
-            self._set_collective_timeout(self.collective_timeout)
-
-    def _set_collective_timeout(self, timeout: timedelta) -> None:
-        """On every group but the one of background checkpoint writes (which may be slow)."""
-        from meshtrain.observe.desync import set_collective_timeout
-
-        skip = getattr(self._checkpoints, "process_group", None)
-        groups = [g for g in dist.distributed_c10d._world.pg_map if g is not skip]
-        with warnings.catch_warnings():  # under debug_collectives: a note on torch's wrapper
-            warnings.simplefilter("ignore")
-            set_collective_timeout(timeout.total_seconds(), groups)
 
     def _report_timeline(self, events) -> None:
         """The pipeline diagram of one step, and its measured bubble beside the formula."""

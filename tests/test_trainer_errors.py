@@ -282,10 +282,10 @@ def test_pipeline_options_without_a_pipeline(tmp_path):
     (dict(nan_policy="ignore"), "nan_policy must be one of"),
     (dict(nan_policy="rollback"), "needs periodic checkpoints"),
     (dict(stall_timeout_s=300, collective_timeout_s=300), "must be below collective_timeout_s"),
-    (dict(stall_timeout_s=-1), "stall_timeout_s must be positive"),
+    (dict(stall_timeout_s=-1), "stall_timeout_s must be a positive number"),
     (dict(collective_timeout_s=0), "collective_timeout_s must be a positive"),
     (dict(checkpoint_every_n_steps=0), "checkpoint_every_n_steps must be a positive"),
-    (dict(checkpoint_every_n_minutes=-2.0), "checkpoint_every_n_minutes must be positive"),
+    (dict(checkpoint_every_n_minutes=-2.0), "checkpoint_every_n_minutes must be a positive"),
     (dict(keep_last_k=0), "keep_last_k must be a positive"),
     (dict(resume=42), "resume must be 'auto', None or a checkpoint folder"),
 ])
