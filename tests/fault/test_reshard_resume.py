@@ -71,3 +71,21 @@ def test_data_order_continues_exactly_on_another_dp_degree(tmp_path):
         assert abs(resumed[s]["loss"] - uninterrupted[s]["loss"]) <= 1e-6, s
     assert_equal_weights(final_weights(tmp_path / "rest", mlp),
                          final_weights(tmp_path / "full", mlp), atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_checkpoint_resumes_in_one_process(tmp_path):
+    # each pipeline rank saves only its stages, under the full model's names
+    common = ["--model", "gpt"]
+    _run(2, ["--run-dir", str(tmp_path / "saved"), "--max-steps", str(SAVED_AT),
+             "--layout", "pp=2", *common])
+    _run(2, ["--run-dir", str(tmp_path / "full"), "--max-steps", str(SAVED_AT + 1),
+             "--layout", "pp=2", *common])
+    _run(1, ["--run-dir", str(tmp_path / "next"), "--max-steps", str(SAVED_AT + 1),
+             "--layout", "dp=1", "--resume", str(tmp_path / "saved" / "checkpoints" / "final"),
+             *common])
+    resumed, full = steps(tmp_path / "next"), steps(tmp_path / "full")
+    assert resumed[SAVED_AT + 1]["samples"] == full[SAVED_AT + 1]["samples"]
+    assert abs(resumed[SAVED_AT + 1]["loss"] - full[SAVED_AT + 1]["loss"]) <= 1e-6
+    assert_equal_weights(final_weights(tmp_path / "next", tiny_gpt),
+                         final_weights(tmp_path / "full", tiny_gpt), atol=1e-6)
