@@ -35,9 +35,10 @@ def _positive_number(name: str, value, allow_none: bool = False) -> None:
 
 
 def check_settings(*, collective_timeout_s, init_timeout_s, stall_timeout_s,
-                   checkpoint_every_n_steps, checkpoint_every_n_minutes, keep_last_k, resume,
-                   nan_policy, mtbf_hours) -> None:
+                   checkpoint_every_n_steps, checkpoint_every_n_minutes, keep_last_k,
+                   async_checkpoint, resume, nan_policy, mtbf_hours) -> None:
     """The Trainer's fault-tolerance arguments, checked before any process starts."""
+    from meshtrain.checkpoint.manager import check_options
     from meshtrain.checkpoint.resume import check_resume
     from meshtrain.observe.nonfinite import check_nan_policy
 
@@ -50,12 +51,12 @@ def check_settings(*, collective_timeout_s, init_timeout_s, stall_timeout_s,
             f"stall_timeout_s={stall_timeout_s} must be below collective_timeout_s="
             f"{collective_timeout_s}: otherwise the ranks waiting for a stalled one time out "
             "and exit before the watchdog can write their stacks")
-    for name, value in (("checkpoint_every_n_steps", checkpoint_every_n_steps),
-                        ("keep_last_k", keep_last_k)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    _positive_number("checkpoint_every_n_minutes", checkpoint_every_n_minutes, allow_none=True)
+    try:
+        check_options(every_n_steps=checkpoint_every_n_steps, keep_last_k=keep_last_k,
+                      every_n_minutes=checkpoint_every_n_minutes, async_save=async_checkpoint)
+    except ConfigError as error:  # name the Trainer's arguments, not the manager's
+        raise ConfigError(str(error).replace("every_n", "checkpoint_every_n")
+                          .replace("async_save", "async_checkpoint")) from None
     check_resume(resume)
     check_nan_policy(nan_policy)
     if nan_policy == "rollback" and not (checkpoint_every_n_steps or checkpoint_every_n_minutes):

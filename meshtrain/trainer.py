@@ -219,7 +219,8 @@ class Trainer:
             collective_timeout_s=collective_timeout_s, init_timeout_s=init_timeout_s,
             stall_timeout_s=stall_timeout_s, checkpoint_every_n_steps=checkpoint_every_n_steps,
             checkpoint_every_n_minutes=checkpoint_every_n_minutes, keep_last_k=keep_last_k,
-            resume=resume, nan_policy=nan_policy, mtbf_hours=mtbf_hours,
+            async_checkpoint=async_checkpoint, resume=resume, nan_policy=nan_policy,
+            mtbf_hours=mtbf_hours,
         )
         self.collective_timeout = timedelta(seconds=collective_timeout_s)
         self.init_timeout = timedelta(seconds=init_timeout_s)

@@ -285,7 +285,7 @@ def test_pipeline_options_without_a_pipeline(tmp_path):
     (dict(stall_timeout_s=-1), "stall_timeout_s must be a positive number"),
     (dict(collective_timeout_s=0), "collective_timeout_s must be a positive"),
     (dict(checkpoint_every_n_steps=0), "checkpoint_every_n_steps must be a positive"),
-    (dict(checkpoint_every_n_minutes=-2.0), "checkpoint_every_n_minutes must be a positive"),
+    (dict(checkpoint_every_n_minutes=-2.0), "checkpoint_every_n_minutes must be a number > 0"),
     (dict(keep_last_k=0), "keep_last_k must be a positive"),
     (dict(resume=42), "resume must be 'auto', None or a checkpoint folder"),
 ])
@@ -301,3 +301,8 @@ def test_resume_from_a_missing_or_incomplete_checkpoint(world_of_two, tmp_path):
     partial.mkdir(parents=True)  # e.g. a save that was interrupted
     with pytest.raises(ConfigError, match="not a complete meshtrain checkpoint"):
         Trainer(**_kwargs(tmp_path, resume=partial))
+
+
+def test_async_checkpoint_must_be_a_bool(world_of_two, tmp_path):
+    with pytest.raises(ConfigError, match="async_checkpoint must be True or False"):
+        Trainer(**_kwargs(tmp_path, async_checkpoint="yes"))

@@ -57,7 +57,7 @@ def checkpoint_name(step: int) -> str:
     return f"step_{int(step):08d}"
 
 
-def _step_of(folder: Path) -> int | None:
+def checkpoint_step(folder: Path) -> int | None:
     """The step of a complete checkpoint folder, or None if it is not one."""
     if folder.name.startswith(".") or not folder.is_dir():
         return None
@@ -84,7 +84,7 @@ def list_complete(directory: str | os.PathLike) -> list[Path]:
     found = []
     for folder in directory.iterdir():
         try:
-            step = _step_of(folder)
+            step = checkpoint_step(folder)
             if step is not None:
                 found.append((step, folder.stat().st_mtime, folder.name, folder))
         except OSError:  # removed meanwhile (pruned by rank 0)
@@ -107,10 +107,23 @@ def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * save_cost_s * mtbf_s)
 
 
-def _positive_int(name: str, value) -> int | None:
+def _positive_int(name: str, value) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
-    return value
+
+
+def check_options(*, every_n_steps=None, every_n_minutes=None, keep_last_k=None,
+                  async_save=False) -> None:
+    """The manager's settings, checkable before any process starts (the Trainer does)."""
+    _positive_int("every_n_steps", every_n_steps)
+    if every_n_minutes is not None and (
+        isinstance(every_n_minutes, bool) or not isinstance(every_n_minutes, (int, float))
+        or not math.isfinite(every_n_minutes) or every_n_minutes <= 0
+    ):
+        raise ConfigError(f"every_n_minutes must be a number > 0 or None, got {every_n_minutes!r}")
+    _positive_int("keep_last_k", keep_last_k)
+    if not isinstance(async_save, bool):
+        raise ConfigError(f"async_save must be True or False, got {async_save!r}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -133,7 +146,9 @@ def all_finite(model: torch.nn.Module, optimizer) -> bool:
     """Collective when a process group exists: False if any rank holds NaN/Inf values."""
     finite = local_all_finite(model, optimizer)
     if dist.is_initialized():
-        flag = torch.tensor([0 if finite else 1], dtype=torch.int32)
+        # on the parameters' device: NCCL reduces GPU tensors only
+        device = next((_local(p).device for p in model.parameters()), torch.device("cpu"))
+        flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         finite = not flag.item()
     return finite
@@ -154,19 +169,11 @@ class CheckpointManager:
 
     def __init__(self, directory, *, every_n_steps=None, every_n_minutes=None, keep_last_k=None,
                  async_save=False, process_group=None):
+        check_options(every_n_steps=every_n_steps, every_n_minutes=every_n_minutes,
+                      keep_last_k=keep_last_k, async_save=async_save)
         self.directory = Path(directory)
-        self.every_n_steps = _positive_int("every_n_steps", every_n_steps)
-        if every_n_minutes is not None and (
-            isinstance(every_n_minutes, bool) or not isinstance(every_n_minutes, (int, float))
-            or not math.isfinite(every_n_minutes) or every_n_minutes <= 0
-        ):
-            raise ConfigError(
-                f"every_n_minutes must be a number > 0 or None, got {every_n_minutes!r}")
-        self.every_n_minutes = every_n_minutes
-        self.keep_last_k = _positive_int("keep_last_k", keep_last_k)
-        if not isinstance(async_save, bool):
-            raise ConfigError(f"async_save must be True or False, got {async_save!r}")
-        self.async_save = async_save
+        self.every_n_steps, self.every_n_minutes = every_n_steps, every_n_minutes
+        self.keep_last_k, self.async_save = keep_last_k, async_save
         self.process_group = process_group
         self.last_blocking_s: float | None = None  # time the last save() kept its caller
         self.last_save_s: float | None = None  # start of the last save to its commit

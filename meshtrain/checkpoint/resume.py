@@ -9,15 +9,14 @@ in that checkpoint's run folder. Running the same command again after a crash (o
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoint.manager import latest_complete
-from meshtrain.checkpoint.state import SUMMARY, TRAINER_STATE
+from meshtrain.checkpoint.manager import checkpoint_step, latest_complete
+from meshtrain.checkpoint.state import TRAINER_STATE
 from meshtrain.errors import ConfigError
 
 
@@ -40,14 +39,6 @@ def check_resume(resume) -> None:
         )
 
 
-def _step_of(path: Path) -> tuple[int, float]:
-    try:
-        step = int(json.loads((path / SUMMARY).read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        step = -1
-    return step, path.stat().st_mtime
-
-
 def find_checkpoint(resume, *, run_dir: Path | None, root_dir: Path,
                     name: str) -> tuple[Path | None, Path | None]:
     """(checkpoint to load or None, the run folder to continue in or None for a new one)."""
@@ -61,7 +52,7 @@ def find_checkpoint(resume, *, run_dir: Path | None, root_dir: Path,
     found = [c for c in (latest_complete(d) for d in job.glob("*/checkpoints")) if c is not None]
     if not found:
         return None, None
-    newest = max(found, key=_step_of)
+    newest = max(found, key=lambda path: (checkpoint_step(path), path.stat().st_mtime))
     return newest, newest.parent.parent
 
 
