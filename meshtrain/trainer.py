@@ -69,6 +69,9 @@ class Trainer:
         micro_batch_size: samples per forward pass on one rank; default: as large as possible
             (no accumulation). Accumulation = global / (dp * micro).
         grad_clip_norm: clip gradients by their global L2 norm.
+        log_grad_norm: log ``train/grad_norm``, the global L2 norm of the gradients before
+            clipping (over every shard and stage); ``trainer.grad_norm`` holds the last step's
+            whenever it is computed (always when clipping, where it is free).
         precision: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (GPU).
         val_every_n_steps: validate every N optimizer steps (and at the end of fit).
         limit_val_batches: use at most this many validation micro-batches per rank.
@@ -89,6 +92,7 @@ class Trainer:
         global_batch_size: int = 32,
         micro_batch_size: int | None = None,
         grad_clip_norm: float | None = None,
+        log_grad_norm: bool = False,
         precision: str = "fp32",
         seed: int = 0,
         shuffle: bool = True,
@@ -199,6 +203,10 @@ class Trainer:
         if pp_balance not in ("params", "time", "memory"):
             raise ConfigError(f"pp_balance must be 'params', 'time' or 'memory', got {pp_balance!r}")
         self.grad_clip_norm, self.precision_name, self.seed = grad_clip_norm, precision, seed
+        if not isinstance(log_grad_norm, bool):
+            raise ConfigError(f"log_grad_norm must be True or False, got {log_grad_norm!r}")
+        self.log_grad_norm = log_grad_norm
+        self.grad_norm: torch.Tensor | None = None  # the last step's, before clipping
         self.shuffle = shuffle
         self.val_every_n_steps, self.limit_val_batches = val_every_n_steps, limit_val_batches
         self.log_every_n_steps = log_every_n_steps
@@ -363,7 +371,8 @@ class Trainer:
             "global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size,
             "grad_accum_steps": self.grad_accum_steps, "precision": self.precision_name,
             "max_steps": self.max_steps, "max_epochs": self.max_epochs, "seed": self.seed,
-            "grad_clip_norm": self.grad_clip_norm, "comm_hook": self.parallel_options.comm_hook,
+            "grad_clip_norm": self.grad_clip_norm, "log_grad_norm": self.log_grad_norm,
+            "comm_hook": self.parallel_options.comm_hook,
             "nan_policy": self.nan_policy, "collective_timeout_s":
             self.collective_timeout.total_seconds(), "stall_timeout_s": self.stall_timeout_s,
             **{f"checkpoint_{k}": v for k, v in self.checkpoint_options.items()},
@@ -665,6 +674,8 @@ class Trainer:
                             metrics["train/loss"] = self._mean_over_dp(window_loss / window_steps)
                         metrics["train/tokens_per_s"] = tokens * self.layout.dp_degree / elapsed
                         metrics["epoch"] = self.current_epoch
+                        if self.log_grad_norm and self.grad_norm is not None:
+                            metrics["train/grad_norm"] = float(self.grad_norm)
                         if self.num_skipped_steps:
                             metrics["train/skipped_steps"] = self.num_skipped_steps
                         window_loss.zero_()
@@ -753,20 +764,30 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.precision.skip_step()
             return outcome
-        if self.grad_clip_norm is not None:
+        measure = self.grad_clip_norm is not None or self.log_grad_norm
+        if measure:
             self.precision.unscale(self.optimizer)
-            params = list(self.model.parameters())
-            if self._pipeline is not None:
-                from meshtrain.parallel.pipeline import clip_grad_norm_
-
-                clip_grad_norm_(params, self.grad_clip_norm, self.mesh["pp"])
-            else:
-                torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+        self._call("on_before_optimizer_step")
+        self.grad_norm = self._clip_gradients() if measure else None
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return "ok"
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """The gradients' global L2 norm before clipping (over every shard and pipeline stage,
+        the same on every rank); clips them to ``grad_clip_norm`` when it is set."""
+        params = list(self.model.parameters())
+        if self._pipeline is not None:  # each rank holds its stages: sum over the pp group
+            from meshtrain.parallel.pipeline import clip_grad_norm_
+
+            norm = clip_grad_norm_(params, self.grad_clip_norm, self.mesh["pp"])
+        elif self.grad_clip_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        return _plain(norm).detach()
 
     def _report_timeline(self, events) -> None:
         """The pipeline diagram of one step, and its measured bubble beside the formula."""

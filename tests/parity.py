@@ -1,5 +1,13 @@
 """Parity harness: the same model, data and seed trained by one process on the full global batch
-and by N processes under a layout; the parameters must agree. Every strategy's tests reuse it."""
+and by N processes under a layout; every rank must agree with the one process. Every strategy's
+tests reuse it.
+
+Per step it compares the logged loss and the global gradient norm before clipping (on every
+rank); at the end every rank's parameters (each data-parallel replica, each pipeline stage). The
+gradient norm is what sees a gradient-scale bug that AdamW or clipping would hide in the
+parameters; :func:`sgd` makes the parameters themselves expose one. tests/test_parity_harness.py
+injects such bugs and checks that :func:`assert_parity` fails on each.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,9 @@ from meshtrain import Callback, Trainer
 from meshtrain.launch.spawn import run_workers
 
 NUM_SAMPLES, IN_FEATURES, OUT_FEATURES = 96, 12, 3
+
+# keys of a state that are not parameters (see train_state)
+LOSSES, GRAD_NORMS = "__losses__", "__grad_norms__"
 
 
 def regression_data(seed: int = 1234) -> TensorDataset:
@@ -34,39 +45,53 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
+def sgd(params):
+    """Plain SGD: the update is proportional to the gradient, so any scale error shows in the
+    parameters (AdamW is nearly invariant to a constant gradient factor)."""
+    return torch.optim.SGD(params, lr=0.05)
+
+
 def train_state(trainer_kwargs: dict, model_fn=mlp, data_fn=regression_data,
-                optimizer_fn=adamw, loss_fn=torch.nn.functional.mse_loss) -> dict:
-    """Train in this process (or as one rank of a job) and return the parameters, and under
-    ``LOSSES`` the loss of every step (averaged over the ranks, as the Trainer logs it)."""
+                optimizer_fn=adamw, loss_fn=torch.nn.functional.mse_loss, setup=None,
+                whole_model: bool = True) -> dict:
+    """Train in this process (or as one rank of a job) and return the parameters, under
+    ``LOSSES`` the loss of every step (averaged over the ranks, as the Trainer logs it) and,
+    with ``log_grad_norm=True``, under ``GRAD_NORMS`` every step's gradient norm before clipping.
+
+    ``setup()`` runs first and may return extra callbacks (the harness self-tests inject faults
+    with it). Under ``pp`` each rank holds its own stages: ``whole_model`` gathers them all."""
     torch.set_num_threads(1)
-    curve = _LossCurve()
+    curve = _Curves()
+    extra = list(setup() or ()) if setup is not None else []
     with tempfile.TemporaryDirectory() as run_dir:
         kwargs = dict(loggers=(), progress_bar=False, save_final_checkpoint=False,
-                      run_dir=run_dir, seed=0, log_every_n_steps=1, callbacks=[curve])
+                      run_dir=run_dir, seed=0, log_every_n_steps=1)
         kwargs.update(trainer_kwargs)
+        kwargs["callbacks"] = [curve, *extra, *kwargs.get("callbacks", ())]
         trainer = Trainer(**kwargs)
         model = trainer.fit(model_fn, data_fn(), optimizer=optimizer_fn, loss_fn=loss_fn)
         state = {k: _full(v).detach().cpu().clone() for k, v in model.state_dict().items()}
-        if trainer.layout.degree("pp") > 1:  # each rank holds its stages: put them together
+        if whole_model and trainer.layout.degree("pp") > 1:  # put the stages together
             import torch.distributed as dist
 
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, state)
             state = {k: v for part in parts for k, v in part.items()}
         state[LOSSES] = torch.tensor(curve.losses, dtype=torch.float64)
+        if trainer.log_grad_norm:
+            state[GRAD_NORMS] = torch.tensor(curve.grad_norms, dtype=torch.float64)
         return state
 
 
-LOSSES = "__losses__"
-
-
-class _LossCurve(Callback):
+class _Curves(Callback):
     def __init__(self):
-        self.losses = []
+        self.losses, self.grad_norms = [], []
 
     def on_train_step_end(self, trainer, metrics):
         if "train/loss" in metrics:
             self.losses.append(metrics["train/loss"])
+        norm = trainer.grad_norm
+        self.grad_norms.append(float(norm) if norm is not None else float("nan"))
 
 
 def _full(tensor):
@@ -74,46 +99,94 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def run_layout(trainer_kwargs: dict, num_procs: int, timeout: float = 120, **fns) -> dict:
+def params_of(state: dict) -> dict:
+    """The parameters (and buffers) of a state from :func:`train_state`."""
+    return {k: v for k, v in state.items() if not k.startswith("__")}
+
+
+def run_ranks(trainer_kwargs: dict, num_procs: int, timeout: float = 120, **fns) -> list[dict]:
+    """Every rank's state: what that rank holds (its pipeline stages only, under pp)."""
     if num_procs == 1:
-        return train_state(trainer_kwargs, **fns)
-    return run_workers(_train_rank, num_procs, (trainer_kwargs, fns), timeout=timeout)[0]
+        return [train_state(trainer_kwargs, **fns)]
+    return run_workers(_train_rank, num_procs, (trainer_kwargs, fns), timeout=timeout)
+
+
+def run_layout(trainer_kwargs: dict, num_procs: int, timeout: float = 120, **fns) -> dict:
+    """One state for the whole model: rank 0's, with the stages other ranks hold added."""
+    merged: dict = {}
+    for state in run_ranks(trainer_kwargs, num_procs, timeout, **fns):
+        merged.update({k: v for k, v in state.items() if k not in merged})
+    return merged
 
 
 def _train_rank(trainer_kwargs, fns):
-    return train_state(trainer_kwargs, **fns)
+    return train_state(trainer_kwargs, whole_model=False, **fns)
 
 
 def max_param_diff(a: dict, b: dict) -> float:
-    names = [k for k in a if k != LOSSES]
-    assert sorted(names) == sorted(k for k in b if k != LOSSES)
+    names = list(params_of(a))
+    assert sorted(names) == sorted(params_of(b))
     return max((a[k].double() - b[k].double()).abs().max().item() for k in names)
+
+
+def compare_ranks(reference: dict, ranks: list[dict], *, tol: float = 1e-5,
+                  label: str = "layout") -> float:
+    """Check every rank's state against the one-process ``reference``: its parameters, its
+    per-step losses and (when recorded) gradient norms; together the ranks must hold every
+    parameter. Returns the largest parameter difference."""
+    names = set(params_of(reference))
+    held = set().union(*(params_of(state) for state in ranks))
+    assert held == names, (f"{label}: the ranks hold {sorted(held - names)} beyond and miss "
+                           f"{sorted(names - held)} of the reference's parameters")
+    for rank, state in enumerate(ranks):  # per step first: it names where the runs part
+        first = None  # (step, what, got, want) of the earliest difference
+        for key, what, rel in ((GRAD_NORMS, "gradient norm", True), (LOSSES, "loss", False)):
+            if key not in reference:
+                continue
+            want, got = reference[key], state[key]
+            assert len(got) == len(want), f"{label}: rank {rank} ran {len(got)} steps, not {len(want)}"
+            # gradient norms relative to their size; losses as they are
+            limit = max(tol, 1e-5) * (want.abs().clamp(min=1) if rel else 1)
+            bad = ((got - want).abs() > limit) | (got.isnan() != want.isnan())
+            if bad.any() and (first is None or int(bad.nonzero()[0]) < first[0]):
+                i = int(bad.nonzero()[0])
+                first = (i, what, float(got[i]), float(want[i]))
+        if first is not None:
+            i, what, got, want = first
+            raise AssertionError(f"{label}: rank {rank}'s {what} at step {i + 1} is {got:.6g}, "
+                                 f"one process has {want:.6g} (ratio {got / want:.4g})")
+    worst = 0.0
+    for rank, state in enumerate(ranks):
+        for name in params_of(state):
+            diff = (state[name].double() - reference[name].double()).abs().max().item()
+            assert diff <= tol, (f"{label}: rank {rank}'s {name} differs from one process by "
+                                 f"{diff:.3e} (tolerance {tol:.0e})")
+            worst = max(worst, diff)
+    return worst
 
 
 def assert_parity(layout: str, num_procs: int, *, tol: float = 1e-5, steps: int = 20,
                   global_batch_size: int = 16, micro_batch_size: int | None = None,
-                  fns: dict | None = None, **kwargs):
-    """Compare ``layout`` on ``num_procs`` ranks against one process; return the difference.
+                  fns: dict | None = None, setup=None, **kwargs):
+    """Compare ``layout`` on ``num_procs`` ranks against one process; return the largest
+    parameter difference.
 
     ``fns`` may replace the model, data, optimizer or loss (see ``train_state``); ``kwargs`` go
     to the Trainer of both runs (the reference runs in fp32 unless ``reference_kwargs`` says).
+    ``setup`` runs on every rank of the layout's run only (for injecting faults).
     """
     fns = fns or {}
     reference_kwargs = kwargs.pop("reference_kwargs", {})
     parallel_kwargs = kwargs.pop("parallel_kwargs", {})  # e.g. pipeline options
-    common = dict(max_steps=steps, global_batch_size=global_batch_size, **kwargs)
-    reference = run_layout(dict(common, **reference_kwargs), 1, **fns)
-    parallel = run_layout(dict(common, layout=layout, micro_batch_size=micro_batch_size,
-                               **parallel_kwargs), num_procs, **fns)
-    diff = max_param_diff(reference, parallel)
-    moved = max_param_diff(reference, run_layout(dict(common, max_steps=1), 1, **fns))
+    common = dict(max_steps=steps, global_batch_size=global_batch_size, log_grad_norm=True,
+                  **kwargs)
+    reference = train_state(dict(common, **reference_kwargs), **fns)
+    ranks = run_ranks(dict(common, layout=layout, micro_batch_size=micro_batch_size,
+                           **parallel_kwargs), num_procs, setup=setup, **fns)
+    moved = max_param_diff(reference, train_state(dict(common, max_steps=1), **fns))
     assert moved > 2 * tol, "training barely moved the parameters: the test would prove nothing"
-    assert diff <= tol, f"{layout} on {num_procs} ranks differs from one process by {diff:.3e}"
-    curves = reference[LOSSES], parallel[LOSSES]
-    assert len(curves[0]) == len(curves[1]) == steps
-    curve_diff = (curves[0] - curves[1]).abs().max().item()
-    assert curve_diff <= max(tol, 1e-5), f"{layout}: loss curves differ by {curve_diff:.3e}"
-    return diff
+    assert len(reference[LOSSES]) == steps
+    return compare_ranks(reference, ranks, tol=tol, label=f"{layout} on {num_procs} ranks")
 
 
 # A tiny GPT on random tokens: blocks in model.layers and an init_weights() for meta-device builds.

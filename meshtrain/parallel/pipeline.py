@@ -282,9 +282,10 @@ class PipelineRunner:
         return loss
 
 
-def clip_grad_norm_(parameters, max_norm: float, pp_group) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float | None, pp_group) -> torch.Tensor:
     """Clip by the global L2 norm over all pipeline stages (each rank holds only its stages'
-    gradients, so the squared local norms are summed over the pp group first)."""
+    gradients, so the squared local norms are summed over the pp group first); return that
+    norm, before clipping. ``max_norm=None`` only measures."""
     group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
     params = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
@@ -293,7 +294,8 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group) -> torch.Tensor:
     squared = norm.float() ** 2
     dist.all_reduce(squared, group=group)
     total = squared.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
