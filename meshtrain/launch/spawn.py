@@ -303,6 +303,9 @@ def _run_one(fn, args, rank: int, world_size: int, port: int, out_dir: str, thre
         value = fn(*args)
     except BaseException:
         result_path.write_bytes(pickle.dumps(("error", traceback.format_exc())))
+        # multiprocessing catches the exception (no sys.excepthook): without this, _shutdown's
+        # os._exit would report success and run_workers would wait for the others to finish
+        _state["uncaught"] = True
         raise
     result_path.write_bytes(pickle.dumps(("ok", value)))
 

@@ -171,6 +171,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--stall-timeout", type=float, default=None)
     p.add_argument("--collective-timeout", type=float, default=300.0)
+    p.add_argument("--init-timeout", type=float, default=600.0)
     p.add_argument("--debug-collectives", action="store_true")
     p.add_argument("--save-final", type=int, default=1)
     return p
@@ -191,6 +192,7 @@ def train(argv: list[str]) -> dict:
         checkpoint_every_n_steps=args.ckpt_every, async_checkpoint=args.async_ckpt,
         resume=resume, nan_policy=None if args.nan_policy == "none" else args.nan_policy,
         stall_timeout_s=args.stall_timeout, collective_timeout_s=args.collective_timeout,
+        init_timeout_s=args.init_timeout,
         debug_collectives=args.debug_collectives, save_final_checkpoint=bool(args.save_final),
         callbacks=[Faults(args, dataset)], seed=0,
     )
