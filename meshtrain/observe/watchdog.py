@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 STALL_EXIT_CODE = 3  # the exit code of every rank of a job stopped by the stall watchdog
@@ -49,15 +50,23 @@ def _default_store():
 
 
 class StallWatchdog:
-    """Dump every rank's Python stacks and stop the job when a step runs past ``limit_s``."""
+    """Dump every rank's Python stacks and stop the job when a step runs past ``limit_s``.
 
-    def __init__(self, limit_s: float, stacks_dir: Path, rank: int, world_size: int, store=None):
+    ``clock`` (seconds, default :func:`time.monotonic`) times the steps: :meth:`arm` and the
+    thread's check against ``limit_s`` read it. Tests pass a fake one to set a step's age; how
+    often the thread checks (the step and the store), and the faulthandler backstop's delay once
+    armed, stay in real time.
+    """
+
+    def __init__(self, limit_s: float, stacks_dir: Path, rank: int, world_size: int, store=None,
+                 *, clock: Callable[[], float] = time.monotonic):
         if limit_s <= 0:
             raise ValueError(f"limit_s must be positive, got {limit_s}")
         self.limit_s = float(limit_s)
         self.stacks_dir = Path(stacks_dir)
         self.rank, self.world_size = rank, world_size
         self.store = store
+        self._clock = clock
         self.path = self.stacks_dir / f"rank{rank}.txt"
         self._current: tuple[int, float] | None = None  # (step, armed at), one atomic assignment
         self._stop = threading.Event()
@@ -69,7 +78,7 @@ class StallWatchdog:
     # -- the training loop's side: cheap -------------------------------------------------------
     def arm(self, step: int) -> None:
         """A step begins."""
-        self._current = (step, time.monotonic())
+        self._current = (step, self._clock())
 
     def disarm(self) -> None:
         """The step ended."""
@@ -111,13 +120,13 @@ class StallWatchdog:
         next_store_check = 0.0
         while not self._stop.wait(poll):
             current = self._current
-            now = time.monotonic()
+            now = self._clock()
             self._update_backstop(current, now)
             if current is not None and now - current[1] > self.limit_s:
                 self._fire(step=current[0], stalled_s=now - current[1])
                 return
-            if self.store is not None and now >= next_store_check:
-                next_store_check = now + STORE_POLL_S
+            if self.store is not None and time.monotonic() >= next_store_check:
+                next_store_check = time.monotonic() + STORE_POLL_S
                 if self._stall_announced():
                     self._answer_request()
                     return
@@ -192,7 +201,7 @@ class StallWatchdog:
             who, step = "?", "?"
         current = self._current
         where = (
-            f"in step {current[0]} for {time.monotonic() - current[1]:.1f} s"
+            f"in step {current[0]} for {self._clock() - current[1]:.1f} s"
             if current
             else "between steps"
         )

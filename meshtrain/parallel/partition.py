@@ -18,7 +18,7 @@ import math
 import numbers
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
 
 import torch
@@ -178,22 +178,29 @@ def block_memory_costs(blocks: Sequence[nn.Module], sample_input: torch.Tensor, 
     return costs
 
 
+def _clock_for(device: torch.device) -> Callable[[], float]:
+    """The clock :func:`block_time_costs` uses by default on ``device`` (see there)."""
+    single_cpu_thread = device.type == "cpu" and torch.get_num_threads() == 1
+    return time.thread_time if single_cpu_thread else time.perf_counter
+
+
 def block_time_costs(blocks: Sequence[nn.Module], sample_input: torch.Tensor, *,
-                     repeats: int = 3, warmup: int = 1) -> list[float]:
+                     repeats: int = 3, warmup: int = 1,
+                     clock: Callable[[], float] | None = None) -> list[float]:
     """Median forward+backward seconds of each block, timed one block at a time (each with its
     own backward) on the input it gets when the blocks run in sequence on ``sample_input``.
 
     Each round times every block once, so a burst of load from elsewhere hits them alike. The
     clock: wall time after a CUDA synchronize on a GPU; on the CPU with one torch thread, that
     thread's CPU time (all of the work runs on it), which other processes cannot inflate.
+    ``clock`` replaces it (any function returning seconds; tests pass a fake one).
     """
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, "
                           f"warmup={warmup}")
     device = sample_input.device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    single_cpu_thread = device.type == "cpu" and torch.get_num_threads() == 1
-    clock = time.thread_time if single_cpu_thread else time.perf_counter
+    clock = clock or _clock_for(device)
     times: list[list[float]] = [[] for _ in blocks]
     with _untouched(blocks, device):
         inputs, x = [], sample_input

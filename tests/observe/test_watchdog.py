@@ -1,11 +1,12 @@
 """StallWatchdog: a step that runs past the limit makes every rank dump its Python stacks and the
-job stop with STALL_EXIT_CODE; quick steps never fire it."""
+job stop with STALL_EXIT_CODE; quick steps never fire it. In-process tests set the steps' ages
+with a fake clock and wait on events, not on real time."""
 
 import os
 import re
 import subprocess
 import sys
-import time
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,7 +26,6 @@ def _run_stalling_job(tmp_path):
     stacks_dir = tmp_path / "stacks"
     store = _host_store(2, timedelta(seconds=60))
     procs = []
-    start = time.monotonic()
     try:
         for rank in range(2):
             env = _worker_environ(rank, 2, store.port)
@@ -40,25 +40,25 @@ def _run_stalling_job(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return procs, outputs, time.monotonic() - start, stacks_dir
+    return procs, outputs, stacks_dir
 
 
 @pytest.mark.timeout(120)
 def test_stall_dumps_every_rank_and_stops_the_job(tmp_path):
-    procs, outputs, elapsed, stacks_dir = _run_stalling_job(tmp_path)
+    procs, outputs, stacks_dir = _run_stalling_job(tmp_path)  # raises if it runs 60 s: no stop
     codes = [proc.returncode for proc in procs]
     stderr = "\n".join(err for _, err in outputs)
-    print(f"exit codes {codes}, {elapsed:.1f} s (with ~3-4 s of start-up)")
+    print(f"exit codes {codes}")
     assert all(code != 0 for code in codes), (codes, stderr)
     assert STALL_EXIT_CODE in codes, (codes, stderr)
-    assert elapsed < 20, elapsed
     assert not any("finished without a stall" in out for out, _ in outputs)
 
     line = re.search(
-        r"meshtrain: step 3 stalled for [\d.]+ s on rank ([01]) \(limit 2 s\); every rank's Python "
-        r"stack is in (.+); stopping the job", stderr)
+        r"meshtrain: step 3 stalled for ([\d.]+) s on rank ([01]) \(limit 2 s\); every rank's "
+        r"Python stack is in (.+); stopping the job", stderr)
     assert line, stderr
-    assert Path(line.group(2)) == stacks_dir
+    assert float(line.group(1)) >= LIMIT_S  # it fired past the limit, not before
+    assert Path(line.group(3)) == stacks_dir
 
     rank0 = (stacks_dir / "rank0.txt").read_text()
     rank1 = (stacks_dir / "rank1.txt").read_text()
@@ -68,60 +68,141 @@ def test_stall_dumps_every_rank_and_stops_the_job(tmp_path):
         assert text.startswith(f"meshtrain stall watchdog: rank {rank}"), text
 
 
+# Waits in this process stay under the 15 s after which a fired watchdog's faulthandler timer
+# ends the process (the test's finally: stop() cancels it), so a failure is reported, not lost.
+WAIT_S = 10.0
+
+
+class Stops:
+    """Stands in for ending the process: records the exit codes, and wakes whoever waits."""
+
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.changed = threading.Condition()
+
+    def __call__(self, code: int) -> None:
+        with self.changed:
+            self.codes.append(code)
+            self.changed.notify_all()
+
+    def wait(self, timeout: float = WAIT_S) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: bool(self.codes), timeout)
+
+
+@pytest.fixture
+def stops(monkeypatch):
+    stops = Stops()
+    monkeypatch.setattr(watchdog_module, "_stop_process", stops)
+    return stops
+
+
+class WatchdogClock:
+    """A fake clock for StallWatchdog: the test sets the time; the reads from other threads (the
+    watchdog's) are counted, so that the test can wait until the watchdog has checked the step
+    as it is now."""
+
+    def __init__(self, stops: Stops) -> None:
+        self.now = 0.0
+        self._owner = threading.get_ident()
+        self._reads = 0
+        self._stops = stops
+        self._changed = stops.changed
+
+    def __call__(self) -> float:
+        with self._changed:
+            if threading.get_ident() != self._owner:
+                self._reads += 1
+                self._changed.notify_all()
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._changed:
+            self.now += seconds
+
+    def wait_for_check(self, timeout: float = WAIT_S) -> bool:
+        """Wait until the watchdog has read the step and then the clock after this call (each
+        check reads the step first, so that takes two reads of the clock); False if it fired
+        instead, or never checked."""
+        with self._changed:
+            target = self._reads + 2
+            self._changed.wait_for(lambda: self._reads >= target or self._stops.codes, timeout)
+            return self._reads >= target and not self._stops.codes
+
+
 @pytest.mark.timeout(60)
-def test_quick_steps_never_fire(tmp_path, monkeypatch):
-    fired = []
-    monkeypatch.setattr(watchdog_module, "_stop_process", fired.append)
-    watchdog = StallWatchdog(0.2, tmp_path, rank=0, world_size=1, store=None)
+def test_quick_steps_never_fire(tmp_path, stops):
+    clock = WatchdogClock(stops)
+    watchdog = StallWatchdog(0.2, tmp_path, rank=0, world_size=1, store=None, clock=clock)
     watchdog.start()
-    n, start = 0, time.monotonic()
-    while time.monotonic() - start < 1.5:  # many quick steps, spanning several polls
-        for _ in range(1000):
-            watchdog.arm(n)
+    try:
+        # 10 steps of 0.08 s, 0.02 s apart: 1 s in all, five limits. (Two steps and a gap stay
+        # under the limit, since a check may read a step just before it ends and the time later.)
+        for step in range(10):
+            watchdog.arm(step)
+            clock.advance(0.08)
+            assert clock.wait_for_check(), stops.codes  # checked while the step runs
             watchdog.disarm()
-            n += 1
-    watchdog.stop()
-    assert fired == []
+            clock.advance(0.02)
+        assert clock.wait_for_check(), stops.codes
+        clock.advance(10.0)  # a long time between steps (evaluation, a checkpoint) is no stall
+        assert clock.wait_for_check(), stops.codes
+    finally:
+        watchdog.stop()
+    assert stops.codes == []
     assert not (tmp_path / "rank0.txt").exists()  # nothing written: the empty file is removed
 
-    cost = time.perf_counter()
-    for step in range(100_000):
-        watchdog.arm(step)
-        watchdog.disarm()
-    per_call = (time.perf_counter() - cost) / 100_000 / 2
-    print(f"arm()/disarm(): {per_call * 1e6:.2f} us per call ({n} quick steps did not fire)")
 
-
-def _stalled_step(watchdog):
+def _stalled_step(watchdog, clock, stops):
     watchdog.arm(7)
-    time.sleep(1.5)
+    clock.advance(1.5)  # the step has run for 1.5 s
+    return stops.wait()  # in this frame while the watchdog dumps the stacks
 
 
 @pytest.mark.timeout(60)
-def test_one_process_stall_writes_stacks(tmp_path, monkeypatch, capsys):
-    fired = []
-    monkeypatch.setattr(watchdog_module, "_stop_process", fired.append)
-    watchdog = StallWatchdog(0.3, tmp_path, rank=0, world_size=1, store=None)
+def test_one_process_stall_writes_stacks(tmp_path, stops, capsys):
+    clock = WatchdogClock(stops)
+    watchdog = StallWatchdog(0.3, tmp_path, rank=0, world_size=1, store=None, clock=clock)
     watchdog.start()
-    _stalled_step(watchdog)
-    watchdog.stop()
-    assert fired == [STALL_EXIT_CODE]
+    try:
+        assert _stalled_step(watchdog, clock, stops), "the watchdog did not fire"
+    finally:
+        watchdog.stop()
+    assert stops.codes == [STALL_EXIT_CODE]
     text = (tmp_path / "rank0.txt").read_text()
-    assert text.startswith("meshtrain stall watchdog: rank 0, step 7 stalled for"), text
+    assert text.startswith("meshtrain stall watchdog: rank 0, step 7 stalled for 1.5 s (limit "
+                           "0.3 s)"), text
     assert "_stalled_step" in text
-    assert "meshtrain: step 7 stalled for" in capsys.readouterr().err
+    assert "meshtrain: step 7 stalled for 1.5 s on rank 0 (limit 0.3 s)" in capsys.readouterr().err
 
 
 BACKSTOP_SCRIPT = """
-import ctypes, sys, time
+import ctypes, faulthandler, sys, threading
 from pathlib import Path
 from meshtrain.observe import watchdog
 
+backstop_armed = threading.Event()
+
+
+class SignallingFaulthandler:
+    def __getattr__(self, name):
+        return getattr(faulthandler, name)
+
+    def dump_traceback_later(self, *args, **kwargs):
+        faulthandler.dump_traceback_later(*args, **kwargs)
+        backstop_armed.set()
+
+
+watchdog.faulthandler = SignallingFaulthandler()
 watchdog.BACKSTOP_MARGIN_S = 1.0
-dog = watchdog.StallWatchdog(0.5, Path(sys.argv[1]), rank=0, world_size=1, store=None)
+# a clock that stands still: the watchdog thread itself never sees the step past its limit
+dog = watchdog.StallWatchdog(0.5, Path(sys.argv[1]), rank=0, world_size=1, store=None,
+                             clock=lambda: 0.0)
 dog.start()
 dog.arm(1)
-time.sleep(0.3)  # the watchdog thread sees the step and arms faulthandler's timer
+if not backstop_armed.wait(30):  # the watchdog thread saw the step and armed faulthandler
+    print("the backstop was never armed", file=sys.stderr)
+    sys.exit(5)
 
 
 def hold_the_gil():
@@ -134,12 +215,10 @@ hold_the_gil()
 
 @pytest.mark.timeout(60)
 def test_backstop_fires_when_the_gil_is_held(tmp_path):
-    start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", BACKSTOP_SCRIPT, str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=50)
-    elapsed = time.monotonic() - start
     text = (tmp_path / "rank0.txt").read_text()
-    print(f"exit code {done.returncode} after {elapsed:.1f} s\n{text}")
+    print(f"exit code {done.returncode}\n{done.stderr}\n{text}")
     assert done.returncode == 1  # faulthandler's exit, not STALL_EXIT_CODE
-    assert "Timeout (0:00:01" in text and "hold_the_gil" in text
-    assert elapsed < 15
+    # armed for the rest of the limit plus the margin: 0.5 s + 1 s
+    assert "Timeout (0:00:01.500000)!" in text and "hold_the_gil" in text

@@ -1,9 +1,10 @@
 """Pipeline partitioning: the min-max split must be exactly optimal (checked against brute force),
-its tie-break deterministic, and balance="time" must give measurably balanced stages."""
+its tie-break deterministic, and balance="time" must split by the forward+backward time measured
+per block (checked with blocks that charge known seconds to a fake clock, not by timing)."""
 
 import itertools
+import math
 import random
-import statistics
 import time
 from fractions import Fraction
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from meshtrain.errors import ConfigError
 from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.parallel import partition
 from meshtrain.parallel.partition import (
     block_memory_costs, block_param_counts, block_time_costs, min_max_partition,
     partition_blocks, stage_costs,
@@ -29,11 +31,10 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-# Uneven on purpose: by block count two stages get 256 vs 1216 hidden units; the balanced
-# split (after block 5) gives 704 vs 768, which evens out the extra per-block overhead of the
-# first stage's five blocks against the second's three.
+# Uneven on purpose: by block count two stages get 256 vs 1216 hidden units; by parameters the
+# balanced split is after block 5 (704 vs 768 hidden units).
 HIDDEN = [64, 64, 64, 64, 448, 256, 256, 256]
-D_MODEL, TOKENS = 256, 512
+D_MODEL = 256
 
 
 class MLPBlock(nn.Module):
@@ -214,7 +215,8 @@ def test_measuring_leaves_grads_and_rng_alone():
     blocks[0].fc_in.weight.grad = torch.ones_like(blocks[0].fc_in.weight)
     x = torch.randn(4, 8)
     state = torch.get_rng_state()
-    block_time_costs(blocks, x, repeats=1, warmup=0)
+    costs = block_time_costs(blocks, x, repeats=1, warmup=0)  # measured: only its form is known
+    assert len(costs) == len(blocks) and all(math.isfinite(c) and c >= 0 for c in costs), costs
     block_memory_costs(blocks, x)
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(blocks[0].fc_in.weight.grad, torch.ones(8, 8))
@@ -233,42 +235,89 @@ def test_gpt_layers_with_embedding_and_head():
         assert len(partition_blocks(model.layers, 3, balance=balance, sample_input=hidden)) == 2
 
 
-def stage_times(blocks, x, partitions, *, repeats=11, warmup=1):
-    """Median forward+backward CPU seconds of every stage of every partition, each stage's blocks
-    run together; rounds interleave all stages so that load from elsewhere hits them alike."""
-    inputs = []
-    with torch.no_grad():
-        for block in blocks:
-            inputs.append(x)
-            x = block(x)
-    stages = [(key, a, b) for key, splits in partitions.items()
-              for a, b in zip([0, *splits], [*splits, len(blocks)])]
-    samples = {stage: [] for stage in stages}
-    for round_ in range(warmup + repeats):
-        for stage in stages:
-            _, a, b = stage
-            start = time.thread_time()  # one torch thread: all of the work runs on this thread
-            out = inputs[a].detach().requires_grad_()
-            for block in blocks[a:b]:
-                out = block(out)
-            out.backward(torch.ones_like(out))
-            if round_ >= warmup:
-                samples[stage].append(time.thread_time() - start)
-    blocks.zero_grad(set_to_none=True)
-    return {key: [statistics.median(samples[s]) for s in stages if s[0] == key]
-            for key in partitions}
+# ---------------------------------------------------------------------------------------------
+# balance="time" with injected costs: blocks that charge known seconds to a fake clock
+# ---------------------------------------------------------------------------------------------
+class FakeClock:
+    """Seconds that pass only when a CostBlock charges them, so every measured time is known."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_time_balance_beats_an_even_split():
-    blocks = uneven_blocks()
-    x = torch.randn(TOKENS, D_MODEL)
-    balanced = partition_blocks(blocks, 2, balance="time", sample_input=x)
-    partitions = {"time-balanced": balanced, "even": [len(blocks) // 2]}
-    times = stage_times(blocks, x, partitions)
-    ratios = {key: max(t) / statistics.mean(t) for key, t in times.items()}
-    for key, t in times.items():
-        print(f"{key} split {partitions[key]}: stage ms {[round(1e3 * s, 2) for s in t]}, "
-              f"max/mean {ratios[key]:.3f}")
-    assert balanced == [5]
-    assert ratios["time-balanced"] <= 1.15
-    assert ratios["time-balanced"] <= ratios["even"]
+class _ChargeBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, block):
+        ctx.block = block
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.block.clock.now += ctx.block.backward_cost
+        return grad, None
+
+
+class CostBlock(nn.Module):
+    """Its forward and its backward each advance ``clock`` by a fixed cost; ``extra`` adds
+    seconds to given calls with grad on (counted from 0), like a one-off warm-up cost or a burst
+    of load from elsewhere. One parameter each: by parameter count all blocks are equal."""
+
+    def __init__(self, clock: FakeClock, forward_cost: float, backward_cost: float,
+                 extra: dict[int, float] | None = None) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.clock, self.forward_cost, self.backward_cost = clock, forward_cost, backward_cost
+        self.extra, self.calls = dict(extra or {}), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.clock.now += self.extra.get(self.calls, 0.0)
+            self.calls += 1
+        self.clock.now += self.forward_cost
+        return _ChargeBackward.apply(x * self.scale, self)
+
+
+def test_time_costs_are_the_median_forward_plus_backward_after_warmup():
+    def blocks(clock):
+        return nn.ModuleList([
+            CostBlock(clock, 1.0, 2.0, extra={0: 100.0}),  # slow first call: the warm-up round
+            CostBlock(clock, 4.0, 8.0, extra={2: 50.0}),   # a burst in the 2nd timed round
+            CostBlock(clock, 0.5, 0.25),
+        ])
+
+    clock, x = FakeClock(), torch.randn(3, 4)
+    assert block_time_costs(blocks(clock), x, repeats=3, warmup=1, clock=clock) == \
+        [3.0, 12.0, 0.75]
+    # the warm-up round is not counted; without one, the first call's cost is what is measured
+    assert block_time_costs(blocks(clock), x, repeats=1, warmup=1, clock=clock) == \
+        [3.0, 12.0, 0.75]
+    assert block_time_costs(blocks(clock), x, repeats=1, warmup=0, clock=clock) == \
+        [103.0, 12.0, 0.75]
+
+
+def test_time_costs_default_clock():
+    cpu = torch.device("cpu")
+    assert partition._clock_for(cpu) is time.thread_time  # one torch thread (fixture): CPU time
+    torch.set_num_threads(2)  # the fixture restores it
+    assert partition._clock_for(cpu) is time.perf_counter
+
+
+def test_time_balance_splits_by_the_measured_costs(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(partition, "_clock_for", lambda device: clock)
+    forward = [1.0, 1.0, 1.0, 1.0, 4.0, 3.0, 3.0, 3.0]
+    blocks = nn.ModuleList(CostBlock(clock, f, 2 * f) for f in forward)  # backward = 2 forward
+    costs = [3 * f for f in forward]
+    x = torch.randn(2, 4)
+    assert block_time_costs(blocks, x) == costs
+    assert partition_blocks(blocks, 2, balance="params") == [4]  # equal counts: 4 | 4 blocks
+    assert partition_blocks(blocks, 2, balance="time", sample_input=x) == [5]  # 24 | 27 s
+    for num_stages in (2, 3, 4):
+        assert partition_blocks(blocks, num_stages, balance="time", sample_input=x) == \
+            brute_force(costs, num_stages)[1]
+    # the head's seconds go to the last block: 42 | 39 s
+    assert partition_blocks(blocks, 2, balance="time", sample_input=x, last_extra_cost=30.0) == \
+        [7] == brute_force([*costs[:-1], costs[-1] + 30.0], 2)[1]

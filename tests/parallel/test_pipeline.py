@@ -1,7 +1,6 @@
 """Pipeline parallelism without the Trainer: stages keep the full model's parameter names, every
 schedule reproduces one-process training on the same batch, and the timeline is recorded."""
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -172,7 +171,6 @@ def parity_worker(cases):
     mesh = setup_pp_mesh()
     (x, y), results = data(), {}
     for schedule, v in cases:
-        start = time.perf_counter()
         runner = build_runner(mesh, schedule, v)
         opt = torch.optim.AdamW(runner.parameters(), lr=LR)
         losses, norms = [], []
@@ -185,8 +183,7 @@ def parity_worker(cases):
         eval_loss = runner.eval_loss(x[STEPS], y[STEPS])
         params = {n: p.detach().clone() for m in runner.modules for n, p in m.named_parameters()}
         results[schedule, v] = dict(params=params, losses=losses, norms=norms,
-                                    eval=None if eval_loss is None else eval_loss.item(),
-                                    seconds=time.perf_counter() - start)
+                                    eval=None if eval_loss is None else eval_loss.item())
     return results
 
 
@@ -213,7 +210,6 @@ def test_every_schedule_matches_one_process():
         assert abs(last[0]["eval"] - ref_eval) <= 1e-6, case
         for part in parts:  # the clipping norm is global: the same on every stage
             assert max(abs(a - b) / b for a, b in zip(part["norms"], ref_norms)) <= 1e-5, case
-        print(f"{case}: {max(p['seconds'] for p in parts):.2f} s")
 
 
 # ---------------------------------------------------------------------------------------------
