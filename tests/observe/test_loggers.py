@@ -16,11 +16,58 @@ from meshtrain.observe.loggers import (
 )
 
 
-def test_base_logger_is_noop():
+LOGGED = [(1, {"train/loss": 3.0, "lr": 0.5}), (2, {"train/loss": torch.tensor(2.5)}),
+          (4, {"train/loss": 2.0, "val/loss": 2.75, "lr": 0.125})]
+EXPECTED = sorted((name, step, float(value)) for step, metrics in LOGGED
+                  for name, value in metrics.items())
+
+
+def _read_csv(run_dir):
+    rows = read_metrics_csv(run_dir / "metrics.csv")
+    return sorted((name, row["step"], value) for row in rows
+                  for name, value in row.items() if name != "step" and value is not None)
+
+
+def _read_tensorboard(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return sorted((tag, e.step, e.value) for tag in acc.Tags()["scalars"]
+                  for e in acc.Scalars(tag))
+
+
+def _files(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_base_logger_is_noop(tmp_path, monkeypatch):
+    # a rank other than zero holds one and calls it unconditionally: it returns nothing, keeps
+    # nothing and writes nothing (not even in the working directory)
+    monkeypatch.chdir(tmp_path)
     log = Logger()
-    log.log_hparams({"a": 1})
-    log.log_metrics({"x": 1.0}, step=1)
+    assert log.log_hparams({"a": 1, "model": {"dim": 8}}) is None
+    for step, metrics in LOGGED:
+        assert log.log_metrics(metrics, step=step) is None
+    assert log.finalize() is None
+    assert log.finalize() is None
+    assert vars(log) == {}
+    assert _files(tmp_path) == []
+
+
+@pytest.mark.parametrize("make, read", [
+    (CSVLogger, _read_csv),
+    (TensorBoardLogger, _read_tensorboard),
+], ids=["csv", "tensorboard"])
+def test_loggers_write_exactly_the_values_logged(tmp_path, make, read):
+    log = make(tmp_path)
+    assert isinstance(log, Logger)
+    log.log_hparams({"optim": {"lr": 0.5}})
+    for step, metrics in LOGGED:
+        log.log_metrics(metrics, step=step)
     log.finalize()
+    # (name, step, value) for every value logged, nothing else; the values are exact in float32
+    assert read(tmp_path) == EXPECTED
 
 
 def test_csv_widens_header_and_reads_back(tmp_path):
