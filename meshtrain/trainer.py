@@ -865,7 +865,8 @@ class Trainer:
         return self._evaluate(data, prefix="val")
 
     def test(self, test_data: DataLike) -> dict[str, float]:
-        """Mean loss over ``test_data`` on the fitted model."""
+        """Mean loss over all of ``test_data`` on the fitted model (``limit_val_batches`` is for
+        validation only)."""
         if self.model is None:
             raise ConfigError("call fit(...) before test(...)")
         metrics = self._evaluate(test_data, prefix="test")
@@ -874,7 +875,9 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self, data: DataLike, prefix: str) -> dict[str, float]:
-        """Sample-weighted mean loss; every sample is seen exactly once over all ranks."""
+        """Sample-weighted mean loss; every sample is seen exactly once over all ranks (in
+        validation, only the first ``limit_val_batches`` micro-batches per rank)."""
+        limit = self.limit_val_batches if prefix == "val" else None
         dataset = _dataset_of(data, prefix)
         dp = self.layout.dp_degree
         sampler = GlobalBatchSampler(
@@ -887,7 +890,7 @@ class Trainer:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
         for i, batch in enumerate(loader):
-            if self.limit_val_batches is not None and i >= self.limit_val_batches:
+            if limit is not None and i >= limit:
                 break
             batch = _to_device(batch, self.device)
             with self.precision.autocast(), self._loss_context():
