@@ -55,21 +55,18 @@ def test_without_debug_mode_gloo_refuses_a_mismatched_collective(tmp_path, capfd
 
 
 @pytest.mark.timeout(150)
-def test_a_rank_that_stops_calling_collectives_times_out_after_collective_timeout_s(tmp_path):
-    # rank 1 sleeps inside step 3 (no watchdog); rank 0 waits in the gradient all-reduce until
-    # the collective timeout, which replaced init_timeout_s after step 1, ends it
-    text = _fails(["--run-dir", str(tmp_path), "--layout", "dp=2", "--max-steps", "8",
-                   "--fault", "stall", "--fault-step", "3", "--collective-timeout", "4",
-                   "--init-timeout", "300"])
-    assert "rank 0 raised" in text
-    assert "Timed out waiting 4000ms" in text, text[-1500:]
-
-
-@pytest.mark.timeout(150)
-def test_during_the_first_step_collectives_wait_init_timeout_s(tmp_path):
+@pytest.mark.parametrize("hang_step, collective_s, init_s, waited_ms", [
+    # after step 1 the collective timeout replaces init_timeout_s on every group
+    (3, 4, 300, 4000),
     # the first step may include slow start-up work, so it runs under init_timeout_s
+    (1, 300, 5, 5000),
+], ids=["after-step-1", "first-step"])
+def test_a_rank_that_stops_calling_collectives_ends_the_job_by_the_timeout_in_force(
+        tmp_path, hang_step, collective_s, init_s, waited_ms):
+    # rank 1 sleeps inside the step (no watchdog); rank 0 waits in the gradient all-reduce
+    # until gloo's timeout ends it
     text = _fails(["--run-dir", str(tmp_path), "--layout", "dp=2", "--max-steps", "8",
-                   "--fault", "stall", "--fault-step", "1", "--collective-timeout", "300",
-                   "--init-timeout", "5"])
+                   "--fault", "stall", "--fault-step", str(hang_step),
+                   "--collective-timeout", str(collective_s), "--init-timeout", str(init_s)])
     assert "rank 0 raised" in text
-    assert "Timed out waiting 5000ms" in text, text[-1500:]
+    assert f"Timed out waiting {waited_ms}ms" in text, text[-1500:]
