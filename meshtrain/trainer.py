@@ -220,7 +220,9 @@ class Trainer:
             bucket_cap_mb=bucket_cap_mb, comm_hook=comm_hook, powersgd_rank=powersgd_rank,
             precision=precision, offload=offload,
             activation_checkpointing=activation_checkpointing, blocks=blocks,
-            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, tp_plan=tp_plan,
+            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+            tp_plan=tp_plan if tp_plan is not None else _builtin_tp_plan(
+                self.layout.degree("tp"), sequence_parallel, loss_parallel),
         )
         self.meta_init = meta_init
         check_fault_tolerance_settings(
@@ -1023,6 +1025,17 @@ def _make_loggers(names: list[str], run_dir: Path) -> list:
     from meshtrain.observe.loggers import CSVLogger, TensorBoardLogger
 
     return [CSVLogger(run_dir) if n == "csv" else TensorBoardLogger(run_dir) for n in names]
+
+
+def _builtin_tp_plan(tp_degree: int, sequence_parallel: bool, loss_parallel: bool):
+    """For models that supply no ``tp_plan`` of their own: meshtrain's plans for Hugging Face
+    models (module -> plan, None for other models)."""
+    from meshtrain.models.hf import default_tp_plan
+
+    def plan_for(module):
+        return default_tp_plan(module, tp_degree, sequence_parallel=sequence_parallel,
+                               loss_parallel=loss_parallel)
+    return plan_for if tp_degree > 1 else None
 
 
 def _check_model(model) -> None:

@@ -272,6 +272,12 @@ def test_tp_must_divide_the_heads(world_of_two, tmp_path):
     _fit_lm_raises(_kwargs(tmp_path, layout="tp=2"), "vocab_size", _gpt(vocab=17))
 
 
+def test_tp_without_a_plan_is_refused_before_any_process_group(world_of_two, tmp_path):
+    # a Linear supplies no tp_plan of its own: the message says how to give one
+    _fit_raises(_kwargs(tmp_path, layout="tp=2"),
+                r"Linear has no tensor-parallel plan: pass Trainer\(tp_plan=")
+
+
 def test_pipeline_options_without_a_pipeline(tmp_path):
     with pytest.raises(ConfigError, match="need a pipeline layout"):
         Trainer(**_kwargs(tmp_path, stages_per_rank=2))

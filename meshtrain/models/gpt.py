@@ -186,6 +186,21 @@ class GPT(nn.Module):
                 else:
                     param.copy_(values)
 
+    # -- tensor parallel: the model supplies its own plan (meshtrain/models/gpt_plan.py) --------
+    def tp_plan(self, tp_degree: int, *, sequence_parallel: bool = False,
+                loss_parallel: bool = False) -> dict:
+        """Megatron column/row splits of attention and MLP, vocabulary-split embedding/head."""
+        from meshtrain.models.gpt_plan import gpt_tp_plan
+
+        return gpt_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+    def check_tp(self, tp_degree: int, *, sequence_parallel: bool = False,
+                 seq_len: int | None = None) -> None:
+        """``ConfigError`` unless heads, widths and vocabulary (and seq_len with SP) divide."""
+        from meshtrain.models.gpt_plan import check_gpt_tp
+
+        check_gpt_tp(self, tp_degree, sequence_parallel=sequence_parallel, seq_len=seq_len)
+
     def num_params(self) -> int:
         """Number of parameter elements (embeddings included)."""
         return sum(p.numel() for p in self.parameters())

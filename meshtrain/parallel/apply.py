@@ -35,7 +35,8 @@ class ParallelOptions:
     blocks: BlocksFn | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    tp_plan: dict | None = None
+    # a plan, or a function module -> plan or None (None: the module's own ``tp_plan``)
+    tp_plan: dict | Callable[[torch.nn.Module], dict | None] | None = None
 
 
 def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch.nn.Module]:
@@ -49,10 +50,13 @@ def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch
 
 def check_model(model: torch.nn.Module, layout: Layout, options: ParallelOptions) -> None:
     """Checks that need the model but no process group (run on a meta-device copy)."""
-    if layout.degree("tp") > 1 and options.tp_plan is None:
-        from meshtrain.parallel.tensor_parallel import check_tp
+    if layout.degree("tp") > 1 and tp_plan_of(model, options) is None:
+        from meshtrain.parallel.tensor_parallel import check_tp, model_tp_plan
 
-        check_tp(model, layout.degree("tp"), sequence_parallel=options.sequence_parallel)
+        tp = layout.degree("tp")  # the model's own checks, and a plan it must supply
+        check_tp(model, tp, sequence_parallel=options.sequence_parallel)
+        model_tp_plan(model, tp, sequence_parallel=options.sequence_parallel,
+                      loss_parallel=options.loss_parallel)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(
             "the model has no trainable parameters (requires_grad=True), so there is nothing "
@@ -64,6 +68,13 @@ def check_model(model: torch.nn.Module, layout: Layout, options: ParallelOptions
             "repeated blocks (e.g. an nn.ModuleList of layers) and none were found; pass "
             "blocks=lambda model: [...] to the Trainer, or set activation_checkpointing=None"
         )
+
+
+def tp_plan_of(module: torch.nn.Module, options: ParallelOptions) -> dict | None:
+    """The plan given for ``module`` (a dict, or what the function returns for it); None means
+    the module supplies its own (``module.tp_plan``)."""
+    plan = options.tp_plan
+    return plan(module) if callable(plan) else plan
 
 
 def parallelize(
@@ -82,13 +93,9 @@ def parallelize(
     the Trainer (``allreduce_gradients``) rather than by DDP.
     """
     if layout.degree("tp") > 1:
-        from meshtrain.models.hf import default_tp_plan  # None unless a Hugging Face model
         from meshtrain.parallel.tensor_parallel import apply_tp
 
-        plan = options.tp_plan or default_tp_plan(
-            model, layout.degree("tp"), sequence_parallel=options.sequence_parallel,
-            loss_parallel=options.loss_parallel)
-        apply_tp(model, mesh["tp"], plan=plan,
+        apply_tp(model, mesh["tp"], plan=tp_plan_of(model, options),
                  sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
     needs_blocks = options.activation_checkpointing or layout.is_sharded
     blocks = model_blocks(model, options) if needs_blocks else []

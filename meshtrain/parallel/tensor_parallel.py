@@ -11,6 +11,12 @@ pairs (norms, dropout, residual stream) on the sequence dim: each all-reduce bec
 reduce-scatter plus an all-gather (same volume), and those activations shrink by tp.
 
 Every rank of a TP group must see the same batch and RNG state (dropout masks).
+
+Plans come from the model, not from here: a model (and a pipeline stage of it) supplies
+``model.tp_plan(tp_degree, *, sequence_parallel, loss_parallel) -> {module name: ParallelStyle}``
+and may supply ``model.check_tp(tp_degree, *, sequence_parallel, seq_len=None)`` for its size
+checks (meshtrain's GPT: meshtrain/models/gpt_plan.py). Otherwise the caller passes ``plan=``,
+built with :func:`attention_plan`, :func:`mlp_plan` and :func:`replicate_the_rest`.
 """
 
 from __future__ import annotations
@@ -31,78 +37,57 @@ from torch.distributed.tensor.parallel import (
 from meshtrain.errors import ConfigError
 
 __all__ = [
-    "ReplicateParallel", "apply_tp", "attention_plan", "check_tp", "comm_counts", "full_value",
-    "gpt_tp_plan", "loss_parallel_context", "mlp_plan",
+    "ReplicateParallel", "apply_tp", "attention_plan", "check_divides", "check_tp", "comm_counts",
+    "dropout_entries", "full_value", "loss_parallel_context", "mlp_plan", "model_tp_plan",
+    "replicate_the_rest",
 ]
 
 
 # --- Checks (no process group needed; a meta-device model is enough) ---------------------------
-def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, block) pairs of ``model.layers``: a ModuleList, or a pipeline stage's ModuleDict
-    keyed by the blocks' indices in the full model."""
-    layers = model.layers
-    items = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
-    return [(str(name), block) for name, block in items]
-
-
-def is_gpt_like(model: nn.Module) -> bool:
-    """meshtrain's GPT (or a pipeline stage of it), or any model with its attribute structure."""
-    try:
-        first = _blocks(model)[0][1]
-        attn, mlp = first.attn, first.mlp
-    except (AttributeError, IndexError, TypeError):
-        return False
-    names = ("tok_emb", "norm", "head")  # None on pipeline stages that do not hold them
-    return (all(hasattr(model, n) for n in names) and hasattr(attn, "head_dim")
-            and all(hasattr(attn, n) for n in ("wq", "wk", "wv", "wo"))
-            and hasattr(mlp, "fc_in") and hasattr(mlp, "fc_out"))
-
-
-def _gpt_sizes(model: nn.Module) -> dict[str, int]:
-    block = _blocks(model)[0][1]
-    sizes = {
-        "num_heads": block.attn.wq.out_features // block.attn.head_dim,
-        "d_model": block.attn.wq.in_features,
-        "mlp_hidden_dim": block.mlp.fc_in.out_features,
-    }
-    if model.tok_emb is not None:
-        sizes["vocab_size"] = model.tok_emb.num_embeddings
-    elif model.head is not None:
-        sizes["vocab_size"] = model.head.out_features
-    return sizes
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_tp(model: nn.Module, tp_degree: int, *, sequence_parallel: bool,
-             seq_len: int | None = None) -> None:
-    """Raise ``ConfigError`` if ``model`` cannot be split over ``tp_degree`` ranks.
-
-    For a GPT-like model: heads, d_model, the MLP hidden width and the vocabulary must divide by
-    tp (each rank takes an equal slice); with ``sequence_parallel`` the sequence length too
-    (``seq_len``, by default the model's ``config.seq_len``). Reads only shapes and config.
-    """
-    if not isinstance(tp_degree, int) or isinstance(tp_degree, bool) or tp_degree < 1:
-        raise ConfigError(f"tp must be a positive integer, got {tp_degree!r}")
-    sizes = _gpt_sizes(model) if is_gpt_like(model) else {}
-    if sequence_parallel:
-        if seq_len is None:
-            seq_len = getattr(getattr(model, "config", None), "seq_len", None)
-        if seq_len is not None:
-            sizes["seq_len"] = seq_len
+def check_divides(sizes: dict[str, int], tp_degree: int, hint: dict[str, str] | None = None
+                  ) -> None:
+    """``ConfigError`` naming the first of ``sizes`` that ``tp_degree`` does not divide, with
+    the degrees that would (for a model's ``check_tp``)."""
     for what, size in sizes.items():
         if size % tp_degree:
             fix = (f"use a tp that divides {size} ({', '.join(map(str, _divisors(size)))}) or "
                    f"make {what} a multiple of {tp_degree} "
                    f"(e.g. {-(-size // tp_degree) * tp_degree})")
-            if what == "seq_len":
-                fix += ", or turn sequence_parallel off"
+            if hint and what in hint:
+                fix += f", {hint[what]}"
             raise ConfigError(
                 f"tensor parallel tp={tp_degree} splits the {what} over {tp_degree} ranks, but "
                 f"{what}={size} is not divisible by {tp_degree}; {fix}"
             )
+
+
+def check_tp(model: nn.Module, tp_degree: int, *, sequence_parallel: bool,
+             seq_len: int | None = None) -> None:
+    """Raise ``ConfigError`` if ``model`` cannot be split over ``tp_degree`` ranks: the degree
+    itself, then the model's own ``check_tp`` if it has one. Reads only shapes and config."""
+    if not isinstance(tp_degree, int) or isinstance(tp_degree, bool) or tp_degree < 1:
+        raise ConfigError(f"tp must be a positive integer, got {tp_degree!r}")
+    own = getattr(model, "check_tp", None)
+    if callable(own):
+        own(tp_degree, sequence_parallel=sequence_parallel, seq_len=seq_len)
+
+
+def model_tp_plan(model: nn.Module, tp_degree: int, *, sequence_parallel: bool = False,
+                  loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The plan the model supplies (``model.tp_plan``); ``ConfigError`` if it has none."""
+    own = getattr(model, "tp_plan", None)
+    if not callable(own):
+        raise ConfigError(
+            f"{type(model).__name__} has no tensor-parallel plan: pass Trainer(tp_plan={{...}}) "
+            "(module name -> ParallelStyle; meshtrain.parallel.tensor_parallel's attention_plan(),"
+            " mlp_plan() and replicate_the_rest() build one) or give the model a "
+            "tp_plan(tp_degree, *, sequence_parallel, loss_parallel) method"
+        )
+    return own(tp_degree, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
 # --- Plans: module FQN -> ParallelStyle --------------------------------------------------------
@@ -169,62 +154,19 @@ def mlp_plan(prefix: str, fc_in: str, fc_out: str, *,
     }
 
 
-def _dropout_entries(module: nn.Module, prefix: str) -> dict[str, ParallelStyle]:
+def dropout_entries(module: nn.Module, prefix: str) -> dict[str, ParallelStyle]:
     """Sequence-sharded dropouts that actually drop (p > 0) work on DTensors (distinct masks)."""
     return {_join(prefix, name): SequenceParallel(use_local_output=True)
             for name, child in module.named_children()
             if isinstance(child, nn.Dropout) and child.p > 0}
 
 
-def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool,
-                loss_parallel: bool) -> dict[str, ParallelStyle]:
-    """The Megatron plan for meshtrain's GPT (or a model with its attribute structure).
-
-    Without sequence parallel the residual stream is replicated. With it, the stream between
-    blocks is sharded on the sequence dim: the embedding's output is all-reduced (replicated,
-    as the learned position embedding is added to the full sequence, as in Megatron) and sliced
-    by the first block only (no communication), each block then hands its sequence shard to the
-    next, and the final norm's output is all-gathered by the head.
-    """
-    if not is_gpt_like(model):
-        raise ConfigError(
-            f"{type(model).__name__} does not have GPT's structure (tok_emb, layers[i].attn."
-            f"{{wq,wk,wv,wo}}, layers[i].mlp.{{fc_in,fc_out}}, norm, head); pass "
-            "apply_tp(model, mesh, plan={...}) built with attention_plan() and mlp_plan()"
-        )
-    sp = sequence_parallel
-    blocks = _blocks(model)
-    whole = model.tok_emb is not None and model.head is not None
-    if sp and not whole:
-        raise ConfigError(
-            "sequence_parallel is not available on pipeline stages yet (activations between "
-            "stages would be sequence shards); use tensor parallel without it under pp"
-        )
-    plan: dict[str, ParallelStyle] = {}
-    if model.tok_emb is not None:
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if sp:  # Slice the replicated stream at the first block only (later blocks get shards).
-        plan[f"layers.{blocks[0][0]}"] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-            use_local_output=True)
-    for name, block in blocks:
-        prefix = f"layers.{name}"
-        if sp:
-            plan[f"{prefix}.norm1"] = SequenceParallel()
-            plan[f"{prefix}.norm2"] = SequenceParallel()
-            plan.update(_dropout_entries(block.attn, f"{prefix}.attn"))
-            plan.update(_dropout_entries(block.mlp, f"{prefix}.mlp"))
-        plan.update(attention_plan(f"{prefix}.attn", "wq", "wk", "wv", "wo", sequence_parallel=sp))
-        plan.update(mlp_plan(f"{prefix}.mlp", "fc_in", "fc_out", sequence_parallel=sp))
-    if sp:
-        plan["norm"] = SequenceParallel()
-    if model.head is not None:
-        plan["head"] = ColwiseParallel(
-            input_layouts=Shard(1) if sp else Replicate(),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,  # loss parallel needs the DTensor
-        )
-    for name, module in model.named_modules():  # pos_emb, and the norms without SP
+def replicate_the_rest(model: nn.Module, plan: dict[str, ParallelStyle]
+                       ) -> dict[str, ParallelStyle]:
+    """``plan`` plus :class:`ReplicateParallel` for every leaf module with parameters that it
+    does not name (position embeddings, norms without SP), so every parameter is a DTensor."""
+    plan = dict(plan)
+    for name, module in model.named_modules():
         leaf = next(module.children(), None) is None
         if leaf and name not in plan and next(module.parameters(recurse=False), None) is not None:
             plan[name] = ReplicateParallel()
@@ -236,8 +178,8 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
              sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
     """Split ``model`` in place over the 1-D ``tp_mesh`` and return it.
 
-    ``plan=None`` uses :func:`gpt_tp_plan` (GPT-like models only; checked with :func:`check_tp`
-    first). A given ``plan`` is applied as it is, and the two flags are then ignored. With
+    ``plan=None`` takes the model's own (``model.tp_plan``, after its ``check_tp``). A given
+    ``plan`` is applied as it is, and the two flags only decide the sequence-length check. With
     ``loss_parallel`` the model returns vocab-sharded DTensor logits: compute the loss and call
     backward inside ``loss_parallel_context(True)``.
     """
@@ -248,8 +190,8 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
         )
     if plan is None:
         check_tp(model, tp_mesh.size(), sequence_parallel=sequence_parallel)
-        plan = gpt_tp_plan(model, sequence_parallel=sequence_parallel,
-                           loss_parallel=loss_parallel)
+        plan = model_tp_plan(model, tp_mesh.size(), sequence_parallel=sequence_parallel,
+                             loss_parallel=loss_parallel)
         if sequence_parallel:
             model.register_forward_pre_hook(functools.partial(_check_length, tp_mesh.size()))
     parallelize_module(model, tp_mesh, plan)

@@ -15,7 +15,7 @@ from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.fully_shard import materialize
 from meshtrain.parallel.tensor_parallel import (
-    ReplicateParallel, apply_tp, check_tp, comm_counts, full_value, gpt_tp_plan,
+    ReplicateParallel, apply_tp, check_tp, comm_counts, full_value, model_tp_plan,
     loss_parallel_context, mlp_plan,
 )
 
@@ -132,14 +132,15 @@ def test_check_tp_names_the_size_and_the_fix(overrides, tp, sp, match):
 def test_gpt_plan_covers_every_parameter_and_prepares_the_first_block_only():
     model = meta_gpt(num_layers=3)
     for sp in (False, True):
-        plan = gpt_tp_plan(model, sequence_parallel=sp, loss_parallel=False)
+        plan = model.tp_plan(2, sequence_parallel=sp, loss_parallel=False)  # the model's own
         owners = {name.rpartition(".")[0] for name, _ in model.named_parameters()}
         assert owners <= plan.keys(), f"not in the plan: {owners - plan.keys()}"
         assert ("layers.0" in plan) == sp and "layers.1" not in plan and "layers.2" not in plan
         assert isinstance(plan["pos_emb"], ReplicateParallel)
         assert isinstance(plan["layers.1.norm1"], ReplicateParallel) != sp
-    with pytest.raises(ConfigError, match="does not have GPT's structure"):
-        gpt_tp_plan(nn.Linear(2, 2), sequence_parallel=False, loss_parallel=False)
+    with pytest.raises(ConfigError, match=r"Linear has no tensor-parallel plan: pass Trainer\(tp_plan="):
+        model_tp_plan(nn.Linear(2, 2), 2)
+    check_tp(nn.Linear(2, 2), 2, sequence_parallel=False)  # no checks of its own: nothing to say
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def _tp_rank():
     mlp = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 6))
     x = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(0))
     expected = mlp(x).detach()
-    with pytest.raises(ConfigError, match="does not have GPT's structure"):
+    with pytest.raises(ConfigError, match="Sequential has no tensor-parallel plan"):
         apply_tp(mlp, mesh)
     apply_tp(mlp, mesh, plan=mlp_plan("", "0", "2"))
     out["user_plan_diff"] = (mlp(x) - expected).abs().max().item()
