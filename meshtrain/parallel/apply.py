@@ -1,9 +1,10 @@
 """Turning a plain model into a parallel one, in one fixed order.
 
-The order (as in torchtitan) is: pipeline split, tensor parallel, activation checkpointing,
-compile, then the data-parallel wrapper (FSDP or DDP) last, because it must see the final
-parameters. Each strategy is one ``apply_*`` function in its own module; this file only decides
-which ones run, and in what order.
+The order (as in torchtitan) is: pipeline split (done by the Trainer before this is called on
+each stage), tensor parallel, activation checkpointing, then the data-parallel wrapper (FSDP or
+DDP) last, because it must see the final parameters. ``torch.compile`` belongs between
+checkpointing and the wrapper and is not implemented yet. Each strategy is one
+``apply_*`` function in its own module; this file only decides which ones run, and in what order.
 """
 
 from __future__ import annotations
