@@ -78,7 +78,8 @@ class Trainer:
         log_every_n_steps: how often the loss is averaged over ranks and logged.
         run_dir: where logs and checkpoints go; default ``<root_dir>/<name>/<timestamp>``.
         bucket_cap_mb, comm_hook, powersgd_rank: DDP settings (``comm_hook`` in fp16, bf16,
-            powersgd).
+            powersgd; ``bucket_cap_mb`` default 25); an error under a layout without DDP.
+        sequence_parallel, loss_parallel, tp_plan: tensor-parallel settings (need ``tp``).
     """
 
     def __init__(
@@ -107,7 +108,7 @@ class Trainer:
         save_final_checkpoint: bool = True,
         progress_bar: bool = True,
         num_workers: int = 0,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = None,
         comm_hook: str | None = None,
         powersgd_rank: int = 1,
         offload: str | None = None,
@@ -169,6 +170,9 @@ class Trainer:
                     f"offload={offload!r} moves sharded state to CPU memory and needs a sharded "
                     f"layout (zero2/zero3/dp_shard); the layout is {self.layout}"
                 )
+        _check_settings_apply(self.layout, bucket_cap_mb=bucket_cap_mb, comm_hook=comm_hook,
+                              powersgd_rank=powersgd_rank, sequence_parallel=sequence_parallel,
+                              loss_parallel=loss_parallel, tp_plan=tp_plan)
         dp = self.layout.dp_degree
         pp = self.layout.degree("pp")
         if pp > 1 and micro_batch_size is None and global_batch_size % dp == 0:
@@ -217,7 +221,8 @@ class Trainer:
         self.save_final_checkpoint, self.progress_bar = save_final_checkpoint, progress_bar
         self.num_workers = num_workers
         self.parallel_options = ParallelOptions(
-            bucket_cap_mb=bucket_cap_mb, comm_hook=comm_hook, powersgd_rank=powersgd_rank,
+            bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb, comm_hook=comm_hook,
+            powersgd_rank=powersgd_rank,
             precision=precision, offload=offload,
             activation_checkpointing=activation_checkpointing, blocks=blocks,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
@@ -811,8 +816,7 @@ class Trainer:
 
     def _needs_grad_allreduce(self) -> bool:
         """Plain dp combined with pp or tp: DDP does not apply, gradients are averaged here."""
-        layout = self.layout
-        return layout.degree("dp") > 1 and (layout.degree("pp") > 1 or layout.degree("tp") > 1)
+        return self.layout.averages_dp_gradients_by_hand
 
     def _compute_loss(self, module, batch) -> torch.Tensor:
         if self._loss_fn is not None:
@@ -1025,6 +1029,29 @@ def _make_loggers(names: list[str], run_dir: Path) -> list:
     from meshtrain.observe.loggers import CSVLogger, TensorBoardLogger
 
     return [CSVLogger(run_dir) if n == "csv" else TensorBoardLogger(run_dir) for n in names]
+
+
+def _check_settings_apply(layout: Layout, *, bucket_cap_mb, comm_hook, powersgd_rank,
+                          sequence_parallel, loss_parallel, tp_plan) -> None:
+    """A setting that would do nothing under ``layout`` is an error, not silently ignored."""
+    ddp_settings = {"comm_hook": comm_hook, "bucket_cap_mb": bucket_cap_mb}
+    for name, value in ddp_settings.items():
+        if value is not None and not layout.uses_ddp:
+            raise ConfigError(
+                f"{name}={value!r} is a DDP setting, but the layout {layout} does not use DDP "
+                f"({layout.why_not_ddp()}); drop {name}, or use a dp/zero1 layout"
+            )
+    if powersgd_rank != 1 and comm_hook != "powersgd":
+        raise ConfigError(f"powersgd_rank={powersgd_rank} is used by comm_hook='powersgd' only "
+                          f"(comm_hook is {comm_hook!r}); set both or neither")
+    tp_settings = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
+                   "tp_plan": tp_plan}
+    for name, value in tp_settings.items():
+        if value not in (None, False) and layout.degree("tp") == 1:
+            raise ConfigError(
+                f"{name} is a tensor-parallel setting, but the layout {layout} has no tp axis; "
+                f"add tp=N to the layout or drop {name}"
+            )
 
 
 def _builtin_tp_plan(tp_degree: int, sequence_parallel: bool, loss_parallel: bool):

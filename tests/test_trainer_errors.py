@@ -278,6 +278,30 @@ def test_tp_without_a_plan_is_refused_before_any_process_group(world_of_two, tmp
                 r"Linear has no tensor-parallel plan: pass Trainer\(tp_plan=")
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (dict(layout="zero3=2", comm_hook="fp16"),
+     r"comm_hook='fp16' is a DDP setting, but the layout dp_shard=2 does not use DDP \(FSDP"),
+    (dict(layout="zero2=2", bucket_cap_mb=10), r"bucket_cap_mb=10 is a DDP setting.*zero2=2"),
+    (dict(layout="pp=2", comm_hook="bf16"), r"layout pp=2 does not use DDP"),
+    (dict(layout="dp=2", powersgd_rank=2), r"powersgd_rank=2 is used by comm_hook='powersgd'"),
+    (dict(layout="dp=2", sequence_parallel=True),
+     r"sequence_parallel is a tensor-parallel setting, but the layout dp=2 has no tp axis"),
+    (dict(layout="pp=2", sequence_parallel=True), r"sequence_parallel .* layout pp=2 has no tp"),
+    (dict(layout="dp=2", loss_parallel=True), r"loss_parallel is a tensor-parallel setting"),
+    (dict(layout="zero3=2", tp_plan={}), r"tp_plan is a tensor-parallel setting"),
+])
+def test_a_setting_that_does_nothing_under_the_layout_is_an_error(world_of_two, tmp_path,
+                                                                  overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        Trainer(**_kwargs(tmp_path, **overrides))
+
+
+def test_ddp_settings_on_one_process_are_an_error_too(tmp_path):
+    with pytest.raises(ConfigError, match=r"layout single does not use DDP \(no data-parallel"):
+        Trainer(**_kwargs(tmp_path, comm_hook="fp16"))
+    Trainer(**_kwargs(tmp_path, layout="dp=1"))  # the defaults are fine everywhere
+
+
 def test_pipeline_options_without_a_pipeline(tmp_path):
     with pytest.raises(ConfigError, match="need a pipeline layout"):
         Trainer(**_kwargs(tmp_path, stages_per_rank=2))

@@ -113,7 +113,7 @@ def parallelize(
             precision=options.precision, offload=options.offload, blocks=blocks or None,
         )
         return model
-    if layout.degree("dp") > 1 and layout.degree("pp") == 1 and layout.degree("tp") == 1:
+    if layout.uses_ddp:
         from meshtrain.parallel.data_parallel import apply_ddp
 
         return apply_ddp(

@@ -109,6 +109,26 @@ class Layout:
         return "dp_shard" in self.degrees
 
     @property
+    def uses_ddp(self) -> bool:
+        """DDP averages the gradients (``dp``/``zero1`` alone): its bucket and hook settings apply."""
+        return (self.degree("dp") > 1 and not self.is_sharded
+                and self.degree("pp") == 1 and self.degree("tp") == 1)
+
+    @property
+    def averages_dp_gradients_by_hand(self) -> bool:
+        """Plain ``dp`` with ``pp`` or ``tp``: DDP does not apply, an explicit all-reduce
+        averages the gradients over the ``dp`` axis."""
+        return self.degree("dp") > 1 and (self.degree("pp") > 1 or self.degree("tp") > 1)
+
+    def why_not_ddp(self) -> str:
+        """Why DDP's settings do nothing under this layout (for error messages)."""
+        if self.is_sharded:
+            return "FSDP reduce-scatters the gradients of a sharded layout"
+        if self.averages_dp_gradients_by_hand:
+            return "with pp or tp, plain dp gradients are averaged by an explicit all-reduce"
+        return "no data-parallel ranks average gradients here"
+
+    @property
     def world_size(self) -> int:
         return math.prod(self.degrees.values()) if self.degrees else 1
 

@@ -32,7 +32,7 @@ DEFAULTS = {
         "max_epochs": None, "global_batch_size": 32, "micro_batch_size": None,
         "grad_clip_norm": 1.0, "log_grad_norm": False, "precision": "fp32", "seed": 0, "val_every_n_steps": 100,
         "limit_val_batches": None, "log_every_n_steps": 10, "root_dir": "runs",
-        "num_workers": 0, "bucket_cap_mb": 25.0, "comm_hook": None, "progress_bar": True,
+        "num_workers": 0, "bucket_cap_mb": None, "comm_hook": None, "progress_bar": True,
         # fault tolerance: "resume" is "auto" (the latest checkpoint of this job), "none" or a path
         "checkpoint_every_n_steps": None, "checkpoint_every_n_minutes": None,
         "keep_last_k": None, "async_checkpoint": False, "resume": "auto", "nan_policy": "error",
