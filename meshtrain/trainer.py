@@ -408,6 +408,7 @@ class Trainer:
         """
         self._prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
                       lr_scheduler=lr_scheduler, ckpt_path=ckpt_path)
+        self.print(f"run folder: {self.run_dir}")
         try:
             if self.debug_collectives and dist.is_initialized():
                 from meshtrain.observe.desync import collective_check_context
@@ -425,6 +426,7 @@ class Trainer:
         finally:
             for logger in self._loggers:
                 logger.finalize()
+        self.print(f"run folder: {self.run_dir}")  # again, below the training output
         return self.model
 
     def lr_find(self, model: ModelLike, train_data: DataLike, *, optimizer: Callable,

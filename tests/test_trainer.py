@@ -317,12 +317,14 @@ def test_checkpoint_resume_on_two_ranks(tmp_path):
 
 
 # ---- run folder -------------------------------------------------------------------------------
-def test_run_folder_contents(tmp_path):
+def test_run_folder_contents(tmp_path, capsys):
     run_dir = tmp_path / "run"
     trainer = _trainer(run_dir, max_steps=6, log_every_n_steps=2, val_every_n_steps=3,
                        loggers=("csv", "tensorboard"), save_final_checkpoint=True)
     model = trainer.fit(mlp, regression_data(), _val_data(), optimizer=_adamw,
                         loss_fn=F.mse_loss)
+    lines = capsys.readouterr().out.splitlines()  # fit names its folder first and last
+    assert lines[0] == lines[-1] == f"run folder: {run_dir}", lines
 
     rows = read_metrics_csv(run_dir / "metrics.csv")
     train_steps = [r["step"] for r in rows if r.get("train/loss") is not None]

@@ -122,7 +122,6 @@ def run(config: dict, mode: str = "train"):
                              top_k=sample["top_k"], generator=generator)
         print(f"\nvalidation loss {val_loss:.3f} nats/char; unigram baseline {baseline:.3f} "
               f"nats/char ({model.num_params():,} parameters, {trainer.global_step} steps)")
-        print(f"run folder: {trainer.run_dir}")
         print("--- sample ---------------------------------------------------------")
         print(tokenizer.decode(ids[0].tolist()))
         print("--------------------------------------------------------------------")
