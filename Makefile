@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/meshtrain train examples/char_gpt.toml --trainer.resume=none
+	$(BIN)/meshtrain train examples/char_gpt.toml --checkpoint.resume=none
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10

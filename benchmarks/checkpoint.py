@@ -33,24 +33,21 @@ case. MiB/s = checkpoint size / median time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from harness import WallClock, init_gloo, machine, mean_time, spread, table, write_json
 
 from meshtrain.checkpoint.manager import CheckpointManager, checkpoint_name, local_all_finite
 from meshtrain.checkpoint.state import load_checkpoint
-from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
+from meshtrain.launch.spawn import run_workers
 
 MIB = 2**20
 MEASURES = [
@@ -75,8 +72,7 @@ def _peak_rss_mib() -> float:
 
 
 def bench_worker(cfg: dict, base: str) -> dict:
-    init_process_group(DistEnv.from_environ(), "gloo", timedelta(seconds=cfg["timeout"]))
-    rank = dist.get_rank()
+    rank = init_gloo(cfg["timeout"])
     torch.manual_seed(0)
     d = cfg["d"]
     model = nn.Sequential(*[nn.Linear(d, d) for _ in range(cfg["layers"])])
@@ -135,10 +131,7 @@ def bench_worker(cfg: dict, base: str) -> dict:
 
     def async_train(root, step, row):
         dist.barrier()
-        start = time.perf_counter()
-        for _ in range(50):
-            train_step()
-        row["train_step_alone_ms"] = (time.perf_counter() - start) / 50 * 1e3
+        row["train_step_alone_ms"] = mean_time(train_step, 50) * 1e3
         mgr = CheckpointManager(root / "train", async_save=True, process_group=ckpt_group)
         dist.barrier()
         mgr.save(step, model, optimizer, {"global_step": step}, {"step": step})
@@ -173,9 +166,7 @@ def summarize(ranks: list[dict]) -> dict:
     repeats = len(ranks[0]["rows"])
     slower = [{k: max(r["rows"][i][k] for r in ranks) for k in ranks[0]["rows"][i]}
               for i in range(repeats)]
-    out = {k: {"median": statistics.median(row[k] for row in slower),
-               "min": min(row[k] for row in slower), "max": max(row[k] for row in slower)}
-           for k, _ in MEASURES}
+    out = {k: spread(row[k] for row in slower) for k, _ in MEASURES}
     for key in ("train_steps_during_write", "train_step_alone_ms", "train_step_during_write_ms"):
         out[key] = [row[key] for row in slower]
     out["checkpoint_bytes"] = ranks[0]["checkpoint_bytes"]
@@ -186,13 +177,13 @@ def summarize(ranks: list[dict]) -> dict:
 
 def format_table(summary: dict) -> str:
     size_mib = summary["checkpoint_bytes"] / MIB
-    lines = [f"{'measure (slower rank)':34}  {'median s':>8}  {'min s':>7}  {'max s':>7}  "
-             f"{'MiB/s':>7}", f"{'-' * 34}  {'-' * 8}  {'-' * 7}  {'-' * 7}  {'-' * 7}"]
+    rows = []
     for key, label in MEASURES:
         m = summary[key]
         timed_write = key in ("sync_blocking_s", "load_s") or key.endswith("total_s")
-        rate = f"{size_mib / m['median']:7.0f}" if timed_write else " " * 7
-        lines.append(f"{label:34}  {m['median']:8.3f}  {m['min']:7.3f}  {m['max']:7.3f}  {rate}")
+        rate = f"{size_mib / m['median']:.0f}" if timed_write else ""
+        rows.append((label, f"{m['median']:.3f}", f"{m['min']:.3f}", f"{m['max']:.3f}", rate))
+    lines = [table(("measure (slower rank)", "median s", "min s", "max s", "MiB/s"), rows)]
     ms = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
     lines.append(f"\ncheckpoint {size_mib:.0f} MiB on disk; peak RSS per rank "
                  f"{', '.join(f'{x:.0f}' for x in summary['peak_rss_mib_per_rank'])} MiB")
@@ -244,29 +235,21 @@ def main(argv=None) -> int:
              "(gloo, CPU, 1 thread per rank)")
     print(f"checkpoint benchmark: {title}; {args.repeats} repeats, torch {torch.__version__}",
           flush=True)
-    started, load_before = time.perf_counter(), os.getloadavg()
+    clock = WallClock()
     with tempfile.TemporaryDirectory(prefix="meshtrain-ckpt-bench-", dir=args.dir) as base:
         ranks = run_workers(bench_worker, args.world_size, (cfg, base),
                             timeout=args.timeout, threads=1)
-    wall = time.perf_counter() - started
-    print(f"(ran in {wall:.0f} s, load average {load_before[0]:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after)\n")
+    print(f"({clock.stop()})\n")
     summary = summarize(ranks)
     print(format_table(summary))
     result = {
         "title": title,
         "command": " ".join(["python", *sys.argv]),
         "config": cfg | {"world_size": args.world_size, "params_bytes": params_bytes},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                    "wall_s": wall},
+        "machine": machine(**clock.loads(), wall_s=clock.wall_s),
         "summary": summary,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out}")
+    print(f"\nwrote {write_json(args.out, result)}")
     return 0
 
 

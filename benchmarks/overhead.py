@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,6 +42,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from harness import (
+    drain_collectives, end_process_group, fmt, hang_guard, interleaved, machine, paired_ratio,
+    spread, table, write_json,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 from meshtrain.launch.spawn import run_workers
@@ -102,24 +104,6 @@ def build_data(cfg: Config) -> TensorDataset:
 
 def make_optimizer(params, lr: float = 1e-3) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
-
-
-def drain_collectives() -> None:
-    """Let the gloo worker threads retire their finished work before the process group dies.
-
-    Work launched during backward carries the autograd thread-local state, including a Python
-    object (``torch.autograd.graph._engine_run_backward`` stashes a ``contextvars`` context), so
-    the gloo thread that retires it must take the GIL. If the last reference to the DDP reducer
-    (hence to the ``ProcessGroupGloo``) is dropped at that moment, the destructor joins that
-    thread while holding the GIL and both wait forever (seen with torch 2.13: roughly one run
-    in ten hung at teardown, in every variant). A barrier waits for all earlier work; the sleep
-    releases the GIL so the gloo threads can finish retiring it.
-    """
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        time.sleep(0.05)
 
 
 class StepClock:
@@ -186,8 +170,7 @@ def raw_worker(cfg: Config) -> dict:
                 break
         epoch += 1
     result = clock.result("raw")
-    drain_collectives()
-    dist.destroy_process_group()
+    end_process_group()
     return result
 
 
@@ -219,10 +202,7 @@ def meshtrain_worker(cfg: Config, log_every_n_steps: int) -> dict:
             lambda: build_model(cfg), build_data(cfg),
             optimizer=lambda params: make_optimizer(params, cfg.lr), loss_fn=F.cross_entropy,
         )
-        drain_collectives()  # while the trainer (and its DDP wrapper) is still alive
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        end_process_group()  # while the trainer (and its DDP wrapper) is still alive
     return clock.result("meshtrain")
 
 
@@ -295,17 +275,12 @@ def lightning_worker(cfg: Config) -> dict:
 # ---------------------------------------------------------------------------------------------
 def bench_worker(variant: str, cfg: Config, log_every_n_steps: int, hang_s: float) -> dict:
     """One rank of one run; if it hangs, its stack goes to stderr before it is killed."""
-    import faulthandler
-
-    faulthandler.dump_traceback_later(hang_s, exit=False)
-    try:
+    with hang_guard(hang_s):
         if variant == "raw":
             return raw_worker(cfg)
         if variant == "meshtrain":
             return meshtrain_worker(cfg, log_every_n_steps)
         return lightning_worker(cfg)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 def run_variant(variant: str, cfg: Config, log_every_n_steps: int, timeout: float) -> dict:
@@ -324,9 +299,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
         means = [r["mean_step_s"] for r in reps]
         cpu = [r["cpu_step_s"] for r in reps]
         summary[variant] = {
-            "median_ms": 1e3 * statistics.median(means),
-            "min_ms": 1e3 * min(means),
-            "max_ms": 1e3 * max(means),
+            **spread(means, scale=1e3, suffix="_ms"),
             "repeats_ms": [1e3 * m for m in means],
             "cpu_median_ms": 1e3 * statistics.median(cpu),
         }
@@ -337,26 +310,19 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             continue
         row["ratio_vs_raw"] = row["median_ms"] / raw["median_ms"]
         # Paired by repeat (each ran right next to a raw run): less sensitive to slow drift.
-        pairs = [m / r for m, r in zip(row["repeats_ms"], raw["repeats_ms"])]
-        row["paired_ratio_median"] = statistics.median(pairs)
+        row["paired_ratio_median"] = paired_ratio(row["repeats_ms"], raw["repeats_ms"])
         row["cpu_ratio_vs_raw"] = row["cpu_median_ms"] / raw["cpu_median_ms"]
     return summary
 
 
 def format_table(summary: dict[str, dict]) -> str:
-    def ratio(value) -> str:
-        return "-" if value is None else f"{value:.3f}"
-
-    header = (f"{'variant':<10} {'median ms/step':>14} {'min':>7} {'max':>7} {'x raw':>6} "
-              f"{'paired':>6} {'cpu ms/step':>11} {'cpu x raw':>9}")
-    lines = [header, "-" * len(header)]
-    for variant, row in summary.items():
-        lines.append(
-            f"{variant:<10} {row['median_ms']:>14.2f} {row['min_ms']:>7.2f} {row['max_ms']:>7.2f} "
-            f"{ratio(row['ratio_vs_raw']):>6} {ratio(row['paired_ratio_median']):>6} "
-            f"{row['cpu_median_ms']:>11.2f} {ratio(row['cpu_ratio_vs_raw']):>9}"
-        )
-    return "\n".join(lines)
+    header = ("variant", "median ms/step", "min", "max", "x raw", "paired", "cpu ms/step",
+              "cpu x raw")
+    return table(header, [(
+        variant, f"{row['median_ms']:.2f}", f"{row['min_ms']:.2f}", f"{row['max_ms']:.2f}",
+        fmt(row["ratio_vs_raw"], ".3f"), fmt(row["paired_ratio_median"], ".3f"),
+        f"{row['cpu_median_ms']:.2f}", fmt(row["cpu_ratio_vs_raw"], ".3f"),
+    ) for variant, row in summary.items()])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -406,17 +372,12 @@ def main(argv=None) -> int:
           f"global batch {cfg.global_batch_size}, AdamW, {cfg.warmup} warm-up + {cfg.steps} "
           f"timed steps, {args.repeats} repeats, torch {torch.__version__}; raw loop: DDP("
           f"gradient_as_bucket_view={cfg.raw_bucket_view})", flush=True)
-    runs: dict[str, list[dict]] = {v: [] for v in variants}
-    for rep in range(args.repeats):
-        for variant in variants:
-            started = time.perf_counter()
-            res = run_variant(variant, cfg, args.log_every_n_steps, args.timeout)
-            runs[variant].append(res)
-            print(f"  repeat {rep + 1}/{args.repeats} {variant:<10} "
-                  f"{1e3 * res['mean_step_s']:8.3f} ms/step "
-                  f"(median single step {1e3 * res['median_step_s']:.3f} ms, "
-                  f"cpu {1e3 * res['cpu_step_s']:.3f} ms/step; "
-                  f"run took {time.perf_counter() - started:.1f} s)", flush=True)
+    runs = interleaved(
+        variants, args.repeats,
+        lambda variant: run_variant(variant, cfg, args.log_every_n_steps, args.timeout),
+        lambda variant, res: (f"{variant:<10} {1e3 * res['mean_step_s']:8.3f} ms/step, median "
+                              f"single step {1e3 * res['median_step_s']:.3f} ms, cpu "
+                              f"{1e3 * res['cpu_step_s']:.3f} ms/step"))
 
     summary = summarize(runs)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -431,9 +392,7 @@ def main(argv=None) -> int:
             "config": asdict(cfg) | {"world_size": WORLD_SIZE, "backend": "gloo",
                                      "threads_per_rank": 1, "repeats": args.repeats,
                                      "log_every_n_steps": args.log_every_n_steps},
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "python": sys.version.split()[0], "torch": torch.__version__,
-                        "load_average_at_end": load},
+            "machine": machine(load_average_at_end=load),
             "summary": summary,
             "runs": runs,
         }
@@ -441,9 +400,7 @@ def main(argv=None) -> int:
             import lightning
 
             payload["machine"]["lightning"] = lightning.__version__
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=2)
-        print(f"\nwrote {args.out}")
+        print(f"\nwrote {write_json(args.out, payload, indent=2)}")
     return 0
 
 

@@ -33,17 +33,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-import os
-import platform
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import WallClock, machine, table, write_json
 from torch import nn
 
 from meshtrain.models.gpt import GPT, Block, GPTConfig
@@ -142,15 +139,10 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         merged.setdefault((r["sequence"], r["stages"], str(r["splits"])), []).append(r)
     header = ("sequence", "K", "split by", "split points", "stage ms", "max/mean", "x best")
-    lines = [header] + [(
+    return table(header, [(
         name, str(k), ",".join(r["split_by"] for r in same), splits,
         " ".join(f"{t:.1f}" for t in same[0]["stage_ms"]), f"{same[0]['max_over_mean']:.3f}",
-        f"{same[0]['x_best']:.3f}") for (name, k, splits), same in merged.items()]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(c.rjust(w) if i >= 5 else c.ljust(w) for i, (c, w) in
-                     enumerate(zip(line, widths))).rstrip() for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
+        f"{same[0]['x_best']:.3f}") for (name, k, splits), same in merged.items()], left=5)
 
 
 def main(argv=None) -> int:
@@ -168,27 +160,19 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # then block_time_costs, too, times thread CPU time
     print(f"partition benchmark: {args.repeats} repeats, 1 torch thread, torch "
           f"{torch.__version__}", flush=True)
-    started, load_before = time.perf_counter(), os.getloadavg()
+    clock = WallClock()
     rows = [row for name in SEQUENCES for row in bench_sequence(name, scale, args.repeats)]
-    wall = time.perf_counter() - started
-    print(f"(ran in {wall:.0f} s, load average {load_before[0]:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after)\n")
+    print(f"({clock.stop()})\n")
     print(format_table(rows))
     if args.json:
         result = {
             "command": " ".join(["python", *sys.argv]),
             "config": {"repeats": args.repeats, "quick": args.quick, "stages": list(STAGES),
                        "sequences": list(SEQUENCES)},
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "python": platform.python_version(), "torch": torch.__version__,
-                        "load_average_before": load_before,
-                        "load_average_after": os.getloadavg(), "wall_s": wall},
+            "machine": machine(**clock.loads(), wall_s=clock.wall_s),
             "summary": rows,
         }
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
-        print(f"\nwrote {path}")
+        print(f"\nwrote {write_json(args.json, result)}")
     return 0
 
 

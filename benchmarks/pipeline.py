@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -41,6 +40,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import (
+    WallClock, end_process_group, hang_guard, in_ms, init_gloo, machine, mean_time,
+    median_time, paired_ratio, slower_rank, table, write_json,
+)
 
 from meshtrain.launch.spawn import run_workers
 
@@ -89,18 +92,17 @@ def even_splits(num_blocks: int, num_stages: int) -> list[int]:
 # -------------------------------------------------------------------------------------------------
 def pipeline_worker(cfg: Config, repeats: int, hang_s: float) -> dict:
     """Every case (and, on rank 0, the baselines) ``repeats`` times, interleaved."""
-    import faulthandler
-    from datetime import timedelta
+    with hang_guard(hang_s):
+        return _pipeline_cases(cfg, repeats, init_gloo(hang_s))
 
+
+def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
     import torch.distributed as dist
 
-    from meshtrain.launch.spawn import DistEnv, init_process_group
     from meshtrain.models.gpt import GPT
     from meshtrain.parallel.pipeline import PipelineRunner, rank_stages, split_model
 
-    faulthandler.dump_traceback_later(hang_s, exit=False)  # a hang shows its stack
-    init_process_group(DistEnv.from_environ(), "gloo", timedelta(seconds=hang_s))
-    rank, group = dist.get_rank(), dist.group.WORLD
+    group = dist.group.WORLD
     gen = torch.Generator().manual_seed(1234)
     x = torch.randint(0, cfg.vocab_size, (cfg.global_batch_size, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (cfg.global_batch_size, cfg.seq_len), generator=gen)
@@ -134,29 +136,21 @@ def pipeline_worker(cfg: Config, repeats: int, hang_s: float) -> dict:
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
 
-    def timed(step, n: int) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            step()
-        return (time.perf_counter() - start) / n
-
     out: dict = {"rank": rank, "step_s": {}, "timelines": {}, "idle_cpu_s": [],
                  "send_recv_ms": {}}
     # gloo's cost of handing one micro-batch's activation to the other rank: ping-pong, halved
     for m in cfg.microbatches:
         buf = torch.randn(cfg.global_batch_size // m, cfg.seq_len, cfg.d_model)
-        times = []
-        for _ in range(25):
-            dist.barrier()
-            start = time.perf_counter()
+
+        def ping_pong():
             if rank == 0:
                 dist.send(buf, 1)
                 dist.recv(buf, 1)
             else:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
-            times.append((time.perf_counter() - start) / 2)
-        out["send_recv_ms"][m] = 1e3 * statistics.median(times[5:])
+
+        out["send_recv_ms"][m] = 1e3 * median_time(ping_pong, before=dist.barrier) / 2
     baselines = {"1proc": 1, **{f"1proc x{m}": m for m in cfg.microbatches}}
     for _ in range(repeats):
         for m in cfg.microbatches:
@@ -164,10 +158,10 @@ def pipeline_worker(cfg: Config, repeats: int, hang_s: float) -> dict:
                 name = case_name(schedule, m)
                 runner, opt = runners[name]
                 dist.barrier()
-                timed(lambda: pipeline_step(runner, opt), cfg.warmup)
+                mean_time(lambda: pipeline_step(runner, opt), cfg.warmup)
                 dist.barrier()
                 out["step_s"].setdefault(name, []).append(
-                    timed(lambda: pipeline_step(runner, opt), cfg.steps))
+                    mean_time(lambda: pipeline_step(runner, opt), cfg.steps))
                 for _ in range(cfg.timelines):
                     _, events = runner.timed_step(x, y)
                     out["timelines"].setdefault(name, []).append(
@@ -178,15 +172,12 @@ def pipeline_worker(cfg: Config, repeats: int, hang_s: float) -> dict:
         cpu = time.process_time()
         if rank == 0:
             for name, m in baselines.items():
-                timed(lambda: baseline_step(m), cfg.warmup)
+                mean_time(lambda: baseline_step(m), cfg.warmup)
                 out["step_s"].setdefault(name, []).append(
-                    timed(lambda: baseline_step(m), cfg.steps))
+                    mean_time(lambda: baseline_step(m), cfg.steps))
         dist.barrier()
         out["idle_cpu_s"].append(time.process_time() - cpu)
-    faulthandler.cancel_dump_traceback_later()
-    dist.barrier()
-    time.sleep(0.05)  # let gloo retire its last work before the group goes
-    dist.destroy_process_group()
+    end_process_group()  # while the runners are alive
     return out
 
 
@@ -228,10 +219,7 @@ def handoffs(rows) -> list[tuple[int, int, str, float]]:
 def summarize(cfg: Config, ranks: list[dict]) -> dict:
     from meshtrain.parallel.pipeline import bubble_fraction, ideal_bubble_fraction
 
-    names = list(ranks[0]["step_s"])
-    # A job's step takes as long as its slower rank (the baselines ran on rank 0 only).
-    step_s = {n: [max(r["step_s"][n][i] for r in ranks if n in r["step_s"])
-                  for i in range(len(ranks[0]["step_s"][n]))] for n in names}
+    step_s = slower_rank(ranks, "step_s")  # the baselines ran on rank 0 only
     summary: dict[str, dict] = {}
     for m in cfg.microbatches:
         gpipe = step_s[case_name("gpipe", m)]
@@ -251,12 +239,10 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
             summary[name] = {
                 "schedule": schedule, "m": m, "v": v,
                 "bubble": median_bubble, "bubbles": bubbles, "formula": formula,
-                "median_ms": 1e3 * statistics.median(times),
-                "repeats_ms": [1e3 * t for t in times],
-                "x_gpipe": statistics.median([t / g for t, g in zip(times, gpipe)]),
-                "x_1proc": statistics.median([t / b for t, b in zip(times, step_s["1proc"])]),
-                "x_1proc_accum": statistics.median(
-                    [t / b for t, b in zip(times, step_s[f"1proc x{m}"])]),
+                **in_ms(times),
+                "x_gpipe": paired_ratio(times, gpipe),
+                "x_1proc": paired_ratio(times, step_s["1proc"]),
+                "x_1proc_accum": paired_ratio(times, step_s[f"1proc x{m}"]),
                 # with equal stages and no communication: (v*m+p-1)/(p*v*m) of one process
                 # running the same micro-batches one after the other
                 "formula_x_1proc_accum": (v * m + PP - 1) / (PP * v * m),
@@ -272,25 +258,14 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 "timeline": timelines[chosen],
             }
     for name in ("1proc", *(f"1proc x{m}" for m in cfg.microbatches)):
-        times = step_s[name]
-        summary[name] = {"median_ms": 1e3 * statistics.median(times),
-                         "repeats_ms": [1e3 * t for t in times]}
+        summary[name] = in_ms(step_s[name])
     return summary
-
-
-def _table(header, rows) -> str:
-    lines = [tuple(header), *rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                     enumerate(zip(line, widths))) for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
 
 
 def format_table(summary: dict) -> str:
     """Two tables: the bubble (and what it is made of), then step times and their ratios."""
     cases = [row for row in summary.values() if "schedule" in row]
-    bubble = _table(
+    bubble = table(
         ("schedule", "v", "m", "bubble", "formula", "excess/action ms", "F ms", "B ms",
          "send ms", "handoff ms", "1st handoff ms"),
         [(r["schedule"], str(r["v"]), str(r["m"]), f"{r['bubble']:.3f}", f"{r['formula']:.3f}",
@@ -302,9 +277,9 @@ def format_table(summary: dict) -> str:
              f"{r['formula_x_1proc_accum']:.3f}") for r in cases]
     rows += [(name, "-", "-", f"{row['median_ms']:.1f}", "-", "-", "-", "-")
              for name, row in summary.items() if "schedule" not in row]
-    time = _table(("schedule", "v", "m", "ms/step", "x gpipe", "x 1proc", "x 1proc xm",
+    times = table(("schedule", "v", "m", "ms/step", "x gpipe", "x 1proc", "x 1proc xm",
                    "ideal x 1proc xm"), rows)
-    return f"{bubble}\n\n{time}"
+    return f"{bubble}\n\n{times}"
 
 
 def plot_all(summary: dict, out_dir: Path, title: str) -> list[Path]:
@@ -406,12 +381,10 @@ def main(argv=None) -> int:
     print(f"pipeline benchmark: {title}; m in {list(cfg.microbatches)}, {cfg.warmup} warm-up + "
           f"{cfg.steps} timed steps + {cfg.timelines} timelines per case, {args.repeats} "
           f"repeats, torch {torch.__version__}", flush=True)
-    started, load_before = time.perf_counter(), os.getloadavg()
+    clock = WallClock()
     ranks = run(cfg, args.repeats, args.timeout)
-    print(f"(ran in {time.perf_counter() - started:.0f} s, load average {load_before[0]:.1f} "
-          f"before, {os.getloadavg()[0]:.1f} after; rank 1 used "
-          f"{statistics.median(ranks[1]['idle_cpu_s']):.2f} s CPU while waiting for the "
-          f"baselines)\n")
+    print(f"({clock.stop()}; rank 1 used {statistics.median(ranks[1]['idle_cpu_s']):.2f} s CPU "
+          f"while waiting for the baselines)\n")
     summary = summarize(cfg, ranks)
     print(format_table(summary))
     paths = plot_all(summary, out_dir, title)
@@ -419,14 +392,12 @@ def main(argv=None) -> int:
         "title": title,
         "config": asdict(cfg) | {"num_params": num_params, "pp": PP},
         "repeats": args.repeats,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "machine": machine(**clock.loads()),
         "summary": summary,
         "idle_rank_cpu_s": ranks[1]["idle_cpu_s"],
     }
-    (out_dir / "pipeline.json").write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out_dir / 'pipeline.json'}, " + ", ".join(str(p) for p in paths))
+    json_path = write_json(out_dir / "pipeline.json", result)
+    print(f"\nwrote {json_path}, " + ", ".join(str(p) for p in paths))
     return 0
 
 

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +36,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import (
+    end_process_group, fmt, hang_guard, in_ms, interleaved, machine, paired_ratio, table,
+    write_json,
+)
 from torch.utils.data import TensorDataset
 
 from meshtrain.launch.spawn import run_workers
@@ -87,10 +89,6 @@ def build_data(cfg: Config) -> TensorDataset:
 # -------------------------------------------------------------------------------------------------
 def layout_worker(layout: str, cfg: Config, hang_s: float) -> dict:
     """Train ``layout`` for ``cfg.total_steps`` steps; return this rank's timing and memory."""
-    import faulthandler
-
-    import torch.distributed as dist
-
     from meshtrain import Trainer
     from meshtrain.callbacks import Callback
     from meshtrain.observe.memory import MemoryProbe, model_state_bytes
@@ -108,9 +106,8 @@ def layout_worker(layout: str, cfg: Config, hang_s: float) -> dict:
             if len(self.ends) == 1:
                 self.memory.remove()  # measured at the first step; no hooks in timed steps
 
-    faulthandler.dump_traceback_later(hang_s, exit=False)  # a hang shows its stack
     probe = Probe()
-    with tempfile.TemporaryDirectory(prefix="meshtrain-sharding-") as run_dir:
+    with hang_guard(hang_s), tempfile.TemporaryDirectory(prefix="meshtrain-sharding-") as run_dir:
         trainer = Trainer(
             layout=f"{layout}={WORLD_SIZE}", accelerator="cpu", max_steps=cfg.total_steps,
             global_batch_size=cfg.global_batch_size, seed=cfg.seed, callbacks=[probe],
@@ -121,11 +118,7 @@ def layout_worker(layout: str, cfg: Config, hang_s: float) -> dict:
                     optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr),
                     loss_fn=F.mse_loss)
         params_at_rest = model_state_bytes(trainer.model).params
-        # Let gloo retire its last work while the trainer is alive, then tear down in order.
-        dist.barrier()
-        time.sleep(0.05)
-        dist.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
+        end_process_group()  # while the trainer is alive
 
     ends = probe.ends
     if len(ends) != cfg.total_steps:
@@ -158,8 +151,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
         ranks = reps[0]["ranks"]
         top = max(ranks, key=lambda r: sum(r["measured"].values()))
         summary[layout] = {
-            "median_ms": 1e3 * statistics.median(times),
-            "repeats_ms": [1e3 * t for t in times],
+            **in_ms(times),
             "measured": top["measured"],
             "predicted": top["predicted"],
             "params_at_rest": top["params_at_rest"],
@@ -174,32 +166,21 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             row["time_vs_dp"] = row["paired_time_vs_dp"] = row["memory_vs_dp"] = None
             continue
         row["time_vs_dp"] = row["median_ms"] / base["median_ms"]
-        pairs = [t / b for t, b in zip(row["repeats_ms"], base["repeats_ms"])]
-        row["paired_time_vs_dp"] = statistics.median(pairs)
+        row["paired_time_vs_dp"] = paired_ratio(row["repeats_ms"], base["repeats_ms"])
         row["memory_vs_dp"] = row["measured_total"] / base["measured_total"]
     return summary
 
 
 def format_table(summary: dict[str, dict]) -> str:
-    def r(value) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
     header = ("layout", "ms/step", "x dp", "paired", "params", "grads", "optim", "total MiB",
               "x dp", "predicted", "meas/pred")
-    lines = [header]
-    for layout, row in summary.items():
-        m = row["measured"]
-        lines.append((
-            layout, f"{row['median_ms']:.1f}", r(row["time_vs_dp"]), r(row["paired_time_vs_dp"]),
-            *(f"{m[k] / MIB:.1f}" for k in ("params", "grads", "optimizer")),
-            f"{row['measured_total'] / MIB:.1f}", r(row["memory_vs_dp"]),
-            f"{row['predicted_total'] / MIB:.1f}", f"{row['ratio_vs_formula']:.3f}",
-        ))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                     enumerate(zip(line, widths))) for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return table(header, [(
+        layout, f"{row['median_ms']:.1f}", fmt(row["time_vs_dp"], ".2f"),
+        fmt(row["paired_time_vs_dp"], ".2f"),
+        *(f"{row['measured'][k] / MIB:.1f}" for k in ("params", "grads", "optimizer")),
+        f"{row['measured_total'] / MIB:.1f}", fmt(row["memory_vs_dp"], ".2f"),
+        f"{row['predicted_total'] / MIB:.1f}", f"{row['ratio_vs_formula']:.3f}",
+    ) for layout, row in summary.items()])
 
 
 def plot_memory(summary: dict[str, dict], path: Path, title: str) -> Path:
@@ -292,14 +273,8 @@ def main(argv=None) -> int:
     print(f"sharding benchmark: {title}, global batch {cfg.global_batch_size}, {cfg.warmup} "
           f"warm-up + {cfg.steps} timed steps, {args.repeats} repeats, torch {torch.__version__}",
           flush=True)
-    runs: dict[str, list[dict]] = {name: [] for name in layouts}
-    for rep in range(args.repeats):
-        for name in layouts:
-            started = time.perf_counter()
-            res = run_layout(name, cfg, args.timeout)
-            runs[name].append(res)
-            print(f"  repeat {rep + 1}/{args.repeats} {name:<6} {1e3 * res['step_s']:8.2f} ms/step "
-                  f"(run took {time.perf_counter() - started:.1f} s)", flush=True)
+    runs = interleaved(layouts, args.repeats, lambda name: run_layout(name, cfg, args.timeout),
+                       lambda name, res: f"{name:<6} {1e3 * res['step_s']:8.2f} ms/step")
 
     summary = summarize(runs)
     print()
@@ -310,13 +285,11 @@ def main(argv=None) -> int:
         "title": title,
         "config": asdict(cfg) | {"num_params": cfg.num_params, "world_size": WORLD_SIZE},
         "repeats": args.repeats,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__},
+        "machine": machine(),
         "summary": summary,
         "runs": runs,
     }
-    (out_dir / "sharding.json").write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out_dir / 'sharding.json'} and {png}")
+    print(f"\nwrote {write_json(out_dir / 'sharding.json', result, indent=2)} and {png}")
     return 0
 
 

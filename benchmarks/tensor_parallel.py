@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -42,6 +41,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import (
+    WallClock, end_process_group, hang_guard, in_ms, init_gloo, machine, mean_time,
+    median_time, paired_ratio, slower_rank, table, write_json,
+)
 
 from meshtrain.launch.spawn import run_workers
 
@@ -86,20 +89,18 @@ def megatron(variant: str) -> dict[str, int]:
 # the run (on every rank)
 # -------------------------------------------------------------------------------------------------
 def tp_worker(cfg: Config, repeats: int, hang_s: float) -> dict:
-    import faulthandler
-    from datetime import timedelta
+    with hang_guard(hang_s):
+        return _tp_cases(cfg, repeats, init_gloo(hang_s))
 
+
+def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshtrain.launch.spawn import DistEnv, init_process_group
     from meshtrain.models.gpt import GPT
     from meshtrain.parallel.tensor_parallel import apply_tp, comm_counts, loss_parallel_context
 
-    faulthandler.dump_traceback_later(hang_s, exit=False)
-    init_process_group(DistEnv.from_environ(), "gloo", timedelta(seconds=hang_s))
     mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
-    rank = dist.get_rank()
     gen = torch.Generator().manual_seed(1234)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=gen)
@@ -121,13 +122,8 @@ def tp_worker(cfg: Config, repeats: int, hang_s: float) -> dict:
     latency = {}
     for label, shape in (("activation", (cfg.batch_size, cfg.seq_len, cfg.d_model)),
                          ("1 float", (1,))):
-        buf, times = torch.randn(shape), []
-        for _ in range(25):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(buf)
-            times.append(time.perf_counter() - start)
-        latency[label] = 1e3 * statistics.median(times[5:])
+        buf = torch.randn(shape)
+        latency[label] = 1e3 * median_time(lambda: dist.all_reduce(buf), before=dist.barrier)
 
     opt_s = [0.0]  # time in optimizer.step + zero_grad, summed
 
@@ -141,10 +137,7 @@ def tp_worker(cfg: Config, repeats: int, hang_s: float) -> dict:
 
     def timed(step, n: int) -> tuple[float, float]:
         opt_s[0] = 0.0
-        start = time.perf_counter()
-        for _ in range(n):
-            step()
-        return (time.perf_counter() - start) / n, opt_s[0] / n
+        return mean_time(step, n), opt_s[0] / n
 
     step_s: dict[str, list[float]] = {}
     optim_s: dict[str, list[float]] = {}
@@ -168,10 +161,7 @@ def tp_worker(cfg: Config, repeats: int, hang_s: float) -> dict:
             continue
         model, opt, lp = models[variant, layers]
         profile[f"{variant} L={layers}"] = profile_steps(lambda: train_step(model, opt, lp), 3)
-    faulthandler.cancel_dump_traceback_later()
-    dist.barrier()
-    time.sleep(0.05)
-    dist.destroy_process_group()
+    end_process_group()  # while the models are alive
     return {"rank": rank, "counts": counts, "step_s": step_s, "optim_s": optim_s,
             "all_reduce_ms": latency, "profile": profile}
 
@@ -223,9 +213,7 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
         comm[variant] = {"counts": {str(n): row for n, row in rows.items()},
                          "per_block": per_block, "outside_blocks": constant,
                          "megatron_per_block": megatron(variant)}
-    names = list(ranks[0]["step_s"])
-    step_s = {n: [max(r["step_s"][n][i] for r in ranks if n in r["step_s"])
-                  for i in range(len(ranks[0]["step_s"][n]))] for n in names}
+    step_s = slower_rank(ranks, "step_s")  # 1proc ran on rank 0 only
     timing = {}
     for layers in cfg.layers:
         base = step_s[f"1proc L={layers}"]
@@ -233,24 +221,13 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
             times = step_s[f"{variant} L={layers}"]
             name = f"{variant} L={layers}"
             timing[name] = {
-                "variant": variant, "layers": layers,
-                "median_ms": 1e3 * statistics.median(times),
+                "variant": variant, "layers": layers, **in_ms(times),
                 # AdamW step + zero_grad, rank 0 (the ranks hold equal halves)
                 "optim_ms": 1e3 * statistics.median(ranks[0]["optim_s"][name]),
-                "repeats_ms": [1e3 * t for t in times],
-                "x_1proc": statistics.median([t / b for t, b in zip(times, base)]),
+                "x_1proc": paired_ratio(times, base),
             }
     return {"comm": comm, "timing": timing, "all_reduce_ms": ranks[0]["all_reduce_ms"],
             "profile": ranks[0]["profile"]}
-
-
-def _table(header, rows) -> str:
-    lines = [tuple(header), *rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                     enumerate(zip(line, widths))) for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
 
 
 def _n(value: float) -> str:
@@ -272,15 +249,15 @@ def format_tables(summary: dict) -> str:
                            ("outside blocks", data["outside_blocks"])):
             rows.append((f"  {label}", "", *(_n(row.get(c, 0)) for c in columns),
                          _n(sum(row.get(c, 0) for c in columns))))
-    comm = _table(header, rows)
+    comm = table(header, rows)
     timing_rows = [(r["variant"], str(r["layers"]), f"{r['median_ms']:.1f}",
                     f"{min(r['repeats_ms']):.1f}", f"{max(r['repeats_ms']):.1f}",
                     f"{r['x_1proc']:.3f}", f"{r['optim_ms']:.1f}",
                     f"{r['median_ms'] - r['optim_ms']:.1f}")
                    for r in summary["timing"].values()]
-    timing = _table(("variant", "L", "median ms/step", "min", "max", "x 1proc (paired)",
+    timing = table(("variant", "L", "median ms/step", "min", "max", "x 1proc (paired)",
                      "optim ms", "fwd+bwd ms"), timing_rows)
-    profile = _table(("variant", "wall ms/step", "matmul", "collectives", "other"),
+    profile = table(("variant", "wall ms/step", "matmul", "collectives", "other"),
                      [(name, *(f"{row[k]:.1f}" for k in ("wall", "matmul", "collectives", "other")))
                       for name, row in summary["profile"].items()])
     timing += "\n\nrank 0 under torch.profiler, ms per step by operator self time:\n" + profile
@@ -324,26 +301,20 @@ def main(argv=None) -> int:
              f"{cfg.batch_size}")
     print(f"tensor-parallel benchmark: {title}; {cfg.warmup} warm-up + {cfg.steps} timed steps, "
           f"{args.repeats} repeats, torch {torch.__version__}", flush=True)
-    started, load_before = time.perf_counter(), os.getloadavg()
+    clock = WallClock()
     ranks = run_workers(tp_worker, TP, (cfg, args.repeats, max(1.0, args.timeout - 10)),
                         timeout=args.timeout, threads=1)
-    print(f"(ran in {time.perf_counter() - started:.0f} s, load average {load_before[0]:.1f} "
-          f"before, {os.getloadavg()[0]:.1f} after)\n")
+    print(f"({clock.stop()})\n")
     summary = summarize(cfg, ranks)
     print(format_tables(summary))
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     result = {
         "title": title,
         "config": asdict(cfg) | {"tp": TP},
         "repeats": args.repeats,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "machine": machine(**clock.loads()),
         "summary": summary,
     }
-    (out_dir / "tensor_parallel.json").write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out_dir / 'tensor_parallel.json'}")
+    print(f"\nwrote {write_json(Path(args.out_dir) / 'tensor_parallel.json', result)}")
     return 0
 
 

@@ -8,6 +8,7 @@ every rank takes the same decision.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -79,7 +80,10 @@ class ModelCheckpoint(Callback):
     """Save checkpoints: the best ``save_top_k`` by ``monitor``, every N steps, and/or the last.
 
     Files go to ``dirpath`` (default ``<run folder>/checkpoints``); ``best_model_path`` names the
-    best one so far.
+    best one so far. Every-N-step folders have the periodic checkpoints' names
+    (``step_00000012``), so ``resume="auto"`` finds them; best-k folders of a resumed run keep
+    counting towards ``save_top_k``; ``last`` is the run's ``final`` checkpoint when the
+    Trainer writes one (not a second copy).
     """
 
     def __init__(self, dirpath: str | Path | None = None, monitor: str | None = None,
@@ -100,9 +104,28 @@ class ModelCheckpoint(Callback):
     def _dir(self, trainer) -> Path:
         return self.dirpath or trainer.run_dir / "checkpoints"
 
+    def on_fit_start(self, trainer) -> None:
+        """A resumed run's earlier best-k folders still count towards ``save_top_k``."""
+        if self.monitor is None:
+            return
+        for path in sorted(self._dir(trainer).glob("best_step_*")):
+            summary = path / "meshtrain.json"
+            value = json.loads(summary.read_text()).get("metrics", {}).get(
+                self.monitor) if summary.is_file() else None
+            if value is not None:
+                self.best_k[path] = float(value)
+        if self.best_k:
+            best = min if self.mode == "min" else max
+            self.best_model_path = best(self.best_k, key=self.best_k.get)
+
     def on_train_step_end(self, trainer, metrics: dict) -> None:
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
-            trainer.save_checkpoint(self._dir(trainer) / f"step_{trainer.global_step:07d}")
+            from meshtrain.checkpoint.manager import checkpoint_name
+
+            # the name the periodic checkpoints use: resume="auto" finds these too
+            path = self._dir(trainer) / checkpoint_name(trainer.global_step)
+            if not path.is_dir():  # not again when checkpoint_every_n_steps just wrote it
+                trainer.save_checkpoint(path)
 
     def on_validation_end(self, trainer, metrics: dict) -> None:
         if self.monitor is None or self.save_top_k == 0:
@@ -130,7 +153,12 @@ class ModelCheckpoint(Callback):
         self.best_model_path = best(self.best_k, key=self.best_k.get)
 
     def on_fit_end(self, trainer) -> None:
-        if self.save_last:
+        if not self.save_last:
+            return
+        final = trainer.run_dir / "checkpoints" / "final"
+        if trainer.save_final_checkpoint and self.dirpath is None and final.is_dir():
+            self.last_model_path = final  # the same state: not written twice
+        else:
             self.last_model_path = trainer.save_checkpoint(self._dir(trainer) / "last")
 
 

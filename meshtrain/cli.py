@@ -3,6 +3,7 @@
     meshtrain train CONFIG.toml [--section.key=value ...]    train the job a config describes
     meshtrain lr-find CONFIG.toml [--section.key=value ...]  learning-rate range test for it
     meshtrain memory CONFIG.toml [--section.key=value ...]   per-rank model-state memory (1 step)
+        --dry-run: print the resolved config (every setting), check it, exit without training
     meshtrain run [torchrun flags] script.py [args]          start a script on N processes
     meshtrain slurm --nodes N --gpus-per-node G script.py    write (and submit) an sbatch script
     meshtrain export CHECKPOINT_DIR model.pt                 checkpoint -> one plain state_dict file
@@ -23,10 +24,18 @@ def _recipe(argv: list[str], mode: str) -> int:
     from meshtrain.recipes import run_config
 
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: meshtrain {mode} CONFIG.toml [--section.key=value ...]\n\nExample: "
-              f"meshtrain {mode} examples/char_gpt.toml --trainer.layout=zero3=2")
+        print(f"usage: meshtrain {mode} CONFIG.toml [--dry-run] [--section.key=value ...]\n\n"
+              "--dry-run prints the resolved config (every section and setting), checks it and "
+              "exits without training.\nSections and settings: docs/reference.md.\n\nExample: "
+              f"meshtrain {mode} examples/char_gpt.toml --trainer.layout=zero3=2 "
+              "--parallel.activation_checkpointing=full")
         return 0 if argv else 2
-    run_config(argv[0], argv[1:], mode=mode)
+    dry_run = "--dry-run" in argv
+    args = [a for a in argv if a != "--dry-run"]
+    if not args or args[0].startswith("--"):
+        raise ConfigError(f"meshtrain {mode} needs the config file first: "
+                          f"meshtrain {mode} CONFIG.toml [--dry-run] [--section.key=value ...]")
+    run_config(args[0], args[1:], mode=mode, dry_run=dry_run)
     return 0
 
 

@@ -8,7 +8,10 @@ known ones, so a typo never passes silently.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
+import math
+import os
 import tomllib
 from pathlib import Path
 
@@ -41,18 +44,45 @@ def parse_override(text: str) -> tuple[str, str, object]:
     return section, key, value
 
 
+def unknown_key_message(known: dict[str, dict], section: str, key: str, origin: str) -> str:
+    """Why ``[section] key`` is not in ``known`` (a two-level defaults mapping), and the fix:
+    the section it belongs in, the closest known key, or that it is a Python-only setting."""
+    elsewhere = [name for name, keys in known.items() if key in keys and name != section]
+    if elsewhere:
+        right = elsewhere[0]
+        return (f"{section}.{key} in {origin}: {key} is a [{right}] setting, not [{section}]; "
+                f"write it under [{right}] (or --{right}.{key}=...)")
+    from meshtrain.settings import SETTINGS
+
+    if key in SETTINGS and not SETTINGS[key].config:
+        return (f"{section}.{key} in {origin}: {key} is a Python-only Trainer setting (a config "
+                f"file cannot hold it); pass Trainer({key}=...) in your recipe's run()")
+    message = f"unknown key {section}.{key} in {origin}"
+    close = difflib.get_close_matches(key, list(known.get(section, {})), n=1)
+    others = {k: name for name, keys in known.items() if name != section for k in keys}
+    close_elsewhere = difflib.get_close_matches(key, list(others), n=1)
+    if close:
+        message += f"; did you mean {section}.{close[0]}?"
+    elif close_elsewhere:
+        message += f"; did you mean {others[close_elsewhere[0]]}.{close_elsewhere[0]}?"
+    return message + f" known keys of [{section}]: {', '.join(known.get(section, {}))}"
+
+
 def resolve(defaults: dict, file_config: dict, overrides: list[str]) -> dict:
-    """Merge ``file_config`` and ``overrides`` onto ``defaults``; reject unknown keys."""
+    """Merge ``file_config`` and ``overrides`` onto ``defaults``; reject unknown keys (naming
+    the right section of a key written in the wrong one, or the closest known key)."""
     config = copy.deepcopy(defaults)
 
     def put(section: str, key: str, value, origin: str) -> None:
         if section not in config:
+            close = difflib.get_close_matches(section, list(config), n=1)
+            hint = f"; did you mean [{close[0]}]?" if close else ";"
             raise ConfigError(
-                f"unknown section [{section}] in {origin}; known sections: {', '.join(config)}"
+                f"unknown section [{section}] in {origin}{hint} known sections: "
+                f"{', '.join(config)}"
             )
         if key not in config[section]:
-            known = ", ".join(config[section])
-            raise ConfigError(f"unknown key {section}.{key} in {origin}; known keys: {known}")
+            raise ConfigError(unknown_key_message(config, section, key, origin))
         config[section][key] = value
 
     for section, values in file_config.items():
@@ -66,13 +96,39 @@ def resolve(defaults: dict, file_config: dict, overrides: list[str]) -> dict:
     return config
 
 
+def toml_value(value) -> str:
+    """One value as TOML (``None``, which TOML lacks, as ``none``)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else
+                                                        ("inf" if value > 0 else "-inf"))
+    if isinstance(value, (str, os.PathLike)):
+        return json.dumps(os.fspath(value))
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(str(value))
+
+
+def _toml_key(key) -> str:
+    key = str(key)
+    return key if key and all(c.isalnum() or c in "_-" for c in key) else json.dumps(key)
+
+
 def dumps_toml(config: dict) -> str:
-    """Write a two-level config back as TOML (None values are left out: TOML has no null)."""
+    """Write a two-level config back as TOML. ``None`` (TOML has no null) is written as a
+    comment, ``# key = none``, so that every key shows and the text reads back the same."""
     lines: list[str] = []
     for section, values in config.items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            if value is not None:
-                lines.append(f"{key} = {json.dumps(value)}")
+            prefix = "# " if value is None else ""
+            lines.append(f"{prefix}{_toml_key(key)} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)

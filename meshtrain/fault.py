@@ -34,10 +34,14 @@ def _positive_number(name: str, value, allow_none: bool = False) -> None:
                           f"got {value!r}")
 
 
-def check_settings(*, collective_timeout_s, init_timeout_s, stall_timeout_s,
-                   checkpoint_every_n_steps, checkpoint_every_n_minutes, keep_last_k,
-                   async_checkpoint, resume, nan_policy, mtbf_hours) -> None:
-    """The Trainer's fault-tolerance arguments, checked before any process starts."""
+def check_settings(settings: dict) -> None:
+    """The Trainer's fault-tolerance settings, checked together before any process starts."""
+    s = settings
+    collective_timeout_s, init_timeout_s = s["collective_timeout_s"], s["init_timeout_s"]
+    stall_timeout_s, nan_policy, mtbf_hours = s["stall_timeout_s"], s["nan_policy"], s["mtbf_hours"]
+    checkpoint_every_n_steps = s["checkpoint_every_n_steps"]
+    checkpoint_every_n_minutes = s["checkpoint_every_n_minutes"]
+    keep_last_k, async_checkpoint, resume = s["keep_last_k"], s["async_checkpoint"], s["resume"]
     from meshtrain.checkpoint.manager import check_options
     from meshtrain.checkpoint.resume import check_resume
     from meshtrain.observe.nonfinite import check_nan_policy
@@ -83,14 +87,15 @@ class StepGuard:
         from meshtrain.observe.nonfinite import StepFlags
 
         self.trainer = t = trainer
-        opts = t.checkpoint_options
         group = None
-        if opts["async_save"] and dist.is_initialized():
+        if t.async_checkpoint and dist.is_initialized():
             # DCP's own collectives of a background write go over a group of their own, so
             # they never interleave with the training step's collectives.
             group = dist.new_group(backend="gloo")
-        self.checkpoints = CheckpointManager(t.run_dir / "checkpoints", process_group=group,
-                                             **opts)
+        self.checkpoints = CheckpointManager(
+            t.run_dir / "checkpoints", process_group=group, every_n_steps=t.checkpoint_every_n_steps,
+            every_n_minutes=t.checkpoint_every_n_minutes, keep_last_k=t.keep_last_k,
+            async_save=t.async_checkpoint)
         if t.is_global_zero:
             self.checkpoints.cleanup_partial()
         self.flags = StepFlags(t.rank, t.world_size, t.device)
@@ -123,8 +128,9 @@ class StepGuard:
         if self.steps_here == 1 and dist.is_initialized():
             # past start-up: a collective that waits longer than this means a hang
             t = self.trainer
-            if t.collective_timeout != t.init_timeout:
-                set_collective_timeout(t.collective_timeout, skip=self.checkpoints.process_group)
+            if t.collective_timeout_s != t.init_timeout_s:
+                set_collective_timeout(timedelta(seconds=t.collective_timeout_s),
+                                       skip=self.checkpoints.process_group)
 
     def stop(self) -> None:
         if self.watchdog is not None:
@@ -136,7 +142,7 @@ class StepGuard:
         from meshtrain.observe.nonfinite import NonFiniteError, describe, nonfinite_flag
 
         t, manager = self.trainer, self.checkpoints
-        need_flags = bool(t.checkpoint_options["every_n_minutes"] or manager.in_flight)
+        need_flags = bool(t.checkpoint_every_n_minutes or manager.in_flight)
         if not (t.nan_policy or need_flags):
             return "ok"
         flag = None
@@ -159,7 +165,7 @@ class StepGuard:
                 f"{what}. Lower the learning rate, clip gradients (grad_clip_norm=1.0), check "
                 "the data of this step, or set nan_policy='skip' or 'rollback'")
         if t.nan_policy == "skip":
-            t.num_skipped_steps += 1
+            t.state.num_skipped_steps += 1
             t.print(f"{what}; update skipped on every rank (nan_policy='skip')")
             return "skip"
         return "rollback"
@@ -167,9 +173,8 @@ class StepGuard:
     def _gradients_identical(self) -> bool:
         """After the step's gradient sync, does every rank hold the same full gradients?
         (plain DDP and ZeRO-1, fp32/bf16; not sharded, tensor or pipeline parallel)"""
-        t, layout = self.trainer, self.trainer.layout
-        return t.precision.scaler is None and (t.world_size == 1 or (
-            not layout.is_sharded and layout.degree("tp") == 1 and layout.degree("pp") == 1))
+        t = self.trainer
+        return t.precision.scaler is None and t.layout.gradients_identical_after_sync
 
     def rollback(self) -> None:
         """nan_policy='rollback': restore the last checkpoint; the offending batch is skipped."""
@@ -185,25 +190,23 @@ class StepGuard:
                 f"step {step}: non-finite loss or gradients and nan_policy='rollback', but no "
                 "checkpoint has been saved yet; checkpoint earlier (checkpoint_every_n_steps) "
                 "or use nan_policy='skip'")
-        t.num_rollbacks += 1
+        t.state.num_rollbacks += 1
         if t.num_rollbacks > MAX_ROLLBACKS:
             raise NonFiniteError(
                 f"step {step}: non-finite values again after {MAX_ROLLBACKS} rollbacks; the "
                 "problem is not a few bad batches: lower the learning rate or clip gradients")
-        self.bad_batches.add((epoch, t._train_sampler.consumed_samples))
+        self.bad_batches.add((epoch, t.state.sampler.consumed_samples))
         t.load_checkpoint(path)
         t.print(f"step {step}: non-finite loss or gradients; rolled back to {path} (step "
                 f"{t.global_step}); the batch of step {step} will be skipped")
 
     def skip_bad_batch(self) -> bool:
         """Pass over a batch that a rollback ruled out (it counts as a step, with no update)."""
-        t = self.trainer
-        sampler = t._train_sampler
-        if (t.current_epoch, sampler.consumed_samples) not in self.bad_batches:
+        state = self.trainer.state
+        if (state.current_epoch, state.sampler.consumed_samples) not in self.bad_batches:
             return False
-        sampler.advance()
-        t.global_step += 1
-        t.num_skipped_steps += 1
+        state.advance()
+        state.num_skipped_steps += 1
         return True
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -217,8 +220,7 @@ class StepGuard:
         if not due or (t.global_step == total and t.save_final_checkpoint):
             return
         start = time.perf_counter()
-        saved = manager.save(t.global_step, t.model, t.optimizer, t._trainer_state(),
-                             t._summary())
+        saved = manager.save(t.global_step, t.model, t.optimizer, *t.checkpoint_state())
         if saved and not self.save_cost_reported:
             self.save_cost_reported = True
             self._report_save_cost(time.perf_counter() - start)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from meshtrain.errors import ConfigError
 
@@ -45,11 +44,10 @@ def lr_find(trainer, model, train_data, *, optimizer, loss_fn=None, min_lr: floa
         raise ConfigError(f"num_steps must be at least 5 for a useful curve, got {num_steps}")
     # a range test starts from scratch, and its loss is meant to blow up at the end
     trainer.resume, trainer.nan_policy = None, None
-    trainer._prepare(model, train_data, None, optimizer=optimizer, loss_fn=loss_fn,
-                     lr_scheduler=None)
+    trainer.prepare(model, train_data, optimizer=optimizer, loss_fn=loss_fn)
     model_state = copy.deepcopy(trainer.model.state_dict())
     optim_state = copy.deepcopy(trainer.optimizer.state_dict())
-    sampler, loader = trainer._train_sampler, trainer._train_loader
+    sampler, loader = trainer.state.sampler, trainer.train_loader
 
     lrs, losses = [], []
     best, average = math.inf, 0.0
@@ -61,9 +59,9 @@ def lr_find(trainer, model, train_data, *, optimizer, loss_fn=None, min_lr: floa
         if sampler.consumed_samples >= sampler.num_global_batches * trainer.global_batch_size:
             sampler.set_epoch(sampler.epoch + 1)
             batches = iter(loader)
-        loss, _, _ = trainer._train_step(batches)
+        loss, _, _ = trainer.train_step(batches)
         sampler.advance()
-        value = trainer._mean_over_dp(loss)
+        value = trainer.mesh.mean_loss(loss)
         average = smoothing * average + (1 - smoothing) * value
         smoothed = average / (1 - smoothing ** (i + 1))
         if not math.isfinite(smoothed) or (i > 0 and smoothed > diverge_factor * best):

@@ -225,3 +225,25 @@ def adamw_gpt(params):
 GPT_FNS = dict(model_fn=tiny_gpt, data_fn=token_data, loss_fn=lm_loss, optimizer_fn=adamw_gpt)
 GPT4_FNS = dict(model_fn=tiny_gpt_4_layers, data_fn=token_data, loss_fn=lm_loss,
                 optimizer_fn=adamw_gpt)
+
+
+# The same tiny GPT on sequences of 12 tokens (not a power of two): context parallel cuts them
+# into 2 x cp chunks (cp=2: four chunks of 3 tokens).
+SEQ_12 = 12
+
+
+def tiny_gpt_seq12():
+    from meshtrain.models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ_12, num_layers=2, num_heads=2,
+                         d_model=16, bias=False))
+
+
+def token_data_seq12(seed: int = 99) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (NUM_SAMPLES, SEQ_12 + 1), generator=gen)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+GPT12_FNS = dict(model_fn=tiny_gpt_seq12, data_fn=token_data_seq12, loss_fn=lm_loss,
+                 optimizer_fn=adamw_gpt)

@@ -6,38 +6,21 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import mlp, regression_data
+from conftest import LossRecorder, quiet_trainer
+from parity import adamw, mlp, regression_data
 from torch.utils.data import TensorDataset
 
-from meshtrain import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint, Trainer
+from meshtrain import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from meshtrain.checkpoint.state import load_model_weights
 from meshtrain.observe.loggers import read_metrics_csv
 
 # single-process checkpoints: DCP says it saves/loads without a process group, as intended
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _trainer(run_dir, **kwargs) -> Trainer:
-    base = dict(loggers=(), progress_bar=False, save_final_checkpoint=False, run_dir=run_dir,
-                global_batch_size=16, accelerator="cpu")
-    base.update(kwargs)
-    return Trainer(**base)
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2)
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 def _fit(trainer, val=None, **kwargs):
-    return trainer.fit(mlp, regression_data(), val, optimizer=kwargs.pop("optimizer", _adamw),
+    return trainer.fit(mlp, regression_data(), val, optimizer=kwargs.pop("optimizer", adamw),
                        loss_fn=kwargs.pop("loss_fn", F.mse_loss), **kwargs)
 
 
@@ -61,22 +44,14 @@ class ScriptedValidation(Callback):
             k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-class Steps(Callback):
-    def __init__(self):
-        self.steps = []
-
-    def on_train_step_end(self, trainer, metrics):
-        self.steps.append(trainer.global_step)
-
-
 # ---- EarlyStopping ------------------------------------------------------------------------------
 def test_early_stopping_on_scripted_metric(tmp_path):
     # validations every 2 steps; best 0.8 at step 4, then two checks without improvement
     script = ScriptedValidation([1.0, 0.8, 0.9, 0.85, 0.1, 0.1])
     stop = EarlyStopping(monitor="val/loss", patience=2)
-    steps = Steps()
-    trainer = _trainer(tmp_path, max_steps=20, val_every_n_steps=2, loggers=("csv",),
-                       callbacks=[script, stop, steps])
+    steps = LossRecorder()
+    trainer = quiet_trainer(tmp_path, max_steps=20, val_every_n_steps=2, loggers=("csv",),
+                            callbacks=[script, stop, steps])
     _fit(trainer, _val_set())
 
     assert stop.stopped_at_step == 8
@@ -104,7 +79,7 @@ def test_early_stopping_when_validation_loss_rises(tmp_path):
 
     record = Record()
     stop = EarlyStopping(patience=2)
-    trainer = _trainer(tmp_path, max_steps=40, val_every_n_steps=2, callbacks=[record, stop])
+    trainer = quiet_trainer(tmp_path, max_steps=40, val_every_n_steps=2, callbacks=[record, stop])
     _fit(trainer, anti)
 
     losses = [v for _, v in record.values]
@@ -115,8 +90,8 @@ def test_early_stopping_when_validation_loss_rises(tmp_path):
 
 
 def test_early_stopping_with_unknown_metric(tmp_path):
-    trainer = _trainer(tmp_path, max_steps=4, val_every_n_steps=2,
-                       callbacks=[EarlyStopping(monitor="val/acc")])
+    trainer = quiet_trainer(tmp_path, max_steps=4, val_every_n_steps=2,
+                            callbacks=[EarlyStopping(monitor="val/acc")])
     with pytest.raises(ValueError, match="monitors 'val/acc'.*val/loss"):
         _fit(trainer, _val_set())
 
@@ -126,8 +101,8 @@ def test_model_checkpoint_keeps_the_best_k(tmp_path):
     # validations at steps 2, 4, 6, 8 and the final one at 10
     script = ScriptedValidation([0.5, 0.3, 0.4, 0.2, 0.6])
     checkpoint = ModelCheckpoint(monitor="val/loss", save_top_k=2, save_last=False)
-    trainer = _trainer(tmp_path, max_steps=10, val_every_n_steps=2,
-                       callbacks=[script, checkpoint])
+    trainer = quiet_trainer(tmp_path, max_steps=10, val_every_n_steps=2,
+                            callbacks=[script, checkpoint])
     _fit(trainer, _val_set())
 
     assert script.steps == [2, 4, 6, 8, 10]
@@ -147,22 +122,22 @@ def test_model_checkpoint_keeps_the_best_k(tmp_path):
 def test_model_checkpoint_max_mode(tmp_path):
     script = ScriptedValidation([0.5, 0.3, 0.4, 0.2, 0.6])
     checkpoint = ModelCheckpoint(monitor="val/loss", mode="max", save_top_k=1, save_last=False)
-    trainer = _trainer(tmp_path, max_steps=10, val_every_n_steps=2,
-                       callbacks=[script, checkpoint])
+    trainer = quiet_trainer(tmp_path, max_steps=10, val_every_n_steps=2,
+                            callbacks=[script, checkpoint])
     _fit(trainer, _val_set())
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["best_step_0000010"]
     assert checkpoint.best_model_path.name == "best_step_0000010"
 
 
 def test_model_checkpoint_every_n_steps_and_last(tmp_path):
-    steps = Steps()
+    steps = LossRecorder()
     checkpoint = ModelCheckpoint(every_n_steps=3, save_last=True)
-    trainer = _trainer(tmp_path, max_steps=7, callbacks=[checkpoint, steps])
+    trainer = quiet_trainer(tmp_path, max_steps=7, callbacks=[checkpoint, steps])
     model = _fit(trainer)
 
     folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert folders == ["last", "step_0000003", "step_0000006"]
-    for name, step in (("step_0000003", 3), ("step_0000006", 6), ("last", 7)):
+    assert folders == ["last", "step_00000003", "step_00000006"]
+    for name, step in (("step_00000003", 3), ("step_00000006", 6), ("last", 7)):
         state = torch.load(tmp_path / "checkpoints" / name / "trainer_state.pt",
                            weights_only=False)
         assert state["global_step"] == step
@@ -175,9 +150,9 @@ def test_model_checkpoint_every_n_steps_and_last(tmp_path):
 
 def test_model_checkpoint_to_its_own_folder(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "mine", every_n_steps=2, save_last=False)
-    _fit(_trainer(tmp_path / "run", max_steps=4, callbacks=[checkpoint]))
-    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["step_0000002",
-                                                                     "step_0000004"]
+    _fit(quiet_trainer(tmp_path / "run", max_steps=4, callbacks=[checkpoint]))
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["step_00000002",
+                                                                     "step_00000004"]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -186,8 +161,8 @@ def test_learning_rate_monitor_logs_the_rate_of_each_step(tmp_path):
     def schedule(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
 
-    trainer = _trainer(tmp_path, max_steps=4, log_every_n_steps=2, loggers=("csv",),
-                       callbacks=[LearningRateMonitor()])
+    trainer = quiet_trainer(tmp_path, max_steps=4, log_every_n_steps=2, loggers=("csv",),
+                            callbacks=[LearningRateMonitor()])
     _fit(trainer, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), lr_scheduler=schedule)
 
     rows = read_metrics_csv(tmp_path / "metrics.csv")
@@ -203,7 +178,8 @@ def test_learning_rate_monitor_with_two_groups(tmp_path):
         return torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}],
                                lr=0.1)
 
-    trainer = _trainer(tmp_path, max_steps=2, loggers=("csv",), callbacks=[LearningRateMonitor()])
+    trainer = quiet_trainer(tmp_path, max_steps=2, loggers=("csv",),
+                            callbacks=[LearningRateMonitor()])
     _fit(trainer, optimizer=two_groups)
     rows = read_metrics_csv(tmp_path / "metrics.csv")
     assert [(r["lr/group0"], r["lr/group1"]) for r in rows] == [(0.1, 0.01), (0.1, 0.01)]
@@ -228,7 +204,7 @@ def test_on_exception_sees_the_error_of_the_loss_function(tmp_path):
         return F.mse_loss(output, target)
 
     seen = Seen()
-    trainer = _trainer(tmp_path, max_steps=10, callbacks=[seen])
+    trainer = quiet_trainer(tmp_path, max_steps=10, callbacks=[seen])
     with pytest.raises(RuntimeError, match="loss exploded on purpose") as info:
         _fit(trainer, loss_fn=loss_fn)
     assert seen.errors == [info.value]  # called once, with the very error fit raised

@@ -1,4 +1,5 @@
-"""The `meshtrain` command: the main job end to end (tiny), config errors, lr-find."""
+"""The `meshtrain` command: the main job end to end (tiny), config errors, lr-find, --dry-run,
+a user's recipe by import path."""
 
 import inspect
 import os
@@ -10,15 +11,17 @@ from pathlib import Path
 import pytest
 
 from meshtrain import Trainer
+from meshtrain import settings
 from meshtrain.config import parse_override, resolve
 from meshtrain.errors import ConfigError
 from meshtrain.observe.loggers import read_metrics_csv
+from meshtrain.recipes import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "--data.max_chars=60000", "--data.seq_len=32", "--model.num_layers=1", "--model.d_model=32",
     "--model.num_heads=2", "--trainer.global_batch_size=8", "--trainer.val_every_n_steps=4",
-    "--trainer.limit_val_batches=4", "--trainer.log_every_n_steps=2", "--sample.num_chars=20",
+    "--trainer.limit_val_batches=4", "--logging.log_every_n_steps=2", "--sample.num_chars=20",
     "--model.mlp_ratio=64",
 ]
 
@@ -27,6 +30,14 @@ def meshtrain(*args, cwd, timeout=120):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "meshtrain", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def meshtrain_script(*args, cwd, timeout=60):
+    """The installed `meshtrain` command itself (not python -m), as a user runs it."""
+    script = Path(sys.executable).parent / "meshtrain"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([str(script), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 # The fewest steps at which the TINY model reliably gets below the unigram baseline (3.18
@@ -41,7 +52,7 @@ FINAL = re.compile(r"validation loss (\d+\.\d+) nats/char; unigram baseline (\d+
 def test_train_main_job_on_two_processes(tmp_path):
     config = ROOT / "examples" / "char_gpt.toml"
     out = meshtrain("train", str(config), *TINY, f"--trainer.max_steps={DEMO_STEPS}",
-                    f"--trainer.root_dir={tmp_path}", cwd=tmp_path)
+                    f"--logging.root_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "unigram baseline" in out.stdout and "--- sample" in out.stdout
     assert out.stdout.count("validation loss") == 1, "console output must come from rank 0 only"
@@ -87,7 +98,7 @@ def test_bad_config_key_and_missing_data_path_are_clear_errors(tmp_path):
 def test_lr_find_writes_a_plot_and_suggests_a_rate(tmp_path):
     config = str(ROOT / "examples" / "char_gpt.toml")
     out = meshtrain("lr-find", config, *TINY, "--trainer.devices=1", "--trainer.layout=dp=1",
-                    f"--trainer.root_dir={tmp_path}", cwd=tmp_path)
+                    f"--logging.root_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     # the recipe sweeps Trainer.lr_find's default range; the suggestion is one of its rates
     defaults = inspect.signature(Trainer.lr_find).parameters
@@ -120,9 +131,125 @@ def test_overrides_are_read_as_toml_values():
 def test_memory_prints_measured_and_predicted_model_state(tmp_path):
     config = str(ROOT / "examples" / "char_gpt.toml")
     out = meshtrain("memory", config, *TINY, "--trainer.layout=zero3=2",
-                    f"--trainer.root_dir={tmp_path}", cwd=tmp_path)
+                    f"--logging.root_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ZeRO stage 3 (sharded over N = 2)" in out.stdout
     row = next(line for line in out.stdout.splitlines() if line.startswith("dp_shard=2"))
     measured_total, predicted_total = (float(x) for x in row.split()[4:6])
     assert predicted_total > 0 and abs(measured_total / predicted_total - 1) < 0.05
+
+
+def test_dry_run_prints_every_setting_checks_and_trains_nothing(tmp_path):
+    config = str(ROOT / "examples" / "char_gpt.toml")
+    out = meshtrain_script("train", config, "--dry-run", cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for line in ('pp_schedule = "1f1b"', 'nan_policy = "error"', "keep_last_k = 2",
+                 "sequence_parallel = false", "# activation_checkpointing = none",
+                 "# offload = none", "# comm_hook = none", 'layout = "dp=2"', "max_steps = 400",
+                 'name = "char_gpt"', "[pipeline]", "[checkpoint]", "[fault]", "[logging]"):
+        assert line in out.stdout.splitlines(), line
+    for name, setting in settings.SETTINGS.items():  # every setting, with its value
+        shown = re.search(rf"^(# )?{name} = \S", out.stdout, re.MULTILINE)
+        assert shown or not setting.config, name
+    python_only = "Python-only Trainer settings (not in a config): callbacks, blocks, tp_plan"
+    assert python_only in out.stdout
+    assert "config OK" in out.stdout and "nothing was trained" in out.stdout
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
+    # the other recipe commands take it too, with their own overrides
+    out = meshtrain_script("memory", config, "--dry-run", "--trainer.layout=zero3=2",
+                           "--parallel.activation_checkpointing=full", cwd=tmp_path)
+    assert out.returncode == 0 and "config OK" in out.stdout, out.stderr[-3000:]
+    assert 'activation_checkpointing = "full"' in out.stdout
+    out = meshtrain_script("lr-find", "--dry-run", config, "--trainer.devices=1",
+                           "--trainer.layout=dp=1", cwd=tmp_path)
+    assert out.returncode == 0 and "config OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["--parallel.comm_hook=fp16", "--trainer.layout=zero3=2"], "comm_hook"),
+    (["--parallel.bucket_cap_mb=50", "--trainer.layout=zero3=2"], "bucket_cap_mb"),
+    (["--parallel.sequence_parallel=true"], "sequence_parallel"),
+    (["--fault.stall_timeout_s=400"], "stall_timeout_s"),
+    (["--pipeline.pp_schedule=zigzag"], "pp_schedule"),
+    (["--checkpoint.keep_last_k=0"], "keep_last_k"),
+    (["--trainer.resume=none"], "[checkpoint]"),  # a key in the wrong section: names the right one
+    (["--trainer.callbacks=[]"], "Python-only"),
+])
+def test_dry_run_of_a_bad_config_exits_2_naming_the_setting(tmp_path, overrides, named):
+    config = str(ROOT / "examples" / "char_gpt.toml")
+    out = meshtrain("train", config, "--dry-run", *overrides, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
+    assert out.stderr.startswith("meshtrain: error: ") and named in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "config OK" not in out.stdout
+
+
+USER_RECIPE = """
+from meshtrain import Trainer, settings
+
+class Recipe:
+    DEFAULTS = {
+        "job": {"recipe": "my_recipe:recipe"},
+        "model": {"width": 8},
+        **settings.config_sections(),
+    }
+
+    def run(self, config, mode="train"):
+        trainer = Trainer(**settings.flatten(config))
+        print(f"user recipe {mode}: width {config['model']['width']}, "
+              f"max_steps {trainer.max_steps}, nan_policy {trainer.nan_policy}")
+
+recipe = Recipe()
+"""
+
+
+def test_a_recipe_named_by_import_path_runs_and_dry_runs(tmp_path):
+    (tmp_path / "my_recipe.py").write_text(USER_RECIPE)
+    (tmp_path / "job.toml").write_text('[job]\nrecipe = "my_recipe:recipe"\n[model]\nwidth = 16\n'
+                                       '[trainer]\nmax_steps = 3\n[fault]\nnan_policy = "none"\n')
+    out = meshtrain_script("train", "job.toml", "--dry-run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "width = 16" in out.stdout and "max_steps = 3" in out.stdout
+    assert 'nan_policy = "none"' in out.stdout and "config OK" in out.stdout
+    assert "user recipe" not in out.stdout  # a dry run does not call run()
+    out = meshtrain_script("train", "job.toml", "--model.width=4", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "user recipe train: width 4, max_steps 3, nan_policy None" in out.stdout
+    out = meshtrain_script("train", "job.toml", "--dry-run", "--trainer.max_steps=0", cwd=tmp_path)
+    assert out.returncode == 2 and "max_steps must be a positive integer" in out.stderr
+
+    (tmp_path / "bad.toml").write_text('[job]\nrecipe = "no_such_pkg.train:recipe"\n')
+    out = meshtrain_script("train", "bad.toml", "--dry-run", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "cannot import module 'no_such_pkg.train'" in out.stderr, out.stderr
+
+
+def test_a_bad_recipe_import_path_says_what_failed(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "mt_broken_recipe.py").write_text("raise RuntimeError('boom')\n")
+    (tmp_path / "mt_needs_dep.py").write_text("import mt_no_such_dependency\n")
+    (tmp_path / "mt_not_a_recipe.py").write_text("DEFAULTS = {}\nrecipe = object()\n")
+    with pytest.raises(ConfigError, match="unknown recipe 'char_llm'.*did you mean 'char_lm'"):
+        load_recipe("char_llm")
+    with pytest.raises(ConfigError, match=r"importing 'mt_broken_recipe' failed: RuntimeError: "
+                                          r"boom \(.*mt_broken_recipe.py:1\)"):
+        load_recipe("mt_broken_recipe:recipe")
+    with pytest.raises(ConfigError, match="importing 'mt_needs_dep' failed: ModuleNotFoundError"):
+        load_recipe("mt_needs_dep:recipe")
+    with pytest.raises(ConfigError, match="module 'mt_not_a_recipe' has no attribute 'nope'"):
+        load_recipe("mt_not_a_recipe:nope")
+    with pytest.raises(ConfigError, match=r"is not a recipe: it has no run\(config, mode\)"):
+        load_recipe("mt_not_a_recipe")  # the module: DEFAULTS but no run
+    with pytest.raises(ConfigError, match=r"is not a recipe: it has no DEFAULTS .* and no run"):
+        load_recipe("mt_not_a_recipe:recipe")
+    assert load_recipe("char_lm").DEFAULTS["trainer"]["layout"] == "dp=2"
+
+
+def test_the_recipe_reaches_every_config_setting_with_its_own_defaults():
+    from meshtrain.recipes import char_lm
+
+    for section, values in settings.config_sections().items():
+        assert set(char_lm.DEFAULTS[section]) == set(values), section
+    flat = settings.flatten(char_lm.DEFAULTS)
+    assert flat == {**{n: v for s in settings.config_sections().values() for n, v in s.items()},
+                    "layout": "dp=2", "devices": 2, "max_steps": 400, "grad_clip_norm": 1.0,
+                    "val_every_n_steps": 100, "log_every_n_steps": 10, "name": "char_gpt"}

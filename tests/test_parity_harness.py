@@ -85,7 +85,7 @@ class _SkipAllReduceOnRank1(Callback):
             last = trainer.global_step == trainer.max_steps - 1
             return future.then(lambda _: local if last else averaged)
 
-        trainer._train_module.register_comm_hook(None, keep_local_at_the_last_step)
+        trainer.engine.train_module.register_comm_hook(None, keep_local_at_the_last_step)
 
 
 def skip_all_reduce_on_rank_1():

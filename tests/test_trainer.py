@@ -7,96 +7,32 @@ import struct
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import (
-    IN_FEATURES, LOSSES, OUT_FEATURES, max_param_diff, mlp, regression_data, run_layout,
+from conftest import (
+    LossRecorder, RecordingDataset, full_loss, quiet_trainer, sgd_momentum, state_of,
 )
-from torch.utils.data import Dataset, TensorDataset
+from parity import (
+    IN_FEATURES, LOSSES, OUT_FEATURES, adamw, max_param_diff, mlp, regression_data, run_layout,
+)
+from torch.utils.data import TensorDataset
 
-from meshtrain import Callback, Trainer
+from meshtrain import Callback
 from meshtrain.checkpoint.state import load_model_weights
 from meshtrain.launch.spawn import run_workers
 from meshtrain.observe.loggers import read_metrics_csv
 
 # single-process checkpoints: DCP says it saves/loads without a process group, as intended
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    # One torch thread here, and in every worker process started from this test (they inherit
-    # OMP_NUM_THREADS, which also stops the Trainer from choosing a thread count itself).
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _trainer(run_dir, **kwargs) -> Trainer:
-    base = dict(loggers=(), progress_bar=False, save_final_checkpoint=False, run_dir=run_dir,
-                seed=0, global_batch_size=16, accelerator="cpu")
-    base.update(kwargs)
-    return Trainer(**base)
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-
-
-def _params(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-class LossRecorder(Callback):
-    """Per-step training loss (needs log_every_n_steps=1) and hook counts."""
-
-    def __init__(self):
-        self.losses: dict[int, float] = {}
-        self.steps_ended = 0
-        self.epochs_started = 0
-
-    def on_train_epoch_start(self, trainer):
-        self.epochs_started += 1
-
-    def on_train_step_end(self, trainer, metrics):
-        self.steps_ended += 1
-        if "train/loss" in metrics:
-            self.losses[trainer.global_step] = metrics["train/loss"]
-
-
-class RecordingDataset(Dataset):
-    """A map-style dataset that records which indices were fetched."""
-
-    def __init__(self, base: Dataset):
-        self.base, self.fetched = base, []
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, index):
-        self.fetched.append(int(index))
-        return self.base[index]
-
-
-@torch.no_grad()
-def _full_loss(model, dataset) -> float:
-    """The mean loss over every sample of ``dataset``, computed by hand in one batch."""
-    x, y = dataset.tensors
-    was_training = model.training
-    model.eval()
-    loss = F.mse_loss(model(x), y).item()
-    model.train(was_training)
-    return loss
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 # ---- training ---------------------------------------------------------------------------------
 def test_loss_goes_down_and_the_users_model_comes_back(tmp_path):
     data = regression_data()
     model = mlp()
-    before = _full_loss(model, data)
+    before = full_loss(model, data)
     recorder = LossRecorder()
-    trainer = _trainer(tmp_path, max_steps=30, log_every_n_steps=1, callbacks=[recorder])
-    returned = trainer.fit(model, data, optimizer=_adamw, loss_fn=F.mse_loss)
+    trainer = quiet_trainer(tmp_path, max_steps=30, log_every_n_steps=1, callbacks=[recorder])
+    returned = trainer.fit(model, data, optimizer=adamw, loss_fn=F.mse_loss)
 
     assert returned is model and type(returned) is torch.nn.Sequential  # no wrapper
     assert trainer.model is model
@@ -105,7 +41,7 @@ def test_loss_goes_down_and_the_users_model_comes_back(tmp_path):
     first, last = recorder.losses[1], sum(recorder.losses[s] for s in range(26, 31)) / 5
     assert last < 0.5 * first, f"loss went from {first:.4f} to {last:.4f}"
     # the model object the user holds was trained in place
-    assert _full_loss(model, data) < 0.5 * before
+    assert full_loss(model, data) < 0.5 * before
 
 
 def test_max_epochs_sets_the_number_of_steps(tmp_path):
@@ -113,9 +49,9 @@ def test_max_epochs_sets_the_number_of_steps(tmp_path):
     base = TensorDataset(torch.randn(42, 4), torch.randn(42, 2))
     data = RecordingDataset(base)
     recorder = LossRecorder()
-    trainer = _trainer(tmp_path, max_epochs=3, global_batch_size=8, micro_batch_size=4,
-                       log_every_n_steps=1, callbacks=[recorder])
-    trainer.fit(torch.nn.Linear(4, 2), data, optimizer=_adamw, loss_fn=F.mse_loss)
+    trainer = quiet_trainer(tmp_path, max_epochs=3, global_batch_size=8, micro_batch_size=4,
+                            log_every_n_steps=1, callbacks=[recorder])
+    trainer.fit(torch.nn.Linear(4, 2), data, optimizer=adamw, loss_fn=F.mse_loss)
 
     assert trainer.global_step == 3 * (42 // 8) == recorder.steps_ended
     assert recorder.epochs_started == 3
@@ -129,11 +65,11 @@ def test_max_epochs_sets_the_number_of_steps(tmp_path):
 
 def test_max_steps_and_max_epochs_stop_at_the_earlier(tmp_path):
     data = TensorDataset(torch.randn(40, 4), torch.randn(40, 2))
-    trainer = _trainer(tmp_path / "a", max_epochs=3, max_steps=7, global_batch_size=8)
-    trainer.fit(torch.nn.Linear(4, 2), data, optimizer=_adamw, loss_fn=F.mse_loss)
+    trainer = quiet_trainer(tmp_path / "a", max_epochs=3, max_steps=7, global_batch_size=8)
+    trainer.fit(torch.nn.Linear(4, 2), data, optimizer=adamw, loss_fn=F.mse_loss)
     assert trainer.global_step == 7
-    trainer = _trainer(tmp_path / "b", max_epochs=1, max_steps=7, global_batch_size=8)
-    trainer.fit(torch.nn.Linear(4, 2), data, optimizer=_adamw, loss_fn=F.mse_loss)
+    trainer = quiet_trainer(tmp_path / "b", max_epochs=1, max_steps=7, global_batch_size=8)
+    trainer.fit(torch.nn.Linear(4, 2), data, optimizer=adamw, loss_fn=F.mse_loss)
     assert trainer.global_step == 5
 
 
@@ -154,7 +90,7 @@ def test_lr_scheduler_steps_once_per_optimizer_step(tmp_path):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
     # 4 micro-batches per step: a scheduler stepped per micro-batch would decay 4x faster
-    trainer = _trainer(tmp_path, max_steps=5, micro_batch_size=4, callbacks=[LrRecorder()])
+    trainer = quiet_trainer(tmp_path, max_steps=5, micro_batch_size=4, callbacks=[LrRecorder()])
     trainer.fit(mlp, regression_data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                 loss_fn=F.mse_loss, lr_scheduler=scheduler)
     assert trainer.grad_accum_steps == 4
@@ -173,11 +109,11 @@ def _val_data(n=23):
 
 def test_validate_is_the_sample_weighted_mean_over_the_whole_set(tmp_path):
     val = _val_data(23)  # 23 = 5 batches of 4 and one of 3: a plain mean of batch means is wrong
-    trainer = _trainer(tmp_path, max_steps=3, global_batch_size=16, micro_batch_size=4)
-    model = trainer.fit(mlp, regression_data(), optimizer=_adamw, loss_fn=F.mse_loss)
+    trainer = quiet_trainer(tmp_path, max_steps=3, global_batch_size=16, micro_batch_size=4)
+    model = trainer.fit(mlp, regression_data(), optimizer=adamw, loss_fn=F.mse_loss)
     result = trainer.validate(val)
     assert set(result) == {"val/loss"}
-    expected = _full_loss(model, val)
+    expected = full_loss(model, val)
     assert result["val/loss"] == pytest.approx(expected, rel=1e-6, abs=1e-7)
     x, y = val.tensors
     with torch.no_grad():
@@ -189,15 +125,15 @@ def test_validate_is_the_sample_weighted_mean_over_the_whole_set(tmp_path):
 
 def _validate_rank(run_dir, steps):
     torch.set_num_threads(1)
-    trainer = _trainer(run_dir, layout="dp=2", max_steps=steps, global_batch_size=16,
-                       micro_batch_size=4)
+    trainer = quiet_trainer(run_dir, layout="dp=2", max_steps=steps, global_batch_size=16,
+                            micro_batch_size=4)
     torch.manual_seed(0)  # the initial parameters the one-process run gets from seed=0
     user_model = mlp()
-    model = trainer.fit(user_model, regression_data(), optimizer=_adamw, loss_fn=F.mse_loss)
+    model = trainer.fit(user_model, regression_data(), optimizer=adamw, loss_fn=F.mse_loss)
     val = RecordingDataset(_val_data(23))
     result = trainer.validate(val)
     return {
-        "val": result["val/loss"], "fetched": val.fetched, "params": _params(model),
+        "val": result["val/loss"], "fetched": val.fetched, "params": state_of(model),
         "same_model": model is user_model and type(model) is torch.nn.Sequential,
         "rank": int(os.environ["RANK"]),
     }
@@ -206,8 +142,8 @@ def _validate_rank(run_dir, steps):
 @pytest.mark.timeout(120)
 def test_validate_on_two_ranks_sees_every_sample_once_and_matches_one_process(tmp_path):
     steps = 3
-    one = _trainer(tmp_path / "one", max_steps=steps, global_batch_size=16, micro_batch_size=4)
-    one_model = one.fit(mlp, regression_data(), optimizer=_adamw, loss_fn=F.mse_loss)
+    one = quiet_trainer(tmp_path / "one", max_steps=steps, global_batch_size=16, micro_batch_size=4)
+    one_model = one.fit(mlp, regression_data(), optimizer=adamw, loss_fn=F.mse_loss)
     reference = one.validate(_val_data(23))["val/loss"]
 
     ranks = run_workers(_validate_rank, 2, (str(tmp_path / "two"), steps), timeout=100)
@@ -220,11 +156,11 @@ def test_validate_on_two_ranks_sees_every_sample_once_and_matches_one_process(tm
     # both ranks report the same, global value, equal to one process's
     assert ranks[0]["val"] == ranks[1]["val"]
     assert abs(ranks[0]["val"] - reference) <= 1e-6
-    assert max_param_diff(ranks[0]["params"], _params(one_model)) < 1e-5
+    assert max_param_diff(ranks[0]["params"], state_of(one_model)) < 1e-5
     # and equal to the hand-computed mean loss of the parameters the two ranks trained
     model = mlp()
     model.load_state_dict(ranks[0]["params"])
-    assert ranks[0]["val"] == pytest.approx(_full_loss(model, _val_data(23)), rel=1e-6)
+    assert ranks[0]["val"] == pytest.approx(full_loss(model, _val_data(23)), rel=1e-6)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------
@@ -246,24 +182,24 @@ def _resume_runs(base_dir, k, layout=None):
 
     base_dir = Path(base_dir)
     common = dict(global_batch_size=16, micro_batch_size=4, log_every_n_steps=1, layout=layout)
-    fit = dict(optimizer=_adamw, loss_fn=F.mse_loss, lr_scheduler=_cosine)
+    fit = dict(optimizer=adamw, loss_fn=F.mse_loss, lr_scheduler=_cosine)
 
     full = LossRecorder()
-    trainer = _trainer(base_dir / "full", max_steps=k + 1, callbacks=[full], **common)
-    full_params = _params(trainer.fit(_dropout_mlp, regression_data(), **fit))
+    trainer = quiet_trainer(base_dir / "full", max_steps=k + 1, callbacks=[full], **common)
+    full_params = state_of(trainer.fit(_dropout_mlp, regression_data(), **fit))
 
-    first = _trainer(base_dir / "first", max_steps=k, save_final_checkpoint=True, **common)
+    first = quiet_trainer(base_dir / "first", max_steps=k, save_final_checkpoint=True, **common)
     first.fit(_dropout_mlp, regression_data(), **fit)
 
     resumed_losses = LossRecorder()
-    resumed = _trainer(base_dir / "resumed", max_steps=k + 1, callbacks=[resumed_losses],
-                       **common)
+    resumed = quiet_trainer(base_dir / "resumed", max_steps=k + 1, callbacks=[resumed_losses],
+                            **common)
     torch.manual_seed(1)  # a fresh model with other parameters: all must come from the checkpoint
     model = resumed.fit(_dropout_mlp(), regression_data(), ckpt_path=base_dir / "first" /
                         "checkpoints" / "final", **fit)
     return {
         "full_losses": full.losses, "full_params": full_params,
-        "resumed_losses": resumed_losses.losses, "resumed_params": _params(model),
+        "resumed_losses": resumed_losses.losses, "resumed_params": state_of(model),
         "resumed_step": resumed.global_step,
         "lr": (trainer.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]),
     }
@@ -291,11 +227,12 @@ def test_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path, k):
 def test_validation_does_not_change_training(tmp_path):
     # validation builds its own loader iterator; it must not draw from the random stream that
     # the training step's dropout uses
-    fit = dict(optimizer=_adamw, loss_fn=F.mse_loss)
-    plain = _trainer(tmp_path / "a", max_steps=6, global_batch_size=16)
-    without = _params(plain.fit(_dropout_mlp, regression_data(), **fit))
-    validated = _trainer(tmp_path / "b", max_steps=6, global_batch_size=16, val_every_n_steps=2)
-    with_val = _params(validated.fit(_dropout_mlp, regression_data(), _val_data(), **fit))
+    fit = dict(optimizer=adamw, loss_fn=F.mse_loss)
+    plain = quiet_trainer(tmp_path / "a", max_steps=6, global_batch_size=16)
+    without = state_of(plain.fit(_dropout_mlp, regression_data(), **fit))
+    validated = quiet_trainer(tmp_path / "b", max_steps=6, global_batch_size=16,
+                              val_every_n_steps=2)
+    with_val = state_of(validated.fit(_dropout_mlp, regression_data(), _val_data(), **fit))
     for name, value in without.items():
         assert torch.equal(value, with_val[name]), name
 
@@ -319,9 +256,9 @@ def test_checkpoint_resume_on_two_ranks(tmp_path):
 # ---- run folder -------------------------------------------------------------------------------
 def test_run_folder_contents(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    trainer = _trainer(run_dir, max_steps=6, log_every_n_steps=2, val_every_n_steps=3,
-                       loggers=("csv", "tensorboard"), save_final_checkpoint=True)
-    model = trainer.fit(mlp, regression_data(), _val_data(), optimizer=_adamw,
+    trainer = quiet_trainer(run_dir, max_steps=6, log_every_n_steps=2, val_every_n_steps=3,
+                            loggers=("csv", "tensorboard"), save_final_checkpoint=True)
+    model = trainer.fit(mlp, regression_data(), _val_data(), optimizer=adamw,
                         loss_fn=F.mse_loss)
     lines = capsys.readouterr().out.splitlines()  # fit names its folder first and last
     assert lines[0] == lines[-1] == f"run folder: {run_dir}", lines
@@ -352,31 +289,25 @@ def test_run_folder_contents(tmp_path, capsys):
     # the final checkpoint holds the returned model's weights
     fresh = mlp()
     load_model_weights(final, fresh)
-    assert max_param_diff(_params(fresh), _params(model)) == 0.0
+    assert max_param_diff(state_of(fresh), state_of(model)) == 0.0
 
 
 # ---- communication hooks and precision --------------------------------------------------------
 HOOK_COMMON = dict(max_steps=20, global_batch_size=16, accelerator="cpu")
 
 
-def _sgd_momentum(params):
-    # SGD, not AdamW: Adam divides by |g|, so a coordinate whose mean gradient is ~0 can flip sign
-    # under any rounding and move by a full lr; SGD shows the communication error as it is.
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
 def _hooks_rank(hooks):
     from parity import train_state
 
     return {hook: train_state(dict(HOOK_COMMON, layout="dp=2", comm_hook=hook),
-                              optimizer_fn=_sgd_momentum) for hook in hooks}
+                              optimizer_fn=sgd_momentum) for hook in hooks}
 
 
 @pytest.mark.timeout(150)
 def test_comm_hooks_on_two_ranks(tmp_path):
-    reference = run_layout(dict(HOOK_COMMON), 1, optimizer_fn=_sgd_momentum)
+    reference = run_layout(dict(HOOK_COMMON), 1, optimizer_fn=sgd_momentum)
     moved = max_param_diff(
-        reference, run_layout(dict(HOOK_COMMON, max_steps=1), 1, optimizer_fn=_sgd_momentum))
+        reference, run_layout(dict(HOOK_COMMON, max_steps=1), 1, optimizer_fn=sgd_momentum))
     # one job, fresh Trainers in it: cheaper than starting processes per hook
     results = run_workers(_hooks_rank, 2, ((None, "fp16", "bf16", "powersgd"),), timeout=140)[0]
     diffs = {hook: max_param_diff(reference, state) for hook, state in results.items()}
@@ -392,12 +323,12 @@ def test_comm_hooks_on_two_ranks(tmp_path):
     # PowerSGD is lossy by design (rank-1 compression with error feedback): it must train
     data = regression_data()
     torch.manual_seed(0)
-    initial = _full_loss(mlp(), data)
+    initial = full_loss(mlp(), data)
     trained = {}
     for hook in (None, "powersgd"):
         model = mlp()
         model.load_state_dict({k: v for k, v in results[hook].items() if k != LOSSES})
-        trained[hook] = _full_loss(model, data)
+        trained[hook] = full_loss(model, data)
     assert trained["powersgd"] < 0.7 * initial
     # at least half of the progress exact all-reduce makes in the same steps
     assert initial - trained["powersgd"] > 0.5 * (initial - trained[None])
@@ -409,7 +340,7 @@ def test_bf16_mixed_on_cpu_runs_close_to_fp32(tmp_path):
     fp32 = run_layout(dict(common), 1)
     bf16 = run_layout(dict(common, precision="bf16-mixed"), 1)
     torch.manual_seed(0)
-    moved = max_param_diff(fp32, _params(mlp()))  # how far fp32 training went from the start
+    moved = max_param_diff(fp32, state_of(mlp()))  # how far fp32 training went from the start
     diff = max_param_diff(fp32, bf16)
     # bf16 autocast keeps ~3 significant digits in matmuls; AdamW (lr 1e-2) normalises the
     # gradient, so its rounding noise moves each parameter by up to ~lr per step. 5e-2 is the
@@ -421,4 +352,4 @@ def test_bf16_mixed_on_cpu_runs_close_to_fp32(tmp_path):
     model = mlp()
     model.load_state_dict({k: v for k, v in bf16.items() if k != LOSSES})
     torch.manual_seed(0)
-    assert _full_loss(model, data) < 0.5 * _full_loss(mlp(), data)
+    assert full_loss(model, data) < 0.5 * full_loss(mlp(), data)

@@ -7,41 +7,16 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import IN_FEATURES, LOSSES, OUT_FEATURES, max_param_diff, mlp, regression_data
+from conftest import LossRecorder, RecordingDataset, full_loss, quiet_trainer, state_of
+from parity import IN_FEATURES, LOSSES, OUT_FEATURES, adamw, max_param_diff, mlp, regression_data
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate, get_worker_info
 
-from meshtrain import Callback, Trainer
 from meshtrain.launch.spawn import run_workers
 from meshtrain.observe.loggers import read_metrics_csv
 
 # single-process checkpoints: DCP says it saves/loads without a process group, as intended
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    # one torch thread here and in every process started from this test (OMP_NUM_THREADS is
-    # inherited, and it also stops the Trainer from choosing a thread count itself)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _trainer(run_dir, **kwargs) -> Trainer:
-    base = dict(loggers=(), progress_bar=False, save_final_checkpoint=False, run_dir=run_dir,
-                seed=0, global_batch_size=16, accelerator="cpu")
-    base.update(kwargs)
-    return Trainer(**base)
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-
-
-def _params(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 def _data(n: int, seed: int = 5) -> TensorDataset:
@@ -50,57 +25,23 @@ def _data(n: int, seed: int = 5) -> TensorDataset:
     return TensorDataset(x, torch.randn(n, OUT_FEATURES, generator=gen))
 
 
-@torch.no_grad()
-def _full_loss(model, dataset) -> float:
-    """The mean loss over every sample of ``dataset``, by hand, in one batch."""
-    x, y = dataset.tensors
-    was_training = model.training
-    model.eval()
-    loss = F.mse_loss(model(x), y).item()
-    model.train(was_training)
-    return loss
-
-
-class RecordingDataset(Dataset):
-    """A map-style dataset that records which indices were fetched (in this process)."""
-
-    def __init__(self, base: Dataset):
-        self.base, self.fetched = base, []
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, index):
-        self.fetched.append(int(index))
-        return self.base[index]
-
-
-class LossRecorder(Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_step_end(self, trainer, metrics):
-        if "train/loss" in metrics:
-            self.losses.append(metrics["train/loss"])
-
-
 # ---- trainer.test -----------------------------------------------------------------------------
 def test_test_is_the_mean_loss_over_the_whole_test_set(tmp_path):
     test_set = _data(23)  # batches of 4: five full ones and one of 3
-    trainer = _trainer(tmp_path, max_steps=3, micro_batch_size=4, loggers=("csv",))
-    model = trainer.fit(mlp, regression_data(), optimizer=_adamw, loss_fn=F.mse_loss)
-    before = _params(model)
+    trainer = quiet_trainer(tmp_path, max_steps=3, micro_batch_size=4, loggers=("csv",))
+    model = trainer.fit(mlp, regression_data(), optimizer=adamw, loss_fn=F.mse_loss)
+    before = state_of(model)
     result = trainer.test(test_set)
 
     assert set(result) == {"test/loss"}
-    expected = _full_loss(model, test_set)
+    expected = full_loss(model, test_set)
     assert result["test/loss"] == pytest.approx(expected, rel=1e-6, abs=1e-7)
     x, y = test_set.tensors
     with torch.no_grad():  # what a plain mean of the batch means would give instead
         means = [F.mse_loss(model(x[i:i + 4]), y[i:i + 4]).item() for i in range(0, 23, 4)]
     assert abs(sum(means) / len(means) - expected) > 1e-4, "the data does not tell them apart"
     # test() changes nothing, leaves train mode on, and logs the value at the last step
-    assert max_param_diff(before, _params(model)) == 0.0
+    assert max_param_diff(before, state_of(model)) == 0.0
     assert model.training
     rows = [r for r in read_metrics_csv(tmp_path / "metrics.csv") if r.get("test/loss")]
     assert [(r["step"], r["test/loss"]) for r in rows] == [(3, pytest.approx(expected, rel=1e-6))]
@@ -108,10 +49,10 @@ def test_test_is_the_mean_loss_over_the_whole_test_set(tmp_path):
 
 def test_test_sees_the_whole_test_set_even_with_limit_val_batches(tmp_path):
     test_set = _data(23)
-    trainer = _trainer(tmp_path, max_steps=3, micro_batch_size=4, limit_val_batches=1)
-    model = trainer.fit(mlp, regression_data(), optimizer=_adamw, loss_fn=F.mse_loss)
+    trainer = quiet_trainer(tmp_path, max_steps=3, micro_batch_size=4, limit_val_batches=1)
+    model = trainer.fit(mlp, regression_data(), optimizer=adamw, loss_fn=F.mse_loss)
     result = trainer.test(test_set)
-    assert result["test/loss"] == pytest.approx(_full_loss(model, test_set), rel=1e-6)
+    assert result["test/loss"] == pytest.approx(full_loss(model, test_set), rel=1e-6)
 
 
 TEST_SIZES = (23, 17, 1)  # eval batches of 2 x 4: 7 left over; 1 (rank 1 gets none of it); 1
@@ -119,23 +60,23 @@ TEST_SIZES = (23, 17, 1)  # eval batches of 2 x 4: 7 left over; 1 (rank 1 gets n
 
 def _test_rank(run_dir):
     torch.set_num_threads(1)
-    trainer = _trainer(run_dir, layout="dp=2", max_steps=3, micro_batch_size=4)
-    model = trainer.fit(mlp, regression_data(), optimizer=_adamw, loss_fn=F.mse_loss)
+    trainer = quiet_trainer(run_dir, layout="dp=2", max_steps=3, micro_batch_size=4)
+    model = trainer.fit(mlp, regression_data(), optimizer=adamw, loss_fn=F.mse_loss)
     results = {}
     for n in TEST_SIZES:
         test_set = RecordingDataset(_data(n))
         results[n] = (trainer.test(test_set)["test/loss"], test_set.fetched)
-    return {"rank": int(os.environ["RANK"]), "params": _params(model), "test": results}
+    return {"rank": int(os.environ["RANK"]), "params": state_of(model), "test": results}
 
 
 @pytest.mark.timeout(120)
 def test_test_on_two_ranks_sees_every_sample_once(tmp_path):
-    one = _trainer(tmp_path / "one", max_steps=3, micro_batch_size=4)
-    one_model = one.fit(mlp, regression_data(), optimizer=_adamw, loss_fn=F.mse_loss)
+    one = quiet_trainer(tmp_path / "one", max_steps=3, micro_batch_size=4)
+    one_model = one.fit(mlp, regression_data(), optimizer=adamw, loss_fn=F.mse_loss)
 
     ranks = run_workers(_test_rank, 2, (str(tmp_path / "two"),), timeout=100)
     assert [r["rank"] for r in ranks] == [0, 1]
-    assert max_param_diff(ranks[0]["params"], _params(one_model)) < 1e-5
+    assert max_param_diff(ranks[0]["params"], state_of(one_model)) < 1e-5
     model = mlp()
     model.load_state_dict(ranks[0]["params"])
     for n in TEST_SIZES:
@@ -143,7 +84,7 @@ def test_test_on_two_ranks_sees_every_sample_once(tmp_path):
         assert sorted(fetched0 + fetched1) == list(range(n)), f"{n} samples: {fetched0} {fetched1}"
         assert loss0 == loss1, "both ranks must report the same, global value"
         # the hand-computed mean over the whole set, with the weights the two ranks trained
-        assert loss0 == pytest.approx(_full_loss(model, _data(n)), rel=1e-6, abs=1e-7), n
+        assert loss0 == pytest.approx(full_loss(model, _data(n)), rel=1e-6, abs=1e-7), n
         assert loss0 == pytest.approx(one.test(_data(n))["test/loss"], rel=1e-5), n
     # 17 = two global batches of 2 ranks x 4, then sample 16 alone: rank 0 gets it, rank 1 nothing
     assert ranks[0]["test"][17][1] == [0, 1, 2, 3, 8, 9, 10, 11, 16]
@@ -154,10 +95,11 @@ def test_test_on_two_ranks_sees_every_sample_once(tmp_path):
 def _fit(run_dir, data, *, steps=14, **kwargs):
     """Train the MLP; 14 steps of 16 out of 96 samples: three epochs (reshuffled each)."""
     recorder = LossRecorder()
-    trainer = _trainer(run_dir, max_steps=steps, micro_batch_size=8, log_every_n_steps=1,
-                       callbacks=[recorder], **kwargs)
-    model = trainer.fit(mlp, data, optimizer=_adamw, loss_fn=F.mse_loss)
-    return trainer, dict(_params(model), **{LOSSES: torch.tensor(recorder.losses)})
+    trainer = quiet_trainer(run_dir, max_steps=steps, micro_batch_size=8, log_every_n_steps=1,
+                            callbacks=[recorder], **kwargs)
+    model = trainer.fit(mlp, data, optimizer=adamw, loss_fn=F.mse_loss)
+    losses = torch.tensor(list(recorder.losses.values()))
+    return trainer, dict(state_of(model), **{LOSSES: losses})
 
 
 def _squash_targets(samples):
@@ -192,7 +134,7 @@ def test_the_dataloaders_collate_fn_is_used_for_training_and_test(tmp_path):
     # trainer.test honours a DataLoader's collate_fn as well
     test_set = _data(23)
     result = trainer.test(DataLoader(test_set, collate_fn=_squash_targets))["test/loss"]
-    assert result == pytest.approx(_full_loss(trainer.model, _squashed(test_set)), rel=1e-6)
+    assert result == pytest.approx(full_loss(trainer.model, _squashed(test_set)), rel=1e-6)
     assert abs(result - trainer.test(test_set)["test/loss"]) > 1e-2
 
 
@@ -223,4 +165,4 @@ def test_num_workers_gives_the_same_training_as_loading_in_the_main_process(tmp_
     # validation and test load through workers too, and see every sample once
     test_set = _data(23)
     assert trainer.test(WorkerOnlyDataset(test_set))["test/loss"] == pytest.approx(
-        _full_loss(trainer.model, test_set), rel=1e-6)
+        full_loss(trainer.model, test_set), rel=1e-6)

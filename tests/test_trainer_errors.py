@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import trainer_kwargs
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from meshtrain import ConfigError, LayoutError, Trainer
@@ -22,10 +23,7 @@ def _sgd(params):
 
 
 def _kwargs(tmp_path, **overrides):
-    kwargs = dict(max_steps=2, global_batch_size=8, loggers=(), progress_bar=False,
-                  save_final_checkpoint=False, run_dir=tmp_path / "run", accelerator="cpu")
-    kwargs.update(overrides)
-    return kwargs
+    return trainer_kwargs(tmp_path / "run", **{"max_steps": 2, "global_batch_size": 8, **overrides})
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +52,7 @@ def _fit_raises(trainer_kwargs, match, *, model=_model, data=None, optimizer=_sg
 # ---- Trainer(...) -------------------------------------------------------------------------------
 def test_constructor_does_not_create_a_process_group(world_of_two, tmp_path):
     trainer = Trainer(**_kwargs(tmp_path, global_batch_size=8))
-    assert trainer.world_size == 2 and trainer.layout.dp_degree == 2
+    assert trainer.world_size == 2 and trainer.layout.batch_degree == 2
     assert trainer.micro_batch_size == 4 and trainer.grad_accum_steps == 1
 
 

@@ -56,6 +56,28 @@ def find_checkpoint(resume, *, run_dir: Path | None, root_dir: Path,
     return newest, newest.parent.parent
 
 
+def resolve_run_dir(resume, *, run_dir, root_dir, name: str, rank: int) -> tuple[Path, Path | None]:
+    """(the run folder, the checkpoint to resume from or None): rank 0 decides, every rank
+    follows (collective when a process group exists), and rank 0 creates the folder."""
+    from datetime import datetime
+
+    import torch.distributed as dist
+
+    path, resume_from = Path(run_dir) if run_dir else None, None
+    if rank == 0:
+        resume_from, resumed_run = find_checkpoint(resume, run_dir=path, root_dir=Path(root_dir),
+                                                   name=name)
+        path = path or resumed_run or Path(root_dir) / name / datetime.now().strftime(
+            "%Y%m%d-%H%M%S")
+    if dist.is_initialized():  # every rank writes checkpoints into rank 0's folder
+        box = [str(path), resume_from and str(resume_from)]
+        dist.broadcast_object_list(box, src=0)
+        path, resume_from = Path(box[0]), box[1] and Path(box[1])
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    return path, resume_from
+
+
 def has_randomness(model: torch.nn.Module) -> bool:
     """Does the forward pass draw random numbers (dropout with p > 0)?"""
     return any(
@@ -92,3 +114,18 @@ def warn_rng_change(saved: dict, now: dict, random_model: bool) -> bool:
             stacklevel=3,
         )
     return same
+
+
+def restore(path, model, optimizer, *, identity: dict, seed: int, rank: int) -> dict:
+    """Collective: load a checkpoint into ``model`` and ``optimizer`` after refusing one of
+    another run (``identity``: see :func:`check_same_run`); return its trainer state. When the
+    saved RNG streams belong to other ranks, start reproducible new ones."""
+    from meshtrain.checkpoint.state import load_checkpoint
+
+    path = Path(path)
+    if (path / TRAINER_STATE).is_file():  # refuse before touching the model
+        check_same_run(torch.load(path / TRAINER_STATE, weights_only=False), identity)
+    state = load_checkpoint(path, model, optimizer)
+    if not warn_rng_change(state, identity, has_randomness(model)):
+        torch.manual_seed(seed + 1 + rank + 1_000_003 * state["global_step"])
+    return state

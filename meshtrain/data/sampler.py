@@ -236,3 +236,20 @@ class GlobalBatchSampler(Sampler[list[int]]):
             )
         self.epoch = state["epoch"]
         self.consumed_samples = consumed
+
+
+def make_loader(dataset, original, batch_sampler, *, num_workers: int, seed: int,
+                pin_memory: bool = False):
+    """A DataLoader over ``dataset`` drawing ``batch_sampler``'s batches; ``original`` (what the
+    user passed) lends its collate_fn and num_workers when it is a DataLoader."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    collate = original.collate_fn if isinstance(original, DataLoader) else None
+    workers = original.num_workers if isinstance(original, DataLoader) else num_workers
+    # Every iter(loader) draws a worker seed from this generator; from the global one it would
+    # shift the stream that dropout uses, so a resumed (or validated) run would diverge.
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate,
+                      num_workers=workers, pin_memory=pin_memory,
+                      persistent_workers=workers > 0,
+                      generator=torch.Generator().manual_seed(seed))

@@ -78,6 +78,7 @@ class CausalSelfAttention(nn.Module):
         self.wv = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.wo = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
+        self.cp_mesh = None  # set by GPT.enable_context_parallel
 
     @property
     def num_local_heads(self) -> int:
@@ -91,9 +92,13 @@ class CausalSelfAttention(nn.Module):
             return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        dropout = self.dropout if self.training else 0.0
+        if self.cp_mesh is not None:  # this rank's queries over the whole sequence's keys
+            from meshtrain.parallel.context_parallel import cp_attention
+
+            out = cp_attention(q, k, v, self.cp_mesh, dropout_p=dropout)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_drop(self.wo(out))
 
@@ -201,6 +206,18 @@ class GPT(nn.Module):
 
         check_gpt_tp(self, tp_degree, sequence_parallel=sequence_parallel, seq_len=seq_len)
 
+    # -- context parallel: attention over the cp group, positions of this rank's tokens ---------
+    def enable_context_parallel(self, cp_mesh) -> None:
+        """Each rank holds its share of the sequence (meshtrain.parallel.context_parallel)."""
+        self.cp_mesh = cp_mesh
+        for layer in self.layers:
+            layer.attn.cp_mesh = cp_mesh
+
+    def check_context_parallel(self, cp_degree: int) -> None:
+        from meshtrain.parallel.context_parallel import check_cp
+
+        check_cp(self.config.seq_len, cp_degree)
+
     def num_params(self) -> int:
         """Number of parameter elements (embeddings included)."""
         return sum(p.numel() for p in self.parameters())
@@ -219,7 +236,14 @@ class GPT(nn.Module):
                 f"crop it to the last {self.config.seq_len} tokens or build the model with a "
                 f"larger seq_len."
             )
-        positions = torch.arange(seq, device=idx.device)
+        cp_mesh = getattr(self, "cp_mesh", None)
+        if cp_mesh is not None:  # idx is this rank's share of the sequence
+            from meshtrain.parallel.context_parallel import local_positions
+
+            positions = local_positions(seq, cp_mesh.get_local_rank(), cp_mesh.size(),
+                                        device=idx.device)
+        else:
+            positions = torch.arange(seq, device=idx.device)
         return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -249,8 +273,10 @@ class GPT(nn.Module):
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
         if top_k is not None and (not _is_int(top_k) or top_k <= 0):
             raise ConfigError(f"top_k must be a positive integer or None, got {top_k!r}.")
-        was_training = self.training
+        was_training, cp_mesh = self.training, getattr(self, "cp_mesh", None)
         self.eval()
+        if cp_mesh is not None:  # one rank generates from the whole sequence
+            self.enable_context_parallel(None)
         try:
             for _ in range(max_new_tokens):
                 logits = self(idx[:, -self.config.seq_len :])[:, -1, :].float()
@@ -266,4 +292,6 @@ class GPT(nn.Module):
                 idx = torch.cat([idx, next_id], dim=1)
         finally:
             self.train(was_training)
+            if cp_mesh is not None:
+                self.enable_context_parallel(cp_mesh)
         return idx

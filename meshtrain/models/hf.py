@@ -222,3 +222,12 @@ def default_tp_plan(model: nn.Module, tp: int | None = None, *, sequence_paralle
             "(the model computes its loss itself from replicated logits); turn them off"
         )
     return hf_tp_plan(model, tp)
+
+
+def hf_tp_plans(tp_degree: int, sequence_parallel: bool, loss_parallel: bool):
+    """For models that supply no ``tp_plan`` of their own: a function module -> meshtrain's
+    plan for a Hugging Face model (None for other models); None without ``tp``."""
+    def plan_for(module):
+        return default_tp_plan(module, tp_degree, sequence_parallel=sequence_parallel,
+                               loss_parallel=loss_parallel)
+    return plan_for if tp_degree > 1 else None

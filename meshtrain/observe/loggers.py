@@ -235,3 +235,15 @@ class TensorBoardLogger(Logger):
             raise ConfigError(
                 "TensorBoardLogger was used after finalize(); create a new logger for a new run"
             )
+
+
+LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
+
+
+def make_loggers(names, run_dir: Path, hparams: dict) -> list[Logger]:
+    """The loggers named in ``names`` (``"csv"``, ``"tensorboard"``), each given ``hparams``."""
+    names = [names] if isinstance(names, str) else list(names)
+    loggers = [LOGGERS[name](run_dir) for name in names]
+    for logger in loggers:
+        logger.log_hparams(hparams)
+    return loggers

@@ -1,24 +1,24 @@
-"""Turning a plain model into a parallel one, in one fixed order.
+"""Turning a plain model into a parallel one, in one fixed order; the result is an Engine.
 
-The order (as in torchtitan) is: pipeline split (done by the Trainer before this is called on
-each stage), tensor parallel, activation checkpointing, then the data-parallel wrapper (FSDP or
-DDP) last, because it must see the final parameters. ``torch.compile`` belongs between
-checkpointing and the wrapper and is not implemented yet. Each strategy is one
-``apply_*`` function in its own module; this file only decides which ones run, and in what order.
+The order (as in torchtitan) is: pipeline split (:func:`apply_layout`, then :func:`parallelize`
+on each stage), tensor parallel, context parallel, activation checkpointing, then the
+data-parallel wrapper (FSDP or DDP) last, because it must see the final parameters.
+``torch.compile`` would belong between checkpointing and the wrapper and is not implemented yet.
+Each strategy is one ``apply_*`` function in its own module; this file only decides which ones
+run, and in what order.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.engine import Engine
 from meshtrain.parallel.layout import Layout
+from meshtrain.parallel.mesh import ParallelMesh
 
 BlocksFn = Callable[[torch.nn.Module], Iterable[torch.nn.Module]]
 
@@ -39,6 +39,17 @@ class ParallelOptions:
     # a plan, or a function module -> plan or None (None: the module's own ``tp_plan``)
     tp_plan: dict | Callable[[torch.nn.Module], dict | None] | None = None
 
+    @classmethod
+    def from_settings(cls, s: dict, tp_plan=None) -> ParallelOptions:
+        """From the Trainer's settings (meshtrain.settings); ``tp_plan`` replaces a missing one."""
+        tp_plan = s["tp_plan"] if s["tp_plan"] is not None else tp_plan
+        return cls(bucket_cap_mb=25.0 if s["bucket_cap_mb"] is None else s["bucket_cap_mb"],
+                   comm_hook=s["comm_hook"], powersgd_rank=s["powersgd_rank"],
+                   precision=s["precision"], offload=s["offload"],
+                   activation_checkpointing=s["activation_checkpointing"], blocks=s["blocks"],
+                   sequence_parallel=s["sequence_parallel"], loss_parallel=s["loss_parallel"],
+                   tp_plan=tp_plan)
+
 
 def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch.nn.Module]:
     """The repeated blocks that FSDP shards one by one and checkpointing recomputes."""
@@ -49,8 +60,18 @@ def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch
     return find_blocks(model)
 
 
-def check_model(model: torch.nn.Module, layout: Layout, options: ParallelOptions) -> None:
-    """Checks that need the model but no process group (run on a meta-device copy)."""
+def check_model(model: torch.nn.Module | None, layout: Layout, options: ParallelOptions, *,
+                pipeline=None, loss_fn=None, num_microbatches: int = 1,
+                batch_size: int = 1) -> None:
+    """Checks that need the model but no process group (run on a meta-device copy; None when
+    the model cannot be built there: then only what needs no model)."""
+    if layout.degree("pp") > 1 and pipeline is not None:
+        from meshtrain.parallel.pipeline_engine import check_pipeline_layout
+
+        check_pipeline_layout(model, layout, pipeline, loss_fn=loss_fn,
+                              num_microbatches=num_microbatches, batch_size=batch_size)
+    if model is None:
+        return
     if layout.degree("tp") > 1 and tp_plan_of(model, options) is None:
         from meshtrain.parallel.tensor_parallel import check_tp, model_tp_plan
 
@@ -58,6 +79,10 @@ def check_model(model: torch.nn.Module, layout: Layout, options: ParallelOptions
         check_tp(model, tp, sequence_parallel=options.sequence_parallel)
         model_tp_plan(model, tp, sequence_parallel=options.sequence_parallel,
                       loss_parallel=options.loss_parallel)
+    if layout.degree("cp") > 1:
+        from meshtrain.parallel.context_parallel import check_cp_model
+
+        check_cp_model(model, layout.degree("cp"))
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(
             "the model has no trainable parameters (requires_grad=True), so there is nothing "
@@ -78,83 +103,73 @@ def tp_plan_of(module: torch.nn.Module, options: ParallelOptions) -> dict | None
     return plan(module) if callable(plan) else plan
 
 
-def parallelize(
-    model: torch.nn.Module,
-    layout: Layout,
-    mesh,
-    *,
-    device: torch.device,
-    options: ParallelOptions = ParallelOptions(),
-) -> torch.nn.Module:
-    """Apply ``layout`` to ``model`` in place; return the module to call for training steps.
+def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.device,
+                options: ParallelOptions = ParallelOptions()) -> torch.nn.Module:
+    """Apply the layout to ``model`` in place; return the module to call for training steps.
 
-    The returned module may be a wrapper (DDP) used only inside the Trainer; ``model`` itself
+    The returned module may be a wrapper (DDP) used only inside the Engine; ``model`` itself
     keeps its parameters, so user code reads and saves ``model`` as it is. Under ``pp`` this is
-    called once per pipeline stage; with ``pp`` or ``tp``, plain ``dp`` gradients are averaged by
-    the Trainer (``allreduce_gradients``) rather than by DDP.
+    called once per pipeline stage.
     """
+    layout = mesh.layout
     if layout.degree("tp") > 1:
         from meshtrain.parallel.tensor_parallel import apply_tp
 
-        apply_tp(model, mesh["tp"], plan=tp_plan_of(model, options),
+        apply_tp(model, mesh.axis("tp"), plan=tp_plan_of(model, options),
                  sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
+    if layout.degree("cp") > 1:
+        from meshtrain.parallel.context_parallel import apply_cp
+
+        apply_cp(model, mesh.axis("cp"))
     needs_blocks = options.activation_checkpointing or layout.is_sharded
     blocks = model_blocks(model, options) if needs_blocks else []
     if options.activation_checkpointing:
         from meshtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, options.activation_checkpointing, blocks)
-    if layout.is_sharded:
+    if layout.is_sharded:  # 1-D: FSDP; 2-D (replicate, shard): HSDP
         from meshtrain.parallel.fully_shard import apply_fsdp
 
-        shard_mesh = mesh[layout.data_parallel_axes]  # 1-D: FSDP; 2-D (replicate, shard): HSDP
-        apply_fsdp(
-            model, shard_mesh, reshard_after_forward=layout.zero_stage == 3,
-            precision=options.precision, offload=options.offload, blocks=blocks or None,
-        )
+        apply_fsdp(model, mesh.shard, reshard_after_forward=layout.zero_stage == 3,
+                   precision=options.precision, offload=options.offload, blocks=blocks or None)
         return model
     if layout.uses_ddp:
         from meshtrain.parallel.data_parallel import apply_ddp
 
-        return apply_ddp(
-            model, mesh, axis="dp", bucket_cap_mb=options.bucket_cap_mb,
-            comm_hook=options.comm_hook, powersgd_rank=options.powersgd_rank, device=device,
-        )
+        return apply_ddp(model, mesh.mesh, axis="dp", bucket_cap_mb=options.bucket_cap_mb,
+                         comm_hook=options.comm_hook, powersgd_rank=options.powersgd_rank,
+                         device=device)
     return model
 
 
-def build_optimizer(model: torch.nn.Module, factory, layout: Layout, mesh):
+def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.device,
+                 options: ParallelOptions, pipeline, precision, loss_fn, grad_accum_steps: int,
+                 on_meta: bool = False, sample_inputs=None, log=print, run_dir=None) -> Engine:
+    """The whole layout applied to ``model`` (built on the meta device when ``on_meta``: each
+    rank then allocates only its shards): the Engine the training loop drives."""
+    if not on_meta:
+        model = model.to(device)
+    common = dict(device=device, options=options, precision=precision, loss_fn=loss_fn)
+    if mesh.layout.degree("pp") > 1:
+        from meshtrain.parallel.pipeline_engine import apply_pipeline
+
+        engine = apply_pipeline(model, mesh, pipeline=pipeline, num_microbatches=grad_accum_steps,
+                                sample_inputs=sample_inputs, log=log, run_dir=run_dir,
+                                parallelize=parallelize, **common)
+    else:
+        train_module = parallelize(model, mesh, device=device, options=options)
+        engine = Engine(model, train_module, mesh, grad_accum_steps=grad_accum_steps, **common)
+    if on_meta:
+        from meshtrain.parallel.fully_shard import materialize
+
+        materialize(engine.model, device)
+    return engine
+
+
+def build_optimizer(model: torch.nn.Module, factory, mesh: ParallelMesh):
     """The user's optimizer, or for ZeRO-1 the same optimizer with its state sharded."""
-    if layout.zero_stage == 1 and layout.degree("dp") > 1:
+    if mesh.layout.zero_stage == 1 and mesh.layout.degree("dp") > 1:
         from meshtrain.parallel.zero1 import make_zero1_optimizer
 
-        return make_zero1_optimizer(model.parameters(), factory, mesh.get_group("dp"))
+        return make_zero1_optimizer(model.parameters(), factory, mesh.axis("dp").get_group())
     return factory(model.parameters())
-
-
-@contextlib.contextmanager
-def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled: bool):
-    """Skip the gradient reduction for micro-steps that only accumulate (DDP or FSDP2)."""
-    if enabled:
-        yield
-    elif isinstance(train_module, DistributedDataParallel):
-        with train_module.no_sync():
-            yield
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        yield
-
-
-def loss_context(layout: Layout, options: ParallelOptions):
-    """Where the loss and its backward run: under ``loss_parallel()`` when the tensor-parallel
-    head leaves the logits sharded over the vocabulary, else nothing special."""
-    if options.loss_parallel and layout.degree("tp") > 1:
-        from meshtrain.parallel.tensor_parallel import loss_parallel_context
-
-        return loss_parallel_context(True)
-    return contextlib.nullcontext()

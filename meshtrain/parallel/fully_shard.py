@@ -194,3 +194,21 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
         )
     model.to_empty(device=torch.device(device))
     model.init_weights()
+
+
+def builds_on_meta(layout, meta_init, model, meta_model) -> bool:
+    """Build the model on the meta device, so each rank allocates only its own shards? Needs
+    a sharded layout without pp (a stage cannot re-run the whole model's initialisation), a
+    factory (not a built module) and a model that supports sharded init. ``meta_init=True``
+    insists (ConfigError when impossible); "auto" falls back quietly."""
+    import torch
+
+    on_meta = (layout.is_sharded and meta_init is not False and layout.degree("pp") == 1
+               and not isinstance(model, torch.nn.Module) and meta_model is not None
+               and supports_meta_init(meta_model))
+    if meta_init is True and not on_meta:
+        raise ConfigError(
+            "meta_init=True needs a sharded layout, a model factory (not a built module) "
+            "and a model that supports sharded init (supports_sharded_init = True and "
+            "init_weights()); use meta_init='auto' to fall back quietly")
+    return on_meta

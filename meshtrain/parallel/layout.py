@@ -15,6 +15,7 @@ Axes (mesh order, outermost first):
 ``dp_replicate`` replicas of a sharded model: HSDP, with ``dp_shard`` (gradients all-reduced)
 ``dp``           data parallel with replicated parameters (DDP)
 ``dp_shard``     fully sharded data parallel (FSDP2 ``fully_shard``, ZeRO-3)
+``cp``           context parallel: the sequence split over ranks, attention all-gathers K/V
 ``tp``           tensor parallel (Megatron-LM column then row splits, DTensor)
 ================ =============================================================================
 
@@ -27,9 +28,15 @@ ZeRO names are aliases that also pick what is sharded (Rajbhandari et al., SC 20
 
 Hybrid sharding: ``dp_replicate=2,dp_shard=2`` (or ``dp_replicate=2,zero2=2``).
 
-Composition: any combination on one mesh, e.g. ``pp=2,dp_shard=2,tp=2``. With ``pp`` or ``tp``,
-``dp`` gradients are averaged by an explicit all-reduce instead of DDP (DDP breaks under
-pipelining and does not take DTensor parameters); ``zero1`` is for plain data parallelism only.
+Composition: any combination on one mesh, e.g. ``pp=2,dp_shard=2,tp=2``. With ``pp``, ``tp`` or
+``cp``, ``dp`` gradients are averaged by an explicit all-reduce instead of DDP (DDP breaks under
+pipelining and does not take DTensor parameters); ``zero1`` is for plain data parallelism only;
+``cp`` does not combine with ``pp`` yet.
+
+Two words for data parallelism: the **batch** axes are all data-parallel axes together (ranks
+along them see different samples; ``batch_degree`` of them split the global batch), while ``dp``
+is one of them, the DDP axis. The **loss** axes are the batch axes plus ``cp``: the ranks whose
+losses together make the global mean, and over which replicated gradients are averaged.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ AXES: dict[str, str] = {
     "dp_replicate": "replicas of a sharded model (HSDP, used with dp_shard)",
     "dp": "data parallel (DistributedDataParallel, replicated parameters)",
     "dp_shard": "fully sharded data parallel (FSDP2, ZeRO-3)",
+    "cp": "context parallel (the sequence split over ranks)",
     "tp": "tensor parallel (Megatron-style column/row splits)",
 }
 
@@ -95,13 +103,25 @@ class Layout:
         return self.degrees.get(axis, 1)
 
     @property
-    def dp_degree(self) -> int:
-        """Ranks that see different data (all data-parallel axes together)."""
+    def batch_degree(self) -> int:
+        """Ranks that see different samples: all data-parallel axes together (``dp`` alone is
+        the DDP axis, ``degree("dp")``)."""
         return math.prod(self.degree(a) for a in DATA_PARALLEL_AXES)
 
     @property
-    def data_parallel_axes(self) -> tuple[str, ...]:
+    def batch_axes(self) -> tuple[str, ...]:
+        """The data-parallel axes of this layout, in mesh order."""
         return tuple(a for a in DATA_PARALLEL_AXES if a in self.degrees)
+
+    @property
+    def loss_axes(self) -> tuple[str, ...]:
+        """The batch axes and ``cp``: ranks whose mean loss is the global loss; gradients of
+        replicated parameters are averaged over them."""
+        return tuple(a for a in (*DATA_PARALLEL_AXES, "cp") if a in self.degrees)
+
+    @property
+    def loss_degree(self) -> int:
+        return math.prod(self.degree(a) for a in self.loss_axes)
 
     @property
     def is_sharded(self) -> bool:
@@ -111,21 +131,27 @@ class Layout:
     @property
     def uses_ddp(self) -> bool:
         """DDP averages the gradients (``dp``/``zero1`` alone): its bucket and hook settings apply."""
-        return (self.degree("dp") > 1 and not self.is_sharded
-                and self.degree("pp") == 1 and self.degree("tp") == 1)
+        return self.degree("dp") > 1 and self.loss_axes == ("dp",) and not (
+            "pp" in self.degrees or "tp" in self.degrees)
 
     @property
-    def averages_dp_gradients_by_hand(self) -> bool:
-        """Plain ``dp`` with ``pp`` or ``tp``: DDP does not apply, an explicit all-reduce
-        averages the gradients over the ``dp`` axis."""
-        return self.degree("dp") > 1 and (self.degree("pp") > 1 or self.degree("tp") > 1)
+    def averages_gradients_by_hand(self) -> bool:
+        """Replicated (not sharded) gradients averaged by an explicit all-reduce over the loss
+        axes: plain ``dp`` with ``pp`` or ``tp``, and any ``cp`` without ``dp_shard``."""
+        return not self.is_sharded and self.loss_degree > 1 and not self.uses_ddp
+
+    @property
+    def gradients_identical_after_sync(self) -> bool:
+        """Does every rank hold the same full gradients once they are averaged? (plain DDP or
+        ZeRO-1, or one process; not sharded, tensor, context or pipeline parallel)"""
+        return self.world_size == 1 or self.uses_ddp
 
     def why_not_ddp(self) -> str:
         """Why DDP's settings do nothing under this layout (for error messages)."""
         if self.is_sharded:
             return "FSDP reduce-scatters the gradients of a sharded layout"
-        if self.averages_dp_gradients_by_hand:
-            return "with pp or tp, plain dp gradients are averaged by an explicit all-reduce"
+        if self.averages_gradients_by_hand:
+            return "with pp, tp or cp, gradients are averaged by an explicit all-reduce"
         return "no data-parallel ranks average gradients here"
 
     @property
@@ -241,10 +267,15 @@ def _resolve(raw: dict, world_size: int, spec) -> dict[str, int]:
             f"layout {spec!r}: dp_replicate replicates a sharded model and needs dp_shard "
             f"(HSDP); for plain replication write dp={degrees['dp_replicate']}"
         )
-    if zero_stage == 1 and ("pp" in degrees or "tp" in degrees):
+    if zero_stage == 1 and ("pp" in degrees or "tp" in degrees or "cp" in degrees):
         raise LayoutError(
-            f"layout {spec!r}: zero1 is available with plain data parallelism only; with pp or "
-            f"tp shard the optimizer state with zero2/zero3 (dp_shard) instead"
+            f"layout {spec!r}: zero1 is available with plain data parallelism only; with pp, "
+            f"tp or cp shard the optimizer state with zero2/zero3 (dp_shard) instead"
+        )
+    if "cp" in degrees and "pp" in degrees:
+        raise LayoutError(
+            f"layout {spec!r}: context parallel does not combine with pipeline parallel yet; "
+            f"use cp with dp, dp_shard or tp, or pp without cp"
         )
     if zero_stage is None:
         zero_stage = 3 if "dp_shard" in raw else 0

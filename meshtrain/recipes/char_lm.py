@@ -1,5 +1,9 @@
 """Character-level GPT language model: the main job (``make demo``).
 
+Its config: the sections of ``DEFAULTS`` below ([job], [data], [model], [optimizer], [sample])
+and the Trainer's ([trainer], [parallel], [pipeline], [checkpoint], [fault], [logging]; see
+docs/reference.md), with this recipe's own defaults in ``TRAINER_DEFAULTS``.
+
 Text: a file named by ``data.path``, or by default the Python standard library's own sources,
 which are on every machine. The job prints the unigram baseline beside the validation loss
 (a model that learned nothing beyond character frequencies scores the baseline) and ends with
@@ -14,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from meshtrain import settings
 from meshtrain.callbacks import Callback
 from meshtrain.config import dumps_toml
 from meshtrain.data.text import CharChunks, CharTokenizer, split_tokens, stdlib_text, unigram_cross_entropy
@@ -21,35 +26,67 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.trainer import Trainer
 
+# This recipe's own defaults of Trainer settings; every other setting keeps the Trainer's.
+TRAINER_DEFAULTS = {
+    "trainer": {"layout": "dp=2", "devices": 2, "max_steps": 400, "grad_clip_norm": 1.0,
+                "val_every_n_steps": 100},
+    "logging": {"log_every_n_steps": 10, "name": "char_gpt"},
+}
+
+
+def _trainer_sections() -> dict[str, dict]:
+    sections = settings.config_sections()
+    for section, values in TRAINER_DEFAULTS.items():
+        assert set(values) <= set(sections[section]), (section, values)
+        sections[section].update(values)
+    return sections
+
+
 DEFAULTS = {
-    "job": {"recipe": "char_lm", "name": "char_gpt"},
+    "job": {"recipe": "char_lm"},
     "data": {"path": "", "max_chars": 1_500_000, "seq_len": 128, "val_fraction": 0.05},
     "model": {"num_layers": 4, "num_heads": 4, "d_model": 128, "mlp_ratio": 4, "dropout": 0.0},
     "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
                   "warmup_steps": 20, "min_lr_ratio": 0.1},
-    "trainer": {
-        "layout": "dp=2", "devices": 2, "accelerator": "auto", "max_steps": 400,
-        "max_epochs": None, "global_batch_size": 32, "micro_batch_size": None,
-        "grad_clip_norm": 1.0, "log_grad_norm": False, "precision": "fp32", "seed": 0, "val_every_n_steps": 100,
-        "limit_val_batches": None, "log_every_n_steps": 10, "root_dir": "runs",
-        "num_workers": 0, "bucket_cap_mb": None, "comm_hook": None, "progress_bar": True,
-        # fault tolerance: "resume" is "auto" (the latest checkpoint of this job), "none" or a path
-        "checkpoint_every_n_steps": None, "checkpoint_every_n_minutes": None,
-        "keep_last_k": None, "async_checkpoint": False, "resume": "auto", "nan_policy": "error",
-        "stall_timeout_s": 240.0, "collective_timeout_s": 300.0, "debug_collectives": False,
-    },
+    **_trainer_sections(),  # [trainer] [parallel] [pipeline] [checkpoint] [fault] [logging]
     "sample": {"prompt": "def ", "num_chars": 300, "temperature": 0.8, "top_k": 20},
 }
 
 
+def trainer_keywords(config: dict, mode: str = "train") -> dict:
+    """The Trainer's keywords from the config's Trainer sections (for ``mode``)."""
+    keywords = settings.flatten(config)
+    if mode == "memory":  # one step is enough to measure every rank's model state
+        keywords.update(max_steps=1, max_epochs=None, val_every_n_steps=None,
+                        progress_bar=False, resume=None, checkpoint_every_n_steps=None,
+                        checkpoint_every_n_minutes=None, loggers=(), save_final_checkpoint=False)
+    return keywords
+
+
+def _check_data_path(data: dict) -> None:
+    if data["path"] and not Path(data["path"]).is_file():
+        raise ConfigError(
+            f"data.path {data['path']} does not exist; give a text file, or leave data.path "
+            "empty to train on the Python standard library's sources"
+        )
+
+
+def check(config: dict, mode: str = "train") -> str:
+    """``--dry-run``: build the Trainer (no process starts) and the model config, read nothing."""
+    trainer = Trainer(**trainer_keywords(config, mode))
+    _check_data_path(config["data"])
+    # the vocabulary size comes from the text, which a dry run does not read
+    GPTConfig(vocab_size=1, seq_len=config["data"]["seq_len"], **config["model"])
+    facts = [f"{name} {getattr(trainer, attr)}" for name, attr in (
+        ("layout", "layout"), ("processes", "world_size"), ("micro-batch", "micro_batch_size"),
+        ("accumulation", "grad_accum_steps")) if hasattr(trainer, attr)]
+    return ", ".join(facts)
+
+
 def load_text(data: dict) -> str:
+    _check_data_path(data)
     if data["path"]:
         path = Path(data["path"])
-        if not path.is_file():
-            raise ConfigError(
-                f"data.path {path} does not exist; give a text file, or leave data.path empty to "
-                "train on the Python standard library's sources"
-            )
         return path.read_text(encoding="utf-8", errors="replace")[: data["max_chars"]]
     return stdlib_text(data["max_chars"])
 
@@ -75,14 +112,8 @@ class _SaveConfig(Callback):
 
 
 def run(config: dict, mode: str = "train"):
-    data, opt, trainer_cfg = config["data"], config["optimizer"], dict(config["trainer"])
-    for key in ("resume", "nan_policy"):  # TOML has no null: "none" stands for None
-        if trainer_cfg[key] in ("none", ""):
-            trainer_cfg[key] = None
-    if mode == "memory":  # one step is enough to measure every rank's model state
-        trainer_cfg.update(max_steps=1, max_epochs=None, val_every_n_steps=None,
-                           progress_bar=False, resume=None, checkpoint_every_n_steps=None,
-                           checkpoint_every_n_minutes=None)
+    data, opt = config["data"], config["optimizer"]
+    keywords = trainer_keywords(config, mode)
     text = load_text(data)
     tokenizer = CharTokenizer.from_text(text)
     train_tokens, val_tokens = split_tokens(tokenizer.encode(text), data["val_fraction"])
@@ -92,9 +123,7 @@ def run(config: dict, mode: str = "train"):
     model_config = GPTConfig(vocab_size=tokenizer.vocab_size, seq_len=data["seq_len"],
                              **config["model"])
 
-    extra = dict(loggers=(), save_final_checkpoint=False) if mode == "memory" else {}
-    trainer = Trainer(name=config["job"]["name"],
-                      callbacks=[_SaveConfig(config, tokenizer)], **trainer_cfg, **extra)
+    trainer = Trainer(**keywords, callbacks=[_SaveConfig(config, tokenizer)])
     build = lambda: GPT(model_config, seed=trainer.seed)  # noqa: E731
     optimizer = lambda params: torch.optim.AdamW(  # noqa: E731
         params, lr=opt["lr"], weight_decay=opt["weight_decay"], betas=(opt["beta1"], opt["beta2"]))
@@ -107,7 +136,7 @@ def run(config: dict, mode: str = "train"):
         trainer.fit(build, train_set, optimizer=optimizer, loss_fn=loss_fn)
         return {"run_dir": trainer.run_dir}
 
-    total = trainer_cfg["max_steps"] or 10**9
+    total = keywords["max_steps"] or 10**9
     schedule = cosine_with_warmup(total, opt["warmup_steps"], opt["min_lr_ratio"])
     trainer.print(f"data: {len(text):,} characters, vocabulary {tokenizer.vocab_size}, "
                   f"{len(train_set):,} training and {len(val_set):,} validation sequences")

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from meshtrain.launch.spawn import restart_count
 from meshtrain.launch.torchrun import restart_notice, restarts_done
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("elastic_worker.py")
 STEPS, KILL_AFTER = 5, 3
 

@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import script_env
 from parity import params_of, run_layout
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120
 
 SCRIPT = """
@@ -46,7 +45,7 @@ trainer = Trainer(devices=2, layout="dp=2", accelerator="cpu", max_steps=5, glob
                   seed=0, loggers=(), progress_bar=False, save_final_checkpoint=False,
                   run_dir=pid_dir / "run")
 model = trainer.fit(mlp, regression_data(), optimizer=adamw, loss_fn=loss_fn)
-assert trainer.world_size == 2 and trainer.layout.dp_degree == 2
+assert trainer.world_size == 2 and trainer.layout.batch_degree == 2
 # every rank saves the whole trained state (DDP: each holds all of it)
 state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 torch.save(state, pid_dir / f"state_rank{trainer.rank}.pt")
@@ -63,15 +62,9 @@ def _run(tmp_path, fail_rank: int) -> subprocess.CompletedProcess:
     script.write_text(textwrap.dedent(SCRIPT))
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    env = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MESHTRAIN_STORE"):
-        env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), *filter(None, [env.get("PYTHONPATH")])])
-    env["OMP_NUM_THREADS"] = "1"
     try:  # a job that hangs raises TimeoutExpired
         done = subprocess.run([sys.executable, str(script), str(pid_dir), str(fail_rank)],
-                              env=env, capture_output=True, text=True, timeout=TIMEOUT,
+                              env=script_env(), capture_output=True, text=True, timeout=TIMEOUT,
                               cwd=tmp_path)
     finally:
         # rank 1 runs in its own session: end any process of this job that is still there

@@ -2,7 +2,6 @@
 job stop with STALL_EXIT_CODE; quick steps never fire it. In-process tests set the steps' ages
 with a fake clock and wait on events, not on real time."""
 
-import os
 import re
 import subprocess
 import sys
@@ -11,12 +10,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, script_env
 
 from meshtrain.launch.spawn import _host_store, _worker_environ
 from meshtrain.observe import watchdog as watchdog_module
 from meshtrain.observe.watchdog import STALL_EXIT_CODE, StallWatchdog
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("stall_worker.py")
 LIMIT_S = 2.0
 
@@ -28,12 +27,10 @@ def _run_stalling_job(tmp_path):
     procs = []
     try:
         for rank in range(2):
-            env = _worker_environ(rank, 2, store.port)
-            env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-            env["OMP_NUM_THREADS"] = "1"
             procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), str(stacks_dir), str(LIMIT_S)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                env=script_env(_worker_environ(rank, 2, store.port)), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True))
         outputs = [proc.communicate(timeout=60) for proc in procs]
     finally:
         for proc in procs:

@@ -1,32 +1,23 @@
 """Activation checkpointing ("full", "selective") leaves gradients and parameter names unchanged,
 keeps what it should, and composes with FSDP2 and DDP."""
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import end_together, join_gloo, max_diff
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain.errors import ConfigError
-from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
+from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
 MODES = ("full", "selective")
 STEPS, BATCH = 3, 4
 
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread, as on every rank: several threads on a busy machine crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 def gpt(dropout: float = 0.0) -> GPT:
     config = GPTConfig(vocab_size=16, seq_len=8, num_layers=2, num_heads=2, d_model=16,
@@ -45,11 +36,6 @@ def loss_of(model, batch: torch.Tensor) -> torch.Tensor:
 
 def grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def checkpointed(mode: str, dropout: float = 0.0) -> GPT:
@@ -150,8 +136,7 @@ def train(model, step_model, full_tensor=lambda t: t, rank=0, world=1):
 def _parallel_rank():
     from torch.distributed.fsdp import fully_shard
 
-    init_process_group(DistEnv.from_environ(), "gloo", timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = join_gloo()
     results = {}
     for mode in MODES:
         model = checkpointed(mode)
@@ -168,8 +153,7 @@ def _parallel_rank():
         model = gpt()
         fully_shard(model.layers[0])
         apply_activation_checkpointing(model, "full", list(model.layers))
-    dist.barrier()  # end together; the group is destroyed at exit, after DDP and FSDP are freed
-    return results
+    return end_together(results)  # the group is destroyed at exit, after DDP and FSDP are freed
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ def test_layout_error_is_a_value_error():
 def test_explicit_dp_degree(spec):
     layout = Layout.parse(spec, 2)
     assert layout.degrees == {"dp": 2}
-    assert layout.dp_degree == 2
+    assert layout.batch_degree == 2
     assert layout.world_size == 2
     assert layout.mesh_shape == (2,)
     assert layout.axis_names == ("dp",)
@@ -25,7 +25,7 @@ def test_explicit_dp_degree(spec):
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_auto_fills_the_world(spec, world):
     layout = Layout.parse(spec, world)
-    assert layout.dp_degree == world
+    assert layout.batch_degree == world
     assert layout.world_size == world
 
 
@@ -33,14 +33,14 @@ def test_auto_fills_the_world(spec, world):
 @pytest.mark.parametrize("world", [1, 3])
 def test_no_layout_means_data_parallel_over_the_world(spec, world):
     layout = Layout.parse(spec, world)
-    assert layout.dp_degree == world
+    assert layout.batch_degree == world
     assert layout.world_size == world
 
 
 def test_degree_one_axes_are_dropped_and_a_layout_parses_again():
     single = Layout.parse("dp=1", 1)
     assert single.degrees == {}
-    assert single.dp_degree == 1
+    assert single.batch_degree == 1
     assert single.world_size == 1
     assert single.build_mesh("cpu") is None  # one process needs no mesh
     layout = Layout.parse("dp=4", 4)
@@ -66,7 +66,7 @@ def test_degrees_must_multiply_to_the_world_size(spec, world):
 
 def test_unknown_axis_lists_the_known_ones():
     with pytest.raises(LayoutError, match=r"unknown layout axis 'foo'.*known axes: pp, "
-                       r"dp_replicate, dp, dp_shard, tp, zero1, zero2, zero3"):
+                       r"dp_replicate, dp, dp_shard, cp, tp, zero1, zero2, zero3"):
         Layout.parse("foo=2", 2)
 
 
@@ -80,7 +80,7 @@ def test_model_parallel_axes_take_their_place_in_the_mesh(spec, world, shape, na
     layout = Layout.parse(spec, world)
     assert layout.mesh_shape == shape and layout.axis_names == names
     # tensor- and pipeline-parallel ranks see the same data
-    assert layout.dp_degree == world // (layout.degree("pp") * layout.degree("tp"))
+    assert layout.batch_degree == world // (layout.degree("pp") * layout.degree("tp"))
 
 
 def test_zero1_only_with_plain_data_parallelism():
@@ -155,7 +155,7 @@ def test_sharded_layouts(spec, world, degrees, stage, text):
     layout = Layout.parse(spec, world)
     assert layout.degrees == degrees
     assert layout.zero_stage == stage
-    assert layout.dp_degree == world
+    assert layout.batch_degree == world
     assert str(layout) == text
     assert Layout.parse(text, world) == layout
     assert Layout.parse(layout, world) == layout

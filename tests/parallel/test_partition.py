@@ -22,13 +22,8 @@ from meshtrain.parallel.partition import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One thread: fast on a shared machine, and block_time_costs then times thread CPU time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one torch thread: fast on a shared machine, and block_time_costs then times thread CPU time
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Uneven on purpose: by block count two stages get 256 vs 1216 hidden units; by parameters the

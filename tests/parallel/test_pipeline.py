@@ -1,15 +1,14 @@
 """Pipeline parallelism without the Trainer: stages keep the full model's parameter names, every
 schedule reproduces one-process training on the same batch, and the timeline is recorded."""
 
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import gloo_mesh
 
 from meshtrain.errors import ConfigError
-from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
+from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.pipeline import (
     SCHEDULES, PipelineRunner, TimelineEvent, bubble_fraction, check_pipeline, clip_grad_norm_,
@@ -150,13 +149,6 @@ def reference():
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms, eval_loss
 
 
-def setup_pp_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    init_process_group(DistEnv.from_environ(), "gloo", timedelta(seconds=60))
-    return init_device_mesh("cpu", (PP,), mesh_dim_names=("pp",))
-
-
 def build_runner(mesh, schedule, v):
     rank, num_stages = mesh.get_local_rank(), PP * v
     indices = rank_stages(rank, PP, v, schedule)
@@ -168,7 +160,7 @@ def build_runner(mesh, schedule, v):
 
 
 def parity_worker(cases):
-    mesh = setup_pp_mesh()
+    mesh = gloo_mesh((PP,), ("pp",))
     (x, y), results = data(), {}
     for schedule, v in cases:
         runner = build_runner(mesh, schedule, v)
@@ -216,7 +208,7 @@ def test_every_schedule_matches_one_process():
 # timeline
 # ---------------------------------------------------------------------------------------------
 def timeline_worker(cases):
-    mesh = setup_pp_mesh()
+    mesh = gloo_mesh((PP,), ("pp",))
     (x, y), out = data(), {}
     for schedule, v in cases:
         runner = build_runner(mesh, schedule, v)

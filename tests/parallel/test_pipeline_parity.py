@@ -4,9 +4,9 @@ import os
 
 import pytest
 import torch
+from conftest import quiet_trainer
 from parity import GPT4_FNS, adamw, assert_parity, token_data
 
-from meshtrain import Trainer
 from meshtrain.checkpoint.export import export_model
 from meshtrain.launch.spawn import run_workers
 
@@ -35,8 +35,7 @@ def test_pp2_with_data_parallel_matches_one_process(layout):
 
 def _fit_with_validation(run_dir, layout):
     torch.set_num_threads(1)
-    trainer = Trainer(layout=layout, max_steps=4, global_batch_size=16, loggers=(),
-                      progress_bar=False, run_dir=run_dir, save_final_checkpoint=True)
+    trainer = quiet_trainer(run_dir, layout=layout, max_steps=4, save_final_checkpoint=True)
     trainer.fit(GPT4_FNS["model_fn"], token_data(), token_data(seed=7), optimizer=adamw,
                 loss_fn=GPT4_FNS["loss_fn"])
     if int(os.environ.get("RANK", 0)) == 0:

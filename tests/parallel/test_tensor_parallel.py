@@ -3,15 +3,15 @@ one-process training, alone (tp=2) and under FSDP2 (dp=2 x tp=2), and issue Mega
 of collectives. Each multi-process test spawns its ranks once and runs all its cases there."""
 
 import functools
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import assert_matches_one_process, gloo_mesh, max_diff
 
 from meshtrain.errors import ConfigError
-from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
+from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.fully_shard import materialize
 from meshtrain.parallel.tensor_parallel import (
@@ -68,24 +68,6 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: full_value(p).detach().clone() for n, p in model.named_parameters()}
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
-# attn.wk.bias has an exactly zero gradient in exact arithmetic (softmax ignores a shift shared by
-# all keys), so its gradient is rounding noise that AdamW's normalised step turns into moves of
-# ~lr under any change of summation order (any parallel layout): it is compared loosely.
-NOISE_ONLY = ".attn.wk.bias"
-
-
-def assert_parity(reference: dict, parallel: dict, what: str) -> None:
-    tight = [k for k in reference if not k.endswith(NOISE_ONLY)]
-    diff = max_diff({k: reference[k] for k in tight}, {k: parallel[k] for k in tight})
-    assert diff <= 1e-5, f"{what} differs from one process by {diff:.3e}"
-    assert max_diff(reference, parallel) <= 1e-3, f"{what}: {NOISE_ONLY} drifted too far"
-
-
 @functools.cache
 def reference_run(steps: int) -> tuple[dict, list[float]]:
     """One process on the full batch (computed once per steps value)."""
@@ -96,13 +78,6 @@ def reference_run(steps: int) -> tuple[dict, list[float]]:
     assert max_diff(initial, final) > 1e-3, "training barely moved: the test would prove nothing"
     assert losses[-1] < losses[0]
     return final, losses
-
-
-def setup_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    init_process_group(DistEnv.from_environ(), "gloo", timedelta(seconds=60))
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +129,7 @@ def _count(mesh, num_layers: int, **options) -> dict[str, int]:
 
 
 def _tp_rank():
-    mesh = setup_mesh((2,), ("tp",))
+    mesh = gloo_mesh((2,), ("tp",))
     out = {}
     for name, options in VARIANTS.items():
         model = apply_tp(tiny_gpt(), mesh, **options)
@@ -191,7 +166,7 @@ def tp_results():
 def test_tp2_matches_one_process(tp_results, variant):
     reference, reference_losses = reference_run(STEPS)
     params, losses = tp_results[variant]
-    assert_parity(reference, params, f"{variant} on 2 ranks")
+    assert_matches_one_process(reference, params, f"{variant} on 2 ranks")
     assert max(abs(a - b) for a, b in zip(losses, reference_losses)) <= 1e-6, (
         losses, reference_losses)
 
@@ -239,7 +214,7 @@ def test_collective_counts_match_megatron(tp_results):
 def _dp_tp_rank():
     from meshtrain.parallel.fully_shard import apply_fsdp
 
-    mesh = setup_mesh((2, 2), ("dp", "tp"))
+    mesh = gloo_mesh((2, 2), ("dp", "tp"))
     dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
     part = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)  # TP ranks: the same part
     with pytest.raises(ConfigError, match="needs the 1-D tensor-parallel mesh"):
@@ -259,5 +234,5 @@ def test_dp2_x_tp2_with_fsdp2_matches_one_process():
     results = run_workers(_dp_tp_rank, 4, timeout=110)[0]
     reference, reference_losses = reference_run(DP_TP_STEPS)
     for name, (params, losses) in results.items():
-        assert_parity(reference, params, f"dp=2 x {name}=2 with FSDP2")
+        assert_matches_one_process(reference, params, f"dp=2 x {name}=2 with FSDP2")
         assert max(abs(a - b) for a, b in zip(losses, reference_losses)) <= 1e-5

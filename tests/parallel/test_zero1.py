@@ -2,12 +2,12 @@
 rank, and checkpoints through DCP in get_state_dict's format, loadable on any world size."""
 
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from conftest import end_together, join_gloo, max_diff
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.errors import ConfigError
-from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
+from meshtrain.launch.spawn import run_workers
 from meshtrain.parallel.zero1 import (
     load_zero1_state_dict,
     make_zero1_optimizer,
@@ -27,15 +27,8 @@ from meshtrain.parallel.zero1 import (
 
 STEPS, BATCH, IN, OUT = 10, 16, 16, 3
 
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread, as on every rank: several threads on a busy machine crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 def mlp(seed: int = 0) -> torch.nn.Module:
     # Sizes chosen so the greedy owner assignment splits the state about evenly on 2 ranks.
@@ -75,16 +68,6 @@ def flat_state(state: dict) -> dict:
             for fqn, entry in state.items() for k, v in entry.items()}
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
-def init():
-    init_process_group(DistEnv.from_environ(), "gloo", timedelta(seconds=60))
-    return dist.get_rank(), dist.get_world_size()
-
-
 def zero1(model, reverse=False, lr=1e-2, group=None):
     ps = list(model.parameters())
     factory = lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.1)  # noqa: E731
@@ -104,22 +87,15 @@ def load(path, model, optimizer, group=None):
     load_zero1_state_dict(model, optimizer, state["optim"])
 
 
-def finish(result):
-    # Ranks end together. The group is destroyed at exit (spawn's atexit): destroying it here,
-    # before DDP and the optimizer are freed on return, hung gloo in ~4 runs out of 10.
-    dist.barrier()
-    return result
-
-
 # -- parity and memory ----------------------------------------------------------------------------
 def _zero1_rank():
-    rank, world = init()
+    rank, world = join_gloo()
     model = mlp()
     optimizer = zero1(model)
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     train(ddp, optimizer, range(STEPS), rank, world)
     state_bytes = sum(t.nbytes for e in optimizer.optim.state.values() for t in e.values())
-    return finish((params(model), state_bytes))
+    return end_together((params(model), state_bytes))
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +130,7 @@ def test_zero1_shards_optimizer_state(zero1_run, reference):
 
 # -- checkpoints -----------------------------------------------------------------------------------
 def _save_and_reload_rank(zero_dir, plain_dir):
-    rank, world = init()
+    rank, world = join_gloo()
     # Save under zero1 after 3 steps; remember this rank's part and the next step's result.
     model = mlp()
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
@@ -204,7 +180,7 @@ def _save_and_reload_rank(zero_dir, plain_dir):
         result["solo_fresh"] = flat_state(zero1_state_dict(fresh, fresh_opt)["state"])
         result["solo_fresh_live"] = len(fresh_opt.optim.state)
         result["plain_fresh"] = flat_state(get_state_dict(plain, plain_opt)[1]["state"])
-    return finish(result)
+    return end_together(result)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,146 @@
+"""Checks on the Trainer's inputs that need no process group (models, factories, data)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from meshtrain.errors import ConfigError
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator not in ("cpu", "cuda"):
+        raise ConfigError(f"accelerator must be 'cpu', 'cuda' or 'auto', got {accelerator!r}")
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("accelerator='cuda' but no GPU is visible; use 'cpu' or 'auto'")
+    return accelerator
+
+
+def resolve_device_type(settings: dict) -> str:
+    """"cpu" or "cuda" from ``accelerator``, with the precision and offload that need one."""
+    from meshtrain.parallel.fully_shard import check_offload
+    from meshtrain.precision import check_precision
+
+    device_type = resolve_accelerator(settings["accelerator"])
+    check_precision(settings["precision"], device_type)
+    if settings["offload"] is not None:
+        check_offload(settings["offload"], device_type)
+    return device_type
+
+
+def check_settings_apply(layout, *, bucket_cap_mb, comm_hook, powersgd_rank,
+                         sequence_parallel, loss_parallel, tp_plan, offload) -> None:
+    """A setting that would do nothing under ``layout`` is an error, not silently ignored."""
+    for name, value in {"comm_hook": comm_hook, "bucket_cap_mb": bucket_cap_mb}.items():
+        if value is not None and not layout.uses_ddp:
+            raise ConfigError(
+                f"{name}={value!r} is a DDP setting, but the layout {layout} does not use DDP "
+                f"({layout.why_not_ddp()}); drop {name}, or use a dp/zero1 layout")
+    if powersgd_rank != 1 and comm_hook != "powersgd":
+        raise ConfigError(f"powersgd_rank={powersgd_rank} is used by comm_hook='powersgd' only "
+                          f"(comm_hook is {comm_hook!r}); set both or neither")
+    tp_settings = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
+                   "tp_plan": tp_plan}
+    for name, value in tp_settings.items():
+        if value not in (None, False) and layout.degree("tp") == 1:
+            raise ConfigError(
+                f"{name} is a tensor-parallel setting, but the layout {layout} has no tp axis; "
+                f"add tp=N to the layout or drop {name}")
+    if offload is not None and not layout.is_sharded:
+        raise ConfigError(
+            f"offload={offload!r} moves sharded state to CPU memory and needs a sharded "
+            f"layout (zero2/zero3/dp_shard); the layout is {layout}")
+
+
+def check_model(model) -> None:
+    if not (isinstance(model, torch.nn.Module) or callable(model)):
+        raise ConfigError(f"model must be a torch.nn.Module or a function that builds one, got "
+                          f"{type(model).__name__}")
+
+
+def inspect_model(model) -> torch.nn.Module | None:
+    """The model itself, or a factory's model built on the meta device (no memory), for checks
+    before any process starts; None if the factory cannot build on meta."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    try:
+        with torch.device("meta"):
+            built = model()
+    except Exception:  # noqa: BLE001 - such factories are simply built for real later
+        return None
+    return built if isinstance(built, torch.nn.Module) else None
+
+
+def check_factory(name: str, factory, required: bool) -> None:
+    if factory is None and not required:
+        return
+    if isinstance(factory, torch.optim.Optimizer):
+        raise ConfigError(
+            f"{name} must be a factory, not an optimizer instance: the Trainer creates it after "
+            f"placing the model; write {name}=lambda params: torch.optim.AdamW(params, lr=1e-3)")
+    if not callable(factory):
+        raise ConfigError(f"{name} must be callable, got {type(factory).__name__}")
+
+
+def check_optimizer_factory(factory) -> None:
+    """Call the factory on a throw-away parameter so a broken one fails before any process."""
+    probe = [torch.nn.Parameter(torch.zeros(1))]
+    try:
+        made = factory(probe)
+    except Exception as error:  # noqa: BLE001 - re-raised with context
+        raise ConfigError(f"the optimizer factory failed on a test parameter: {error!r}") from error
+    check_optimizer(made)
+
+
+def check_optimizer(made) -> None:
+    if not isinstance(made, torch.optim.Optimizer):
+        raise ConfigError(
+            f"the optimizer factory returned {type(made).__name__}, not a torch.optim.Optimizer; "
+            "did you forget `return`? Write e.g. optimizer=lambda params: AdamW(params, lr=1e-3)")
+
+
+def dataset_of(data, what: str) -> Dataset:
+    dataset = data.dataset if isinstance(data, DataLoader) else data
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(
+            f"{what} is an IterableDataset; meshtrain shards data by index, so pass a map-style "
+            "Dataset (with __getitem__ and __len__)")
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ConfigError(f"{what} must be a torch Dataset or DataLoader, got "
+                          f"{type(data).__name__}")
+    if len(dataset) == 0:
+        raise ConfigError(f"{what} is empty")
+    return dataset
+
+
+def first_inputs(dataset, count: int):
+    """A function giving the inputs of the first ``count`` (inputs, targets) samples, stacked
+    (for measuring blocks on a sample), or None when samples are not pairs."""
+    def inputs():
+        samples = [dataset[i] for i in range(min(len(dataset), count))]
+        if not all(isinstance(s, (tuple, list)) for s in samples):
+            return None
+        return torch.stack([s[0] for s in samples])
+    return inputs
+
+
+def check_fit_inputs(model, train_data, val_data, *, optimizer, lr_scheduler, ckpt_path,
+                     global_batch_size: int) -> Dataset:
+    """``fit``'s arguments, before any process starts; returns the training dataset."""
+    from pathlib import Path
+
+    check_model(model)
+    check_factory("optimizer", optimizer, required=True)
+    check_factory("lr_scheduler", lr_scheduler, required=False)
+    check_optimizer_factory(optimizer)
+    train_set = dataset_of(train_data, "train_data")
+    if val_data is not None:
+        dataset_of(val_data, "val_data")
+    if len(train_set) < global_batch_size:
+        raise ConfigError(f"train_data has {len(train_set)} samples, fewer than one global batch "
+                          f"of {global_batch_size}; lower global_batch_size or add data")
+    if ckpt_path is not None and not Path(ckpt_path).exists():
+        raise ConfigError(f"ckpt_path {ckpt_path} does not exist")
+    return train_set

@@ -1,0 +1,50 @@
+"""Small helpers on batches: (inputs, targets) pairs, dicts of tensors, or a tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def to_device(batch, device: torch.device):
+    """``batch`` with every tensor moved to ``device`` (as it is on the CPU)."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def plain(value: torch.Tensor) -> torch.Tensor:
+    """A loss or norm as a plain tensor (under loss parallel or FSDP a replicated DTensor)."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def first_tensor(batch) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(items, Iterable):
+        for item in items:
+            found = first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def batch_size(batch) -> int:
+    first = first_tensor(batch)
+    return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+
+
+def count_tokens(batch) -> int:
+    """Tokens for integer (token id) inputs, else samples: what tokens/s counts."""
+    first = first_tensor(batch)
+    if first is None:
+        return 1
+    return first.numel() if not first.is_floating_point() else int(first.shape[0])

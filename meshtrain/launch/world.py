@@ -1,0 +1,87 @@
+"""This process's place in the job: the other processes, the process group and the device."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.errors import ConfigError
+from meshtrain.launch.spawn import DistEnv, ScriptWorkers, init_process_group
+
+
+@dataclass
+class World:
+    rank: int
+    device: torch.device
+    env: DistEnv | None
+    workers: ScriptWorkers | None  # the processes started from a plain `python script.py`
+
+
+def resolve_world_size(devices, env: DistEnv | None, device_type: str) -> int:
+    """How many processes the job has: the launcher's, or ``devices`` on this machine."""
+    if env is not None:
+        if devices not in ("auto", 1, env.world_size):
+            raise ConfigError(f"Trainer(devices={devices}) but the launcher started "
+                              f"{env.world_size} processes; make them agree or use devices='auto'")
+        return env.world_size
+    if devices == "auto":
+        return torch.cuda.device_count() if device_type == "cuda" else 1
+    if device_type == "cuda" and devices > torch.cuda.device_count():
+        raise ConfigError(f"devices={devices} but only {torch.cuda.device_count()} GPUs are "
+                          "visible")
+    return devices
+
+
+def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
+                init_timeout_s: float, debug_collectives: bool = False, log=print) -> World:
+    """Start the other processes if needed (a plain script becomes rank 0), pick the device
+    and create the default process group (gloo on CPU, NCCL on GPU)."""
+    workers = None
+    if world_size > 1 and env is None:
+        workers = ScriptWorkers(world_size, timedelta(seconds=init_timeout_s))
+        env = DistEnv.from_environ()
+    local_rank = env.local_rank if world_size > 1 else 0
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if world_size == 1:
+        return World(0, device, env, workers)
+    if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    if not dist.is_initialized():
+        if debug_collectives:
+            from meshtrain.observe.desync import enable_collective_checks
+
+            enable_collective_checks()
+            if env.rank == 0:
+                log("debug_collectives: every collective is first checked across ranks (a few "
+                    "ms each); use it to find a desync, not for speed")
+        # long enough for start-up and the first step; shortened after it
+        init_process_group(env, "nccl" if device_type == "cuda" else "gloo",
+                           timedelta(seconds=init_timeout_s))
+    return World(env.rank, device, env, workers)
+
+
+def collective_checks(enabled: bool):
+    """Under ``debug_collectives``: every collective is first compared across ranks."""
+    if not (enabled and dist.is_initialized()):
+        return contextlib.nullcontext()
+    from meshtrain.observe.desync import collective_check_context
+
+    return collective_check_context()
+
+
+def drain_collectives() -> None:
+    """Let every rank finish before objects holding collectives (DDP, ZeRO) can be freed: in
+    torch 2.13 freeing DDP while a gloo worker thread still finishes a backward-time collective
+    can deadlock (seen about 1 run in 10 without this)."""
+    if dist.is_initialized():
+        dist.barrier()
+        time.sleep(0.05)

@@ -1,0 +1,74 @@
+"""Where a training run stands, as one object that checkpoints save and load.
+
+:class:`LoopState` holds the step, the epoch, the position in the data (the sampler), the
+skipped-step count and the logging window; ``state_dict()`` is what ``trainer_state.pt`` holds
+besides the scheduler and grad scaler. (Each rank's RNG streams are saved beside it by
+:mod:`meshtrain.checkpoint.state`.)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class MetricWindow:
+    """Losses and tokens since the last log line."""
+
+    loss: torch.Tensor
+    num_steps: int = 0
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss: torch.Tensor, tokens: int, counted: bool) -> None:
+        if counted:  # skipped steps count their tokens, not their loss
+            self.loss += loss
+            self.num_steps += 1
+        self.tokens += tokens
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.num_steps, self.tokens, self.start = 0, 0, time.perf_counter()
+
+
+@dataclass
+class LoopState:
+    """Step, epoch, data position (``sampler``), skipped steps and rollbacks of one fit."""
+
+    global_step: int = 0
+    current_epoch: int = 0
+    num_skipped_steps: int = 0
+    num_rollbacks: int = 0
+    sampler: object | None = None  # a GlobalBatchSampler once fit has data
+    window: MetricWindow | None = None
+
+    def epoch_done(self, global_batch_size: int) -> bool:
+        s = self.sampler
+        return s.consumed_samples >= s.num_global_batches * global_batch_size
+
+    def next_epoch(self) -> None:
+        self.current_epoch += 1
+        self.sampler.set_epoch(self.current_epoch)
+
+    def advance(self) -> None:
+        """One optimizer step's batch is consumed."""
+        self.sampler.advance()
+        self.global_step += 1
+
+    def state_dict(self) -> dict:
+        return {
+            "global_step": self.global_step, "current_epoch": self.current_epoch,
+            # `is not None`: the sampler has a __len__, which is 0 (falsy) at an epoch's end
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "num_skipped_steps": self.num_skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.global_step = state["global_step"]
+        self.current_epoch = state["current_epoch"]
+        self.num_skipped_steps = state.get("num_skipped_steps", 0)
+        if state["sampler"] is not None and self.sampler is not None:
+            self.sampler.load_state_dict(state["sampler"])

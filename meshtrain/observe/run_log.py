@@ -1,0 +1,66 @@
+"""What a fit shows and writes on global rank zero: printed lines (through the progress bar
+while it runs), metrics to the loggers, the memory table and the loss plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class RunLog:
+    def __init__(self, is_zero: bool):
+        self.is_zero, self.loggers, self.bar, self.run_dir = is_zero, [], None, None
+
+    def open(self, run_dir: Path, logger_names, hparams: dict) -> None:
+        """Create the loggers in ``run_dir`` (rank zero), recording ``hparams``."""
+        self.run_dir = run_dir
+        if self.is_zero:
+            from meshtrain.observe.loggers import make_loggers
+
+            self.loggers = make_loggers(logger_names, run_dir, hparams)
+
+    def print(self, *args, **kwargs) -> None:
+        if not self.is_zero:
+            return
+        if self.bar is not None and self.bar.enabled:
+            self.bar.log(" ".join(str(a) for a in args))
+        else:
+            print(*args, **kwargs, flush=True)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.is_zero:
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step)
+
+    def start_progress(self, total: int, enabled: bool) -> None:
+        from meshtrain.observe.progress import ProgressBar
+
+        self.bar = ProgressBar(total, enabled=enabled and self.is_zero)
+        self.bar.start()
+
+    def progress(self, step: int, metrics: dict) -> None:
+        self.bar.update(step, {"loss": metrics.get("train/loss"),
+                               "tokens_per_s": metrics.get("train/tokens_per_s")})
+
+    def stop_progress(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def memory(self, probe) -> None:
+        """Rank zero's model-state bytes after the first step, beside the ZeRO formula."""
+        text = probe.summary()
+        self.print(text)
+        (self.run_dir / "memory.txt").write_text(text + "\n")
+
+    def finish(self) -> None:
+        for logger in self.loggers:
+            logger.finalize()
+
+    def plot(self, title: str) -> None:
+        """The loss curves (``loss.png``) from ``metrics.csv``."""
+        csv = self.run_dir / "metrics.csv"
+        if self.is_zero and csv.exists():
+            from meshtrain.observe.loggers import read_metrics_csv
+            from meshtrain.observe.plots import plot_loss_curves
+
+            plot_loss_curves(read_metrics_csv(csv), self.run_dir / "loss.png", title=title)

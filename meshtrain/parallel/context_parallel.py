@@ -1,0 +1,141 @@
+"""Context parallelism: the sequence split over a ``cp`` mesh axis.
+
+The scheme is the all-gather of K/V of Llama 3 ("The Llama 3 Herd of Models", Meta, 2024, §3.3.2):
+each rank keeps the queries of its own tokens, gathers the keys and values of the whole sequence
+from the cp group, and attends with a causal mask built from global positions. The collective is
+an all-gather of K/V in the forward and its adjoint, a reduce-scatter (sum) of the K/V gradients,
+in the backward (``_functional_collectives.all_gather_single``, autograd-aware; runs on gloo).
+
+Load balancing (zig-zag): under a causal mask later tokens attend to more keys, so a contiguous
+split gives the last rank the most work. The sequence is cut into ``2 * cp`` equal chunks and rank
+``r`` holds chunks ``r`` and ``2 * cp - 1 - r``: every rank then has the same number of causal
+(query, key) pairs. Token ids, targets and positions must be sharded the same way
+(:func:`shard_sequence`, :func:`local_positions`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_gather_single
+
+from meshtrain.errors import ConfigError
+
+
+def check_cp(seq_len: int, cp_degree: int) -> None:
+    """Raise ``ConfigError`` unless ``seq_len`` splits into ``2 * cp_degree`` equal chunks."""
+    if not isinstance(cp_degree, int) or isinstance(cp_degree, bool) or cp_degree < 1:
+        raise ConfigError(f"cp must be a positive integer, got {cp_degree!r}")
+    chunks = 2 * cp_degree
+    if seq_len % chunks:
+        raise ConfigError(
+            f"seq_len={seq_len} does not split into 2 x cp={cp_degree} = {chunks} equal chunks "
+            f"(context parallelism gives each rank two chunks for causal load balancing); use a "
+            f"seq_len that is a multiple of {chunks}, or a smaller cp"
+        )
+
+
+def chunk_order(cp_rank: int, cp_degree: int) -> tuple[int, int]:
+    """The two chunks (of ``2 * cp_degree``) that rank ``cp_rank`` holds, in local order."""
+    if not 0 <= cp_rank < cp_degree:
+        raise ConfigError(f"cp_rank must be in [0, {cp_degree}), got {cp_rank}")
+    return cp_rank, 2 * cp_degree - 1 - cp_rank
+
+
+def shard_sequence(tensor: torch.Tensor, cp_rank: int, cp_degree: int,
+                   dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of ``tensor`` along ``dim``, concatenated (no collective)."""
+    check_cp(tensor.size(dim), cp_degree)
+    chunks = tensor.chunk(2 * cp_degree, dim)
+    first, second = chunk_order(cp_rank, cp_degree)
+    return torch.cat((chunks[first], chunks[second]), dim)
+
+
+def local_positions(local_len: int, cp_rank: int, cp_degree: int,
+                    device=None) -> torch.Tensor:
+    """Global positions (in ``0..local_len * cp_degree - 1``) of this rank's tokens, in the
+    order :func:`shard_sequence` puts them."""
+    if local_len % 2:
+        raise ConfigError(f"local_len={local_len} must be even (two equal chunks per cp rank)")
+    size = local_len // 2
+    first, second = chunk_order(cp_rank, cp_degree)
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device)
+                      for c in (first, second)])
+
+
+def unshard_sequence(parts: list[torch.Tensor], cp_degree: int, dim: int) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: every rank's part, in rank order -> the full tensor."""
+    if len(parts) != cp_degree:
+        raise ConfigError(f"expected {cp_degree} parts (one per cp rank), got {len(parts)}")
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp_degree)
+    for rank, part in enumerate(parts):
+        first, second = chunk_order(rank, cp_degree)
+        chunks[first], chunks[second] = part.chunk(2, dim)
+    return torch.cat(chunks, dim)
+
+
+def _gather_sequence(local: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All-gather over ``group`` concatenated along ``dim`` (rank order); backward sums the
+    gradients of all ranks and hands each its own slice (reduce-scatter)."""
+    return all_gather_single(local.contiguous(), dim, group)
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
+                 dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence's keys and values.
+
+    ``q``, ``k``, ``v``: this rank's ``(batch, heads, local_len, head_dim)``, tokens in
+    :func:`shard_sequence` order; the output keeps that order. ``cp_mesh``: the 1-D cp
+    ``DeviceMesh`` (``None`` or size 1: plain causal attention).
+    """
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if cp_mesh.ndim != 1:
+        raise ConfigError(f"cp_mesh must be a 1-D DeviceMesh (the cp axis), got {cp_mesh.ndim}-D")
+    cp_degree, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    local_len = q.size(-2)
+    if k.size(-2) != local_len or v.size(-2) != local_len:
+        raise ConfigError(f"q, k, v must hold the same tokens; got lengths "
+                          f"{local_len}, {k.size(-2)}, {v.size(-2)}")
+    # One collective for K and V: (2, B, H, L, D) gathered on the sequence dim.
+    kv = _gather_sequence(torch.stack((k, v)), 3, cp_mesh.get_group())
+    kv = unshard_sequence(list(kv.chunk(cp_degree, 3)), cp_degree, 3)
+    k_full, v_full = kv.unbind(0)
+    q_pos = local_positions(local_len, cp_rank, cp_degree, device=q.device)
+    k_pos = torch.arange(local_len * cp_degree, device=q.device)
+    mask = q_pos[:, None] >= k_pos[None, :]  # True: query may attend to that key
+    return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, dropout_p=dropout_p)
+
+
+# -- the apply step ---------------------------------------------------------------------------
+def check_cp_model(model: torch.nn.Module, cp_degree: int) -> None:
+    """A model takes part in context parallelism through ``enable_context_parallel(cp_mesh)``
+    (its attention then calls :func:`cp_attention`, its positions :func:`local_positions`);
+    ``check_context_parallel(cp_degree)``, when it has one, checks its sizes."""
+    if not callable(getattr(model, "enable_context_parallel", None)):
+        raise ConfigError(
+            f"{type(model).__name__} does not support context parallel (cp): it needs "
+            "enable_context_parallel(cp_mesh), which makes its attention gather keys and values "
+            "over the cp group (see meshtrain.models.gpt); drop cp from the layout")
+    check = getattr(model, "check_context_parallel", None)
+    if callable(check):
+        check(cp_degree)
+
+
+def apply_cp(model: torch.nn.Module, cp_mesh) -> None:
+    """Switch ``model``'s attention and positions to this rank's share of the sequence."""
+    check_cp_model(model, cp_mesh.size())
+    model.enable_context_parallel(cp_mesh)
+
+
+def shard_batch(batch, cp_mesh):
+    """This rank's part of a batch: every tensor of two or more dimensions (token ids,
+    targets) cut along the sequence (dim 1) by :func:`shard_sequence`."""
+    rank, degree = cp_mesh.get_local_rank(), cp_mesh.size()
+    if isinstance(batch, torch.Tensor):
+        return shard_sequence(batch, rank, degree) if batch.dim() >= 2 else batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(shard_batch(b, cp_mesh) for b in batch)
+    if isinstance(batch, dict):
+        return {k: shard_batch(v, cp_mesh) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,195 @@
+"""What the training loop drives: one object, the same calls for every layout.
+
+Applying a layout (:func:`meshtrain.parallel.apply.apply_layout`) yields an :class:`Engine`. The
+Trainer's loop calls, for each optimizer step::
+
+    loss, tokens = engine.forward_backward(batches)   # every micro-batch of the step
+    engine.sync_gradients()                           # what DDP/FSDP did not average
+    norm = engine.clip_grad_norm(max_norm)            # global L2 norm over shards and stages
+    optimizer.step()
+
+and ``engine.eval_loss(batch)`` for validation, ``engine.mesh.mean_loss(x)`` for logging. This
+class serves data, sharded, tensor and context parallel layouts, where the loop's micro-batches
+accumulate gradients; :class:`~meshtrain.parallel.pipeline_engine.PipelineEngine` serves ``pp``,
+where a schedule runs the micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from meshtrain.data.batch import batch_size, count_tokens, plain, to_device
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.layout import Layout
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's ``global_batch_size`` samples are cut."""
+
+    micro_batch_size: int  # samples per forward pass on one rank
+    grad_accum_steps: int  # micro-batches per optimizer step on one rank
+    loader_batch_size: int  # samples per draw from the loader (a whole step's under pp)
+
+
+def plan_batches(layout: Layout, global_batch_size: int, micro_batch_size: int | None,
+                 stages_per_rank: int = 1) -> BatchPlan:
+    """Check that the global batch divides over the batch ranks and micro-batches."""
+    ways, pp = layout.batch_degree, layout.degree("pp")
+    if pp > 1 and micro_batch_size is None and global_batch_size % ways == 0:
+        # enough micro-batches to fill the pipeline: one per stage
+        per_rank, fill = global_batch_size // ways, pp * stages_per_rank
+        micro_batch_size = per_rank // fill if per_rank % fill == 0 else per_rank
+    if micro_batch_size is None:
+        if global_batch_size % ways:
+            raise ConfigError(f"global_batch_size={global_batch_size} does not divide over {ways} "
+                              f"data-parallel ranks; use a multiple of {ways}")
+        micro_batch_size = global_batch_size // ways
+    if global_batch_size % (ways * micro_batch_size):
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} is not a multiple of data-parallel "
+            f"degree x micro_batch_size = {ways} x {micro_batch_size} = "
+            f"{ways * micro_batch_size}; choose a global batch that is a multiple of "
+            f"{ways * micro_batch_size}, or a micro_batch_size that divides "
+            f"{global_batch_size // ways}")
+    accum = global_batch_size // (ways * micro_batch_size)
+    loader = global_batch_size // ways if pp > 1 else micro_batch_size
+    return BatchPlan(micro_batch_size, accum, loader)
+
+
+@contextlib.contextmanager
+def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled: bool):
+    """Skip the gradient reduction for micro-steps that only accumulate (DDP or FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if enabled:
+        yield
+    elif isinstance(train_module, DistributedDataParallel):
+        with train_module.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None) -> torch.Tensor:
+    """``loss_fn(module(inputs), targets)``, or the loss the module returns itself."""
+    if loss_fn is not None:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError(
+                "with loss_fn set, each batch must be (inputs, targets); got "
+                f"{type(batch).__name__}. Return such pairs from the dataset, or drop "
+                "loss_fn and let the model compute the loss")
+        inputs, targets = batch
+        return loss_fn(module(inputs), targets)
+    out = module(**batch) if isinstance(batch, dict) else (
+        module(*batch) if isinstance(batch, (tuple, list)) else module(batch))
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise ConfigError(
+            "without loss_fn the model must return the loss (a scalar tensor, or an object "
+            f"with .loss / ['loss']); it returned {type(out).__name__}. Pass loss_fn=")
+    return loss
+
+
+class Engine:
+    """One rank's share of a training step under a layout without ``pp``.
+
+    ``model`` is the user's module (its parameters and state_dict, sharded or not);
+    ``train_module`` what to call for training (a DDP wrapper, or ``model`` itself)."""
+
+    def __init__(self, model, train_module, mesh, *, device, precision, loss_fn, options,
+                 grad_accum_steps: int):
+        self.model, self.train_module, self.mesh = model, train_module, mesh
+        self.layout: Layout = mesh.layout
+        self.device, self.precision, self.loss_fn = device, precision, loss_fn
+        self.options, self.grad_accum_steps = options, grad_accum_steps
+        self.cp = mesh.axis("cp")
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def loss_context(self):
+        """Where the loss and its backward run: ``loss_parallel()`` when the tensor-parallel
+        head leaves the logits sharded over the vocabulary."""
+        if self.options.loss_parallel and self.layout.degree("tp") > 1:
+            from meshtrain.parallel.tensor_parallel import loss_parallel_context
+
+            return loss_parallel_context(True)
+        return contextlib.nullcontext()
+
+    def shard(self, batch):
+        """This rank's part of a batch: under ``cp`` its chunks of the sequence (dim 1)."""
+        if self.cp is None:
+            return batch
+        from meshtrain.parallel.context_parallel import shard_batch
+
+        return shard_batch(batch, self.cp)
+
+    def forward_backward(self, batches) -> tuple[torch.Tensor, int]:
+        """Forward and backward over this rank's micro-batches of one step (gradients
+        accumulate; synchronised on the last one). Returns (the step's mean loss here, tokens)."""
+        accum, total, tokens = self.grad_accum_steps, torch.zeros((), device=self.device), 0
+        for micro_step in range(accum):
+            batch = to_device(next(batches), self.device)
+            tokens += count_tokens(batch)
+            batch = self.shard(batch)
+            last = micro_step == accum - 1
+            with gradient_sync(self.train_module, self.model, enabled=last), self.loss_context():
+                with self.precision.autocast():
+                    loss = compute_loss(self.train_module, batch, self.loss_fn) / accum
+                self.precision.backward(loss)
+            total += plain(loss.detach())
+        return total, tokens
+
+    def sync_gradients(self) -> None:
+        """Average the gradients that no wrapper averaged (see ``averages_gradients_by_hand``)."""
+        if self.layout.averages_gradients_by_hand:
+            from meshtrain.parallel.data_parallel import allreduce_gradients
+
+            allreduce_gradients(self.parameters(), self.mesh.loss.get_group())
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """The gradients' global L2 norm before clipping (over every shard and stage, the same
+        on every rank); clips them to ``max_norm`` unless it is None."""
+        params = list(self.parameters())
+        if max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        return plain(norm).detach()
+
+    @torch.no_grad()
+    def evaluate(self, batches, limit: int | None = None) -> float:
+        """Sample-weighted mean loss over ``batches`` (at most ``limit`` of them here), summed
+        over the stages and loss ranks, so every sample of every rank counts once."""
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
+        for i, batch in enumerate(batches):
+            if limit is not None and i >= limit:
+                break
+            batch = to_device(batch, self.device)
+            loss = self.eval_loss(batch)
+            if loss is not None:  # None: a pipeline rank without the last stage
+                totals[0] += loss.double() * batch_size(batch)
+                totals[1] += batch_size(batch)
+        self.model.train(was_training)
+        self.mesh.sum_over_loss_ranks(totals)
+        return float(totals[0] / totals[1].clamp(min=1))
+
+    @torch.no_grad()
+    def eval_loss(self, batch) -> torch.Tensor | None:
+        """The mean loss of one batch (None on ranks that do not compute it)."""
+        with self.precision.autocast(), self.loss_context():
+            return plain(compute_loss(self.model, self.shard(batch), self.loss_fn))

@@ -1,0 +1,75 @@
+"""The layout's named meshes: built once from a :class:`~meshtrain.parallel.layout.Layout`.
+
+The layout knows the degrees; this object holds the ``DeviceMesh`` and the sub-meshes each part
+of the step needs, so no other module flattens or slices the mesh itself:
+
+========== =====================================================================================
+``batch``  all data-parallel axes as one: which slice of the global batch a rank reads
+``loss``   the batch axes and ``cp``: the loss is averaged, and replicated gradients are
+           averaged by hand, over it
+``shard``  what FSDP2 shards over: ``dp_shard`` (with ``cp`` folded in), 2-D with ``dp_replicate``
+           for HSDP
+``axis(n)`` one named axis (``pp``, ``tp``, ``cp``, ``dp``), or None when its degree is 1
+========== =====================================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.parallel.layout import Layout
+
+
+class ParallelMesh:
+    """The device mesh of ``layout`` and its named sub-meshes (needs a process group when the
+    layout has more than one rank; with one rank every mesh is None)."""
+
+    def __init__(self, layout: Layout, device_type: str):
+        self.layout = layout
+        self.mesh = layout.build_mesh(device_type)
+        self.batch = self._flat(layout.batch_axes, "batch")
+        self.loss = self.batch if layout.loss_axes == layout.batch_axes else self._flat(
+            layout.loss_axes, "loss")
+        self.shard = None
+        if layout.is_sharded:
+            shard_axes = ("dp_shard",)
+            if layout.degree("cp") > 1:  # FSDP shards over dp_shard and cp together
+                self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+                shard_axes = ("dp_shard_cp",)
+            if layout.degree("dp_replicate") > 1:
+                shard_axes = ("dp_replicate", *shard_axes)
+            self.shard = self.mesh[shard_axes]
+
+    def _flat(self, axes: tuple[str, ...], name: str):
+        if not axes:
+            return None
+        return self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]._flatten(name)
+
+    def axis(self, name: str):
+        """The 1-D mesh of axis ``name``; None when the layout does not use it."""
+        return self.mesh[name] if self.layout.degree(name) > 1 else None
+
+    @property
+    def batch_rank(self) -> int:
+        """This rank's index among the ranks that see different samples."""
+        return self.batch.get_local_rank() if self.batch is not None else 0
+
+    def mean_loss(self, value: torch.Tensor) -> float:
+        """``value`` averaged over the loss axes (after summing over pipeline stages, where
+        only the last stage holds the loss and the others hold zero)."""
+        value = value.detach().clone()
+        if self.layout.degree("pp") > 1:
+            dist.all_reduce(value, group=self.mesh.get_group("pp"))
+        if self.loss is not None:
+            dist.all_reduce(value, group=self.loss.get_group())
+            value /= self.layout.loss_degree
+        return float(value)
+
+    def sum_over_loss_ranks(self, totals: torch.Tensor) -> torch.Tensor:
+        """Sum ``totals`` (in place) over the pipeline stages and the loss axes."""
+        if self.layout.degree("pp") > 1:
+            dist.all_reduce(totals, group=self.mesh.get_group("pp"))
+        if self.loss is not None:
+            dist.all_reduce(totals, group=self.loss.get_group())
+        return totals

@@ -1,0 +1,168 @@
+"""Pipeline parallelism behind the :class:`~meshtrain.parallel.engine.Engine` interface.
+
+:func:`check_pipeline_layout` refuses what cannot run before any process starts;
+:func:`apply_pipeline` splits the model into stages (balanced by parameters, measured time or
+memory), keeps this rank's, applies the rest of the layout to each stage and returns a
+:class:`PipelineEngine`, whose ``forward_backward`` hands the whole step's batch to the schedule
+(:class:`~meshtrain.parallel.pipeline.PipelineRunner`), which runs the micro-batches. On the
+second step it records the timeline and reports the measured bubble beside the formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshtrain.data.batch import count_tokens, plain, to_device
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.engine import Engine
+
+SHARDING_BREAKS = ("zero-bubble", "zbv", "dualpipev")  # wrong gradients with per-block FSDP
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The Trainer's pipeline settings (``pp_schedule``, ``stages_per_rank``, ``pp_balance``,
+    ``split_points``)."""
+
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    balance: str = "params"
+    split_points: list[int] | None = None
+
+    @classmethod
+    def from_settings(cls, s: dict, layout) -> PipelineOptions:
+        options = cls(s["pp_schedule"], s["stages_per_rank"], s["pp_balance"], s["split_points"])
+        options.check(layout)
+        return options
+
+    def check(self, layout) -> None:
+        if layout.degree("pp") == 1 and (self.stages_per_rank != 1 or self.split_points):
+            raise ConfigError("stages_per_rank and split_points need a pipeline layout (pp=N)")
+        if self.balance not in ("params", "time", "memory"):
+            raise ConfigError(f"pp_balance must be 'params', 'time' or 'memory', got "
+                              f"{self.balance!r}")
+
+
+def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
+                          num_microbatches: int, batch_size: int) -> None:
+    """Checks on the model (a meta-device copy, or None when it cannot be built there) and the
+    settings, before any process group exists."""
+    from meshtrain.parallel.pipeline import check_pipeline, pipeline_blocks
+
+    if loss_fn is None:
+        raise ConfigError(
+            "pipeline layouts need loss_fn: the last stage computes loss_fn(output, targets) "
+            "on each micro-batch; pass loss_fn= to fit")
+    if layout.is_sharded and options.schedule in SHARDING_BREAKS:
+        raise ConfigError(
+            f"pp_schedule={options.schedule!r} with a sharded layout gives wrong gradients "
+            "in torch 2.13 (per-block FSDP under zero-bubble schedules); use 1f1b, gpipe or "
+            "interleaved-1f1b with dp_shard, or plain dp with the zero-bubble schedules")
+    if model is not None:
+        check_pipeline(len(pipeline_blocks(model)), layout.degree("pp"),
+                       schedule=options.schedule, num_microbatches=num_microbatches,
+                       stages_per_rank=options.stages_per_rank, batch_size=batch_size)
+
+
+def _sample_block_input(model, options: PipelineOptions, sample_inputs, device):
+    """The hidden state entering the first block, for time/memory balancing."""
+    if options.balance == "params" or options.split_points:
+        return None
+    embed = getattr(model, "embed", None)
+    inputs = sample_inputs() if sample_inputs is not None else None
+    if not callable(embed) or inputs is None:
+        raise ConfigError(
+            f"pp_balance={options.balance!r} measures each block on a sample input, which "
+            "needs model.embed(x) and (inputs, targets) samples; use pp_balance='params' or "
+            "split_points=")
+    with torch.no_grad():
+        return embed(to_device(inputs, device))
+
+
+def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, precision,
+                   loss_fn, num_microbatches: int, sample_inputs: Callable | None = None,
+                   log: Callable[[str], None] = print, run_dir: Path | None = None,
+                   parallelize: Callable) -> PipelineEngine:
+    """Split ``model`` into stages, keep this rank's, ``parallelize`` each (TP, checkpointing,
+    FSDP as for a whole model), and build the schedule."""
+    from meshtrain.parallel.partition import partition_blocks
+    from meshtrain.parallel.pipeline import (
+        PipelineRunner, merge_stages, pipeline_blocks, rank_stages, split_model,
+    )
+
+    pp_mesh, pp = mesh.axis("pp"), mesh.layout.degree("pp")
+    num_stages = pp * pipeline.stages_per_rank
+    split = partition_blocks(pipeline_blocks(model), num_stages, balance=pipeline.balance,
+                             sample_input=_sample_block_input(model, pipeline, sample_inputs,
+                                                              device),
+                             split_points=pipeline.split_points)
+    indices = rank_stages(pp_mesh.get_local_rank(), pp, pipeline.stages_per_rank,
+                          pipeline.schedule)
+    stages = [split_model(model, split, i) for i in indices]
+    stage_options = dataclasses.replace(options, blocks=pipeline_blocks)
+    for stage in stages:
+        parallelize(stage, mesh, device=device, options=stage_options)
+    runner = PipelineRunner(stages, indices, num_stages, pp_mesh, device,
+                            schedule=pipeline.schedule, num_microbatches=num_microbatches,
+                            loss_fn=loss_fn)
+    log(f"pipeline: {num_stages} stages split before blocks {split} ({pipeline.balance}-"
+        f"balanced), schedule {pipeline.schedule}, {num_microbatches} micro-batches")
+    merged = merge_stages(stages)
+    engine = PipelineEngine(merged, merged, mesh, device=device, precision=precision,
+                            loss_fn=loss_fn, options=options, grad_accum_steps=1)
+    engine.runner, engine.pipeline, engine.split_points = runner, pipeline, split
+    engine.num_microbatches, engine.log, engine.run_dir = num_microbatches, log, run_dir
+    return engine
+
+
+class PipelineEngine(Engine):
+    """This rank's stages under a schedule: one loader draw is the step's whole batch."""
+
+    runner = pipeline = split_points = log = run_dir = None
+    num_microbatches, _num_calls = 1, 0
+
+    def forward_backward(self, batches) -> tuple[torch.Tensor, int]:
+        inputs, targets = to_device(next(batches), self.device)
+        record = self._num_calls == 1  # the second step: past one-time start-up costs
+        self._num_calls += 1
+        with self.precision.autocast(), self.loss_context():
+            if record:  # collective: every rank records the same step
+                loss, events = self.runner.timed_step(inputs, targets)
+                self._report_timeline(events)
+            else:  # None unless this rank has the last stage
+                loss = self.runner.step(inputs, targets)
+        loss = loss.detach() if loss is not None else torch.zeros((), device=self.device)
+        return loss, count_tokens(inputs)
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Each rank holds its stages: the squared norms are summed over the pp group."""
+        from meshtrain.parallel.pipeline import clip_grad_norm_
+
+        return plain(clip_grad_norm_(list(self.parameters()), max_norm, self.mesh.axis("pp")))
+
+    @torch.no_grad()
+    def eval_loss(self, batch) -> torch.Tensor | None:
+        with self.precision.autocast(), self.loss_context():
+            return self.runner.eval_loss(*batch)
+
+    def _report_timeline(self, events) -> None:
+        """The pipeline diagram of one step, and its measured bubble beside the formula."""
+        from meshtrain.parallel.pipeline import (
+            bubble_fraction, ideal_bubble_fraction, plot_timeline,
+        )
+
+        if self.run_dir is None or torch.distributed.get_rank() != 0:
+            return
+        pp, m = self.layout.degree("pp"), self.num_microbatches
+        ideal = ideal_bubble_fraction(pp, m, self.pipeline.stages_per_rank)
+        measured = bubble_fraction(events)
+        path = self.run_dir / "pipeline_timeline.png"
+        plot_timeline(events, path, title=f"{self.pipeline.schedule}, p={pp}, m={m}: bubble "
+                      f"{measured:.2f} (formula {ideal:.2f})")
+        self.log(f"pipeline step {self._num_calls}: measured bubble {measured:.2f}, formula "
+                 f"(p-1)/(v*m+p-1) = {ideal:.2f}; timeline: {path}")

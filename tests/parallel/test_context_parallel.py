@@ -1,0 +1,154 @@
+"""Context parallelism (all-gather of K/V, zig-zag chunks): the sharding helpers are exact
+inverses and balance causal work, and cp_attention on 2 and 3 gloo ranks reproduces one process's
+causal attention, outputs and q/k/v gradients."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtrain.errors import ConfigError
+from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
+from meshtrain.parallel import context_parallel as cp_mod
+from meshtrain.parallel.context_parallel import (
+    check_cp,
+    chunk_order,
+    cp_attention,
+    local_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+
+B, H, T, D = 2, 2, 12, 4
+
+
+# ---------------------------------------------------------------------------------------------
+# One process: sharding helpers
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cp, seq", [(1, 12), (2, 12), (3, 18)])
+def test_shard_unshard_round_trip(cp, seq):
+    ids = torch.arange(2 * seq).view(2, seq)
+    hidden = torch.randn(2, seq, 5)
+    for x in (ids, hidden):
+        parts = [shard_sequence(x, r, cp) for r in range(cp)]
+        assert all(p.shape[1] == seq // cp for p in parts)
+        assert torch.equal(unshard_sequence(parts, cp, dim=1), x)
+    # a different dim (q/k/v layout: (B, H, T, D))
+    qkv = torch.randn(2, 3, seq, 4)
+    parts = [shard_sequence(qkv, r, cp, dim=2) for r in range(cp)]
+    assert torch.equal(unshard_sequence(parts, cp, dim=2), qkv)
+
+
+def test_zigzag_chunks():
+    assert [chunk_order(r, 3) for r in range(3)] == [(0, 5), (1, 4), (2, 3)]
+    assert shard_sequence(torch.arange(12)[None], 1, 2).tolist() == [[3, 4, 5, 6, 7, 8]]
+
+
+@pytest.mark.parametrize("cp, seq", [(1, 12), (2, 12), (3, 18), (4, 16)])
+def test_local_positions_match_sharded_arange(cp, seq):
+    for r in range(cp):
+        expected = shard_sequence(torch.arange(seq)[None], r, cp)[0]
+        assert torch.equal(local_positions(seq // cp, r, cp), expected)
+
+
+@pytest.mark.parametrize("cp, seq", [(2, 12), (3, 18), (4, 16)])
+def test_zigzag_balances_causal_work_and_contiguous_does_not(cp, seq):
+    def pairs(positions):  # causal (query, key) pairs: query at p sees keys 0..p
+        return int((positions + 1).sum())
+
+    zigzag = [pairs(local_positions(seq // cp, r, cp)) for r in range(cp)]
+    contiguous = [pairs(torch.arange(seq).chunk(cp)[r]) for r in range(cp)]
+    assert sum(zigzag) == sum(contiguous) == seq * (seq + 1) // 2
+    assert len(set(zigzag)) == 1, zigzag
+    assert len(set(contiguous)) == cp, contiguous
+
+
+def test_check_cp_names_the_length_and_the_multiple():
+    check_cp(12, 3)
+    with pytest.raises(ConfigError, match=r"seq_len=10 .*cp=2 = 4 .*multiple of 4"):
+        check_cp(10, 2)
+    with pytest.raises(ConfigError, match="cp must be a positive integer"):
+        check_cp(8, 0)
+    with pytest.raises(ConfigError, match="seq_len=9"):
+        shard_sequence(torch.zeros(1, 9), 0, 1)
+
+
+def test_no_mesh_is_plain_causal_attention():
+    q, k, v = torch.randn(3, B, H, T, D).unbind(0)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(cp_attention(q, k, v, None), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# gloo ranks against one process
+# ---------------------------------------------------------------------------------------------
+def full_inputs():
+    """q, k, v of the full sequence and the loss weights, identical on every rank."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, weights = torch.randn(4, B, H, T, D, generator=gen).unbind(0)
+    return q, k, v, weights
+
+
+def run_attention(attend, q, k, v, weights):
+    """Output and q/k/v gradients of loss = (attend(q, k, v) * weights).sum()."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = attend(q, k, v)
+    (out * weights).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _local_only_gather(local, dim, group):
+    """A gather whose backward does not sum over ranks: only the own slice gets a gradient,
+    and only from this rank's queries (what a plain, non-autograd all-gather would give)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    parts[dist.get_rank(group)] = local
+    return torch.cat(parts, dim)
+
+
+def _cp_rank():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    env = DistEnv.from_environ()
+    init_process_group(env, "gloo", timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("cp",))
+    rank, cp = mesh.get_local_rank(), mesh.size()
+    shards = [shard_sequence(t, rank, cp, dim=2) for t in full_inputs()]
+    result = {
+        "cp": run_attention(lambda q, k, v: cp_attention(q, k, v, mesh), *shards),
+        # negative controls: causal attention over the local keys only; a gather whose
+        # backward does not sum the K/V gradients over ranks
+        "local_only": run_attention(
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *shards),
+    }
+    cp_mod._gather_sequence = _local_only_gather
+    result["no_grad_sum"] = run_attention(lambda q, k, v: cp_attention(q, k, v, mesh), *shards)
+    return result
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cp", [2, 3])
+def test_cp_attention_matches_one_process(cp):
+    results = run_workers(_cp_rank, cp, timeout=100)
+    reference = run_attention(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *full_inputs())
+    names = ("out", "q.grad", "k.grad", "v.grad")
+    for rank, result in enumerate(results):
+        for name, got, full in zip(names, result["cp"], reference, strict=True):
+            torch.testing.assert_close(got, shard_sequence(full, rank, cp, dim=2), atol=1e-6,
+                                       rtol=0, msg=f"rank {rank} {name}")
+    # the comparison can fail: rank 0's second chunk (the sequence's end) needs the other keys
+    local_out = torch.cat([r["local_only"][0] for r in results], 2)
+    cp_out = torch.cat([r["cp"][0] for r in results], 2)
+    assert (local_out - cp_out).abs().max() > 1e-2
+    # ... and the K/V gradients need the sum over ranks in the backward: every rank's keys are
+    # also seen by the later queries of the other ranks
+    for rank, result in enumerate(results):
+        same_out, same_q_grad, k_grad, v_grad = result["no_grad_sum"]
+        torch.testing.assert_close(same_out, result["cp"][0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(same_q_grad, result["cp"][1], atol=1e-6, rtol=0)
+        assert (k_grad - result["cp"][2]).abs().max() > 1e-2, f"rank {rank}"
+        assert (v_grad - result["cp"][3]).abs().max() > 1e-2, f"rank {rank}"
