@@ -32,7 +32,7 @@ from meshtrain.checkpoint.state import save_checkpoint
 from meshtrain.data.sampler import GlobalBatchSampler, make_loader
 from meshtrain.errors import ConfigError
 from meshtrain.fault import StepGuard, set_collective_timeout
-from meshtrain.launch.spawn import DistEnv, ScriptWorkers
+from meshtrain.launch.spawn import DistEnv
 from meshtrain.launch.world import (
     collective_checks, drain_collectives, resolve_world_size, start_world,
 )
@@ -88,11 +88,9 @@ class Trainer:
         self.state = LoopState()
         self.grad_norm: torch.Tensor | None = None  # the last step's, before clipping
         self.should_stop, self.callback_metrics = False, {}
-        self.run_dir: Path | None = None
-        self._workers: ScriptWorkers | None = None
-        self._val_data, self.run_log = None, RunLog(self.rank == 0)
+        self.run_dir = self._resume_from = self._workers = self._val_data = None
+        self.run_log = RunLog(self.rank == 0)
         self._guard: StepGuard | None = None  # checkpoints, NaN/Inf, watchdog (fault.py)
-        self._resume_from: Path | None = None
 
     def __getattr__(self, name: str):
         settings = self.__dict__.get("_settings", {})
@@ -101,10 +99,8 @@ class Trainer:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- where the loop stands (LoopState) ------------------------------------------------------
-    global_step = property(lambda self: self.state.global_step,
-                           lambda self, v: setattr(self.state, "global_step", v))
-    current_epoch = property(lambda self: self.state.current_epoch,
-                             lambda self, v: setattr(self.state, "current_epoch", v))
+    global_step = property(lambda self: self.state.global_step)
+    current_epoch = property(lambda self: self.state.current_epoch)
     num_skipped_steps = property(lambda self: self.state.num_skipped_steps)
     num_rollbacks = property(lambda self: self.state.num_rollbacks)
 
@@ -159,11 +155,9 @@ class Trainer:
             ckpt_path: str | os.PathLike | None = None) -> torch.nn.Module:
         """Train ``model`` and return it (the same module object the user passed or built).
 
-        ``optimizer`` is a factory ``params -> Optimizer``; ``lr_scheduler`` a factory
-        ``optimizer -> LRScheduler`` stepped every optimizer step. With ``loss_fn`` each batch
-        is ``(inputs, targets)`` and the loss is ``loss_fn(model(inputs), targets)``; without it
-        the model is called on the batch and returns the loss. ``ckpt_path`` resumes from that
-        checkpoint (overriding the ``resume`` setting).
+        ``optimizer``: a factory ``params -> Optimizer``; ``lr_scheduler``: ``optimizer ->
+        LRScheduler``, stepped every optimizer step. With ``loss_fn`` each batch is ``(inputs,
+        targets)``; without it the model returns the loss. ``ckpt_path`` overrides ``resume``.
         """
         self.prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
                      lr_scheduler=lr_scheduler, ckpt_path=ckpt_path)

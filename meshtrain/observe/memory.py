@@ -51,19 +51,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "ForwardParamBytes",
-    "MemoryProbe",
-    "MemoryRow",
-    "ModelStateBytes",
-    "format_memory_table",
-    "memory_row",
-    "memory_summary",
-    "model_state_bytes",
-    "optimizer_bytes_per_param",
-    "predicted_bytes",
-    "shard_count",
-]
+__all__ = ["ForwardParamBytes", "MemoryProbe", "MemoryRow", "ModelStateBytes",
+           "format_memory_table", "memory_row", "memory_summary", "model_state_bytes",
+           "optimizer_bytes_per_param", "predicted_bytes", "shard_count"]
 
 MIB = 2**20
 
