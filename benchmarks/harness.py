@@ -76,6 +76,20 @@ def paired_ratio(values: Sequence[float], baseline: Sequence[float]) -> float:
     return statistics.median([v / b for v, b in zip(values, baseline)])
 
 
+def add_ratios(summary: dict[str, dict], baseline: str, ratios: dict[str, str]) -> None:
+    """Give every row of ``summary`` its ratios to the row ``baseline``: ``ratios`` maps each new
+    key to the field divided, "repeats_ms" meaning the paired ratio; None where no baseline ran."""
+    base = summary.get(baseline)
+    for row in summary.values():
+        for key, field in ratios.items():
+            if base is None:
+                row[key] = None
+            elif field == "repeats_ms":
+                row[key] = paired_ratio(row[field], base[field])
+            else:
+                row[key] = row[field] / base[field]
+
+
 def slower_rank(ranks: list[dict], key: str) -> dict[str, list[float]]:
     """{case: [per repeat, the largest ``rank[key][case][repeat]`` over the ranks]}: a job's
     step takes as long as its slower rank. A case that ran on some ranks only (a one-process

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from harness import (
-    drain_collectives, end_process_group, fmt, hang_guard, interleaved, machine, paired_ratio,
+    add_ratios, drain_collectives, end_process_group, fmt, hang_guard, interleaved, machine,
     spread, table, write_json,
 )
 from torch.utils.data import DataLoader, TensorDataset
@@ -303,15 +303,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "repeats_ms": [1e3 * m for m in means],
             "cpu_median_ms": 1e3 * statistics.median(cpu),
         }
-    raw = summary.get("raw")
-    for row in summary.values():
-        if raw is None:
-            row["ratio_vs_raw"] = row["paired_ratio_median"] = row["cpu_ratio_vs_raw"] = None
-            continue
-        row["ratio_vs_raw"] = row["median_ms"] / raw["median_ms"]
-        # Paired by repeat (each ran right next to a raw run): less sensitive to slow drift.
-        row["paired_ratio_median"] = paired_ratio(row["repeats_ms"], raw["repeats_ms"])
-        row["cpu_ratio_vs_raw"] = row["cpu_median_ms"] / raw["cpu_median_ms"]
+    # Paired by repeat (each ran right next to a raw run): less sensitive to slow drift.
+    add_ratios(summary, "raw", {"ratio_vs_raw": "median_ms", "paired_ratio_median": "repeats_ms",
+                                "cpu_ratio_vs_raw": "cpu_median_ms"})
     return summary
 
 

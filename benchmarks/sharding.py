@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from harness import (
-    end_process_group, fmt, hang_guard, in_ms, interleaved, machine, paired_ratio, table,
+    add_ratios, end_process_group, fmt, hang_guard, in_ms, interleaved, machine, table,
     write_json,
 )
 from torch.utils.data import TensorDataset
@@ -159,15 +159,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "predicted_total": sum(top["predicted"].values()),
             "per_rank_totals": [sum(r["measured"].values()) for r in ranks],
         }
-    base = summary.get("dp")
     for row in summary.values():
         row["ratio_vs_formula"] = row["measured_total"] / row["predicted_total"]
-        if base is None:
-            row["time_vs_dp"] = row["paired_time_vs_dp"] = row["memory_vs_dp"] = None
-            continue
-        row["time_vs_dp"] = row["median_ms"] / base["median_ms"]
-        row["paired_time_vs_dp"] = paired_ratio(row["repeats_ms"], base["repeats_ms"])
-        row["memory_vs_dp"] = row["measured_total"] / base["measured_total"]
+    add_ratios(summary, "dp", {"time_vs_dp": "median_ms", "paired_time_vs_dp": "repeats_ms",
+                               "memory_vs_dp": "measured_total"})
     return summary
 
 
