@@ -123,9 +123,10 @@ class ModelCheckpoint(Callback):
             from meshtrain.checkpoint.manager import checkpoint_name
 
             # the name the periodic checkpoints use: resume="auto" finds these too
-            path = self._dir(trainer) / checkpoint_name(trainer.global_step)
-            if not path.is_dir():  # not again when checkpoint_every_n_steps just wrote it
-                trainer.save_checkpoint(path)
+            every = trainer.checkpoint_every_n_steps
+            if self.dirpath is None and every and trainer.global_step % every == 0:
+                return  # the periodic checkpoint of this step goes to the same folder
+            trainer.save_checkpoint(self._dir(trainer) / checkpoint_name(trainer.global_step))
 
     def on_validation_end(self, trainer, metrics: dict) -> None:
         if self.monitor is None or self.save_top_k == 0:

@@ -204,9 +204,6 @@ class CheckpointManager:
         if self.async_save and self.process_group is None and dist.is_initialized():
             self.process_group = dist.new_group(backend="gloo")
         final = self.directory / checkpoint_name(step)
-        if (final / TRAINER_STATE).is_file():  # this step is saved already (ModelCheckpoint)
-            self._prune(final)
-            return True
         tmp = tmp_path(final)
         prepare_tmp(tmp)
         write_extras(tmp, trainer_state, summary)
