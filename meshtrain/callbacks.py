@@ -79,11 +79,14 @@ class EarlyStopping(Callback):
 class ModelCheckpoint(Callback):
     """Save checkpoints: the best ``save_top_k`` by ``monitor``, every N steps, and/or the last.
 
+    A policy of the run's one checkpoint writer (``trainer.checkpoints``): it decides when and
+    under which name, the writer writes (atomically, never NaN/Inf, never twice).
+
     Files go to ``dirpath`` (default ``<run folder>/checkpoints``); ``best_model_path`` names the
     best one so far. Every-N-step folders have the periodic checkpoints' names
     (``step_00000012``), so ``resume="auto"`` finds them; best-k folders of a resumed run keep
-    counting towards ``save_top_k``; ``last`` is the run's ``final`` checkpoint when the
-    Trainer writes one (not a second copy).
+    counting towards ``save_top_k``; ``last`` is the folder already written at the last step
+    (``final``, or a periodic one) when there is one (not a second copy).
     """
 
     def __init__(self, dirpath: str | Path | None = None, monitor: str | None = None,
@@ -119,14 +122,15 @@ class ModelCheckpoint(Callback):
             self.best_model_path = best(self.best_k, key=self.best_k.get)
 
     def on_train_step_end(self, trainer, metrics: dict) -> None:
-        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+        step, writer = trainer.global_step, trainer.checkpoints
+        if self.every_n_steps and step % self.every_n_steps == 0:
             from meshtrain.checkpoint.manager import checkpoint_name
 
             # the name the periodic checkpoints use: resume="auto" finds these too
-            every = trainer.checkpoint_every_n_steps
-            if self.dirpath is None and every and trainer.global_step % every == 0:
-                return  # the periodic checkpoint of this step goes to the same folder
-            trainer.save_checkpoint(self._dir(trainer) / checkpoint_name(trainer.global_step))
+            path = self._dir(trainer) / checkpoint_name(step)
+            if path.parent == writer.directory and writer.due_by_steps(step):
+                return  # the writer's periodic save of this step goes to the same folder
+            trainer.save_checkpoint(path)
 
     def on_validation_end(self, trainer, metrics: dict) -> None:
         if self.monitor is None or self.save_top_k == 0:
@@ -156,9 +160,9 @@ class ModelCheckpoint(Callback):
     def on_fit_end(self, trainer) -> None:
         if not self.save_last:
             return
-        final = trainer.run_dir / "checkpoints" / "final"
-        if trainer.save_final_checkpoint and self.dirpath is None and final.is_dir():
-            self.last_model_path = final  # the same state: not written twice
+        written = trainer.checkpoints.written_at(trainer.global_step)  # final/ or step_*/
+        if self.dirpath is None and written is not None and not written.name.startswith("best"):
+            self.last_model_path = written  # the same state: not written twice
         else:
             self.last_model_path = trainer.save_checkpoint(self._dir(trainer) / "last")
 

@@ -126,11 +126,9 @@ def first_inputs(dataset, count: int):
     return inputs
 
 
-def check_fit_inputs(model, train_data, val_data, *, optimizer, lr_scheduler, ckpt_path,
+def check_fit_inputs(model, train_data, val_data, *, optimizer, lr_scheduler,
                      global_batch_size: int) -> Dataset:
     """``fit``'s arguments, before any process starts; returns the training dataset."""
-    from pathlib import Path
-
     check_model(model)
     check_factory("optimizer", optimizer, required=True)
     check_factory("lr_scheduler", lr_scheduler, required=False)
@@ -141,6 +139,4 @@ def check_fit_inputs(model, train_data, val_data, *, optimizer, lr_scheduler, ck
     if len(train_set) < global_batch_size:
         raise ConfigError(f"train_data has {len(train_set)} samples, fewer than one global batch "
                           f"of {global_batch_size}; lower global_batch_size or add data")
-    if ckpt_path is not None and not Path(ckpt_path).exists():
-        raise ConfigError(f"ckpt_path {ckpt_path} does not exist")
     return train_set

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -28,10 +27,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from meshtrain import checks
-from meshtrain.checkpoint.state import save_checkpoint
+from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.data.sampler import GlobalBatchSampler, make_loader
 from meshtrain.errors import ConfigError
-from meshtrain.fault import StepGuard, set_collective_timeout
+from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.spawn import DistEnv
 from meshtrain.launch.world import (
     collective_checks, drain_collectives, resolve_world_size, start_world,
@@ -90,7 +89,8 @@ class Trainer:
         self.should_stop, self.callback_metrics = False, {}
         self.run_dir = self._resume_from = self._workers = self._val_data = None
         self.run_log = RunLog(self.rank == 0)
-        self._guard: StepGuard | None = None  # checkpoints, NaN/Inf, watchdog (fault.py)
+        self.checkpoints: CheckpointManager | None = None  # every save goes through it
+        self._guard: StepGuard | None = None  # NaN/Inf, watchdog, periodic saves (fault/)
 
     def __getattr__(self, name: str):
         settings = self.__dict__.get("_settings", {})
@@ -151,16 +151,16 @@ class Trainer:
     # -- fit ------------------------------------------------------------------------------------
     def fit(self, model: ModelLike, train_data: DataLike, val_data: DataLike | None = None, *,
             optimizer: Callable, loss_fn: Callable | None = None,
-            lr_scheduler: Callable | None = None,
-            ckpt_path: str | os.PathLike | None = None) -> torch.nn.Module:
+            lr_scheduler: Callable | None = None) -> torch.nn.Module:
         """Train ``model`` and return it (the same module object the user passed or built).
 
         ``optimizer``: a factory ``params -> Optimizer``; ``lr_scheduler``: ``optimizer ->
         LRScheduler``, stepped every optimizer step. With ``loss_fn`` each batch is ``(inputs,
-        targets)``; without it the model returns the loss. ``ckpt_path`` overrides ``resume``.
+        targets)``; without it the model returns the loss. Where it resumes from is the
+        ``resume`` setting ("auto": this job's newest checkpoint; a folder; None).
         """
         self.prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
-                     lr_scheduler=lr_scheduler, ckpt_path=ckpt_path)
+                     lr_scheduler=lr_scheduler)
         self.print(f"run folder: {self.run_dir}")
         try:
             with collective_checks(self.debug_collectives):
@@ -186,11 +186,11 @@ class Trainer:
                        min_lr=min_lr, max_lr=max_lr, num_steps=num_steps)
 
     def prepare(self, model, train_data, val_data=None, *, optimizer, loss_fn=None,
-                lr_scheduler=None, ckpt_path=None) -> None:
+                lr_scheduler=None) -> None:
         """Check the inputs, then create processes, model, optimizer and data loaders, and
         resume when a checkpoint is due (what ``fit`` does before its loop)."""
         train_set = checks.check_fit_inputs(model, train_data, val_data, optimizer=optimizer,
-                                            lr_scheduler=lr_scheduler, ckpt_path=ckpt_path,
+                                            lr_scheduler=lr_scheduler,
                                             global_batch_size=self.global_batch_size)
         meta_model = checks.inspect_model(model)
         self._check_model(meta_model, loss_fn)
@@ -205,11 +205,16 @@ class Trainer:
                 dp_degree=self.layout.batch_degree, shuffle=self.shuffle, seed=self.seed)
             self.train_loader = self._loader(train_set, train_data, self.state.sampler)
             self._val_data = val_data
-            self._guard = StepGuard(self)
-            start_from = Path(ckpt_path) if ckpt_path is not None else self._resume_from
-            if start_from is not None:
-                self.load_checkpoint(start_from)
-                self.print(f"resumed from {start_from} at step {self.global_step}")
+            self.checkpoints = CheckpointManager.from_settings(self.run_dir / "checkpoints",
+                                                               self._settings)
+            self._guard = StepGuard(
+                self, FaultOptions.from_settings(self._settings), self.checkpoints,
+                run_dir=self.run_dir, rank=self.rank, world_size=self.world_size,
+                device=self.device, grad_scaler=self.precision.scaler is not None,
+                gradients_identical=self.layout.gradients_identical_after_sync)
+            if self._resume_from is not None:
+                self.load_checkpoint(self._resume_from)
+                self.print(f"resumed from {self._resume_from} at step {self.global_step}")
         except BaseException as error:
             if self._workers is not None:
                 self._workers.raise_if_failed(error)
@@ -300,7 +305,7 @@ class Trainer:
             # not again when a validation just stopped training early (same weights)
             if self._val_data is not None and validated_at != state.global_step:
                 self._run_validation()
-            guard.checkpoints.wait()
+            self.checkpoints.wait()
             if self.save_final_checkpoint:
                 self.save_checkpoint(self.run_dir / "checkpoints" / "final")
             self._call("on_fit_end")
@@ -419,13 +424,8 @@ class Trainer:
 
         Returns the folder, or None when some rank holds NaN/Inf values: such a checkpoint is
         never written."""
-        from meshtrain.checkpoint.manager import all_finite
-
-        if not all_finite(self.model, self.optimizer):
-            warnings.warn(f"step {self.global_step}: the model or optimizer holds NaN/Inf "
-                          f"values; {path} was not written", stacklevel=2)
-            return None
-        return save_checkpoint(path, self.model, self.optimizer, *self.checkpoint_state())
+        return self.checkpoints.save_to(path, self.global_step, self.model, self.optimizer,
+                                        *self.checkpoint_state())
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint saved by :meth:`save_checkpoint` into the fitted model.

@@ -136,7 +136,7 @@ def test_the_existing_wording_is_kept():
 
 
 def test_choices_agree_with_the_code_that_implements_them():
-    from meshtrain.observe.nonfinite import NAN_POLICIES
+    from meshtrain.fault.nonfinite import NAN_POLICIES
     from meshtrain.parallel.data_parallel import COMM_HOOKS
     from meshtrain.parallel.fully_shard import OFFLOADS
     from meshtrain.parallel.partition import BALANCES

@@ -193,10 +193,9 @@ def _resume_runs(base_dir, k, layout=None):
 
     resumed_losses = LossRecorder()
     resumed = quiet_trainer(base_dir / "resumed", max_steps=k + 1, callbacks=[resumed_losses],
-                            **common)
+                            resume=base_dir / "first" / "checkpoints" / "final", **common)
     torch.manual_seed(1)  # a fresh model with other parameters: all must come from the checkpoint
-    model = resumed.fit(_dropout_mlp(), regression_data(), ckpt_path=base_dir / "first" /
-                        "checkpoints" / "final", **fit)
+    model = resumed.fit(_dropout_mlp(), regression_data(), **fit)
     return {
         "full_losses": full.losses, "full_params": full_params,
         "resumed_losses": resumed_losses.losses, "resumed_params": state_of(model),

@@ -181,8 +181,10 @@ def test_empty_dataset(tmp_path):
 
 
 def test_missing_checkpoint(tmp_path):
-    _fit_raises(_kwargs(tmp_path), "ckpt_path .* does not exist",
-                ckpt_path=tmp_path / "no-such-checkpoint")
+    # resume is the one way to name the checkpoint to start from (fit has no ckpt_path)
+    with pytest.raises(ConfigError, match="resume=.* does not exist"):
+        Trainer(**_kwargs(tmp_path, resume=tmp_path / "no-such-checkpoint"))
+    assert not (tmp_path / "run").exists()
 
 
 def test_dataset_smaller_than_one_global_batch_on_two_ranks(world_of_two, tmp_path):

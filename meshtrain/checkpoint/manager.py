@@ -1,4 +1,5 @@
-"""Periodic, atomic, optionally asynchronous checkpoints (torch distributed checkpoint, DCP).
+"""The one checkpoint writer: periodic, best-k, last and final saves, all atomic (torch
+distributed checkpoint, DCP); periodic ones optionally asynchronous.
 
 A :class:`CheckpointManager` saves ``<directory>/step_00000012`` every N steps and/or every N
 minutes, keeps the last k, and never leaves a half-written folder that looks complete: every
@@ -179,6 +180,19 @@ class CheckpointManager:
         self.last_save_s: float | None = None  # start of the last save to its commit
         self._last_start = _now()
         self._pending: tuple[Future, int, Path, Path, float] | None = None
+        self._last_written: tuple[Path, int] | None = None  # (folder, step) of the last save
+
+    @classmethod
+    def from_settings(cls, directory, settings: dict) -> CheckpointManager:
+        """The Trainer's writer, from its ``checkpoint`` settings (collective: with
+        ``async_checkpoint``, DCP's collectives of a background write get a gloo group of
+        their own, created here, so they never interleave with the training step's)."""
+        async_save = settings["async_checkpoint"]
+        group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        return cls(directory, process_group=group, async_save=async_save,
+                   every_n_steps=settings["checkpoint_every_n_steps"],
+                   every_n_minutes=settings["checkpoint_every_n_minutes"],
+                   keep_last_k=settings["keep_last_k"])
 
     # -- when ---------------------------------------------------------------------------------
     def due_by_steps(self, step: int) -> bool:
@@ -192,41 +206,65 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, trainer_state: dict, summary: dict) -> bool:
-        """Collective: save (or start saving) the checkpoint of ``step``; False if refused."""
-        start = _now()
+        """Collective: save (or start saving, with ``async_save``) the periodic checkpoint of
+        ``step`` as ``<directory>/step_00000012``; False if refused (NaN/Inf values)."""
+        path = self.save_to(self.directory / checkpoint_name(step), step, model, optimizer,
+                            trainer_state, summary, background=self.async_save)
+        return path is not None
+
+    def save_to(self, path, step: int, model, optimizer, trainer_state: dict, summary: dict, *,
+                background: bool = False) -> Path | None:
+        """Collective: write the state of ``step`` into the folder ``path``, atomically.
+
+        Every save goes through here: periodic, best-k, last and final. A folder that holds
+        NaN/Inf values is never written (None is returned, with a warning); the folder this
+        writer last wrote is not written again for the same step. ``background``: an
+        asynchronous write, committed by :meth:`commit` or :meth:`wait`.
+        """
+        path, start = Path(path), _now()
         self.wait()
+        if self._last_written == (path, step):
+            return path
         if not all_finite(model, optimizer):
-            warnings.warn(f"checkpoint of step {step} not saved: the model or optimizer state "
-                          "holds NaN or Inf values (on at least one rank)", stacklevel=2)
+            warnings.warn(f"checkpoint of step {step} not saved to {path}: the model or "
+                          "optimizer state holds NaN/Inf values (on at least one rank)",
+                          stacklevel=3)
             self.last_blocking_s = _now() - start
-            return False
-        self._last_start = start
-        if self.async_save and self.process_group is None and dist.is_initialized():
+            return None
+        if path.parent == self.directory and _STEP_NAME.match(path.name):
+            self._last_start = start  # the clock of every_n_minutes
+        if background and self.process_group is None and dist.is_initialized():
             self.process_group = dist.new_group(backend="gloo")
-        final = self.directory / checkpoint_name(step)
-        tmp = tmp_path(final)
+        tmp = tmp_path(path)
         prepare_tmp(tmp)
         write_extras(tmp, trainer_state, summary)
         state = checkpoint_state(model, optimizer)
         where = dict(checkpoint_id=tmp, process_group=self.process_group)
         with _quiet_single_process():  # (an async save's thread may still warn, once)
-            if not self.async_save:
+            if not background:
                 dcp.save(state, **where)
             else:
                 future = dcp.async_save(
                     state, async_checkpointer_type=AsyncCheckpointerType.THREAD, **where)
                 future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse
-                self._pending = (future, step, tmp, final, start)
-        if not self.async_save:
+                self._pending = (future, step, tmp, path, start)
+        self._last_written = (path, step)
+        if not background:
             # dcp.save returns on a rank only after every rank wrote (extras included) and the
             # coordinator wrote .metadata: the folder is complete.
-            commit_tmp(tmp, final)
-            self._prune(final)
+            commit_tmp(tmp, path)
+            self._prune(path)
             _barrier()
         self.last_blocking_s = _now() - start
-        if not self.async_save:
+        if not background:
             self.last_save_s = self.last_blocking_s
-        return True
+        return path
+
+    def written_at(self, step: int) -> Path | None:
+        """The folder this writer last wrote, if it holds the state of ``step``."""
+        if self._last_written is not None and self._last_written[1] == step:
+            return self._last_written[0]
+        return None
 
     @property
     def in_flight(self) -> bool:
@@ -271,7 +309,7 @@ class CheckpointManager:
     # -- housekeeping -------------------------------------------------------------------------
     def _prune(self, keep: Path) -> None:
         """Rank 0: delete the oldest complete ``step_*`` checkpoints beyond keep_last_k."""
-        if self.keep_last_k is None or _rank() != 0:
+        if self.keep_last_k is None or _rank() != 0 or keep.parent != self.directory:
             return
         steps = [p for p in list_complete(self.directory) if _STEP_NAME.match(p.name)]
         for old in steps[: max(0, len(steps) - self.keep_last_k)]:

@@ -131,29 +131,6 @@ def commit_tmp(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
 
 
-def save_checkpoint(
-    path: str | os.PathLike,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    trainer_state: dict,
-    summary: dict,
-    *,
-    process_group=None,
-) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
-    path = Path(path)
-    tmp = tmp_path(path)
-    prepare_tmp(tmp)
-    with _quiet_single_process():
-        dcp.save(checkpoint_state(model, optimizer), checkpoint_id=tmp,
-                 process_group=process_group)
-    write_extras(tmp, trainer_state, summary)
-    _barrier()
-    commit_tmp(tmp, path)
-    _barrier()
-    return path
-
-
 def load_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,

@@ -57,7 +57,7 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     if not dist.is_initialized():
         if debug_collectives:
-            from meshtrain.observe.desync import enable_collective_checks
+            from meshtrain.fault.desync import enable_collective_checks
 
             enable_collective_checks()
             if env.rank == 0:
@@ -73,7 +73,7 @@ def collective_checks(enabled: bool):
     """Under ``debug_collectives``: every collective is first compared across ranks."""
     if not (enabled and dist.is_initialized()):
         return contextlib.nullcontext()
-    from meshtrain.observe.desync import collective_check_context
+    from meshtrain.fault.desync import collective_check_context
 
     return collective_check_context()
 

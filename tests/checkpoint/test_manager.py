@@ -24,7 +24,6 @@ from meshtrain.checkpoint.manager import (
     list_complete,
     young_daly_interval_s,
 )
-from meshtrain.checkpoint.state import save_checkpoint
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
 
@@ -196,7 +195,8 @@ def test_due_by_steps_and_time(tmp_path, monkeypatch):
 def test_single_process_pruning_keeps_final_tmp_and_the_newest(tmp_path):
     model, optimizer = _model_and_adamw()
     _step(model, optimizer, 0)
-    save_checkpoint(tmp_path / "final", model, optimizer, _trainer_state(0), _summary(0))
+    CheckpointManager(tmp_path).save_to(tmp_path / "final", 0, model, optimizer, _trainer_state(0),
+                                       _summary(0))
     _fake_checkpoint(tmp_path / ".tmp-step_00000099", 99)
     mgr = CheckpointManager(tmp_path, keep_last_k=2)
     for step in range(1, 5):
@@ -317,7 +317,8 @@ def _prune_worker(directory):
     rank = _init()
     model, optimizer = _model_and_adamw(shard=True)
     _step(model, optimizer, 0)
-    save_checkpoint(Path(directory) / "final", model, optimizer, _trainer_state(0), _summary(0))
+    CheckpointManager(directory).save_to(Path(directory) / "final", 0, model, optimizer,
+                                         _trainer_state(0), _summary(0))
     if rank == 0:
         _fake_checkpoint(Path(directory) / ".tmp-step_00000099", 99)
     dist.barrier()
@@ -427,5 +428,5 @@ def test_two_rank_nan_on_one_rank_refuses_the_save_everywhere(tmp_path, where):
     for r in out:
         assert r["saved"] is False
         assert r["contents"] == []
-        assert any("step 6" in m and "NaN or Inf" in m for m in r["messages"]), r["messages"]
+        assert any("step 6" in m and "NaN/Inf" in m for m in r["messages"]), r["messages"]
         assert r["saved_after"] is True and r["latest"] == directory / "step_00000007"

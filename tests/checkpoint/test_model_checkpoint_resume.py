@@ -60,3 +60,26 @@ def test_every_n_steps_and_periodic_checkpoints_share_folders(tmp_path):
     _fit(tmp_path, 4, [checkpoint], save_final_checkpoint=False)  # both policies: every 2
     folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert folders == ["step_00000002", "step_00000004"]
+
+
+def test_last_is_the_periodic_checkpoint_of_the_last_step(tmp_path):
+    # no final checkpoint, but the writer saved step 4 already: last names it, no copy
+    checkpoint = ModelCheckpoint(save_last=True)
+    trainer = _fit(tmp_path, 4, [checkpoint], save_final_checkpoint=False)
+    folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert folders == ["step_00000002", "step_00000004"]
+    assert checkpoint.last_model_path == tmp_path / "checkpoints" / "step_00000004"
+    assert trainer.checkpoints.written_at(4) == checkpoint.last_model_path
+
+
+def test_every_save_goes_through_the_one_writer(tmp_path):
+    # a save asked for twice at one step (same folder) is written once; another step is new
+    trainer = _fit(tmp_path, 2, [], save_final_checkpoint=False)
+    target = tmp_path / "elsewhere" / "mine"
+    assert trainer.save_checkpoint(target) == target
+    written = (target / "meshtrain.json").stat().st_mtime_ns
+    (target / "marker").write_text("kept")  # a rewrite would replace the whole folder
+    assert trainer.save_checkpoint(target) == target
+    assert (target / "marker").is_file() and (target / "meshtrain.json").stat().st_mtime_ns == written
+    assert trainer.checkpoints.written_at(2) == target and trainer.checkpoints.written_at(1) is None
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]

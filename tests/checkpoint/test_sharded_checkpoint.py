@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from parity import GPT_FNS, adamw, max_param_diff, train_state  # noqa: F401
 
 from meshtrain import Callback, Trainer
@@ -28,9 +27,9 @@ def _fit(run_dir, layout, steps, ckpt=None, save=False):
     losses = Losses()
     trainer = Trainer(layout=layout, max_steps=steps, global_batch_size=16, micro_batch_size=4,
                       log_every_n_steps=1, loggers=(), progress_bar=False, run_dir=run_dir,
-                      save_final_checkpoint=save, callbacks=[losses])
+                      save_final_checkpoint=save, callbacks=[losses], resume=ckpt)
     model = trainer.fit(GPT_FNS["model_fn"], GPT_FNS["data_fn"](), optimizer=adamw,
-                        loss_fn=GPT_FNS["loss_fn"], ckpt_path=ckpt)
+                        loss_fn=GPT_FNS["loss_fn"])
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
               for k, v in model.state_dict().items()}
     return losses.by_step, params

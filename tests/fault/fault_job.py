@@ -19,7 +19,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.launch.spawn import DistEnv, init_process_group
-from meshtrain.observe.watchdog import StallWatchdog
+from meshtrain.fault.watchdog import StallWatchdog
 
 
 def sleep_inside_step() -> None:

@@ -13,8 +13,8 @@ import pytest
 from conftest import ROOT, script_env
 
 from meshtrain.launch.spawn import _host_store, _worker_environ
-from meshtrain.observe import watchdog as watchdog_module
-from meshtrain.observe.watchdog import STALL_EXIT_CODE, StallWatchdog
+from meshtrain.fault import watchdog as watchdog_module
+from meshtrain.fault.watchdog import STALL_EXIT_CODE, StallWatchdog
 
 WORKER = Path(__file__).with_name("stall_worker.py")
 LIMIT_S = 2.0
@@ -176,7 +176,7 @@ def test_one_process_stall_writes_stacks(tmp_path, stops, capsys):
 BACKSTOP_SCRIPT = """
 import ctypes, faulthandler, sys, threading
 from pathlib import Path
-from meshtrain.observe import watchdog
+from meshtrain.fault import watchdog
 
 backstop_armed = threading.Event()
 

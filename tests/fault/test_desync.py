@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from meshtrain.errors import CollectiveMismatch, WorkerFailed
 from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
-from meshtrain.observe.desync import (
+from meshtrain.fault.desync import (
     collective_check_context,
     enable_collective_checks,
     set_collective_timeout,

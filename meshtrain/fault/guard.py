@@ -1,0 +1,224 @@
+"""What the loop calls around each optimizer step to survive faults.
+
+:class:`StepGuard`:
+
+* before the update, :meth:`~StepGuard.decide` checks for NaN/Inf and carries the checkpoint
+  flags in one small all-reduce, so every rank takes the same decision ("ok", "skip" or
+  "rollback", by ``nan_policy``);
+* after the step, :meth:`~StepGuard.after_step` commits a finished asynchronous checkpoint and
+  starts the next periodic one when it is due (by steps, or by rank 0's clock);
+* :meth:`~StepGuard.rollback` restores the last checkpoint and remembers the batch to skip;
+* the stall watchdog is armed for every step but the first, after which the collective timeout
+  drops from ``init_timeout_s`` to ``collective_timeout_s``.
+
+It sees the loop only through :class:`Loop` and its settings through :class:`FaultOptions`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+MAX_ROLLBACKS = 10  # nan_policy="rollback" gives up after this many in one fit
+
+
+class Loop(Protocol):
+    """What the guard needs of the training loop (the Trainer is one)."""
+
+    state: object  # meshtrain.loop_state.LoopState: step, epoch, data position, counters
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def checkpoint_state(self) -> tuple[dict, dict]: ...  # (trainer state, summary)
+    def load_checkpoint(self, path) -> None: ...
+    def print(self, message: str) -> None: ...  # rank zero only
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultOptions:
+    """The settings the guard acts on (``fault`` and ``checkpoint`` sections; defaults and
+    docs in :mod:`meshtrain.settings`)."""
+
+    nan_policy: str | None
+    collective_timeout_s: float
+    init_timeout_s: float
+    stall_timeout_s: float | None
+    mtbf_hours: float
+    checkpoint_every_n_minutes: float | None
+    save_final_checkpoint: bool
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> FaultOptions:
+        return cls(**{f.name: settings[f.name] for f in dataclasses.fields(cls)})
+
+
+def set_collective_timeout(timeout: timedelta, skip=None) -> None:
+    """On every process group but ``skip`` (the group of background checkpoint writes)."""
+    from meshtrain.fault.desync import set_collective_timeout as set_on
+
+    groups = [g for g in dist.distributed_c10d._world.pg_map if g is not skip]
+    with warnings.catch_warnings():  # under debug_collectives: a note on torch's wrapper
+        warnings.simplefilter("ignore")
+        set_on(timeout.total_seconds(), groups)
+
+
+class StepGuard:
+    """Checkpoints, NaN/Inf decisions, rollback, watchdog and timeouts for one fit.
+
+    ``checkpoints``: the run's checkpoint writer (:class:`~meshtrain.checkpoint.manager.
+    CheckpointManager`); ``gradients_identical``: the layout leaves every rank the same full
+    gradients after the sync (then, without fp16's scaler, a local NaN check is everyone's
+    answer); ``grad_scaler``: fp16's scaler skips inf-gradient steps itself.
+    """
+
+    def __init__(self, loop: Loop, options: FaultOptions, checkpoints, *, run_dir: Path,
+                 rank: int, world_size: int, device: torch.device,
+                 gradients_identical: bool, grad_scaler: bool):
+        from meshtrain.fault.nonfinite import StepFlags
+
+        self.loop, self.options, self.checkpoints = loop, options, checkpoints
+        self.gradients_identical = gradients_identical and not grad_scaler
+        self.grad_scaler = grad_scaler
+        if rank == 0:
+            checkpoints.cleanup_partial()
+        self.flags = StepFlags(rank, world_size, device)
+        self.watchdog = None
+        if options.stall_timeout_s is not None:
+            from meshtrain.fault.watchdog import StallWatchdog
+
+            self.watchdog = StallWatchdog(options.stall_timeout_s, Path(run_dir) / "stacks", rank,
+                                          world_size)
+        self.time_due = self.write_pending = False
+        self.bad_batches: set[tuple[int, int]] = set()  # (epoch, consumed_samples) to skip
+        self.steps_here = 0  # optimizer steps run by this process (a resumed run starts at 0)
+        self.save_cost_reported = False
+
+    # -- around each step ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.start()
+
+    def step_begins(self) -> None:
+        if self.watchdog is not None and self.steps_here > 0:  # not the slow first step
+            self.watchdog.arm(self.loop.state.global_step + 1)
+
+    def step_ends(self, outcome: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.disarm()
+        if outcome == "rollback":
+            return
+        self.steps_here += 1
+        options = self.options
+        if self.steps_here == 1 and dist.is_initialized() and (
+                options.collective_timeout_s != options.init_timeout_s):
+            # past start-up: a collective that waits longer than this means a hang
+            set_collective_timeout(timedelta(seconds=options.collective_timeout_s),
+                                   skip=self.checkpoints.process_group)
+
+    def stop(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    # -- NaN/Inf --------------------------------------------------------------------------------
+    def decide(self, loss: torch.Tensor) -> str:
+        """"ok", "skip" or "rollback" for this step, the same on every rank."""
+        from meshtrain.fault.nonfinite import NonFiniteError, describe, nonfinite_flag
+
+        policy, manager, state = self.options.nan_policy, self.checkpoints, self.loop.state
+        need_flags = bool(self.options.checkpoint_every_n_minutes or manager.in_flight)
+        if not (policy or need_flags):
+            return "ok"
+        flag = None
+        if policy is not None:
+            # under fp16 the grad scaler itself skips steps with inf gradients: check the loss
+            flag = nonfinite_flag(loss, self.loop.model.parameters(),
+                                  check_grads=not self.grad_scaler)
+            if not need_flags and self.gradients_identical and not flag.item() & 2:
+                # every rank holds the same averaged gradients, so this local check is already
+                # everyone's answer: no all-reduce (a NaN found here is exchanged below, by all)
+                return "ok"
+        bad_ranks, self.time_due, self.write_pending = self.flags.exchange(
+            flag, manager.due_by_time(), not manager.poll())
+        if not bad_ranks:
+            return "ok"
+        what = (f"step {state.global_step + 1} (epoch {state.current_epoch}): "
+                f"{describe(bad_ranks)}")
+        if policy == "error":
+            raise NonFiniteError(
+                f"{what}. Lower the learning rate, clip gradients (grad_clip_norm=1.0), check "
+                "the data of this step, or set nan_policy='skip' or 'rollback'")
+        if policy == "skip":
+            state.num_skipped_steps += 1
+            self.loop.print(f"{what}; update skipped on every rank (nan_policy='skip')")
+            return "skip"
+        return "rollback"
+
+    def rollback(self) -> None:
+        """nan_policy='rollback': restore the last checkpoint; the offending batch is skipped."""
+        from meshtrain.checkpoint.manager import latest_complete
+        from meshtrain.fault.nonfinite import NonFiniteError
+
+        state = self.loop.state
+        step, epoch = state.global_step + 1, state.current_epoch
+        self.checkpoints.wait()
+        path = latest_complete(self.checkpoints.directory)
+        if path is None:
+            raise NonFiniteError(
+                f"step {step}: non-finite loss or gradients and nan_policy='rollback', but no "
+                "checkpoint has been saved yet; checkpoint earlier (checkpoint_every_n_steps) "
+                "or use nan_policy='skip'")
+        state.num_rollbacks += 1
+        if state.num_rollbacks > MAX_ROLLBACKS:
+            raise NonFiniteError(
+                f"step {step}: non-finite values again after {MAX_ROLLBACKS} rollbacks; the "
+                "problem is not a few bad batches: lower the learning rate or clip gradients")
+        self.bad_batches.add((epoch, state.sampler.consumed_samples))
+        self.loop.load_checkpoint(path)
+        self.loop.print(f"step {step}: non-finite loss or gradients; rolled back to {path} (step "
+                        f"{self.loop.state.global_step}); the batch of step {step} will be "
+                        "skipped")
+
+    def skip_bad_batch(self) -> bool:
+        """Pass over a batch that a rollback ruled out (it counts as a step, with no update)."""
+        state = self.loop.state
+        if (state.current_epoch, state.sampler.consumed_samples) not in self.bad_batches:
+            return False
+        state.advance()
+        state.num_skipped_steps += 1
+        return True
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def after_step(self, total: int) -> None:
+        """Commit a finished background save; start the next periodic one when it is due."""
+        manager, step = self.checkpoints, self.loop.state.global_step
+        if manager.in_flight and not self.write_pending:  # written on every rank: commit
+            manager.commit()
+        due = manager.due_by_steps(step) or self.time_due
+        self.time_due = False
+        if not due or (step == total and self.options.save_final_checkpoint):
+            return
+        start = time.perf_counter()
+        saved = manager.save(step, self.loop.model, self.loop.optimizer,
+                             *self.loop.checkpoint_state())
+        if saved and not self.save_cost_reported:
+            self.save_cost_reported = True
+            self._report_save_cost(step, time.perf_counter() - start)
+
+    def _report_save_cost(self, step: int, blocked_s: float) -> None:
+        """Young/Daly: the checkpoint interval that loses the least time is sqrt(2 C M)."""
+        from meshtrain.checkpoint.manager import young_daly_interval_s
+
+        mtbf_hours = self.options.mtbf_hours
+        interval = young_daly_interval_s(blocked_s, mtbf_hours * 3600)
+        self.loop.print(
+            f"checkpoint at step {step} blocked training for {blocked_s:.2f} s. With a "
+            f"failure every {mtbf_hours:g} h on average (mtbf_hours), the Young/Daly interval "
+            f"sqrt(2 x save cost x MTBF) is {interval / 60:.1f} min; a failure loses the steps "
+            "since the last checkpoint")
