@@ -13,6 +13,8 @@ automatically when the Trainer gets no ``tp_plan`` (:func:`default_tp_plan`). GP
 plan: its attention is one fused ``Conv1D`` (``c_attn``, weight stored transposed) whose output
 is q, k and v side by side, so a column split would give each rank a mix of q/k/v columns, and
 DTensor's ``ColwiseParallel`` / ``RowwiseParallel`` accept only ``nn.Linear`` / ``nn.Embedding``.
+``cp`` (context parallel) works for Llama-style models: :class:`HFContextParallel` registers
+meshtrain's all-gather-of-K/V attention with ``transformers`` and cuts each batch itself.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from torch.utils.data import Dataset
 from meshtrain.errors import ConfigError
 
 __all__ = [
-    "RandomTokenDataset", "default_tp_plan", "hf_tp_plan", "is_hf_model", "is_llama_like",
-    "random_token_data", "tiny_gpt2", "tiny_llama",
+    "HFContextParallel", "RandomTokenDataset", "default_tp_plan", "hf_cp_support", "hf_tp_plan",
+    "is_hf_model", "is_llama_like", "random_token_data", "tiny_gpt2", "tiny_llama",
 ]
 
 _INSTALL_HINT = "install the optional extra: pip install 'meshtrain[hf]' (transformers>=4.50)"
@@ -231,3 +233,80 @@ def hf_tp_plans(tp_degree: int, sequence_parallel: bool, loss_parallel: bool):
         return default_tp_plan(module, tp_degree, sequence_parallel=sequence_parallel,
                                loss_parallel=loss_parallel)
     return plan_for if tp_degree > 1 else None
+
+
+# --- Context parallel ---------------------------------------------------------------------------
+_CP_ATTENTION = "meshtrain_context_parallel"
+
+
+def _cp_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                  scaling: float | None = None, **kwargs):
+    """A ``transformers`` attention function: this rank's queries over every cp rank's keys and
+    values (meshtrain.parallel.context_parallel.cp_attention); GQA heads repeated after the
+    gather. No padding mask: :meth:`HFContextParallel.shard_context_parallel_batch` refuses one."""
+    from meshtrain.parallel.context_parallel import cp_attention
+
+    out = cp_attention(query, key, value, module.meshtrain_cp_mesh, dropout_p=dropout,
+                       scale=scaling, kv_groups=getattr(module, "num_key_value_groups", 1))
+    return out.transpose(1, 2).contiguous(), None
+
+
+class HFContextParallel:
+    """Context parallel for a Llama-style Hugging Face causal LM, without changing its code.
+
+    Its attention modules call :func:`_cp_attention` (registered under ``transformers``'
+    ``AttentionInterface``); each batch ``{"input_ids", "labels"}`` is cut by the zig-zag order,
+    with ``position_ids`` for RoPE, the labels shifted *before* the cut (``shift_labels``: a
+    token's target may sit on another rank) and ``num_items_in_batch`` set so that the mean
+    of the cp ranks' losses is the loss over the whole sequence.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def check_context_parallel(self, cp_degree: int) -> None:
+        if not is_llama_like(self.model):
+            raise ConfigError(
+                f"{type(self.model).__name__} has no context-parallel support (meshtrain "
+                "supports Llama-style Hugging Face models: layers[i].self_attn with "
+                "q/k/v/o_proj); drop cp from the layout")
+
+    def enable_context_parallel(self, cp_mesh) -> None:
+        tf = _transformers()
+        tf.AttentionInterface.register(_CP_ATTENTION, _cp_attention)
+        self.model.config._attn_implementation = _CP_ATTENTION if cp_mesh is not None else "sdpa"
+        for module in self.model.modules():
+            if hasattr(module, "num_key_value_groups"):
+                module.meshtrain_cp_mesh = cp_mesh
+
+    def shard_context_parallel_batch(self, batch: dict, cp_mesh) -> dict:
+        from meshtrain.parallel.context_parallel import shard_sequence
+
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            raise ConfigError("context parallel of a Hugging Face model needs dict batches with "
+                              f"'input_ids' (and 'labels'), got {type(batch).__name__}")
+        mask = batch.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise ConfigError("context parallel does not support padding (an attention_mask "
+                              "with zeros); pack the sequences to full length instead")
+        rank, degree = cp_mesh.get_local_rank(), cp_mesh.size()
+        ids = batch["input_ids"]
+        out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "attention_mask")}
+        out["input_ids"] = shard_sequence(ids, rank, degree)
+        positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+        out["position_ids"] = shard_sequence(positions, rank, degree)
+        labels = batch.get("labels")
+        if labels is not None:
+            shifted = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+            out["labels"] = out["shift_labels"] = shard_sequence(shifted, rank, degree)
+            # the loss is summed over this rank's tokens and divided by this count: averaged
+            # over the cp ranks it is the mean over every target of the sequence
+            count = (shifted != -100).sum().clamp(min=1)
+            out["num_items_in_batch"] = count.to(torch.float32) / degree
+        return out
+
+
+def hf_cp_support(model: nn.Module) -> HFContextParallel | None:
+    """For :func:`meshtrain.parallel.context_parallel.cp_support`: the adapter of a Hugging Face
+    model (None for other models, which bring their own methods)."""
+    return HFContextParallel(model) if is_hf_model(model) else None

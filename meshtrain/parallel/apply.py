@@ -38,17 +38,20 @@ class ParallelOptions:
     loss_parallel: bool = False
     # a plan, or a function module -> plan or None (None: the module's own ``tp_plan``)
     tp_plan: dict | Callable[[torch.nn.Module], dict | None] | None = None
+    # module -> what makes it context parallel, or None: the module itself (context_parallel.py)
+    context_parallel: Callable[[torch.nn.Module], object | None] | None = None
 
     @classmethod
-    def from_settings(cls, s: dict, tp_plan=None) -> ParallelOptions:
-        """From the Trainer's settings (meshtrain.settings); ``tp_plan`` replaces a missing one."""
+    def from_settings(cls, s: dict, tp_plan=None, context_parallel=None) -> ParallelOptions:
+        """From the Trainer's settings (meshtrain.settings); ``tp_plan`` replaces a missing one,
+        ``context_parallel`` adapts models that lack the methods (see ``cp_support``)."""
         tp_plan = s["tp_plan"] if s["tp_plan"] is not None else tp_plan
         return cls(bucket_cap_mb=25.0 if s["bucket_cap_mb"] is None else s["bucket_cap_mb"],
                    comm_hook=s["comm_hook"], powersgd_rank=s["powersgd_rank"],
                    precision=s["precision"], offload=s["offload"],
                    activation_checkpointing=s["activation_checkpointing"], blocks=s["blocks"],
                    sequence_parallel=s["sequence_parallel"], loss_parallel=s["loss_parallel"],
-                   tp_plan=tp_plan)
+                   tp_plan=tp_plan, context_parallel=context_parallel)
 
 
 def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch.nn.Module]:
@@ -82,7 +85,7 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
     if layout.degree("cp") > 1:
         from meshtrain.parallel.context_parallel import check_cp_model
 
-        check_cp_model(model, layout.degree("cp"))
+        check_cp_model(model, layout.degree("cp"), options.context_parallel)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(
             "the model has no trainable parameters (requires_grad=True), so there is nothing "
@@ -120,7 +123,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
     if layout.degree("cp") > 1:
         from meshtrain.parallel.context_parallel import apply_cp
 
-        apply_cp(model, mesh.axis("cp"))
+        apply_cp(model, mesh.axis("cp"), options.context_parallel)
     needs_blocks = options.activation_checkpointing or layout.is_sharded
     blocks = model_blocks(model, options) if needs_blocks else []
     if options.activation_checkpointing:

@@ -81,15 +81,25 @@ def _gather_sequence(local: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
-                 dropout_p: float = 0.0) -> torch.Tensor:
+                 dropout_p: float = 0.0, scale: float | None = None,
+                 kv_groups: int = 1) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys and values.
 
     ``q``, ``k``, ``v``: this rank's ``(batch, heads, local_len, head_dim)``, tokens in
     :func:`shard_sequence` order; the output keeps that order. ``cp_mesh``: the 1-D cp
-    ``DeviceMesh`` (``None`` or size 1: plain causal attention).
+    ``DeviceMesh`` (``None`` or size 1: plain causal attention). ``kv_groups``: grouped-query
+    attention, each K/V head serves that many query heads (repeated after the gather, so the
+    collective carries the K/V heads only).
     """
+    if kv_groups > 1:
+        def repeat(t):
+            return t.repeat_interleave(kv_groups, dim=-3)
+    else:
+        def repeat(t):
+            return t
     if cp_mesh is None or cp_mesh.size() == 1:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return F.scaled_dot_product_attention(q, repeat(k), repeat(v), dropout_p=dropout_p,
+                                              is_causal=True, scale=scale)
     if cp_mesh.ndim != 1:
         raise ConfigError(f"cp_mesh must be a 1-D DeviceMesh (the cp axis), got {cp_mesh.ndim}-D")
     cp_degree, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
@@ -104,33 +114,46 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     q_pos = local_positions(local_len, cp_rank, cp_degree, device=q.device)
     k_pos = torch.arange(local_len * cp_degree, device=q.device)
     mask = q_pos[:, None] >= k_pos[None, :]  # True: query may attend to that key
-    return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, repeat(k_full), repeat(v_full), attn_mask=mask,
+                                          dropout_p=dropout_p, scale=scale)
 
 
 # -- the apply step ---------------------------------------------------------------------------
-def check_cp_model(model: torch.nn.Module, cp_degree: int) -> None:
+def cp_support(model: torch.nn.Module, adapter=None):
+    """What makes ``model`` context parallel: the model itself (meshtrain's GPT has the methods),
+    or what ``adapter(model)`` returns for it (the Trainer's adapter for Hugging Face models)."""
+    support = adapter(model) if adapter is not None else None
+    return model if support is None else support
+
+
+def check_cp_model(model: torch.nn.Module, cp_degree: int, adapter=None) -> None:
     """A model takes part in context parallelism through ``enable_context_parallel(cp_mesh)``
     (its attention then calls :func:`cp_attention`, its positions :func:`local_positions`);
     ``check_context_parallel(cp_degree)``, when it has one, checks its sizes."""
-    if not callable(getattr(model, "enable_context_parallel", None)):
+    support = cp_support(model, adapter)
+    if not callable(getattr(support, "enable_context_parallel", None)):
         raise ConfigError(
             f"{type(model).__name__} does not support context parallel (cp): it needs "
             "enable_context_parallel(cp_mesh), which makes its attention gather keys and values "
             "over the cp group (see meshtrain.models.gpt); drop cp from the layout")
-    check = getattr(model, "check_context_parallel", None)
+    check = getattr(support, "check_context_parallel", None)
     if callable(check):
         check(cp_degree)
 
 
-def apply_cp(model: torch.nn.Module, cp_mesh) -> None:
+def apply_cp(model: torch.nn.Module, cp_mesh, adapter=None) -> None:
     """Switch ``model``'s attention and positions to this rank's share of the sequence."""
-    check_cp_model(model, cp_mesh.size())
-    model.enable_context_parallel(cp_mesh)
+    check_cp_model(model, cp_mesh.size(), adapter)
+    cp_support(model, adapter).enable_context_parallel(cp_mesh)
 
 
-def shard_batch(batch, cp_mesh):
-    """This rank's part of a batch: every tensor of two or more dimensions (token ids,
-    targets) cut along the sequence (dim 1) by :func:`shard_sequence`."""
+def shard_batch(batch, cp_mesh, support=None):
+    """This rank's part of a batch: the model's own ``shard_context_parallel_batch`` when it has
+    one (Hugging Face models: labels shifted before the cut), else every tensor of two or more
+    dimensions (token ids, targets) cut along the sequence (dim 1) by :func:`shard_sequence`."""
+    own = getattr(support, "shard_context_parallel_batch", None)
+    if callable(own):
+        return own(batch, cp_mesh)
     rank, degree = cp_mesh.get_local_rank(), cp_mesh.size()
     if isinstance(batch, torch.Tensor):
         return shard_sequence(batch, rank, degree) if batch.dim() >= 2 else batch

@@ -115,6 +115,11 @@ class Engine:
         self.device, self.precision, self.loss_fn = device, precision, loss_fn
         self.options, self.grad_accum_steps = options, grad_accum_steps
         self.cp = mesh.axis("cp")
+        self.cp_support = None
+        if self.cp is not None:
+            from meshtrain.parallel.context_parallel import cp_support
+
+            self.cp_support = cp_support(model, options.context_parallel)
 
     def parameters(self):
         return self.model.parameters()
@@ -134,7 +139,7 @@ class Engine:
             return batch
         from meshtrain.parallel.context_parallel import shard_batch
 
-        return shard_batch(batch, self.cp)
+        return shard_batch(batch, self.cp, self.cp_support)
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, int]:
         """Forward and backward over this rank's micro-batches of one step (gradients

@@ -1,5 +1,7 @@
 """Hugging Face causal LMs built from configs (no download) train under dp, zero3 and tp."""
 
+from functools import partial
+
 import pytest
 import torch
 import transformers  # noqa: F401  (the `test` extra installs it: these tests never skip)
@@ -19,6 +21,10 @@ LLAMA_FNS = dict(model_fn=tiny_llama, data_fn=random_token_data, loss_fn=None,
                  optimizer_fn=adamw_gpt)
 GPT2_FNS = dict(model_fn=tiny_gpt2, data_fn=random_token_data, loss_fn=None,
                 optimizer_fn=adamw_gpt)
+# context parallel: 12-token sequences (not a power of two), grouped-query attention (4 heads,
+# 2 K/V heads), RoPE positions
+LLAMA12_FNS = dict(model_fn=tiny_llama, data_fn=partial(random_token_data, seq_len=12),
+                   loss_fn=None, optimizer_fn=adamw_gpt)
 STEPS, BATCH = 6, 8
 
 
@@ -71,3 +77,41 @@ def test_llama_parity(layout):
 @pytest.mark.parametrize("layout", ["dp=2", "zero3=2"])
 def test_gpt2_parity(layout):
     assert_parity(layout, 2, steps=STEPS, global_batch_size=BATCH, fns=GPT2_FNS)
+
+
+@pytest.mark.timeout(200)
+def test_llama_context_parallel_parity():
+    # labels are shifted before the sequence is cut, positions follow the zig-zag order
+    assert_parity("cp=2", 2, steps=10, global_batch_size=BATCH, fns=LLAMA12_FNS)
+
+
+def test_llama_context_parallel_batch_keeps_every_target_once():
+    from meshtrain.models.hf import HFContextParallel
+    from meshtrain.parallel.context_parallel import unshard_sequence
+
+    class FakeCPMesh:  # what shard_context_parallel_batch reads of the cp mesh
+        def __init__(self, rank):
+            self.rank = rank
+
+        def get_local_rank(self):
+            return self.rank
+
+        def size(self):
+            return 2
+
+    data = random_token_data(num_samples=2, seq_len=12)
+    batch = {k: torch.stack([data[i][k] for i in range(2)]) for k in ("input_ids", "labels")}
+    cp = HFContextParallel(tiny_llama())
+    parts = [cp.shard_context_parallel_batch(batch, FakeCPMesh(r)) for r in range(2)]
+    ids = unshard_sequence([p["input_ids"] for p in parts], 2, 1)
+    targets = unshard_sequence([p["shift_labels"] for p in parts], 2, 1)
+    positions = unshard_sequence([p["position_ids"] for p in parts], 2, 1)
+    assert torch.equal(ids, batch["input_ids"])
+    assert torch.equal(targets[:, :-1], batch["labels"][:, 1:]) and (targets[:, -1] == -100).all()
+    assert torch.equal(positions, torch.arange(12).expand(2, 12))
+    assert all(float(p["num_items_in_batch"]) == 2 * 11 / 2 for p in parts)
+    with pytest.raises(ConfigError, match="padding"):
+        cp.shard_context_parallel_batch({**batch, "attention_mask": torch.zeros(2, 12)},
+                                        FakeCPMesh(0))
+    with pytest.raises(ConfigError, match="no context-parallel support"):
+        HFContextParallel(tiny_gpt2()).check_context_parallel(2)
