@@ -26,8 +26,13 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from meshtrain import Callback
+from meshtrain.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# run_workers' processes fork from one server: import what nearly every worker needs there once
+# (transformers: the Hugging Face tests' workers; a missing module is skipped by the server)
+spawn.FORKSERVER_PRELOAD += ["meshtrain", "meshtrain.trainer", "parity", "transformers"]
 
 
 # ---- one torch thread ---------------------------------------------------------------------------
