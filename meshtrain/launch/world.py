@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.errors import ConfigError
-from meshtrain.launch.spawn import DistEnv, ScriptWorkers, init_process_group
+from meshtrain.launch.script_workers import ScriptWorkers
+from meshtrain.launch.spawn import DistEnv, init_process_group
 
 
 @dataclass
