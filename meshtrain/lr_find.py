@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshtrain.data.sampler import release_workers
 from meshtrain.errors import ConfigError
 
 
@@ -73,6 +74,7 @@ def lr_find(trainer, model, train_data, *, optimizer, loss_fn=None, min_lr: floa
     trainer.model.load_state_dict(model_state)
     trainer.optimizer.load_state_dict(optim_state)
     sampler.set_epoch(0)
+    release_workers(loader)
     result = LRFindResult(lrs, losses, suggest_lr(lrs, losses))
     if trainer.is_global_zero:
         from meshtrain.observe.plots import plot_lr_find

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from meshtrain import checks
 from meshtrain.checkpoint.manager import CheckpointManager
-from meshtrain.data.sampler import GlobalBatchSampler, make_loader
+from meshtrain.data.sampler import GlobalBatchSampler, make_loader, release_workers
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.spawn import DistEnv
@@ -104,9 +104,7 @@ class Trainer:
     num_skipped_steps = property(lambda self: self.state.num_skipped_steps)
     num_rollbacks = property(lambda self: self.state.num_rollbacks)
 
-    @property
-    def is_global_zero(self) -> bool:
-        return self.rank == 0
+    is_global_zero = property(lambda self: self.rank == 0)
 
     @property
     def dp_rank(self) -> int:
@@ -173,6 +171,7 @@ class Trainer:
             raise
         finally:
             self.run_log.finish()
+            release_workers(self.train_loader)  # the DataLoader's worker processes, if any
         self.print(f"run folder: {self.run_dir}")  # again, below the training output
         return self.model
 
@@ -208,7 +207,7 @@ class Trainer:
             self.checkpoints = CheckpointManager.from_settings(self.run_dir / "checkpoints",
                                                                self._settings)
             self._guard = StepGuard(
-                self, FaultOptions.from_settings(self._settings), self.checkpoints,
+                self, FaultOptions.from_settings(self), self.checkpoints,
                 run_dir=self.run_dir, rank=self.rank, world_size=self.world_size,
                 device=self.device, grad_scaler=self.precision.scaler is not None,
                 gradients_identical=self.layout.gradients_identical_after_sync)
@@ -251,9 +250,10 @@ class Trainer:
         self.lr_scheduler = scheduler_factory(self.optimizer) if scheduler_factory else None
         torch.manual_seed(self.seed + 1 + self.rank)  # dropout: different per rank, reproducible
 
-    def _loader(self, dataset, original, batch_sampler) -> DataLoader:
+    def _loader(self, dataset, original, batch_sampler, persistent=True) -> DataLoader:
         return make_loader(dataset, original, batch_sampler, num_workers=self.num_workers,
-                           seed=self.seed + self.rank, pin_memory=self.device_type == "cuda")
+                           seed=self.seed + self.rank, pin_memory=self.device_type == "cuda",
+                           persistent=persistent)
 
     # -- the loop ---------------------------------------------------------------------------------
     def _fit_loop(self) -> None:
@@ -400,7 +400,7 @@ class Trainer:
             len(dataset), global_batch_size=ways * self.micro_batch_size,
             micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_degree=ways,
             shuffle=False, last_batch="partial")
-        loader = self._loader(dataset, data, sampler)
+        loader = self._loader(dataset, data, sampler, persistent=False)  # workers end with it
         return {f"{prefix}/loss": self.engine.evaluate(loader, limit)}
 
     # -- checkpoints, logging, callbacks ----------------------------------------------------------

@@ -4,6 +4,8 @@ training or a loss computed by hand."""
 
 import os
 
+import multiprocessing
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,3 +168,6 @@ def test_num_workers_gives_the_same_training_as_loading_in_the_main_process(tmp_
     test_set = _data(23)
     assert trainer.test(WorkerOnlyDataset(test_set))["test/loss"] == pytest.approx(
         full_loss(trainer.model, test_set), rel=1e-6)
+    # fit and test end their loader processes (left to the garbage collector, joining them
+    # blocked a later test for 20 s)
+    assert multiprocessing.active_children() == []

@@ -239,9 +239,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
 
 def make_loader(dataset, original, batch_sampler, *, num_workers: int, seed: int,
-                pin_memory: bool = False):
+                pin_memory: bool = False, persistent: bool = True):
     """A DataLoader over ``dataset`` drawing ``batch_sampler``'s batches; ``original`` (what the
-    user passed) lends its collate_fn and num_workers when it is a DataLoader."""
+    user passed) lends its collate_fn and num_workers when it is a DataLoader. ``persistent``:
+    worker processes live on between epochs (until :func:`release_workers`); else they end with
+    each pass (one evaluation)."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -251,5 +253,14 @@ def make_loader(dataset, original, batch_sampler, *, num_workers: int, seed: int
     # shift the stream that dropout uses, so a resumed (or validated) run would diverge.
     return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate,
                       num_workers=workers, pin_memory=pin_memory,
-                      persistent_workers=workers > 0,
+                      persistent_workers=persistent and workers > 0,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def release_workers(loader) -> None:
+    """End a DataLoader's persistent worker processes now; left to the garbage collector, they
+    end whenever it runs, and joining them may then block (5 s per worker in torch 2.13)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None

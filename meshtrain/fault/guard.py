@@ -55,8 +55,12 @@ class FaultOptions:
     save_final_checkpoint: bool
 
     @classmethod
-    def from_settings(cls, settings: dict) -> FaultOptions:
-        return cls(**{f.name: settings[f.name] for f in dataclasses.fields(cls)})
+    def from_settings(cls, settings) -> FaultOptions:
+        """From a dict of settings, or an object that has them as attributes (a Trainer, whose
+        attributes a caller such as lr_find may have changed)."""
+        if isinstance(settings, dict):
+            return cls(**{f.name: settings[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
 
 
 def set_collective_timeout(timeout: timedelta, skip=None) -> None:
