@@ -4,6 +4,8 @@
     meshtrain lr-find CONFIG.toml [--section.key=value ...]  learning-rate range test for it
     meshtrain memory CONFIG.toml [--section.key=value ...]   per-rank model-state memory (1 step)
         --dry-run: print the resolved config (every setting), check it, exit without training
+    meshtrain parity CONFIG.toml --layouts "dp=2;tp=2;pp=2" [--steps K] [--section.key=value ...]
+        train K steps in one process and under each layout; compare (exit 1 if any differs)
     meshtrain run [torchrun flags] script.py [args]          start a script on N processes
     meshtrain slurm --nodes N --gpus-per-node G script.py    write (and submit) an sbatch script
     meshtrain export CHECKPOINT_DIR model.pt                 checkpoint -> one plain state_dict file
@@ -51,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if command in ("train", "lr-find", "memory"):
             return _recipe(rest, command)
+        if command == "parity":
+            from meshtrain.parity import main as parity
+
+            return parity(rest)
         if command == "run":
             from meshtrain.launch.torchrun import run
 
@@ -64,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return slurm(rest)
         raise ConfigError(
-            f"unknown command {command!r}; commands: train, lr-find, memory, run, slurm, export (see --help)"
+            f"unknown command {command!r}; commands: train, lr-find, memory, parity, run, slurm, export (see --help)"
         )
     except ConfigError as error:
         print(f"meshtrain: error: {error}", file=sys.stderr)

@@ -16,8 +16,9 @@ import tempfile
 import torch
 from torch.utils.data import TensorDataset
 
-from meshtrain import Callback, Trainer
+from meshtrain import Trainer
 from meshtrain.launch.spawn import run_workers
+from meshtrain.parity import Curves, whole_state
 
 NUM_SAMPLES, IN_FEATURES, OUT_FEATURES = 96, 12, 3
 
@@ -61,7 +62,7 @@ def train_state(trainer_kwargs: dict, model_fn=mlp, data_fn=regression_data,
     ``setup()`` runs first and may return extra callbacks (the harness self-tests inject faults
     with it). Under ``pp`` each rank holds its own stages: ``whole_model`` gathers them all."""
     torch.set_num_threads(1)
-    curve = _Curves()
+    curve = Curves()
     extra = list(setup() or ()) if setup is not None else []
     with tempfile.TemporaryDirectory() as run_dir:
         kwargs = dict(loggers=(), progress_bar=False, save_final_checkpoint=False,
@@ -70,33 +71,12 @@ def train_state(trainer_kwargs: dict, model_fn=mlp, data_fn=regression_data,
         kwargs["callbacks"] = [curve, *extra, *kwargs.get("callbacks", ())]
         trainer = Trainer(**kwargs)
         model = trainer.fit(model_fn, data_fn(), optimizer=optimizer_fn, loss_fn=loss_fn)
-        state = {k: _full(v).detach().cpu().clone() for k, v in model.state_dict().items()}
-        if whole_model and trainer.layout.degree("pp") > 1:  # put the stages together
-            import torch.distributed as dist
-
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, state)
-            state = {k: v for part in parts for k, v in part.items()}
+        # under pp each rank holds its own stages: whole_model gathers them all
+        state = whole_state(model, trainer.layout.degree("pp") if whole_model else 1)
         state[LOSSES] = torch.tensor(curve.losses, dtype=torch.float64)
         if trainer.log_grad_norm:
             state[GRAD_NORMS] = torch.tensor(curve.grad_norms, dtype=torch.float64)
         return state
-
-
-class _Curves(Callback):
-    def __init__(self):
-        self.losses, self.grad_norms = [], []
-
-    def on_train_step_end(self, trainer, metrics):
-        if "train/loss" in metrics:
-            self.losses.append(metrics["train/loss"])
-        norm = trainer.grad_norm
-        self.grad_norms.append(float(norm) if norm is not None else float("nan"))
-
-
-def _full(tensor):
-    """A sharded (DTensor) parameter gathered whole; a plain tensor as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def params_of(state: dict) -> dict:
@@ -247,3 +227,10 @@ def token_data_seq12(seed: int = 99) -> TensorDataset:
 
 GPT12_FNS = dict(model_fn=tiny_gpt_seq12, data_fn=token_data_seq12, loss_fn=lm_loss,
                  optimizer_fn=adamw_gpt)
+
+
+def regression_job() -> dict:
+    """The regression MLP as a `meshtrain parity` entry point (``parity:regression_job``)."""
+    return dict(model=mlp, train_data=regression_data(), optimizer=adamw,
+                loss_fn=torch.nn.functional.mse_loss,
+                settings=dict(global_batch_size=16, seed=0))

@@ -81,6 +81,20 @@ def test_train_main_job_on_two_processes(tmp_path):
     assert len(train_losses) == DEMO_STEPS // 2 and train_losses[-1] < train_losses[0] - 0.5
 
 
+@pytest.mark.timeout(120)
+def test_the_closing_sample_works_under_pipeline_parallel(tmp_path):
+    """The job ends with a generated sample: under pp it comes from the stages gathered into
+    one model. Rank 0's first stage alone returned hidden states of width d_model, not logits:
+    with d_model above the vocabulary size the sampled ids were out of range (IndexError)."""
+    config = ROOT / "examples" / "char_gpt.toml"
+    out = meshtrain("train", str(config), *TINY, "--trainer.max_steps=2", "--trainer.layout=pp=2",
+                    "--model.num_layers=2", "--model.d_model=128", "--model.mlp_ratio=1",
+                    f"--logging.root_dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sample = out.stdout.split("--- sample")[1].splitlines()[1]
+    assert sample.startswith("def ") and len(sample) > len("def "), out.stdout[-500:]
+
+
 @pytest.mark.timeout(60)
 def test_bad_config_key_and_missing_data_path_are_clear_errors(tmp_path):
     config = str(ROOT / "examples" / "char_gpt.toml")

@@ -24,6 +24,7 @@ from meshtrain.config import dumps_toml
 from meshtrain.data.text import CharChunks, CharTokenizer, split_tokens, stdlib_text, unigram_cross_entropy
 from meshtrain.errors import ConfigError
 from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.parity import whole_state
 from meshtrain.trainer import Trainer
 
 # This recipe's own defaults of Trainer settings; every other setting keeps the Trainer's.
@@ -45,7 +46,10 @@ def _trainer_sections() -> dict[str, dict]:
 DEFAULTS = {
     "job": {"recipe": "char_lm"},
     "data": {"path": "", "max_chars": 1_500_000, "seq_len": 128, "val_fraction": 0.05},
-    "model": {"num_layers": 4, "num_heads": 4, "d_model": 128, "mlp_ratio": 4, "dropout": 0.0},
+    # vocab_multiple: the vocabulary is padded to a multiple of it, so that tensor parallel
+    # (which splits the embedding and head by vocabulary rows) divides it
+    "model": {"num_layers": 4, "num_heads": 4, "d_model": 128, "mlp_ratio": 4, "dropout": 0.0,
+              "vocab_multiple": 8},
     "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
                   "warmup_steps": 20, "min_lr_ratio": 0.1},
     **_trainer_sections(),  # [trainer] [parallel] [pipeline] [checkpoint] [fault] [logging]
@@ -76,7 +80,7 @@ def check(config: dict, mode: str = "train") -> str:
     trainer = Trainer(**trainer_keywords(config, mode))
     _check_data_path(config["data"])
     # the vocabulary size comes from the text, which a dry run does not read
-    GPTConfig(vocab_size=1, seq_len=config["data"]["seq_len"], **config["model"])
+    model_config(config, vocab_size=1)
     facts = [f"{name} {getattr(trainer, attr)}" for name, attr in (
         ("layout", "layout"), ("processes", "world_size"), ("micro-batch", "micro_batch_size"),
         ("accumulation", "grad_accum_steps")) if hasattr(trainer, attr)]
@@ -111,24 +115,57 @@ class _SaveConfig(Callback):
             (trainer.run_dir / "tokenizer.json").write_text(json.dumps(self.tokenizer.to_dict()))
 
 
-def run(config: dict, mode: str = "train"):
-    data, opt = config["data"], config["optimizer"]
-    keywords = trainer_keywords(config, mode)
+def model_config(config: dict, vocab_size: int) -> GPTConfig:
+    """The GPT's sizes: [model], with the vocabulary padded to a multiple of vocab_multiple."""
+    sizes = dict(config["model"])
+    multiple = sizes.pop("vocab_multiple")
+    if not isinstance(multiple, int) or multiple < 1:
+        raise ConfigError(f"model.vocab_multiple must be a positive integer, got {multiple!r}")
+    padded = -(-vocab_size // multiple) * multiple
+    return GPTConfig(vocab_size=padded, seq_len=config["data"]["seq_len"], **sizes)
+
+
+def _data(config: dict):
+    data = config["data"]
     text = load_text(data)
     tokenizer = CharTokenizer.from_text(text)
     train_tokens, val_tokens = split_tokens(tokenizer.encode(text), data["val_fraction"])
+    return text, tokenizer, train_tokens, val_tokens
+
+
+def _parts(config: dict, tokenizer: CharTokenizer, seed: int, total_steps: int) -> dict:
+    """Model factory, optimizer and scheduler factories and loss of the job."""
+    opt = config["optimizer"]
+    sizes = model_config(config, tokenizer.vocab_size)
+    schedule = cosine_with_warmup(total_steps, opt["warmup_steps"], opt["min_lr_ratio"])
+    return dict(
+        model=lambda: GPT(sizes, seed=seed),
+        optimizer=lambda params: torch.optim.AdamW(
+            params, lr=opt["lr"], weight_decay=opt["weight_decay"],
+            betas=(opt["beta1"], opt["beta2"])),
+        loss_fn=lambda logits, targets: torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten()),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
+
+
+def job(config: dict) -> dict:
+    """The job ``meshtrain parity`` trains: model, training data, optimizer, loss, scheduler."""
+    _, tokenizer, train_tokens, _ = _data(config)
+    flat = settings.flatten(config)
+    return dict(_parts(config, tokenizer, flat["seed"], flat["max_steps"] or 10**9),
+                train_data=CharChunks(train_tokens, config["data"]["seq_len"]))
+
+
+def run(config: dict, mode: str = "train"):
+    data = config["data"]
+    keywords = trainer_keywords(config, mode)
+    text, tokenizer, train_tokens, val_tokens = _data(config)
     train_set = CharChunks(train_tokens, data["seq_len"])
     val_set = CharChunks(val_tokens, data["seq_len"])
     baseline = unigram_cross_entropy(train_tokens, val_tokens, tokenizer.vocab_size)
-    model_config = GPTConfig(vocab_size=tokenizer.vocab_size, seq_len=data["seq_len"],
-                             **config["model"])
-
     trainer = Trainer(**keywords, callbacks=[_SaveConfig(config, tokenizer)])
-    build = lambda: GPT(model_config, seed=trainer.seed)  # noqa: E731
-    optimizer = lambda params: torch.optim.AdamW(  # noqa: E731
-        params, lr=opt["lr"], weight_decay=opt["weight_decay"], betas=(opt["beta1"], opt["beta2"]))
-    loss_fn = lambda logits, targets: torch.nn.functional.cross_entropy(  # noqa: E731
-        logits.flatten(0, 1), targets.flatten())
+    parts = _parts(config, tokenizer, trainer.seed, keywords["max_steps"] or 10**9)
+    build, optimizer, loss_fn = parts["model"], parts["optimizer"], parts["loss_fn"]
 
     if mode == "lr-find":
         return trainer.lr_find(build, train_set, optimizer=optimizer, loss_fn=loss_fn)
@@ -136,13 +173,17 @@ def run(config: dict, mode: str = "train"):
         trainer.fit(build, train_set, optimizer=optimizer, loss_fn=loss_fn)
         return {"run_dir": trainer.run_dir}
 
-    total = keywords["max_steps"] or 10**9
-    schedule = cosine_with_warmup(total, opt["warmup_steps"], opt["min_lr_ratio"])
     trainer.print(f"data: {len(text):,} characters, vocabulary {tokenizer.vocab_size}, "
                   f"{len(train_set):,} training and {len(val_set):,} validation sequences")
     model = trainer.fit(build, train_set, val_set, optimizer=optimizer, loss_fn=loss_fn,
-                        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
+                        lr_scheduler=parts["lr_scheduler"])
     val_loss = trainer.callback_metrics.get("val/loss")
+    if trainer.layout.degree("pp") > 1 or trainer.layout.is_sharded or \
+            trainer.layout.degree("tp") > 1:  # sample from one whole model, on one rank
+        state = whole_state(model, trainer.layout.degree("pp"))  # (every rank gathers)
+        model = build().to(trainer.device) if trainer.is_global_zero else None
+        if model is not None:
+            model.load_state_dict(state)
     if trainer.is_global_zero:
         sample = config["sample"]
         prompt = tokenizer.encode(sample["prompt"]).unsqueeze(0).to(trainer.device)
@@ -152,6 +193,6 @@ def run(config: dict, mode: str = "train"):
         print(f"\nvalidation loss {val_loss:.3f} nats/char; unigram baseline {baseline:.3f} "
               f"nats/char ({model.num_params():,} parameters, {trainer.global_step} steps)")
         print("--- sample ---------------------------------------------------------")
-        print(tokenizer.decode(ids[0].tolist()))
+        print(tokenizer.decode([i for i in ids[0].tolist() if i < tokenizer.vocab_size]))
         print("--------------------------------------------------------------------")
     return {"val_loss": val_loss, "baseline": baseline, "run_dir": trainer.run_dir}

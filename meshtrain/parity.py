@@ -1,0 +1,362 @@
+"""``meshtrain parity``: does a layout change the training? Train a job K steps in one process and
+under each layout, and compare every step's loss and gradient norm and the final parameters.
+
+    meshtrain parity CONFIG.toml --layouts "dp=2;zero3=2;tp=2;pp=2" --steps 10 [--section.key=value ...]
+    meshtrain parity mypkg.train:job --layouts "dp=2;tp=2"    # a Python entry point
+
+A config's recipe supplies the job through ``job(config)`` (the built-in ``char_lm`` does); an
+entry point ``module:function`` returns the same mapping: ``model`` (a module factory),
+``train_data``, ``optimizer`` (a factory), ``loss_fn`` and optionally ``lr_scheduler`` (a factory)
+and ``settings`` (Trainer keywords, e.g. ``{"global_batch_size": 16}``; ``--section.key=value``
+overrides them). Every run uses the job's settings with the layout replaced; checkpoints,
+validation and loggers are off. fp32 parity is exact up to summation order: tolerance 1e-5.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from meshtrain.callbacks import Callback
+from meshtrain.errors import ConfigError
+
+#: max |dparam| and |dloss| a layout may differ from one process by, per precision
+#: (mixed precision: see docs/reference or benchmarks/README.md for how they were measured)
+TOLERANCE = {"fp32": 1e-5}
+
+#: settings every parity run uses, whatever the job says: nothing but training
+QUIET = dict(loggers=(), progress_bar=False, save_final_checkpoint=False, resume=None,
+             checkpoint_every_n_steps=None, checkpoint_every_n_minutes=None,
+             val_every_n_steps=None, log_every_n_steps=1, log_grad_norm=True, max_epochs=None)
+
+
+class Curves(Callback):
+    """Records every step's logged loss (averaged over the ranks) and gradient norm."""
+
+    def __init__(self):
+        self.losses, self.grad_norms = [], []
+
+    def on_train_step_end(self, trainer, metrics):
+        if "train/loss" in metrics:
+            self.losses.append(metrics["train/loss"])
+        norm = trainer.grad_norm
+        self.grad_norms.append(float(norm) if norm is not None else float("nan"))
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter gathered whole (collective); a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def whole_state(model: torch.nn.Module, pp_degree: int) -> dict[str, torch.Tensor]:
+    """Collective: the full model's state on every rank (DTensors gathered, and under pipeline
+    parallel every rank's stages put together; stages keep full-model names)."""
+    state = {k: full_tensor(v).detach().cpu().clone() for k, v in model.state_dict().items()}
+    if pp_degree > 1:
+        import torch.distributed as dist
+
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, state)
+        state = {k: v for part in parts for k, v in part.items()}
+    return state
+
+
+# -- the job: what to train -------------------------------------------------------------------
+@dataclass
+class Source:
+    """Where the job comes from: a TOML config (with overrides) or a ``module:function``."""
+
+    target: str
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def is_config(self) -> bool:
+        return self.target.endswith(".toml") or os.path.isfile(self.target)
+
+    def load(self) -> dict:
+        """The job mapping, with ``settings`` resolved (overrides applied and checked)."""
+        from meshtrain import settings
+
+        if self.is_config:
+            from meshtrain.recipes import resolve_config
+
+            recipe, config, flat = resolve_config(self.target, list(self.overrides))
+            make = getattr(recipe, "job", None)
+            if make is None:
+                raise ConfigError(
+                    f"the recipe of {self.target} has no job(config) function, which meshtrain "
+                    "parity calls to build the model, data, optimizer and loss; add one (see "
+                    "meshtrain/recipes/char_lm.py) or point parity at a Python entry point")
+            job = dict(make(config))
+            job["settings"] = {**flat, **job.get("settings", {})}
+        else:
+            job = dict(_entry_point(self.target)())
+            job["settings"] = _apply_overrides(dict(job.get("settings", {})), self.overrides)
+            settings.check(job["settings"])
+        missing = [k for k in ("model", "train_data", "optimizer") if job.get(k) is None]
+        if missing:
+            raise ConfigError(f"the job from {self.target} has no {', '.join(missing)}; it must "
+                              "give model, train_data, optimizer (and loss_fn unless the model "
+                              "returns its loss)")
+        return job
+
+
+def _entry_point(target: str):
+    import importlib
+
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"cannot read {target!r}: give a config file (.toml) or a Python entry "
+                          "point 'package.module:function' that returns the job")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ConfigError(f"cannot import {module_name!r} for {target!r} ({error}); it must be "
+                          f"importable from the current directory ({os.getcwd()}) or "
+                          "PYTHONPATH") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ConfigError(f"{module_name!r} has no function {attribute!r} (from {target!r})")
+    return function
+
+
+def _apply_overrides(flat: dict, overrides) -> dict:
+    from meshtrain import settings
+    from meshtrain.config import parse_override, unknown_key_message
+
+    for text in overrides:
+        section, key, value = parse_override(text)
+        setting = settings.SETTINGS.get(key)
+        if setting is None or setting.section != section:
+            raise ConfigError(unknown_key_message(settings.config_sections(), section, key,
+                                                  f"override {text!r}"))
+        flat[key] = value
+    return flat
+
+
+# -- one run ---------------------------------------------------------------------------------
+def layout_world_size(layout: str) -> int:
+    """How many processes ``layout`` needs (its degrees multiplied; no 'auto' axis)."""
+    from meshtrain.parallel.layout import _parse_pairs
+
+    pairs = _parse_pairs(layout)
+    if any(str(v).strip().lower() in ("auto", "-1") for v in pairs.values()):
+        raise ConfigError(f"layout {layout!r}: meshtrain parity needs every degree written out "
+                          "(no 'auto'), so it knows how many processes to start")
+    try:
+        return math.prod(int(v) for v in pairs.values())
+    except ValueError:
+        raise ConfigError(f"layout {layout!r}: degrees must be integers") from None
+
+
+def run_settings(job: dict, layout: str | None, steps: int, run_dir: str) -> dict:
+    world = 1 if not layout else layout_world_size(layout)
+    return {**job["settings"], **QUIET, "layout": layout or None, "devices": world,
+            "max_steps": steps, "run_dir": run_dir}
+
+
+def train(source: Source, layout: str | None, steps: int, quiet: bool = True) -> dict | None:
+    """Train ``steps`` steps of the job under ``layout`` (one process when None) on this rank;
+    rank 0 returns {"params", "losses", "grad_norms", "seconds"}, the other ranks None."""
+    from meshtrain.trainer import Trainer
+
+    torch.set_num_threads(1)
+    job = source.load()
+    curves = Curves()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as run_dir:
+        kwargs = run_settings(job, layout, steps, run_dir)
+        kwargs["callbacks"] = [curves, *kwargs.get("callbacks", ())]
+        with contextlib.redirect_stdout(open(os.devnull, "w")) if quiet else \
+                contextlib.nullcontext():
+            trainer = Trainer(**kwargs)
+            model = trainer.fit(job["model"], job["train_data"], optimizer=job["optimizer"],
+                                loss_fn=job.get("loss_fn"), lr_scheduler=job.get("lr_scheduler"))
+        if quiet:  # gathering 2-D shards whole: torch warns that it takes two all-gathers
+            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        params = whole_state(model, trainer.layout.degree("pp"))
+    if not trainer.is_global_zero:
+        return None
+    return {"params": params, "losses": torch.tensor(curves.losses, dtype=torch.float64),
+            "grad_norms": torch.tensor(curves.grad_norms, dtype=torch.float64),
+            "seconds": time.perf_counter() - start}
+
+
+def _train_rank(source: Source, layout: str, steps: int, quiet: bool):
+    try:
+        return train(source, layout, steps, quiet)
+    except ConfigError as error:  # the message, not a traceback per rank
+        raise SystemExit(f"meshtrain: error: {error}") from None
+
+
+# -- comparison ------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One layout against one process."""
+
+    layout: str
+    ranks: int
+    max_param_diff: float = math.nan
+    max_loss_diff: float = math.nan
+    first_divergence: int | None = None  # 1-based step, None when none
+    worst_param: str = ""
+    seconds: float = math.nan
+    error: str = ""
+    tol: float = 1e-5
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.max_param_diff <= self.tol and self.max_loss_diff <= self.tol
+
+    def cells(self) -> list[str]:
+        if self.error:
+            return [self.layout, str(self.ranks), "-", "-", "-", "-", "-", "ERROR: " + self.error]
+        step = "-" if self.first_divergence is None else str(self.first_divergence)
+        return [self.layout, str(self.ranks), f"{self.max_param_diff:.2e}",
+                f"{self.max_loss_diff:.2e}", step, self.worst_param, f"{self.seconds:.1f}",
+                "ok" if self.ok else f"FAIL (tolerance {self.tol:.0e})"]
+
+
+HEADER = ["layout", "ranks", "max |dparam|", "max |dloss|", "diverges at step",
+          "largest difference", "seconds", "result"]
+
+
+def compare(reference: dict, run: dict, row: Row) -> Row:
+    """Fill ``row`` from a layout's ``run`` against the one-process ``reference``."""
+    want, got = reference["params"], run["params"]
+    if sorted(want) != sorted(got):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        row.error = f"the layout's model has other parameters: missing {missing[:3]}, extra {extra[:3]}"
+        return row
+    diffs = {k: (got[k].double() - want[k].double()).abs().max().item() if got[k].numel() else 0.0
+             for k in want if got[k].shape == want[k].shape}
+    shapes = [k for k in want if got[k].shape != want[k].shape]
+    if shapes:
+        row.error = f"parameter {shapes[0]} has shape {tuple(got[shapes[0]].shape)}, one process {tuple(want[shapes[0]].shape)}"
+        return row
+    row.worst_param = max(diffs, key=diffs.get) if diffs else ""
+    row.max_param_diff = diffs[row.worst_param] if diffs else 0.0
+    losses, ref_losses = run["losses"], reference["losses"]
+    if len(losses) != len(ref_losses):
+        row.error = f"ran {len(losses)} steps, one process {len(ref_losses)}"
+        return row
+    loss_diff = (losses - ref_losses).abs()
+    norms, ref_norms = run["grad_norms"], reference["grad_norms"]
+    norm_diff = (norms - ref_norms).abs() / ref_norms.abs().clamp(min=1)
+    row.max_loss_diff = float(loss_diff.max()) if len(loss_diff) else 0.0
+    bad = (loss_diff > row.tol) | (norm_diff > row.tol) | (losses.isnan() != ref_losses.isnan())
+    row.first_divergence = int(bad.nonzero()[0]) + 1 if bad.any() else None
+    row.seconds = run["seconds"]
+    return row
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None = None,
+           timeout: float = 600, quiet: bool = True, out=print) -> list[Row]:
+    """Train one process, then each layout; return one :class:`Row` per layout."""
+    from meshtrain.launch.spawn import run_workers
+    from meshtrain.trainer import Trainer
+
+    job = source.load()  # the job's own errors, before any process starts
+    precision = job["settings"].get("precision") or "fp32"
+    if tol is None:
+        if precision not in TOLERANCE:
+            raise ConfigError(f"no default parity tolerance for precision={precision!r}; pass "
+                              f"--tol (measured tolerances: {TOLERANCE})")
+        tol = TOLERANCE[precision]
+    rows, runnable = [], []
+    for layout in layouts:
+        row = Row(layout, 0, tol=tol)
+        try:
+            row.ranks = layout_world_size(layout)
+            with tempfile.TemporaryDirectory() as run_dir:  # refused before any process starts?
+                Trainer(**run_settings(job, layout, steps, run_dir))
+            runnable.append(row)
+        except ConfigError as error:
+            row.error = f"refused before start: {error}"
+        rows.append(row)
+    out(f"parity: {steps} steps of {source.target}, precision {precision}, tolerance {tol:.0e}; "
+        f"one process first, then {len(runnable)} layout(s)")
+    reference = run_workers(_train_rank, 1, (source, None, steps, quiet), timeout=timeout)[0]
+    for row in runnable:
+        out(f"  {row.layout} on {row.ranks} process(es) ...")
+        try:
+            run = run_workers(_train_rank, row.ranks, (source, row.layout, steps, quiet),
+                              timeout=timeout)[0]
+        except Exception as error:  # noqa: BLE001 -- one failing layout is a row, not the end
+            row.error = _last_line(str(error))
+            continue
+        compare(reference, run, row)
+    out(table([HEADER] + [row.cells() for row in rows]))
+    return rows
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else text
+    return last.removeprefix("SystemExit: ").removeprefix("meshtrain: error: ")
+
+
+USAGE = """usage: meshtrain parity (CONFIG.toml | package.module:function) --layouts "L1;L2;..." \
+    [--steps K] [--tol T] [--timeout S] [--verbose] [--section.key=value ...]
+
+Trains the job K steps (default 10) in one process and under each layout (separated by ';'),
+then prints per layout: max |dparam| after the last step, max |dloss| over the steps, the first
+step whose loss or gradient norm differs beyond the tolerance, and the parameter that differs
+most. Exits 1 when any layout exceeds the tolerance, fails or is refused.
+
+Example: meshtrain parity examples/char_gpt.toml --layouts "dp=2;zero3=2;tp=2;pp=2" --steps 10"""
+
+
+def main(argv: list[str]) -> int:
+    """``meshtrain parity``: the command line."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    options = {"--layouts": None, "--steps": "10", "--tol": None, "--timeout": "600"}
+    verbose, rest = False, []
+    args = iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name in options:
+            options[name] = value if eq else next(args, None)
+            if options[name] is None:
+                raise ConfigError(f"{name} needs a value; {USAGE.splitlines()[0]}")
+        elif arg == "--verbose":
+            verbose = True
+        else:
+            rest.append(arg)
+    if not rest or rest[0].startswith("--"):
+        raise ConfigError(f"meshtrain parity needs a config file or entry point first\n{USAGE}")
+    if not options["--layouts"]:
+        raise ConfigError('meshtrain parity needs --layouts, e.g. --layouts "dp=2;zero3=2;tp=2"')
+    layouts = [part.strip() for part in options["--layouts"].split(";") if part.strip()]
+    try:
+        steps, timeout = int(options["--steps"]), float(options["--timeout"])
+        tol = None if options["--tol"] is None else float(options["--tol"])
+    except ValueError as error:
+        raise ConfigError(f"--steps, --tol and --timeout take numbers ({error})") from None
+    if steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {steps}")
+    rows = parity(Source(rest[0], tuple(rest[1:])), layouts, steps, tol=tol, timeout=timeout,
+                  quiet=not verbose)
+    failed = [row.layout for row in rows if not row.ok]
+    print(f"{len(rows) - len(failed)} of {len(rows)} layouts train like one process"
+          + (f"; not: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0

@@ -1,0 +1,76 @@
+"""`meshtrain parity`: a user's job trained in one process and under each layout, compared."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meshtrain import cli
+from meshtrain.errors import ConfigError
+from meshtrain.parity import Row, Source, compare, layout_world_size, parity
+
+pytestmark = pytest.mark.timeout(300)
+
+# the main example, made tiny: a 1-layer GPT on 20k characters, 3 steps
+CHAR = ["examples/char_gpt.toml", "--model.num_layers=1", "--model.d_model=32",
+        "--data.max_chars=20000", "--data.seq_len=16", "--trainer.global_batch_size=8"]
+
+
+def test_char_gpt_layouts_match_one_process(capsys):
+    code = cli.main(["parity", *CHAR[:1], "--layouts", "dp=2;tp=2", "--steps", "3", *CHAR[1:]])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("dp=2 ", "tp=2 "))]
+    assert code == 0, out
+    assert len(rows) == 2 and all(line.rstrip().endswith("ok") for line in rows), out
+    assert "2 of 2 layouts train like one process" in out
+
+
+def test_dropout_diverges_and_exits_nonzero(capsys):
+    """Dropout draws different masks on each rank than the one process does: the runs part at
+    the first step, and the command says so and fails."""
+    code = cli.main(["parity", *CHAR, "--model.dropout=0.2", "--layouts", "dp=2", "--steps", "2"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("dp=2 "))
+    cells = [cell.strip() for cell in row.split("|")]
+    assert cells[4] == "1" and cells[-1].startswith("FAIL"), out
+    assert code == 1
+
+
+def test_entry_point_and_refused_layout():
+    """A Python entry point (the tests' regression MLP); a layout the framework refuses is a
+    failed row with the reason, not a crash, and the other rows still run."""
+    rows = parity(Source("parity:regression_job"), ["zero3=2", "zero1=2,tp=2"], 4,
+                  out=lambda *a: None)
+    good, refused = rows
+    assert good.ok and good.max_param_diff <= 1e-5 and good.first_divergence is None
+    assert good.worst_param.endswith(("weight", "bias"))
+    assert not refused.ok and "refused before start" in refused.error and "zero1" in refused.error
+
+
+def test_compare_names_first_step_and_worst_parameter():
+    reference = {"params": {"a": torch.zeros(3), "b": torch.zeros(2)},
+                 "losses": torch.tensor([1.0, 0.9, 0.8, 0.7], dtype=torch.float64),
+                 "grad_norms": torch.ones(4, dtype=torch.float64)}
+    run = {"params": {"a": torch.tensor([0.0, 3e-5, 0.0]), "b": torch.tensor([1e-6, 0.0])},
+           "losses": torch.tensor([1.0, 0.9, 0.8 + 2e-5, 0.7], dtype=torch.float64),
+           "grad_norms": torch.ones(4, dtype=torch.float64), "seconds": 1.0}
+    row = compare(reference, run, Row("dp=2", 2))
+    assert row.first_divergence == 3 and row.worst_param == "a"
+    assert math.isclose(row.max_param_diff, 3e-5, rel_tol=1e-3) and not row.ok
+    run["grad_norms"] = torch.tensor([1.0, 1.5, 1.0, 1.0], dtype=torch.float64)
+    assert compare(reference, run, Row("dp=2", 2)).first_divergence == 2  # norms count too
+    run["params"] = {"a": torch.zeros(3)}
+    assert "missing ['b']" in compare(reference, run, Row("dp=2", 2)).error
+
+
+def test_command_line_mistakes(capsys):
+    assert cli.main(["parity", "examples/char_gpt.toml"]) == 2
+    assert "--layouts" in capsys.readouterr().err
+    assert cli.main(["parity", "--layouts", "dp=2"]) == 2
+    assert cli.main(["parity", "nosuchmodule:job", "--layouts", "dp=2"]) == 2
+    assert "cannot import 'nosuchmodule'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no 'auto'"):
+        layout_world_size("dp=auto,tp=2")
+    assert layout_world_size("pp=2,tp=2,dp_shard=2") == 8
