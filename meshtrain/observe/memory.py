@@ -71,9 +71,7 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-# -------------------------------------------------------------------------------------------------
-# measured
-# -------------------------------------------------------------------------------------------------
+# -- measured -------------------------------------------------------------------------------------
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` stored on this rank (a DTensor's local shard, else itself)."""
     from torch.distributed.tensor import DTensor
@@ -185,9 +183,7 @@ class ForwardParamBytes:
         self._handle.remove()
 
 
-# -------------------------------------------------------------------------------------------------
-# predicted
-# -------------------------------------------------------------------------------------------------
+# -- predicted ------------------------------------------------------------------------------------
 def predicted_bytes(
     num_params: int,
     zero_stage: int,
@@ -248,13 +244,19 @@ def optimizer_bytes_per_param(optimizer: torch.optim.Optimizer, default: int = 8
 
 
 def _num_params(model: torch.nn.Module) -> int:
-    # DTensor.numel() is the global size, so this is Ψ under FSDP2 too.
-    return sum(p.numel() for p in model.parameters())
+    """Ψ: this rank's model (its pipeline stages), tensor-parallel shards at their tp-local size
+    (TP splits before ZeRO does); DTensor.numel() is the global size, so FSDP2 still counts Ψ."""
+    total = 0
+    for p in model.parameters():
+        n, mesh = p.numel(), getattr(p, "device_mesh", None)
+        for i, name in enumerate((mesh.mesh_dim_names or ()) if mesh is not None else ()):
+            if name == "tp" and p.placements[i].is_shard():
+                n //= mesh.size(i)
+        total += n
+    return total
 
 
-# -------------------------------------------------------------------------------------------------
-# reporting
-# -------------------------------------------------------------------------------------------------
+# -- reporting ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MemoryRow:
     """One layout's measured and predicted per-rank bytes (a row of the table)."""

@@ -75,7 +75,12 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
                               num_microbatches=num_microbatches, batch_size=batch_size)
     if model is None:
         return
-    if layout.degree("tp") > 1 and tp_plan_of(model, options) is None:
+    plan = tp_plan_of(model, options) if layout.degree("tp") > 1 else None
+    if plan is not None:
+        from meshtrain.parallel.tensor_parallel import check_plan_keys
+
+        check_plan_keys(model, plan)
+    elif layout.degree("tp") > 1:
         from meshtrain.parallel.tensor_parallel import check_tp, model_tp_plan
 
         tp = layout.degree("tp")  # the model's own checks, and a plan it must supply

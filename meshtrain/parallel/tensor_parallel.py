@@ -22,6 +22,8 @@ built with :func:`attention_plan`, :func:`mlp_plan` and :func:`replicate_the_res
 from __future__ import annotations
 
 import contextlib
+import difflib
+import fnmatch
 import functools
 import warnings
 from collections import defaultdict
@@ -37,7 +39,8 @@ from torch.distributed.tensor.parallel import (
 from meshtrain.errors import ConfigError
 
 __all__ = [
-    "ReplicateParallel", "apply_tp", "attention_plan", "check_divides", "check_tp", "comm_counts",
+    "ReplicateParallel", "apply_tp", "attention_plan", "check_divides", "check_plan_keys",
+    "check_tp", "comm_counts",
     "dropout_entries", "full_value", "loss_parallel_context", "mlp_plan", "model_tp_plan",
     "replicate_the_rest",
 ]
@@ -161,6 +164,13 @@ def dropout_entries(module: nn.Module, prefix: str) -> dict[str, ParallelStyle]:
             if isinstance(child, nn.Dropout) and child.p > 0}
 
 
+def _matches(name: str, key: str) -> bool:
+    """Does plan ``key`` name module ``name``? (``parallelize_module``'s rule: ``*`` patterns
+    per dotted part.)"""
+    parts, pattern = name.split("."), key.split(".")
+    return len(parts) == len(pattern) and all(map(fnmatch.fnmatchcase, parts, pattern))
+
+
 def replicate_the_rest(model: nn.Module, plan: dict[str, ParallelStyle]
                        ) -> dict[str, ParallelStyle]:
     """``plan`` plus :class:`ReplicateParallel` for every leaf module with parameters that it
@@ -168,9 +178,25 @@ def replicate_the_rest(model: nn.Module, plan: dict[str, ParallelStyle]
     plan = dict(plan)
     for name, module in model.named_modules():
         leaf = next(module.children(), None) is None
-        if leaf and name not in plan and next(module.parameters(recurse=False), None) is not None:
+        if leaf and not any(_matches(name, key) for key in plan) and \
+                next(module.parameters(recurse=False), None) is not None:
             plan[name] = ReplicateParallel()
     return plan
+
+
+def check_plan_keys(model: nn.Module, plan: dict) -> None:
+    """Every key of a user's plan must name a module of ``model`` (torch only warns and skips
+    one that does not, and the run then fails on a shape mismatch far away)."""
+    names = [name for name, _ in model.named_modules() if name]
+    for key in plan:
+        if not isinstance(key, str) or not any(_matches(name, key) for name in names):
+            owner = str(key).rpartition(".")[0]  # 'fc.weight': a parameter's name
+            close = [owner] if owner in names else difflib.get_close_matches(str(key), names, n=3)
+            hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+            raise ConfigError(
+                f"tp_plan key {key!r} names no module of {type(model).__name__}; {hint}keys are "
+                f"module names as model.named_modules() gives them (e.g. {', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''}), '*' matches one part: 'layers.*.fc_in'")
 
 
 # --- Applying ----------------------------------------------------------------------------------
@@ -194,7 +220,19 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
                              loss_parallel=loss_parallel)
         if sequence_parallel:
             model.register_forward_pre_hook(functools.partial(_check_length, tp_mesh.size()))
+    else:  # a user's plan (its keys checked against the whole model before any process
+        # started; a pipeline stage holds some of the modules): what it leaves out is
+        # replicated, so that no plain tensor meets a DTensor (clipping, foreach optimizers)
+        names = [name for name, _ in model.named_modules()]
+        plan = {k: v for k, v in plan.items() if any(_matches(n, k) for n in names)}
+        plan = replicate_the_rest(model, plan)
     parallelize_module(model, tp_mesh, plan)
+    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise ConfigError(
+            f"tensor parallel left {len(plain)} parameter(s) plain ({', '.join(plain[:3])}): they "
+            "belong to modules that also hold submodules, which the plan cannot replicate; move "
+            "them into a leaf module (e.g. an nn.Linear or a small nn.Module of their own)")
     for param in model.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(_complete_grad)

@@ -326,3 +326,33 @@ def test_fsdp2_padding_is_counted():
         assert measured.params == 4 * padded and measured.grads == 4 * padded
         assert measured.optimizer == 8 * local + 4 * len(shapes)
         assert measured.params == pytest.approx(4 * psi / n, rel=0.05)
+
+
+def _tp_row(n: int):
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshtrain.launch.spawn import DistEnv, init_process_group
+    from meshtrain.observe.memory import memory_row
+    from meshtrain.parallel.tensor_parallel import apply_tp
+    from parity import tiny_gpt
+
+    init_process_group(DistEnv.from_environ(), "gloo", timedelta(seconds=60))
+    model = tiny_gpt()
+    apply_tp(model, init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))["tp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 16, (4, 8))).float().square().mean().backward()
+    opt.step()
+    row = memory_row(model, opt, Layout.parse(f"tp={n}", n))
+    replicated = sum(p.numel() for p in model.parameters() if p.placements[0].is_replicate())
+    return row, replicated
+
+
+@pytest.mark.timeout(120)
+def test_predicted_counts_tensor_parallel_shards():
+    """Under tp the rank holds its shards of the split matrices and whole copies of the rest
+    (norms): the prediction counts the same (it counted the full model: ratio 0.55)."""
+    for row, replicated in run_workers(_tp_row, 2, (2,), timeout=110):
+        assert replicated > 0  # the norms: so the check below is not just "divide by tp"
+        assert row.ratio == pytest.approx(1.0, abs=0.01), row
