@@ -336,3 +336,27 @@ def test_resume_from_a_missing_or_incomplete_checkpoint(world_of_two, tmp_path):
 def test_async_checkpoint_must_be_a_bool(world_of_two, tmp_path):
     with pytest.raises(ConfigError, match="async_checkpoint must be True or False"):
         Trainer(**_kwargs(tmp_path, async_checkpoint="yes"))
+
+
+# -- the model/loss boundary: torch's message stays, meshtrain says what it fed and expected ----
+def test_a_per_sample_loss_is_refused_naming_the_shape(tmp_path):
+    per_sample = lambda out, y: ((out - y) ** 2).mean(dim=1)  # noqa: E731
+    with pytest.raises(ConfigError, match=r"loss_fn returned tensor \(8,\) float32, but meshtrain "
+                                          r"needs one number per micro-batch"):
+        Trainer(**_kwargs(tmp_path)).fit(_model, _data(), optimizer=_sgd, loss_fn=per_sample)
+
+
+def test_no_loss_fn_with_a_model_that_returns_predictions(tmp_path):
+    with pytest.raises(TypeError, match="positional argument") as caught:
+        Trainer(**_kwargs(tmp_path)).fit(_model, _data(), optimizer=_sgd)
+    (note,) = caught.value.__notes__
+    assert "without loss_fn meshtrain calls the model with the whole batch (tensor (8, 4) " \
+           "float32, tensor (8, 2) float32)" in note and "pass loss_fn=" in note
+
+
+def test_samples_of_the_wrong_width(tmp_path):
+    wide = TensorDataset(torch.randn(32, 5), torch.randn(32, 2))
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as caught:
+        Trainer(**_kwargs(tmp_path)).fit(_model, wide, optimizer=_sgd,
+                                         loss_fn=torch.nn.functional.mse_loss)
+    assert "model(inputs) with inputs tensor (8, 5) float32" in caught.value.__notes__[0]

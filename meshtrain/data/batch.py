@@ -48,3 +48,14 @@ def count_tokens(batch) -> int:
     if first is None:
         return 1
     return first.numel() if not first.is_floating_point() else int(first.shape[0])
+
+
+def describe(batch) -> str:
+    """Shapes and dtypes, for messages: ``(tensor (8, 12) float32, tensor (8,) int64)``."""
+    if isinstance(batch, torch.Tensor):
+        return f"tensor {tuple(batch.shape)} {str(batch.dtype).removeprefix('torch.')}"
+    if isinstance(batch, dict):
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in batch.items()) + "}"
+    if isinstance(batch, (tuple, list)):
+        return "(" + ", ".join(describe(b) for b in batch) + ")"
+    return type(batch).__name__

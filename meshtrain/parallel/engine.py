@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtrain.data.batch import batch_size, count_tokens, plain, to_device
+from meshtrain.data.batch import batch_size, count_tokens, describe, plain, to_device
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.layout import Layout
 
@@ -83,7 +83,8 @@ def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled
 
 
 def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None) -> torch.Tensor:
-    """``loss_fn(module(inputs), targets)``, or the loss the module returns itself."""
+    """``loss_fn(module(inputs), targets)``, or the loss the module returns itself. An error at
+    this boundary keeps torch's message and gains a note of what meshtrain fed and expected."""
     if loss_fn is not None:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ConfigError(
@@ -91,15 +92,41 @@ def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None) -> to
                 f"{type(batch).__name__}. Return such pairs from the dataset, or drop "
                 "loss_fn and let the model compute the loss")
         inputs, targets = batch
-        return loss_fn(module(inputs), targets)
-    out = module(**batch) if isinstance(batch, dict) else (
-        module(*batch) if isinstance(batch, (tuple, list)) else module(batch))
+        with _noted(f"meshtrain called model(inputs) with inputs {describe(inputs)} (the first "
+                    "element of each (inputs, targets) sample, batched)"):
+            output = module(inputs)
+        with _noted(f"meshtrain called loss_fn(output, targets) with output "
+                    f"{describe(output)} and targets {describe(targets)}"):
+            loss = loss_fn(output, targets)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise ConfigError(
+                f"loss_fn returned {describe(loss)}, but meshtrain needs one number per "
+                "micro-batch (a scalar tensor: the mean loss over its samples); reduce it, e.g. "
+                "reduction='mean' or loss.mean()")
+        return loss
+    with _noted(f"without loss_fn meshtrain calls the model with the whole batch "
+                f"{describe(batch)} (model(*batch), or model(**batch) for a dict) and expects "
+                "the loss back; if the model returns predictions, pass loss_fn="):
+        out = module(**batch) if isinstance(batch, dict) else (
+            module(*batch) if isinstance(batch, (tuple, list)) else module(batch))
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        got = describe(loss) if isinstance(loss, torch.Tensor) else type(out).__name__
         raise ConfigError(
             "without loss_fn the model must return the loss (a scalar tensor, or an object "
-            f"with .loss / ['loss']); it returned {type(out).__name__}. Pass loss_fn=")
+            f"with .loss / ['loss']); it returned {got}. Pass loss_fn=")
     return loss
+
+
+@contextlib.contextmanager
+def _noted(note: str):
+    """Add ``note`` to a TypeError/ValueError/IndexError/RuntimeError raised inside (its type
+    and torch's message unchanged: fault handling still sees what happened)."""
+    try:
+        yield
+    except (TypeError, ValueError, IndexError, RuntimeError) as error:
+        error.add_note(f"meshtrain: {note}.")
+        raise
 
 
 class Engine:
