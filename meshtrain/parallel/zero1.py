@@ -39,20 +39,20 @@ def make_zero1_optimizer(
     """Wrap the optimizer that ``optimizer_factory`` builds in a ``ZeroRedundancyOptimizer``.
 
     ``group`` is the data-parallel process group (default: the world). The factory is called
-    once on throw-away parameters to learn its class and options; it must build one parameter
-    group with options that its class's constructor reproduces.
+    once on the parameters to learn its class, options and parameter groups (no state exists
+    before a step, so this allocates nothing); every group keeps its own options (e.g. no
+    weight decay on norms and biases), and every parameter must be in one.
     """
     params = list(params)
     if not params:
         raise ConfigError("make_zero1_optimizer got no parameters; pass model.parameters()")
     if any(isinstance(p, dict) for p in params):
         raise ConfigError(
-            "make_zero1_optimizer takes a flat list of parameters, not parameter groups: zero1 "
-            "shards one optimizer with one set of options; use zero2/zero3 for per-group options"
-        )
-    optimizer_class, options = optimizer_spec(optimizer_factory)
+            "make_zero1_optimizer takes the model's parameters and builds the groups with the "
+            "factory: group them inside it, e.g. lambda params: AdamW([{'params': ...}, ...])")
+    optimizer_class, options, groups = optimizer_spec(optimizer_factory, params)
     return ZeroRedundancyOptimizer(
-        params,
+        groups,
         optimizer_class=optimizer_class,
         process_group=group,
         # Both settings match one process under DDP(gradient_as_bucket_view=True); False keeps
@@ -64,12 +64,14 @@ def make_zero1_optimizer(
     )
 
 
-def optimizer_spec(optimizer_factory) -> tuple[type[torch.optim.Optimizer], dict]:
-    """The class and constructor options of what ``optimizer_factory`` builds (ConfigError if
-    they cannot be recovered)."""
-    probes = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]
+def optimizer_spec(optimizer_factory, params: list | None = None
+                   ) -> tuple[type[torch.optim.Optimizer], dict, list[dict]]:
+    """The class, constructor options and parameter groups (each with all its options) of what
+    ``optimizer_factory`` builds on ``params`` (ConfigError if they cannot be recovered)."""
+    params = params if params is not None else [torch.nn.Parameter(torch.zeros(2, 2)),
+                                                torch.nn.Parameter(torch.zeros(2))]
     try:
-        probe_opt = optimizer_factory(list(probes))
+        probe_opt = optimizer_factory(list(params))
     except Exception as error:
         raise ConfigError(
             f"the optimizer factory failed on a list of parameters ({type(error).__name__}: "
@@ -84,36 +86,21 @@ def optimizer_spec(optimizer_factory) -> tuple[type[torch.optim.Optimizer], dict
             "torch.optim.Optimizer (meshtrain wraps it in ZeroRedundancyOptimizer itself)"
         )
     name = type(probe_opt).__name__
-    if len(probe_opt.param_groups) != 1:
+    kept = [p for g in probe_opt.param_groups for p in g["params"]]
+    if len(kept) != len(params) or {id(p) for p in kept} != {id(p) for p in params}:
         raise ConfigError(
-            f"the optimizer factory built {len(probe_opt.param_groups)} parameter groups "
-            f"({name}); zero1 shards one optimizer class with one set of options and cannot "
-            "reproduce per-group options (e.g. no weight decay on biases). Build a single group "
-            "(lambda params: AdamW(params, ...)), or use zero2/zero3, which keep your optimizer"
+            f"the optimizer factory kept {len(kept)} of the {len(params)} parameters it was "
+            f"given ({name}); under zero1 every parameter it receives must be in one group"
         )
-    group = probe_opt.param_groups[0]
-    if len(group["params"]) != len(probes):
-        raise ConfigError(
-            f"the optimizer factory kept {len(group['params'])} of the {len(probes)} parameters "
-            f"it was given ({name}); under zero1 it must optimize every parameter it receives"
-        )
-    optimizer_class = type(probe_opt)
-    options = _constructor_options(optimizer_class, probe_opt.defaults)
-    wanted = _options(group)
-    fix = f"pass the options as constructor arguments: lambda params: {name}(params, lr=...)"
+    options = _constructor_options(type(probe_opt), probe_opt.defaults)
     try:
-        rebuilt = optimizer_class([torch.nn.Parameter(torch.zeros(2))], **options)
+        type(probe_opt)([torch.nn.Parameter(torch.zeros(2))], **options)
     except Exception as error:
-        raise ConfigError(f"zero1 cannot rebuild {name}: {error}; {fix}") from error
-    got = _options(rebuilt.param_groups[0])
-    different = sorted(k for k in wanted.keys() | got.keys()
-                       if not _same(wanted.get(k, "<missing>"), got.get(k, "<missing>")))
-    if different:
-        raise ConfigError(
-            f"zero1 cannot rebuild the optimizer the factory makes: {name}(params, **defaults) "
-            f"differs in {', '.join(different)} (options set per group?); {fix}"
-        )
-    return optimizer_class, options
+        raise ConfigError(f"zero1 cannot rebuild {name}: {error}; pass the options as "
+                          f"constructor arguments: lambda params: {name}(params, lr=...)"
+                          ) from error
+    groups = [{**_options(g), "params": list(g["params"])} for g in probe_opt.param_groups]
+    return type(probe_opt), options, groups
 
 
 def _constructor_options(optimizer_class, defaults: dict) -> dict:

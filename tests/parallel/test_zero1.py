@@ -259,19 +259,37 @@ def test_plain_checkpoint_loads_into_zero1_on_two_ranks(checkpoints):
 
 # -- user mistakes ---------------------------------------------------------------------------------
 def test_optimizer_spec_recovers_class_and_options():
-    cls, options = optimizer_spec(adamw)
-    assert cls is torch.optim.AdamW
+    cls, options, groups = optimizer_spec(adamw)
+    assert cls is torch.optim.AdamW and len(groups) == 1 and len(groups[0]["params"]) == 2
     assert options["lr"] == 1e-2 and options["weight_decay"] == 0.1
     assert "decoupled_weight_decay" not in options  # in AdamW's defaults, not its arguments
 
 
+def no_decay_on_norms_and_biases(params):
+    """What most users do: weight decay on matrices only (and a group-specific lr, to see that
+    every group keeps its own options)."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
+                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0,
+                               "lr": 3e-2}], lr=1e-2, weight_decay=0.1)
+
+
+def test_parameter_groups_keep_their_options():
+    _, _, groups = optimizer_spec(no_decay_on_norms_and_biases, list(mlp().parameters()))
+    assert [(g["weight_decay"], g["lr"], len(g["params"])) for g in groups] == [
+        (0.1, 1e-2, 3), (0.0, 3e-2, 3)]
+
+
+@pytest.mark.timeout(120)
+def test_zero1_with_parameter_groups_matches_one_process():
+    """Weight decay off for biases under zero1 (refused before: one group only)."""
+    from parity import assert_parity
+
+    assert_parity("zero1=2", 2, steps=8, fns=dict(optimizer_fn=no_decay_on_norms_and_biases))
+
+
 @pytest.mark.parametrize("factory, message", [
-    (lambda ps: torch.optim.AdamW(
-        [{"params": [p for p in ps if p.ndim >= 2]},
-         {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}], lr=1e-3),
-     "2 parameter groups"),
-    (lambda ps: torch.optim.AdamW([{"params": ps, "lr": 0.5}], lr=1e-3), "differs in lr"),
-    (lambda ps: torch.optim.SGD([p for p in ps if p.ndim == 2], lr=0.1), "kept 1 of the 2"),
+    (lambda ps: torch.optim.SGD([p for p in ps if p.ndim == 2], lr=0.1), "kept 3 of the 6"),
     (lambda ps: None, "returned NoneType"),
     (lambda ps: torch.optim.AdamW(ps, lr="fast"), "factory failed"),
 ])
@@ -283,7 +301,7 @@ def test_factory_errors(factory, message):
 def test_parameter_errors():
     with pytest.raises(ConfigError, match="no parameters"):
         make_zero1_optimizer([], adamw)
-    with pytest.raises(ConfigError, match="not parameter groups"):
+    with pytest.raises(ConfigError, match="group them inside it"):
         make_zero1_optimizer([{"params": list(mlp().parameters())}], adamw)
     with pytest.raises(ConfigError, match="ZeroRedundancyOptimizer"):
         zero1_state_dict(mlp(), adamw(mlp().parameters()))
