@@ -192,7 +192,7 @@ class Trainer:
                                             lr_scheduler=lr_scheduler,
                                             global_batch_size=self.global_batch_size)
         meta_model = checks.inspect_model(model)
-        self._check_model(meta_model, loss_fn)
+        self._check_model(meta_model, loss_fn, checks.first_inputs(train_set, 2), model)
         self._setup_world()
         try:
             self._setup_run_dir()
@@ -219,11 +219,12 @@ class Trainer:
                 self._workers.raise_if_failed(error)
             raise
 
-    def _check_model(self, model, loss_fn) -> None:
+    def _check_model(self, model, loss_fn, sample_inputs=None, original=None) -> None:
         """The model against the layout (``model`` may be a meta-device copy, or None)."""
         check_model(model, self.layout, self.parallel_options, pipeline=self.pipeline_options,
                     loss_fn=loss_fn, num_microbatches=self.grad_accum_steps,
-                    batch_size=self.global_batch_size // self.layout.batch_degree)
+                    batch_size=self.global_batch_size // self.layout.batch_degree,
+                    sample_inputs=sample_inputs, original=original)
 
     def _setup_model(self, model, meta_model, optimizer_factory, scheduler_factory, loss_fn,
                      sample_inputs) -> None:

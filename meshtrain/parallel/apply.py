@@ -65,14 +65,17 @@ def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch
 
 def check_model(model: torch.nn.Module | None, layout: Layout, options: ParallelOptions, *,
                 pipeline=None, loss_fn=None, num_microbatches: int = 1,
-                batch_size: int = 1) -> None:
+                batch_size: int = 1, sample_inputs=None, original=None) -> None:
     """Checks that need the model but no process group (run on a meta-device copy; None when
-    the model cannot be built there: then only what needs no model)."""
+    the model cannot be built there: then only what needs no model). ``sample_inputs`` and
+    ``original`` (the user's module or factory): the pipeline's check against the model's
+    forward, run once before the processes start (pipeline_check.py)."""
     if layout.degree("pp") > 1 and pipeline is not None:
         from meshtrain.parallel.pipeline_engine import check_pipeline_layout
 
         check_pipeline_layout(model, layout, pipeline, loss_fn=loss_fn,
-                              num_microbatches=num_microbatches, batch_size=batch_size)
+                              num_microbatches=num_microbatches, batch_size=batch_size,
+                              sample_inputs=sample_inputs, original=original)
     if model is None:
         return
     plan = tp_plan_of(model, options) if layout.degree("tp") > 1 else None

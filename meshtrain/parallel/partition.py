@@ -224,13 +224,30 @@ def block_time_costs(blocks: Sequence[nn.Module], sample_input: torch.Tensor, *,
     return [statistics.median(t) for t in times]
 
 
+def agreed_costs(costs: Sequence[float], group, device: torch.device) -> list[float]:
+    """One set of costs for every rank of ``group``: each rank's measurements are gathered and
+    each block's cost is their median over the ranks (the same numbers, in the same order, on
+    every rank, so the same split everywhere; a burst of load on one rank counts less). A
+    collective: every rank of ``group`` must call it. Without a process group (or alone) the
+    costs stay as they are."""
+    import torch.distributed as dist
+
+    costs = [float(c) for c in costs]
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return costs
+    mine = torch.tensor(costs, dtype=torch.float64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return [statistics.median(column) for column in torch.stack(parts).cpu().T.tolist()]
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------
 def partition_blocks(blocks: Sequence[nn.Module], num_stages: int, *, balance: str = "time",
                      sample_input: torch.Tensor | None = None,
                      split_points: Sequence[int] | None = None, first_extra_cost: float = 0.0,
-                     last_extra_cost: float = 0.0) -> list[int]:
+                     last_extra_cost: float = 0.0, group=None) -> list[int]:
     """Split points for running ``blocks`` (in order) as a ``num_stages``-stage pipeline.
 
     ``split_points`` given: checked and returned as they are (manual override). Otherwise each
@@ -239,6 +256,10 @@ def partition_blocks(blocks: Sequence[nn.Module], num_stages: int, *, balance: s
     the blocks on ``sample_input``, the hidden state that enters the first block) and
     :func:`min_max_partition` solves it. ``first_extra_cost`` / ``last_extra_cost``, in the
     same unit, are added to the first / last block: the embedding and the head.
+
+    ``group``: the process group whose ranks must all get the same split (every rank holding a
+    stage: the whole job). Measured costs differ from rank to rank, so under "time" and
+    "memory" they are agreed over it first (:func:`agreed_costs`, a collective).
     """
     blocks = list(blocks)
     _check_num_stages(num_stages, len(blocks))
@@ -261,6 +282,8 @@ def partition_blocks(blocks: Sequence[nn.Module], num_stages: int, *, balance: s
         costs = block_time_costs(blocks, sample_input)
     else:
         costs = block_memory_costs(blocks, sample_input)
+    if balance != "params":
+        costs = agreed_costs(costs, group, sample_input.device)
     costs[0] += first_extra_cost
     costs[-1] += last_extra_cost
     return min_max_partition(costs, num_stages)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,7 +106,9 @@ def pipeline_blocks(model: nn.Module) -> list[nn.Module]:
 def split_model(model: nn.Module, split_points: list[int], stage_index: int) -> nn.Module:
     """Stage ``stage_index`` of ``model`` cut before each block index in ``split_points``
     (``[2]`` splits 4 blocks into ``[0, 2)`` and ``[2, 4)``): a deep copy keeping only that
-    stage's parameters, under their full-model names (``layers.2.attn.wq.weight``)."""
+    stage's parameters, under their full-model names (``layers.2.attn.wq.weight``). Its
+    forward is the conventional one (embed, its blocks, norm, head), not the model's own:
+    pipeline_check.py checks before any process starts that they compose to the same."""
     n = len(pipeline_blocks(model))
     bounds = [0, *split_points, n]
     if any(not isinstance(b, int) or isinstance(b, bool) for b in split_points) or any(
@@ -188,17 +191,28 @@ class PipelineRunner:
                               f"stages must hold stages {expected}, got {list(stage_indices)}")
         self.modules, self.indices, self.num_stages = list(stage_modules), expected, num_stages
         self.loss_fn = loss_fn
+        self.scale_loss: Callable = lambda loss: loss  # fp16: times the grad scaler's scale
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, unscaled
+        self.num_microbatches = num_microbatches
         self.stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(expected),
                                                                         schedule)}
         self.stages = [PipelineStage(m, i, num_stages, device, group=self.group)
                        for m, i in zip(self.modules, self.indices)]
         cls = SCHEDULES[schedule]
         target = self.stages[0] if schedule in SINGLE_STAGE else self.stages
-        self.schedule = cls(target, num_microbatches, loss_fn=loss_fn, scale_grads=True)
+        self.schedule = cls(target, num_microbatches, loss_fn=self._train_loss, scale_grads=True)
         self.has_first, self.has_last = 0 in expected, num_stages - 1 in expected
 
     def parameters(self):
         return [p for m in self.modules for p in m.parameters()]
+
+    def _train_loss(self, output, target) -> torch.Tensor:
+        """The loss of one micro-batch, as the schedule runs backward on it: ``scale_loss``
+        applied (fp16's loss scaling); the unscaled value is kept for :meth:`step`. (The first
+        step also calls it once on placeholder outputs, to infer the gradients' shapes.)"""
+        loss = self.loss_fn(output, target)
+        self._losses.append(loss.detach())
+        return self.scale_loss(loss)
 
     def step(self, inputs, targets) -> torch.Tensor | None:
         """Forward and backward over the batch, gradients added to the parameters' ``.grad``;
@@ -208,13 +222,14 @@ class PipelineRunner:
         earlier = [(p, p.grad) for p in self.parameters() if p.grad is not None]
         for p, _ in earlier:
             p.grad = None
-        losses = [] if self.has_last else None
+        self._losses = []
         args = (inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses,
+        self.schedule.step(*args, target=targets if self.has_last else None,
                            return_outputs=False)
         for p, grad in earlier:
             p.grad = grad if p.grad is None else p.grad.add_(grad)
-        return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last else None
+        losses = self._losses[-self.num_microbatches:]  # past the shape inference's call
+        return torch.stack(losses).mean() if self.has_last else None
 
     def timed_step(self, inputs, targets) -> tuple[torch.Tensor | None, list[TimelineEvent]]:
         """:meth:`step` that also records every stage's compute actions; every pp rank gets

@@ -49,9 +49,12 @@ class PipelineOptions:
 
 
 def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
-                          num_microbatches: int, batch_size: int) -> None:
+                          num_microbatches: int, batch_size: int, sample_inputs=None,
+                          original=None) -> None:
     """Checks on the model (a meta-device copy, or None when it cannot be built there) and the
-    settings, before any process group exists."""
+    settings, before any process group exists. With ``sample_inputs`` (once, before the
+    processes start), also that the stages compute the model's forward (pipeline_check.py;
+    ``original``: the module or factory the user gave)."""
     from meshtrain.parallel.pipeline import check_pipeline, pipeline_blocks
 
     if loss_fn is None:
@@ -67,6 +70,10 @@ def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
         check_pipeline(len(pipeline_blocks(model)), layout.degree("pp"),
                        schedule=options.schedule, num_microbatches=num_microbatches,
                        stages_per_rank=options.stages_per_rank, batch_size=batch_size)
+    if sample_inputs is not None:
+        from meshtrain.parallel.pipeline_check import check_before_start
+
+        check_before_start(model, original, sample_inputs)
 
 
 def _sample_block_input(model, options: PipelineOptions, sample_inputs, device):
@@ -100,7 +107,8 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
     split = partition_blocks(pipeline_blocks(model), num_stages, balance=pipeline.balance,
                              sample_input=_sample_block_input(model, pipeline, sample_inputs,
                                                               device),
-                             split_points=pipeline.split_points)
+                             split_points=pipeline.split_points,
+                             group=torch.distributed.group.WORLD)  # one split on every rank
     indices = rank_stages(pp_mesh.get_local_rank(), pp, pipeline.stages_per_rank,
                           pipeline.schedule)
     stages = [split_model(model, split, i) for i in indices]

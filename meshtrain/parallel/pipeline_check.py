@@ -1,0 +1,267 @@
+"""Before any process starts: do the pipeline stages compute the model's own ``forward``?
+
+:func:`~meshtrain.parallel.pipeline.split_model` gives every stage the conventional forward:
+the first stage runs ``model.embed(x)``, each stage its run of ``model.layers`` (every block
+called with the hidden state alone), the last stage ``model.norm`` then ``model.head`` (those
+present); an ``nn.Sequential`` runs its children in order. Whatever else the model's own
+``forward`` does (a learned positional term added after the embedding, logits projected through
+the embedding's weight, a scale, a mask, a tuple returned) the stages would not do: shapes that
+happen to fit would train a different function silently.
+
+:func:`check_stage_forward` runs that composition in one process on a sample batch, beside
+``model(x)``, and refuses with a :class:`ConfigError` when the outputs differ (type, shape, max
+absolute difference). A ``TorchFunctionMode`` records which parameters every op takes and where
+(before the first block, inside block ``i``, between blocks, after the last block), so the
+message names the cause: parameters that ``forward`` uses and the stages never would, and
+weights shared across stages (``h @ self.embed.weight.T`` after the last block: the last stage
+does not hold the embedding; a shared module such as a tied head is caught the same way).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline import _POST, pipeline_blocks
+
+#: a factory's model is built for real (once, before the processes) up to this many parameter
+#: elements; a larger one is checked on its meta-device copy: uses and shapes, not values
+BUILD_LIMIT = 2**27
+PRE, POST = (-1,), (math.inf,)  # regions of forward, ordered: PRE < (2i,) block i < POST
+
+
+def _block(i: int) -> tuple:
+    return (2 * i,)
+
+
+def _between(i: int) -> tuple:  # after block i, before block i + 1
+    return (2 * i + 1,)
+
+
+def _is_between(region: tuple) -> bool:
+    return region not in (PRE, POST) and int(region[0]) % 2 == 1
+
+
+def _where(region: tuple) -> str:
+    """Where in forward an op ran (a region)."""
+    if region == PRE:
+        return "before the first block (on the first stage)"
+    if region == POST:
+        return "after the last block (on the last stage)"
+    i, between = divmod(int(region[0]), 2)
+    return f"between blocks {i} and {i + 1}" if between else f"inside block {i}"
+
+
+def _holder(region: tuple) -> str:
+    """Which stage holds a parameter registered in ``region``."""
+    if region == PRE:
+        return "the first stage (embed)"
+    if region == POST:
+        return "the last stage (norm/head)"
+    return f"the stage of block {int(region[0]) // 2}"
+
+
+def stage_forward(model: nn.Module, x):
+    """What the stages of ``split_model`` compute one after another, run on the whole model."""
+    if isinstance(model, nn.Sequential):
+        for child in model:
+            x = child(x)
+        return x
+    if callable(getattr(model, "embed", None)):
+        x = model.embed(x)
+    for block in pipeline_blocks(model):
+        x = block(x)
+    for name in _POST:
+        if getattr(model, name, None) is not None:
+            x = getattr(model, name)(x)
+    return x
+
+
+class _UseRecorder(TorchFunctionMode):
+    """Which parameters each op takes, by the region of forward the op runs in (block hooks
+    move the region along)."""
+
+    def __init__(self, params: dict[int, nn.Parameter], blocks: list[nn.Module]):
+        super().__init__()
+        self.params, self.region, self.uses = params, PRE, {}
+        last = len(blocks) - 1
+        self.handles = [h for i, block in enumerate(blocks) for h in (
+            block.register_forward_pre_hook(lambda *_, i=i: self._move(_block(i))),
+            block.register_forward_hook(
+                lambda *_, i=i: self._move(POST if i == last else _between(i))))]
+
+    def _move(self, region: tuple) -> None:
+        self.region = region
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and id(leaf) in self.params:
+                self.uses.setdefault(id(leaf), set()).add(self.region)
+        return func(*args, **kwargs)
+
+    def take(self) -> dict[int, set]:
+        """The uses recorded since the last call; the next run starts before the first block."""
+        uses, self.uses, self.region = self.uses, {}, PRE
+        return uses
+
+
+def _owners(model: nn.Module, blocks: list[nn.Module]) -> tuple[dict, dict]:
+    """Each parameter's names (``a.weight = b.weight`` when shared) and the region of the stage
+    that holds it, from the first name it is registered under."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    if isinstance(model, nn.Sequential):
+        index = {key: _block(i) for i, key in enumerate(model._modules)}
+    else:
+        layers = model.layers
+        keys = {id(block): i for i, block in enumerate(blocks)}
+        index = {f"layers.{key}": _block(keys[id(child)])
+                 for key, child in layers._modules.items() if id(child) in keys}
+    owner = {}
+    for pid, found in names.items():
+        top, _, rest = found[0].partition(".")
+        key = top if isinstance(model, nn.Sequential) else f"{top}.{rest.partition('.')[0]}"
+        owner[pid] = index.get(key, POST if top in _POST else PRE)
+    return {pid: " = ".join(n) for pid, n in names.items()}, owner
+
+
+def _output_finding(expected, got, on_meta: bool) -> str | None:
+    """How the stages' output differs from ``model(x)``'s, or None."""
+    if not isinstance(expected, torch.Tensor):
+        return (f"model.forward returns a {type(expected).__name__}; the last stage's output "
+                f"goes to loss_fn(output, targets) as one tensor")
+    if not isinstance(got, torch.Tensor):
+        return f"the stages return a {type(got).__name__}, model.forward a tensor"
+    if got.shape != expected.shape:
+        return (f"the outputs differ in shape: model(x) gives {tuple(expected.shape)}, the "
+                f"stages {tuple(got.shape)}")
+    if on_meta:
+        return None
+    want, have = expected.double(), got.double()
+    diff = torch.where(want.isnan() & have.isnan(), 0.0, (have - want).abs()).nan_to_num(math.inf)
+    worst = diff.max().item() if diff.numel() else 0.0
+    finite = want[want.isfinite()]
+    scale = 1 + (finite.abs().max().item() if finite.numel() else 0.0)
+    eps = torch.finfo(expected.dtype).eps if expected.is_floating_point() else 0.0
+    if worst <= max(1e-5, 16 * eps) * scale:
+        return None
+    return (f"the outputs differ: max |difference| {worst:.3g} between model(x) and the stages' "
+            f"output (both of shape {tuple(expected.shape)})")
+
+
+def check_stage_forward(model: nn.Module, inputs: torch.Tensor) -> None:
+    """Refuse (ConfigError) when the pipeline stages of ``model``, composed in one process, do
+    not compute ``model(inputs)``: different outputs, parameters only one of them uses, or a
+    weight used where the stage holding it does not run. Runs in eval mode without gradients
+    and leaves the model (and the CPU RNG) as it was. On a meta-device model only uses and
+    shapes are compared; when ``model(inputs)`` itself fails, nothing can be compared and
+    nothing is refused."""
+    blocks = pipeline_blocks(model)
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    inputs, on_meta = inputs.to(device), device.type == "meta"
+    params = {id(p): p for p in model.parameters()}
+    names, owner = _owners(model, blocks)
+    modes = {module: module.training for module in model.modules()}
+    recorder = _UseRecorder(params, blocks)
+    failure = got = None
+    try:
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), recorder:
+            try:
+                expected = model(inputs)
+            except Exception:  # noqa: BLE001 - not this check's to report (the data's format?)
+                return
+            model_uses = recorder.take()
+            try:
+                got = stage_forward(model, inputs)
+            except Exception as error:  # noqa: BLE001 - reported below
+                failure = error
+            stage_uses = recorder.take()
+    finally:
+        for handle in recorder.handles:
+            handle.remove()
+        for module, mode in modes.items():
+            module.training = mode
+    findings, shared = [], []
+    for pid in dict.fromkeys(itertools.chain(model_uses, stage_uses)):
+        for region in sorted(model_uses.get(pid, set()) | stage_uses.get(pid, set())):
+            if _is_between(region):
+                findings.append(f"{names[pid]} is used {_where(region)}, where no stage runs "
+                                f"anything")
+            elif region != owner[pid]:
+                shared.append(f"{names[pid]} is held by {_holder(owner[pid])} but also used "
+                              f"{_where(region)}: a weight shared across stages")
+    for what, ours, theirs in (("model.forward uses parameters the stages never use",
+                                model_uses, stage_uses),
+                               ("the stages use parameters model.forward does not",
+                                stage_uses, model_uses)):
+        missing = [names[pid] for pid in ours if pid not in theirs]
+        if missing:
+            findings.append(f"{what}: {', '.join(missing)}")
+    if failure is not None:
+        findings.append(f"the stages fail where model(x) runs: {type(failure).__name__}: "
+                        f"{failure}")
+    elif (finding := _output_finding(expected, got, on_meta)) is not None:
+        findings.append(finding)
+    findings = shared + findings
+    if findings:
+        raise ConfigError(_message(type(model).__name__, len(inputs), findings, bool(shared)))
+
+
+def _message(model_name: str, num_samples: int, findings: list[str], shared: bool) -> str:
+    lines = "".join(f"\n  - {line}" for line in findings)
+    untie = ("\nA pipeline stage holds its own copy of every weight it uses, so a weight used "
+             "by two stages would be two weights drifting apart: untie it (give the output "
+             "projection its own weight, head = nn.Linear(d_model, vocab, bias=False)), or "
+             "train without pp." if shared else "")
+    return (
+        f"the pipeline stages of {model_name} would not compute its forward (checked in one "
+        f"process on the first {num_samples} training sample(s)):{lines}{untie}\n"
+        "The stages run model.embed(x) (a module or method: everything before the first "
+        "block), then the blocks of model.layers in order, each called with the hidden state "
+        "alone, then model.norm and model.head (everything after the last block); an "
+        "nn.Sequential runs its children in order. Restructure the model so that this is "
+        "exactly its forward (e.g. add a positional term inside embed: def embed(self, idx): "
+        "return self.tok(idx) + self.pos; project the output in a head module; nothing between "
+        "blocks), or train it without pp.")
+
+
+def model_for_check(model: nn.Module | None, original) -> nn.Module | None:
+    """The model to check: the user's module itself; a factory's model built for real (on
+    whatever device the factory picks, under a forked RNG) when its meta-device copy ``model``
+    has at most :data:`BUILD_LIMIT` parameter elements, else that copy; None without either."""
+    on_meta = model is not None and any(p.is_meta for p in model.parameters())
+    if model is not None and not on_meta:
+        return model
+    if isinstance(original, nn.Module) or not callable(original) or (
+            model is not None and sum(p.numel() for p in model.parameters()) > BUILD_LIMIT):
+        return model
+    try:
+        with torch.random.fork_rng(devices=[]):
+            built = original()
+    except Exception:  # noqa: BLE001 - built again (and failing there) on every rank later
+        return model
+    return built if isinstance(built, nn.Module) else model
+
+
+def check_before_start(model: nn.Module | None, original, sample_inputs) -> None:
+    """:func:`check_stage_forward` on the model (see :func:`model_for_check`) and the inputs
+    ``sample_inputs()`` gives (the first training samples; None when samples are not pairs)."""
+    checked = model_for_check(model, original)
+    if checked is None:
+        return
+    try:
+        inputs = sample_inputs()
+    except Exception:  # noqa: BLE001 - samples the stack cannot batch: nothing to check on
+        return
+    if isinstance(inputs, torch.Tensor):
+        check_stage_forward(checked, inputs)
