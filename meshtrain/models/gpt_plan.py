@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+    PrepareModuleOutput, RowwiseParallel, SequenceParallel,
 )
 
-from meshtrain.errors import ConfigError
 from meshtrain.parallel.tensor_parallel import (
     attention_plan, check_divides, dropout_entries, mlp_plan, replicate_the_rest,
 )
@@ -65,19 +65,20 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool,
     """
     sp = sequence_parallel
     blocks = _blocks(model)
-    whole = model.tok_emb is not None and model.head is not None
-    if sp and not whole:
-        raise ConfigError(
-            "sequence_parallel is not available on pipeline stages yet (activations between "
-            "stages would be sequence shards); use tensor parallel without it under pp"
-        )
     plan: dict[str, ParallelStyle] = {}
     if model.tok_emb is not None:
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if sp:  # Slice the replicated stream at the first block only (later blocks get shards).
-        plan[f"layers.{blocks[0][0]}"] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-            use_local_output=True)
+    if sp:  # Slice the replicated stream at the first block only (later blocks get shards);
+        # a pipeline stage before the last all-gathers its last block's output, so stages
+        # hand each other the whole sequence, as without sequence parallel
+        slice_in = dict(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
+        gather_out = dict(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
+                          use_local_output=True)
+        first, last = f"layers.{blocks[0][0]}", f"layers.{blocks[-1][0]}"
+        plan[first] = PrepareModuleInput(**slice_in, use_local_output=True)
+        if model.head is None:
+            plan[last] = PrepareModuleInputOutput(**slice_in, use_local_input=True, **gather_out) \
+                if first == last else PrepareModuleOutput(**gather_out)
     for name, block in blocks:
         prefix = f"layers.{name}"
         if sp:
@@ -87,7 +88,7 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool,
             plan.update(dropout_entries(block.mlp, f"{prefix}.mlp"))
         plan.update(attention_plan(f"{prefix}.attn", "wq", "wk", "wv", "wo", sequence_parallel=sp))
         plan.update(mlp_plan(f"{prefix}.mlp", "fc_in", "fc_out", sequence_parallel=sp))
-    if sp:
+    if sp and model.norm is not None:
         plan["norm"] = SequenceParallel()
     if model.head is not None:
         plan["head"] = ColwiseParallel(

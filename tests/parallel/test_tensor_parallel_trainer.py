@@ -57,3 +57,12 @@ def test_a_plan_key_that_names_no_module_is_refused_before_any_process():
     with pytest.raises(ConfigError, match=r"tp_plan key '4.weight' names no module of "
                                           r"Sequential; did you mean '4'"):
         trainer.fit(mlp, regression_data(), optimizer=adamw, loss_fn=torch.nn.functional.mse_loss)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fns", [GPT_FNS, GPT4_FNS], ids=["1-block-stages", "2-block-stages"])
+def test_sequence_parallel_on_pipeline_stages_matches_one_process(fns):
+    """Each stage slices the sequence at its first block and all-gathers its last block's
+    output for the next stage (refused inside fit before, after the processes had started)."""
+    assert_parity("pp=2,tp=2", 4, steps=3, fns=fns, micro_batch_size=2,
+                  parallel_kwargs=dict(sequence_parallel=True))
