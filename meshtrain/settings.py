@@ -190,7 +190,8 @@ _DEFINITIONS = [
        "Clip the gradients by their global L2 norm (over every shard and stage); none: no "
        "clipping.", none=True),
     _S("precision", "trainer", "fp32", "choice",
-       '"fp32", "bf16-mixed" or "fp16-mixed" (GPU only: float16 autocast with a grad scaler).',
+       '"fp32", "bf16-mixed" or "fp16-mixed" (float16 autocast with a grad scaler; CPU and '
+       "GPU). Parity with fp32: docs/precision.md.",
        choices=PRECISIONS,
        error="unknown precision {value!r}; choose one of fp32, bf16-mixed, fp16-mixed"),
     _S("seed", "trainer", 0, "int",

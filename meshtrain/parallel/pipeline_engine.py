@@ -138,6 +138,7 @@ class PipelineEngine(Engine):
         inputs, targets = to_device(next(batches), self.device)
         record = self._num_calls == 1  # the second step: past one-time start-up costs
         self._num_calls += 1
+        self.runner.scale_loss = self.precision.scale_loss  # the schedule runs the backward
         with self.precision.autocast(), self.loss_context():
             if record:  # collective: every rank records the same step
                 loss, events = self.runner.timed_step(inputs, targets)
