@@ -282,8 +282,8 @@ _DEFINITIONS = [
        "Write periodic checkpoints in the background (a copy to CPU memory blocks the step, the "
        "write does not)."),
     _S("resume", "checkpoint", "auto", "resume",
-       '"auto": continue from the newest complete checkpoint of this job (root_dir/name or '
-       "run_dir), if any; a checkpoint folder; none: start afresh.", none=True,
+       '"auto": continue the newest unfinished run of this job and model (root_dir/name), or '
+       "run_dir's newest checkpoint; a checkpoint folder; none: start afresh.", none=True,
        check=_check_resume,
        error="resume must be 'auto', None or a checkpoint folder, got {value!r}"),
     _S("save_final_checkpoint", "checkpoint", True, "bool",
@@ -319,7 +319,8 @@ _DEFINITIONS = [
     _S("progress_bar", "logging", True, "bool", "Show a progress bar on rank 0."),
     _S("root_dir", "logging", "runs", "path",
        "Run folders go to root_dir/name/<time> (unless run_dir is given)."),
-    _S("name", "logging", "run", "str", "The job's name: its runs go to root_dir/name/."),
+    _S("name", "logging", "auto", "str", 'The job\'s name: its runs go to root_dir/name/; "auto": '
+       "the script's file name (train.py: train), or the config's under `meshtrain train`."),
     _S("run_dir", "logging", None, "path",
        "Where this run's logs and checkpoints go; none: root_dir/name/<time> (or the folder of "
        "the run being resumed).", none=True),
@@ -350,7 +351,8 @@ def check(values: dict) -> dict:
         if name not in SETTINGS:
             raise ConfigError(_unknown_setting(name))
         SETTINGS[name].validate(value)
-    return {**defaults(), **values}
+    from meshtrain.checkpoint.resume import job_name  # name="auto": the script's name
+    return {**defaults(), **values, "name": job_name(values.get("name", SETTINGS["name"].default))}
 
 
 def config_sections() -> dict[str, dict]:

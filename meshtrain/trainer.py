@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from meshtrain import checks
 from meshtrain.checkpoint.manager import CheckpointManager
+from meshtrain.checkpoint.resume import model_shapes, resume_fit
 from meshtrain.data.sampler import GlobalBatchSampler, make_loader, release_workers
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
@@ -88,6 +89,7 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None  # the last step's, before clipping
         self.should_stop, self.callback_metrics = False, {}
         self.run_dir = self._resume_from = self._workers = self._val_data = None
+        self._model_shapes = None  # the whole model's state names and shapes (resume.py)
         self.run_log = RunLog(self.rank == 0)
         self.checkpoints: CheckpointManager | None = None  # every save goes through it
         self._guard: StepGuard | None = None  # NaN/Inf, watchdog, periodic saves (fault/)
@@ -135,7 +137,7 @@ class Trainer:
         if self.run_dir is None:
             self.run_dir, self._resume_from = resolve_run_dir(
                 self.resume, run_dir=self._run_dir_arg, root_dir=self.root_dir, name=self.name,
-                rank=self.rank)
+                rank=self.rank, shapes=self._model_shapes)
             self.run_log.open(self.run_dir, self.loggers, self.hparams())
 
     def hparams(self) -> dict:
@@ -193,6 +195,7 @@ class Trainer:
                                             global_batch_size=self.global_batch_size)
         meta_model = checks.inspect_model(model)
         self._check_model(meta_model, loss_fn, checks.first_inputs(train_set, 2), model)
+        self._model_shapes = model_shapes(meta_model)  # None: known once built
         self._setup_world()
         try:
             self._setup_run_dir()
@@ -212,8 +215,7 @@ class Trainer:
                 device=self.device, grad_scaler=self.precision.scaler is not None,
                 gradients_identical=self.layout.gradients_identical_after_sync)
             if self._resume_from is not None:
-                self.load_checkpoint(self._resume_from)
-                self.print(f"resumed from {self._resume_from} at step {self.global_step}")
+                resume_fit(self, self._resume_from)
         except BaseException as error:
             if self._workers is not None:
                 self._workers.raise_if_failed(error)
@@ -239,6 +241,7 @@ class Trainer:
             raise ConfigError(f"the model factory returned {type(model).__name__}, not a "
                               "torch.nn.Module")
         self._check_model(model, loss_fn)
+        self._model_shapes = model_shapes(model)  # before a pipeline keeps only its stages
         self.precision = Precision(self.precision_name, self.device_type)
         self.engine = apply_layout(
             model, self.mesh, device=self.device, options=self.parallel_options,
@@ -409,7 +412,8 @@ class Trainer:
         """(trainer state, summary) as a checkpoint stores them beside model and optimizer."""
         state = {**self.state.state_dict(),
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-                 "grad_scaler": self.precision.state_dict(), **self._run_identity()}
+                 "grad_scaler": self.precision.state_dict(), **self._run_identity(),
+                 "finished": self.should_stop or self.global_step >= self.total_steps()}
         summary = {"step": self.global_step, "epoch": self.current_epoch,
                    "layout": str(self.layout), "world_size": self.world_size,
                    "metrics": self.callback_metrics, "hparams": self.hparams()}
@@ -436,7 +440,7 @@ class Trainer:
         from meshtrain.checkpoint.resume import restore
 
         state = restore(path, self.model, self.optimizer, identity=self._run_identity(),
-                        seed=self.seed, rank=self.rank)
+                        seed=self.seed, rank=self.rank, shapes=self._model_shapes)
         self.state.load_state_dict(state)
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -266,4 +266,15 @@ def test_the_recipe_reaches_every_config_setting_with_its_own_defaults():
     flat = settings.flatten(char_lm.DEFAULTS)
     assert flat == {**{n: v for s in settings.config_sections().values() for n, v in s.items()},
                     "layout": "dp=2", "devices": 2, "max_steps": 400, "grad_clip_norm": 1.0,
-                    "val_every_n_steps": 100, "log_every_n_steps": 10, "name": "char_gpt"}
+                    "val_every_n_steps": 100, "log_every_n_steps": 10}
+
+
+def test_a_config_without_a_name_names_the_job_after_its_file(tmp_path):
+    """Two configs of the built-in recipe must not share one job (resume='auto' would pick
+    the other's runs): the name defaults to the config file's name."""
+    from meshtrain.recipes import resolve_config
+
+    config = tmp_path / "tiny_lm.toml"
+    config.write_text('[job]\nrecipe = "char_lm"\n')
+    assert resolve_config(str(config), [])[2]["name"] == "tiny_lm"
+    assert resolve_config(str(config), ["--logging.name=mine"])[2]["name"] == "mine"

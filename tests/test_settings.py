@@ -108,7 +108,7 @@ def test_each_setting_rejects_a_bad_value_naming_it(name, bad):
 def test_check_returns_every_value_and_knows_none():
     values = settings.check({"max_steps": 5, "stall_timeout_s": None, "layout": {"dp": 2}})
     assert values == {**settings.defaults(), "max_steps": 5, "stall_timeout_s": None,
-                      "layout": {"dp": 2}}
+                      "layout": {"dp": 2}, "name": "run"}  # name "auto": no script in pytest
     settings.check({"meta_init": True, "loggers": "csv", "split_points": [2, 5],
                     "devices": "auto", "resume": None, "nan_policy": None})
     with pytest.raises(ConfigError, match="max_steps must be a positive integer or None, got 0"):

@@ -1,23 +1,32 @@
 """Which checkpoint a new fit starts from (``Trainer(resume=...)``), and what a resume under a
 different layout or world size can and cannot continue exactly.
 
-``resume="auto"`` looks for the newest complete checkpoint of this job: in ``run_dir/checkpoints``
-when a run folder is given, else in every ``root_dir/name/*/checkpoints``; the run then continues
-in that checkpoint's run folder. Running the same command again after a crash (or under
-``meshtrain run --max-restarts K``) therefore picks up where the job stopped.
+``resume="auto"`` continues the newest *unfinished* run of this job: among the
+``root_dir/name/*`` run folders, the newest (by time) whose last checkpoint did not reach its
+stopping point and holds this model (the same parameter names and shapes); the run then goes on
+in that folder. Finished runs and runs of another model are skipped (one line says so) and a new
+run starts. Running the same command again after a crash (or under ``meshtrain run
+--max-restarts K``) therefore picks up where the job stopped. With ``run_dir`` given, the folder
+is the run: its newest checkpoint is continued, finished or not.
+
+Every resume refuses, before training, a checkpoint of another model (the names that differ are
+listed) and one at or past this fit's stopping point (nothing would be trained).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoint.manager import checkpoint_step, latest_complete
+from meshtrain.checkpoint.manager import latest_complete
 from meshtrain.checkpoint.state import TRAINER_STATE
 from meshtrain.errors import ConfigError
+
+Shapes = dict[str, tuple | None]  # a model's state names -> shapes (None: not a tensor)
 
 
 def check_resume(resume) -> None:
@@ -39,36 +48,146 @@ def check_resume(resume) -> None:
         )
 
 
-def find_checkpoint(resume, *, run_dir: Path | None, root_dir: Path,
-                    name: str) -> tuple[Path | None, Path | None]:
-    """(checkpoint to load or None, the run folder to continue in or None for a new one)."""
+def job_name(name: str) -> str:
+    """``name``, or for "auto" the running script's file name (``train_mlp.py`` ->
+    ``train_mlp``); "run" without one (interactive, ``python -c``, pytest, a package's
+    ``__main__``). ``meshtrain train CONFIG.toml`` names the job after its config instead."""
+    if name != "auto":
+        return name
+    path = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if not path.endswith(".py") or stem in ("__main__", "ipykernel_launcher", "pytest"):
+        return "run"
+    return stem
+
+
+# -- the model a checkpoint holds ---------------------------------------------------------------
+def model_shapes(model: torch.nn.Module | None) -> Shapes | None:
+    """The names and shapes a checkpoint of the (whole, unsharded) ``model`` holds; None for
+    None. Works on a meta-device model; wrapper prefixes are dropped as the saver drops them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if model is None:
+        return None
+    try:
+        state = get_model_state_dict(model)
+    except Exception:  # noqa: BLE001 - a model DCP cannot list: no check (the load still is strict)
+        return None
+    return {name: tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            for name, value in state.items()}
+
+
+def saved_shapes(path) -> Shapes:
+    """The model's names and (global) shapes in checkpoint ``path``, from DCP's metadata: the
+    whole model whatever the layout that saved it (pipeline ranks save their stages under the
+    whole model's names)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key[len("model."):]: tuple(item.size) if hasattr(item, "size") else None
+            for key, item in metadata.items() if key.startswith("model.")}
+
+
+def model_differences(saved: Shapes, expected: Shapes, few: int = 3) -> str:
+    """What differs: per kind its count and up to ``few`` names ("" if nothing does)."""
+    missing = [name for name in expected if name not in saved]
+    unexpected = [name for name in saved if name not in expected]
+    reshaped = [f"{name} (checkpoint {list(saved[name] or [])}, model {list(expected[name] or [])})"
+                for name in expected if name in saved and saved[name] != expected[name]]
+    parts = []
+    for names, what in ((missing, "missing from the checkpoint"),
+                        (unexpected, "in the checkpoint but not in the model"),
+                        (reshaped, "of another shape")):
+        if names:
+            listed = f": {', '.join(names[:few])}" if few else ""
+            more = ", ..." if len(names) > few > 0 else ""
+            parts.append(f"{len(names)} {what}{listed}{more}")
+    return "; ".join(parts)
+
+
+def check_same_model(path, expected: Shapes | None) -> None:
+    """Refuse a checkpoint whose model names or shapes differ from ``expected`` (None: no check)."""
+    if expected is None:
+        return
+    differences = model_differences(saved_shapes(path), expected)
+    if differences:
+        raise ConfigError(
+            f"checkpoint {path} holds another model than this one ({differences}); resume a "
+            "checkpoint of this model (the same parameter names and shapes), or start a new run "
+            "with resume=None (and another run_dir, if you gave one)")
+
+
+# -- resume="auto": which run ---------------------------------------------------------------------
+def is_finished(path: Path, state: dict) -> bool:
+    """Did the checkpoint's run reach its stopping point? (Checkpoints older than the
+    ``finished`` record: only the final one counts as finished.)"""
+    return bool(state.get("finished", path.name == "final"))
+
+
+def _why_not(path: Path, shapes: Shapes | None) -> str | None:
+    """Why ``resume="auto"`` must not continue the run of checkpoint ``path`` (None: it may)."""
+    try:
+        state = torch.load(path / TRAINER_STATE, weights_only=False)
+        if is_finished(path, state):
+            return f"finished at step {state.get('global_step')}"
+        differences = model_differences(saved_shapes(path), shapes, few=0) if shapes else ""
+    except Exception as error:  # noqa: BLE001 - a damaged checkpoint is skipped, and said so
+        return f"unreadable: {type(error).__name__}"
+    return f"another model: {differences}" if differences else None
+
+
+def find_checkpoint(resume, *, run_dir: Path | None, root_dir: Path, name: str,
+                    shapes: Shapes | None = None) -> tuple[Path | None, Path | None]:
+    """(checkpoint to load or None, the run folder to continue in or None for a new one).
+
+    ``shapes``: the model's (:func:`model_shapes`), so that "auto" skips runs of another model;
+    None when unknown before the model is built (the load then refuses such a checkpoint)."""
     if resume is None:
         return None, None
     if resume != "auto":
         return Path(resume), None
     if run_dir is not None:
         return latest_complete(run_dir / "checkpoints"), None
-    job = root_dir / name
-    found = [c for c in (latest_complete(d) for d in job.glob("*/checkpoints")) if c is not None]
-    if not found:
-        return None, None
-    newest = max(found, key=lambda path: (checkpoint_step(path), path.stat().st_mtime))
-    return newest, newest.parent.parent
+    usable, skipped = [], []
+    for folder in sorted((root_dir / name).glob("*/checkpoints")):
+        last = latest_complete(folder)
+        if last is not None:
+            why = _why_not(last, shapes)
+            if why:
+                skipped.append(f"{last} ({why})")
+            else:
+                usable.append(last)
+    chosen = max(usable, key=lambda path: (path / TRAINER_STATE).stat().st_mtime, default=None)
+    if skipped:
+        more = f" and {len(skipped) - 2} more" if len(skipped) > 2 else ""
+        then = f"continuing {chosen}" if chosen else "starting a new run"
+        print(f"resume='auto': skipped {', '.join(skipped[-2:])}{more}; {then}", flush=True)
+    return (chosen, chosen.parent.parent) if chosen else (None, None)
 
 
-def resolve_run_dir(resume, *, run_dir, root_dir, name: str, rank: int) -> tuple[Path, Path | None]:
-    """(the run folder, the checkpoint to resume from or None): rank 0 decides, every rank
-    follows (collective when a process group exists), and rank 0 creates the folder."""
+def new_run_dir(job: Path) -> Path:
+    """A run folder of its own: ``job/<time>``, with ``-2``, ``-3``... if that one exists."""
     from datetime import datetime
 
+    path = base = job / datetime.now().strftime("%Y%m%d-%H%M%S")
+    number = 1
+    while path.exists():
+        number += 1
+        path = base.with_name(f"{base.name}-{number}")
+    return path
+
+
+def resolve_run_dir(resume, *, run_dir, root_dir, name: str, rank: int,
+                    shapes: Shapes | None = None) -> tuple[Path, Path | None]:
+    """(the run folder, the checkpoint to resume from or None): rank 0 decides, every rank
+    follows (collective when a process group exists), and rank 0 creates the folder."""
     import torch.distributed as dist
 
     path, resume_from = Path(run_dir) if run_dir else None, None
     if rank == 0:
         resume_from, resumed_run = find_checkpoint(resume, run_dir=path, root_dir=Path(root_dir),
-                                                   name=name)
-        path = path or resumed_run or Path(root_dir) / name / datetime.now().strftime(
-            "%Y%m%d-%H%M%S")
+                                                   name=name, shapes=shapes)
+        path = path or resumed_run or new_run_dir(Path(root_dir) / name)
     if dist.is_initialized():  # every rank writes checkpoints into rank 0's folder
         box = [str(path), resume_from and str(resume_from)]
         dist.broadcast_object_list(box, src=0)
@@ -78,6 +197,7 @@ def resolve_run_dir(resume, *, run_dir, root_dir, name: str, rank: int) -> tuple
     return path, resume_from
 
 
+# -- what may change on resume ------------------------------------------------------------------
 def has_randomness(model: torch.nn.Module) -> bool:
     """Does the forward pass draw random numbers (dropout with p > 0)?"""
     return any(
@@ -91,13 +211,15 @@ def check_same_run(saved: dict, now: dict) -> None:
         raise ConfigError(
             f"the checkpoint was trained with global_batch_size={saved.get('global_batch_size')} "
             f"but this Trainer uses {now['global_batch_size']}; resume with the same global "
-            "batch (the micro-batch and accumulation may change freely)"
+            "batch (the micro-batch and accumulation may change freely), or start a new run "
+            "with resume=None"
         )
     for key in ("seed", "shuffle"):
         if key in saved and saved[key] != now[key]:
             raise ConfigError(
                 f"the checkpoint was trained with {key}={saved[key]!r} but this Trainer uses "
-                f"{now[key]!r}: the data order would change mid-run; use {key}={saved[key]!r}"
+                f"{now[key]!r}: the data order would change mid-run; use {key}={saved[key]!r} "
+                "(or start a new run with resume=None)"
             )
 
 
@@ -116,16 +238,39 @@ def warn_rng_change(saved: dict, now: dict, random_model: bool) -> bool:
     return same
 
 
-def restore(path, model, optimizer, *, identity: dict, seed: int, rank: int) -> dict:
+def restore(path, model, optimizer, *, identity: dict, seed: int, rank: int,
+            shapes: Shapes | None = None) -> dict:
     """Collective: load a checkpoint into ``model`` and ``optimizer`` after refusing one of
-    another run (``identity``: see :func:`check_same_run`); return its trainer state. When the
-    saved RNG streams belong to other ranks, start reproducible new ones."""
+    another run (``identity``: see :func:`check_same_run`) or another model (``shapes``: the
+    whole model's, see :func:`model_shapes`); return its trainer state. When the saved RNG
+    streams belong to other ranks, start reproducible new ones."""
     from meshtrain.checkpoint.state import load_checkpoint
 
     path = Path(path)
     if (path / TRAINER_STATE).is_file():  # refuse before touching the model
         check_same_run(torch.load(path / TRAINER_STATE, weights_only=False), identity)
+        check_same_model(path, shapes)
     state = load_checkpoint(path, model, optimizer)
     if not warn_rng_change(state, identity, has_randomness(model)):
         torch.manual_seed(seed + 1 + rank + 1_000_003 * state["global_step"])
     return state
+
+
+def resume_fit(trainer, path) -> None:
+    """Fit's resume (collective): refuse a checkpoint at or past this fit's stopping point,
+    load it (:func:`restore` refuses another model) and say where the run continues."""
+    path, total = Path(path), trainer.total_steps()
+    step = torch.load(path / TRAINER_STATE, weights_only=False)["global_step"]
+    if step >= total:
+        setting = "max_steps" if trainer.max_steps == total else "max_epochs"
+        what = (f"resume='auto' chose {path}, which is" if trainer.resume == "auto" else
+                f"resume={str(path)!r} is")
+        pinned = trainer.resume == "auto" and trainer._settings["run_dir"] is not None
+        elsewhere = " and another run_dir" if pinned else ""
+        raise ConfigError(
+            f"{what} at step {step}, but this fit stops at step {total} ({setting}="
+            f"{getattr(trainer, setting)}): nothing would be trained; raise {setting} to "
+            f"continue that run past step {step}, or start a new run with resume=None{elsewhere}")
+    trainer.load_checkpoint(path)
+    trainer.print(f"resumed from {path} at step {trainer.global_step} (training on to step "
+                  f"{total} in {trainer.run_dir})")

@@ -95,6 +95,8 @@ def resolve_config(path: str, overrides: list[str]):
     defaults = copy.deepcopy(recipe.DEFAULTS)
     defaults.setdefault("job", {}).setdefault("recipe", name)
     config = resolve(defaults, file_config, overrides)
+    if config.get("logging", {}).get("name") == "auto":  # the job is named after its config
+        config["logging"]["name"] = os.path.splitext(os.path.basename(path))[0]
     flat = settings.flatten(config)
     settings.check(flat)  # every Trainer setting's own check, before anything starts
     return recipe, config, flat

@@ -31,7 +31,7 @@ from meshtrain.trainer import Trainer
 TRAINER_DEFAULTS = {
     "trainer": {"layout": "dp=2", "devices": 2, "max_steps": 400, "grad_clip_norm": 1.0,
                 "val_every_n_steps": 100},
-    "logging": {"log_every_n_steps": 10, "name": "char_gpt"},
+    "logging": {"log_every_n_steps": 10},  # name "auto": the config file's name
 }
 
 

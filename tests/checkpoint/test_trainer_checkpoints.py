@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from parity import mlp, regression_data
 
-from meshtrain import ConfigError, Trainer
+from meshtrain import Callback, ConfigError, Trainer
 from meshtrain.checkpoint.manager import list_complete
 from meshtrain.launch.spawn import run_workers
 
@@ -27,13 +27,24 @@ def _fit(root, max_steps, **kwargs):
     return trainer, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+class _Killed(Exception):
+    pass
+
+
+class _KillAt(Callback):
+    def on_train_step_end(self, trainer, metrics):
+        if trainer.global_step == 5:
+            raise _Killed
+
+
 def test_running_the_same_command_again_resumes_the_run(tmp_path):
     _, full = _fit(tmp_path / "full", 9)
-    first, _ = _fit(tmp_path / "job", 5, checkpoint_every_n_steps=2, keep_last_k=2)
-    folder = first.run_dir
+    with pytest.raises(_Killed):  # the job dies in step 5, after the checkpoint of step 4
+        _fit(tmp_path / "job", 9, checkpoint_every_n_steps=2, keep_last_k=2, callbacks=[_KillAt()])
+    (folder,) = (tmp_path / "job" / "job").iterdir()
     names = [p.name for p in list_complete(folder / "checkpoints")]
-    assert names == ["step_00000002", "step_00000004", "final"]
-    # "the same command" with a longer schedule: continues in the same run folder from step 5
+    assert names == ["step_00000002", "step_00000004"]
+    # "the same command" again: continues the unfinished run in its folder from step 4
     again, resumed = _fit(tmp_path / "job", 9, checkpoint_every_n_steps=2, keep_last_k=2)
     assert again.run_dir == folder and again.global_step == 9
     for name, value in full.items():

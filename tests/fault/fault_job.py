@@ -103,6 +103,8 @@ class Faults(Callback):
         (folder / f"rank{rank()}_attempt{attempt()}").write_text(str(trainer.global_step))
         (trainer.run_dir / "samples").mkdir(exist_ok=True)
         self.dataset.fetched.clear()
+        if self.args.save_loaded:  # the weights as loaded, before the first step
+            trainer.save_checkpoint(trainer.run_dir / "checkpoints" / "loaded")
 
     def on_train_step_start(self, trainer):
         args, step = self.args, trainer.global_step + 1
@@ -173,6 +175,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--init-timeout", type=float, default=600.0)
     p.add_argument("--debug-collectives", action="store_true")
     p.add_argument("--save-final", type=int, default=1)
+    p.add_argument("--save-loaded", action="store_true")
     return p
 
 

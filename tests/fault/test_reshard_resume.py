@@ -2,7 +2,7 @@
 
 import pytest
 from fault_job import mlp, tiny_gpt, train
-from records import assert_equal_weights, final_weights, steps
+from records import assert_equal_weights, final_weights, steps, weights
 
 from meshtrain.launch.spawn import run_workers
 
@@ -36,14 +36,12 @@ TARGETS = [(1, "dp=1"), (2, "tp=2"), (4, "dp_shard=2,tp=2")]
 def test_zero3_checkpoint_resumes_under_another_layout(zero3_runs, tmp_path, num_ranks, layout):
     saved = zero3_runs / "saved" / "checkpoints" / "final"
     common = ["--model", "gpt", "--layout", layout, "--resume", str(saved)]
-    # loaded and saved again without a step: the same weights
-    _run(num_ranks, ["--run-dir", str(tmp_path / "loaded"), "--max-steps", str(SAVED_AT),
-                     *common])
-    assert_equal_weights(final_weights(tmp_path / "loaded", tiny_gpt),
-                         final_weights(zero3_runs / "saved", tiny_gpt))
-    # one more step: the loss of the uninterrupted run's step SAVED_AT + 1
+    # one more step, saving the weights as loaded first: the same weights, and the loss of the
+    # uninterrupted run's step SAVED_AT + 1
     _run(num_ranks, ["--run-dir", str(tmp_path / "next"), "--max-steps", str(SAVED_AT + 1),
-                     *common])
+                     "--save-loaded", *common])
+    assert_equal_weights(weights(tmp_path / "next" / "checkpoints" / "loaded", tiny_gpt),
+                         final_weights(zero3_runs / "saved", tiny_gpt))
     resumed, full = steps(tmp_path / "next"), steps(zero3_runs / "full")
     assert list(resumed) == [SAVED_AT + 1]
     assert resumed[SAVED_AT + 1]["samples"] == full[SAVED_AT + 1]["samples"]
