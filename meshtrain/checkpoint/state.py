@@ -120,8 +120,35 @@ def write_extras(tmp: Path, trainer_state: dict, summary: dict) -> None:
 
 
 def checkpoint_state(model, optimizer) -> dict:
-    """The dict DCP saves: model and optimizer state keyed by parameter names."""
-    return _state(model, optimizer, for_load=False)
+    """The dict DCP saves: model and optimizer state keyed by parameter names.
+
+    Collective when a process group exists (call it on every rank, as saving is)."""
+    state = _state(model, optimizer, for_load=False)
+    _list_every_rank_params(state.get("optim"))
+    return state
+
+
+def _list_every_rank_params(optim_sd: dict | None) -> None:
+    """Make each param group list the parameter names of every rank, not only this one's.
+
+    DCP stores ``param_groups`` once (the ranks' copies share one key), so under pipeline
+    parallelism, where each rank holds other parameters, the checkpoint would list only one
+    stage's names; a rank that then finds none of its own parameters in a saved group gets a
+    group without hyperparameters (``KeyError: 'betas'`` at the next step)."""
+    if not optim_sd or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    groups = optim_sd.get("param_groups", [])
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [list(g.get("params", [])) for g in groups])
+    for i, group in enumerate(groups):
+        names = list(group.get("params", []))
+        seen = set(names)
+        for rank_groups in everyone:
+            for name in rank_groups[i] if i < len(rank_groups) else ():
+                if name not in seen:
+                    seen.add(name)
+                    names.append(name)
+        group["params"] = names
 
 
 def commit_tmp(tmp: Path, path: Path) -> None:
