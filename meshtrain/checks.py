@@ -30,9 +30,15 @@ def resolve_device_type(settings: dict) -> str:
     return device_type
 
 
-def check_settings_apply(layout, *, bucket_cap_mb, comm_hook, powersgd_rank,
-                         sequence_parallel, loss_parallel, tp_plan, offload) -> None:
-    """A setting that would do nothing under ``layout`` is an error, not silently ignored."""
+def check_settings_apply(layout, settings: dict) -> None:
+    """A setting that would do nothing under ``layout`` (or no way to stop) is an error, not
+    silently ignored. ``settings``: the Trainer's, checked one by one already."""
+    if settings["max_steps"] is None and settings["max_epochs"] is None:
+        raise ConfigError("set max_steps or max_epochs (or both) so training knows when to stop")
+    bucket_cap_mb, comm_hook, powersgd_rank, sequence_parallel, loss_parallel, tp_plan, \
+        offload = (settings[k] for k in ("bucket_cap_mb", "comm_hook", "powersgd_rank",
+                                         "sequence_parallel", "loss_parallel", "tp_plan",
+                                         "offload"))
     for name, value in {"comm_hook": comm_hook, "bucket_cap_mb": bucket_cap_mb}.items():
         if value is not None and not layout.uses_ddp:
             raise ConfigError(

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from meshtrain import checks
 from meshtrain.checkpoint.manager import CheckpointManager
-from meshtrain.checkpoint.resume import model_shapes, resume_fit
+from meshtrain.checkpoint.resume import model_shapes, resolve_run_dir, resume_fit
 from meshtrain.data.sampler import GlobalBatchSampler, make_loader, release_workers
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
@@ -63,15 +63,11 @@ class Trainer:
         from meshtrain.settings import check
 
         self._settings = s = check(settings)
-        if s["max_steps"] is None and s["max_epochs"] is None:
-            raise ConfigError("set max_steps or max_epochs (or both) so training knows when to stop")
         self.device_type = checks.resolve_device_type(s)
         self._env = DistEnv.from_environ()
         self.world_size = resolve_world_size(s["devices"], self._env, self.device_type)
         self.layout = Layout.parse(s["layout"], self.world_size)
-        checks.check_settings_apply(self.layout, **{k: s[k] for k in (
-            "bucket_cap_mb", "comm_hook", "powersgd_rank", "sequence_parallel", "loss_parallel",
-            "tp_plan", "offload")})
+        checks.check_settings_apply(self.layout, s)
         self.pipeline_options = PipelineOptions.from_settings(s, self.layout)
         self.batch_plan = plan_batches(self.layout, s["global_batch_size"],
                                        s["micro_batch_size"], s["stages_per_rank"])
@@ -80,8 +76,8 @@ class Trainer:
         check_fault_settings(s)
         self.parallel_options = ParallelOptions.from_settings(s, hf_tp_plans(
             self.layout.degree("tp"), s["sequence_parallel"], s["loss_parallel"]), hf_cp_support)
-        self.callbacks = list(s["callbacks"])
-        self.precision_name, self._run_dir_arg = s["precision"], s["run_dir"]
+        self.callbacks, self.precision_name = list(s["callbacks"]), s["precision"]
+        self._run_dir_arg = s["run_dir"]
         self.rank = self._env.rank if self._env else 0
         self.mesh: ParallelMesh | None = None
         self.engine = self.model = self.optimizer = self.lr_scheduler = None
@@ -132,8 +128,6 @@ class Trainer:
             set_collective_timeout(timedelta(seconds=self.init_timeout_s))
 
     def _setup_run_dir(self) -> None:
-        from meshtrain.checkpoint.resume import resolve_run_dir
-
         if self.run_dir is None:
             self.run_dir, self._resume_from = resolve_run_dir(
                 self.resume, run_dir=self._run_dir_arg, root_dir=self.root_dir, name=self.name,
