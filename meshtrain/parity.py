@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +172,9 @@ def train(source: Source, layout: str | None, steps: int, quiet: bool = True) ->
     from meshtrain.trainer import Trainer
 
     torch.set_num_threads(1)
+    if quiet:  # torch's performance notes, once per rank and run (--verbose shows them)
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     job = source.load()
     curves = Curves()
     start = time.perf_counter()
@@ -182,8 +186,6 @@ def train(source: Source, layout: str | None, steps: int, quiet: bool = True) ->
             trainer = Trainer(**kwargs)
             model = trainer.fit(job["model"], job["train_data"], optimizer=job["optimizer"],
                                 loss_fn=job.get("loss_fn"), lr_scheduler=job.get("lr_scheduler"))
-        if quiet:  # gathering 2-D shards whole: torch warns that it takes two all-gathers
-            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         params = whole_state(model, trainer.layout.degree("pp"))
     if not trainer.is_global_zero:
         return None
@@ -317,6 +319,7 @@ USAGE = """usage: meshtrain parity (CONFIG.toml | package.module:function) --lay
     [--steps K] [--tol T] [--timeout S] [--verbose] [--section.key=value ...]
 
 Trains the job K steps (default 10) in one process and under each layout (separated by ';'),
+quietly (--verbose: the runs' own output and warnings),
 then prints per layout: max |dparam| after the last step, max |dloss| over the steps, the first
 step whose loss or gradient norm differs beyond the tolerance, and the parameter that differs
 most. Exits 1 when any layout exceeds the tolerance, fails or is refused.

@@ -194,3 +194,26 @@ def test_pp_balance_picks_the_measured_split_and_matches_one_process(capfd, bala
 def test_pp2_multi_stage_schedules_match_one_process(pipeline):
     # 4 blocks, 4 stages (2 per rank); global batch 16 -> 4 micro-batches of 4 (dualpipev: >= 4)
     assert_parity("pp=2", 2, steps=10, fns=GPT4_FNS, parallel_kwargs=pipeline)
+
+
+@pytest.mark.timeout(200)
+def test_zero_bubble_schedules_with_zero2_match_one_process():
+    """zbv with zero2 (parameters kept gathered to backward) trains like one process; with zero3
+    the weight-gradient pass runs on resharded blocks (0.76x the gradient norm): refused."""
+    assert_parity("pp=2,zero2=2", 4, steps=4, fns=GPT4_FNS, micro_batch_size=2,
+                  parallel_kwargs=dict(pp_schedule="zbv", stages_per_rank=2))
+
+
+def test_zero_bubble_schedules_with_zero3_are_refused_before_start(monkeypatch):
+    from parity import adamw_gpt, tiny_gpt_4_layers, token_data
+
+    from meshtrain import ConfigError, Trainer
+
+    for name, value in dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0",
+                            LOCAL_WORLD_SIZE="4").items():  # rank 0 as a launcher starts it
+        monkeypatch.setenv(name, value)
+    trainer = Trainer(layout="pp=2,zero3=2", max_steps=1, pp_schedule="zbv", stages_per_rank=2,
+                      global_batch_size=16, progress_bar=False)
+    with pytest.raises(ConfigError, match="zero3/dp_shard gives wrong gradients .* zero2"):
+        trainer.fit(tiny_gpt_4_layers, token_data(), optimizer=adamw_gpt,
+                    loss_fn=lambda out, y: out.sum())
