@@ -107,7 +107,11 @@ class StallWatchdog:
         if self._file is not None:
             self._file.close()
             self._file = None
-            if not (self._dumped or self._existed) and self.path.stat().st_size == 0:
+            try:  # (gone already when rank 0's run folder was removed under an error)
+                empty = self.path.stat().st_size == 0
+            except FileNotFoundError:
+                empty = False
+            if not (self._dumped or self._existed) and empty:
                 self.path.unlink(missing_ok=True)
                 try:
                     self.stacks_dir.rmdir()  # no empty folder left in every run folder

@@ -150,6 +150,20 @@ def test_quick_steps_never_fire(tmp_path, stops):
     assert not (tmp_path / "rank0.txt").exists()  # nothing written: the empty file is removed
 
 
+@pytest.mark.timeout(60)
+def test_stop_after_the_run_folder_was_removed(tmp_path, stops):
+    """Under an error rank 0 may remove the shared run folder while another rank stops its
+    watchdog: stopping must not raise FileNotFoundError over the real error."""
+    import shutil
+
+    watchdog = StallWatchdog(5.0, tmp_path / "stacks", rank=1, world_size=1, store=None,
+                             clock=WatchdogClock(stops))
+    watchdog.start()
+    shutil.rmtree(tmp_path / "stacks")
+    watchdog.stop()
+    assert stops.codes == []
+
+
 def _stalled_step(watchdog, clock, stops):
     watchdog.arm(7)
     clock.advance(1.5)  # the step has run for 1.5 s
