@@ -182,13 +182,7 @@ def hf_tp_plan(model: nn.Module, tp: int | None = None) -> dict[str, ParallelSty
         )
     prefix, base = _base(model)
     join = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
-    head = getattr(model, "lm_head", None)
-    if head is not None and head.weight is base.embed_tokens.weight:
-        raise ConfigError(
-            "tensor parallel of a Hugging Face model with tied input/output embeddings is not "
-            "supported (the two layers would be split into separate parameters); build it with "
-            "tie_word_embeddings=False"
-        )
+    head = getattr(model, "lm_head", None)  # (tied to embed_tokens: both split by vocab rows)
     if tp is not None:
         _check_divisible(model, model.config, tp)
     plan: dict[str, ParallelStyle] = {

@@ -226,7 +226,9 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
         names = [name for name, _ in model.named_modules()]
         plan = {k: v for k, v in plan.items() if any(_matches(n, k) for n in names)}
         plan = replicate_the_rest(model, plan)
+    ties = _tied_names(model)
     parallelize_module(model, tp_mesh, plan)
+    _tie_again(model, ties)
     plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
     if plain:
         raise ConfigError(
@@ -237,6 +239,35 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(_complete_grad)
     return model
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """Names that share one parameter (tied embeddings): each group, first name first."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _tie_again(model: nn.Module, ties: list[list[str]]) -> None:
+    """``parallelize_module`` gives each module its own DTensor, which would untie shared
+    weights: make every name of a group hold the first one's again (they must be split alike:
+    an embedding split by vocabulary rows and a head split by output rows both Shard(0))."""
+    for first, *others in ties:
+        shared = model.get_parameter(first)
+        for name in others:
+            other = model.get_parameter(name)
+            same = (isinstance(shared, DTensor) and isinstance(other, DTensor)
+                    and shared.placements == other.placements and shared.shape == other.shape)
+            if other is not shared and not same:
+                raise ConfigError(
+                    f"tensor parallel splits the tied weights {first} and {name} differently "
+                    f"({getattr(shared, 'placements', 'whole')} vs "
+                    f"{getattr(other, 'placements', 'whole')}); split both the same way (an "
+                    "embedding RowwiseParallel and a head ColwiseParallel both split the "
+                    "vocabulary) or untie them")
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner).register_parameter(attr, shared)
 
 
 def _check_length(tp: int, module: nn.Module, args) -> None:

@@ -61,8 +61,6 @@ def test_tp_config_errors():
         hf_tp_plan(tiny_llama(num_heads=4, num_kv_heads=2), tp=4)
     with pytest.raises(ConfigError, match="Conv1D"):
         default_tp_plan(tiny_gpt2(), 2)
-    with pytest.raises(ConfigError, match="tie_word_embeddings"):
-        hf_tp_plan(tiny_llama(tie_word_embeddings=True), tp=2)
     with pytest.raises(ConfigError, match="sequence_parallel"):
         default_tp_plan(tiny_llama(), 2, sequence_parallel=True)
 
@@ -71,6 +69,20 @@ def test_tp_config_errors():
 @pytest.mark.parametrize("layout", ["dp=2", "zero3=2", "tp=2"])
 def test_llama_parity(layout):
     assert_parity(layout, 2, steps=STEPS, global_batch_size=BATCH, fns=LLAMA_FNS)
+
+
+def tied_llama():
+    return tiny_llama(tie_word_embeddings=True)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", ["tp=2", "dp_shard=2,tp=2"])
+def test_tied_embeddings_under_tp_match_one_process(layout):
+    """The embedding and the head share one weight, split by vocabulary rows in both: it must
+    stay one parameter after the split (refused before; parallelize_module alone unties it)."""
+    fns = dict(LLAMA_FNS, model_fn=tied_llama)
+    assert_parity(layout, 2 if layout == "tp=2" else 4, steps=STEPS, global_batch_size=BATCH,
+                  fns=fns)
 
 
 @pytest.mark.timeout(200)
