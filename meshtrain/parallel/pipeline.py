@@ -35,6 +35,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
 )
 
+from meshtrain.data.batch import describe
 from meshtrain.errors import ConfigError
 
 SCHEDULES = {
@@ -211,6 +212,11 @@ class PipelineRunner:
         applied (fp16's loss scaling); the unscaled value is kept for :meth:`step`. (The first
         step also calls it once on placeholder outputs, to infer the gradients' shapes.)"""
         loss = self.loss_fn(output, target)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise ConfigError(
+                f"loss_fn returned {describe(loss)}, but meshtrain needs one number per "
+                "micro-batch (a scalar tensor: the mean loss over its samples); reduce it, e.g. "
+                "reduction='mean' or loss.mean()")
         self._losses.append(loss.detach())
         return self.scale_loss(loss)
 

@@ -215,3 +215,25 @@ def test_time_and_memory_balance_give_every_rank_the_same_split(tmp_path, balanc
     splits = run_workers(_split_with_rank_dependent_costs, 2, (str(tmp_path / "run"), balance))
     assert splits[0] == splits[1], f"the ranks split the model differently: {splits}"
     assert splits[0] == [2]  # the median of the two measurements: [5.5, 1, 1, 5.5]
+
+
+@pytest.mark.timeout(120)
+def test_a_per_sample_loss_under_pp_is_refused_naming_the_shape():
+    """The schedule runs backward on the loss itself: a per-sample loss must be a clear error
+    (the one-process path says the same), not torch's message from inside the schedule."""
+    from meshtrain.errors import WorkerFailed
+
+    with pytest.raises(WorkerFailed, match=r"loss_fn returned tensor \(2, 8\) float32, but "
+                                           r"meshtrain needs one number per micro-batch"):
+        run_workers(_per_sample_loss_rank, 2, timeout=100)
+
+
+def _per_sample_loss_rank():
+    from parity import train_state
+
+    fns = dict(GPT4_FNS, loss_fn=_per_token_loss)
+    train_state(dict(layout="pp=2", max_steps=1, global_batch_size=8, micro_batch_size=2), **fns)
+
+
+def _per_token_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
