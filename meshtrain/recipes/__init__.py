@@ -13,7 +13,10 @@ current directory or ``PYTHONPATH``. A recipe is a module or object with
   Trainer from the config;
 - optionally ``check(config, mode="train")``, which ``--dry-run`` calls to validate the config
   without training (it may return a one-line summary). Without it, ``--dry-run`` builds
-  ``Trainer(**settings.flatten(config))``.
+  ``Trainer(**settings.flatten(config))``;
+- optionally ``job(config)``, which ``meshtrain parity`` calls: a mapping with ``model`` (a
+  factory), ``train_data``, ``optimizer`` (a factory), ``loss_fn`` and ``lr_scheduler`` (see
+  meshtrain/parity.py).
 """
 
 from __future__ import annotations
