@@ -37,7 +37,7 @@ from meshtrain.launch.world import (
     collective_checks, drain_collectives, resolve_world_size, start_world,
 )
 from meshtrain.loop_state import LoopState, MetricWindow
-from meshtrain.models.hf import hf_cp_support, hf_tp_plans
+from meshtrain.models.hf import hf_cp_support, hf_pp_support, hf_tp_plans
 from meshtrain.observe.run_log import RunLog
 from meshtrain.parallel.apply import ParallelOptions, apply_layout, build_optimizer, check_model
 from meshtrain.parallel.engine import plan_batches
@@ -68,7 +68,7 @@ class Trainer:
         self.world_size = resolve_world_size(s["devices"], self._env, self.device_type)
         self.layout = Layout.parse(s["layout"], self.world_size)
         checks.check_settings_apply(self.layout, s)
-        self.pipeline_options = PipelineOptions.from_settings(s, self.layout)
+        self.pipeline_options = PipelineOptions.from_settings(s, self.layout, hf_pp_support)
         self.batch_plan = plan_batches(self.layout, s["global_batch_size"],
                                        s["micro_batch_size"], s["stages_per_rank"])
         self.micro_batch_size = self.batch_plan.micro_batch_size

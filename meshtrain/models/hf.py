@@ -15,6 +15,8 @@ is q, k and v side by side, so a column split would give each rank a mix of q/k/
 DTensor's ``ColwiseParallel`` / ``RowwiseParallel`` accept only ``nn.Linear`` / ``nn.Embedding``.
 ``cp`` (context parallel) works for Llama-style models: :class:`HFContextParallel` registers
 meshtrain's all-gather-of-K/V attention with ``transformers`` and cuts each batch itself.
+``pp`` too: :class:`~meshtrain.models.hf_pipeline.HFPipeline` cuts ``model.model.layers`` into
+stages and computes the loss on the last stage (:func:`causal_lm_loss`, the model's own).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.utils.data import Dataset
 
 from meshtrain.errors import ConfigError
+from meshtrain.models.hf_pipeline import HFPipeline, causal_lm_loss
 
 __all__ = [
-    "HFContextParallel", "RandomTokenDataset", "default_tp_plan", "hf_cp_support", "hf_tp_plan",
-    "is_hf_model", "is_llama_like", "random_token_data", "tiny_gpt2", "tiny_llama",
+    "HFContextParallel", "RandomTokenDataset", "causal_lm_loss", "default_tp_plan",
+    "hf_cp_support", "hf_pp_support", "hf_tp_plan", "is_hf_model", "is_llama_like",
+    "random_token_data", "tiny_gpt2", "tiny_llama",
 ]
 
 _INSTALL_HINT = "install the optional extra: pip install 'meshtrain[hf]' (transformers>=4.50)"
@@ -112,11 +116,12 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 def _base(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(prefix, base model) of a Llama-style model: ``model.model`` of ``*ForCausalLM``."""
+    """(prefix, base model) of a Llama-style model: ``model.model`` of ``*ForCausalLM`` (its
+    ``layers`` an ``nn.ModuleDict`` on a pipeline stage)."""
     for prefix in ("model", ""):
         base = getattr(model, prefix, None) if prefix else model
         layers = getattr(base, "layers", None)
-        if isinstance(layers, nn.ModuleList) and hasattr(base, "embed_tokens"):
+        if isinstance(layers, (nn.ModuleList, nn.ModuleDict)) and hasattr(base, "embed_tokens"):
             return prefix, base
     return None
 
@@ -125,7 +130,7 @@ def is_llama_like(model: nn.Module) -> bool:
     found = _base(model)
     if found is None or len(found[1].layers) == 0:
         return False
-    layer = found[1].layers[0]
+    layer = next(iter(found[1].layers._modules.values()))
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -185,11 +190,11 @@ def hf_tp_plan(model: nn.Module, tp: int | None = None) -> dict[str, ParallelSty
     head = getattr(model, "lm_head", None)  # (tied to embed_tokens: both split by vocab rows)
     if tp is not None:
         _check_divisible(model, model.config, tp)
-    plan: dict[str, ParallelStyle] = {
-        join("embed_tokens"): RowwiseParallel(input_layouts=Replicate(),
-                                              output_layouts=Replicate()),
-    }
-    for i in range(len(base.layers)):
+    plan: dict[str, ParallelStyle] = {}
+    if base.embed_tokens is not None:  # (None on a pipeline stage after the first)
+        plan[join("embed_tokens")] = RowwiseParallel(input_layouts=Replicate(),
+                                                     output_layouts=Replicate())
+    for i in base.layers._modules:
         layer = join(f"layers.{i}")
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[f"{layer}.self_attn.{name}"] = ColwiseParallel()
@@ -304,3 +309,9 @@ def hf_cp_support(model: nn.Module) -> HFContextParallel | None:
     """For :func:`meshtrain.parallel.context_parallel.cp_support`: the adapter of a Hugging Face
     model (None for other models, which bring their own methods)."""
     return HFContextParallel(model) if is_hf_model(model) else None
+
+
+def hf_pp_support(model: nn.Module) -> HFPipeline | None:
+    """For ``PipelineOptions.adapter``: how to pipeline a Hugging Face model (None for other
+    models, cut by ``model.layers``)."""
+    return HFPipeline(model) if is_hf_model(model) else None

@@ -370,21 +370,3 @@ def plot_timeline(events: list[TimelineEvent], out_png, title: str | None = None
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     return fig
-
-
-def merge_stages(stages: list[nn.Module]) -> nn.Module:
-    """One module holding all of this rank's stages under their full-model names, for the
-    optimizer, checkpoints and what ``fit`` returns (its ``forward`` is not meant to be called).
-    The stages' submodules are shared, not copied."""
-    if len(stages) == 1:
-        return stages[0]
-    merged = nn.Module()
-    for stage in stages:
-        for name, child in stage.named_children():
-            if isinstance(child, nn.ModuleDict):
-                if name not in merged._modules:
-                    merged.add_module(name, nn.ModuleDict())
-                merged._modules[name].update(child)
-            else:
-                merged.add_module(name, child)
-    return merged

@@ -15,6 +15,11 @@ absolute difference). A ``TorchFunctionMode`` records which parameters every op 
 message names the cause: parameters that ``forward`` uses and the stages never would, and
 weights shared across stages (``h @ self.embed.weight.T`` after the last block: the last stage
 does not hold the embedding; a shared module such as a tied head is caught the same way).
+
+A model pipelined by an adapter (``PipelineOptions.adapter``, e.g. a Hugging Face model) is
+checked the same way with the adapter's composition (``adapter.stage_forward``) against
+``adapter.model_output(model(x))``, on ``adapter.example_inputs(model)`` when the samples are
+not (inputs, targets) pairs.
 """
 
 from __future__ import annotations
@@ -112,24 +117,23 @@ class _UseRecorder(TorchFunctionMode):
         return uses
 
 
-def _owners(model: nn.Module, blocks: list[nn.Module]) -> tuple[dict, dict]:
+def _owners(model: nn.Module, blocks: list[nn.Module],
+            post: tuple[str, ...] = _POST) -> tuple[dict, dict]:
     """Each parameter's names (``a.weight = b.weight`` when shared) and the region of the stage
-    that holds it, from the first name it is registered under."""
+    that holds it, from the first name it is registered under (inside a block: that block's;
+    under a module named in ``post``: the last stage's; else the first stage's)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    if isinstance(model, nn.Sequential):
-        index = {key: _block(i) for i, key in enumerate(model._modules)}
-    else:
-        layers = model.layers
-        keys = {id(block): i for i, block in enumerate(blocks)}
-        index = {f"layers.{key}": _block(keys[id(child)])
-                 for key, child in layers._modules.items() if id(child) in keys}
+    keys = {id(block): i for i, block in enumerate(blocks)}
+    index = {f"{name}.": _block(keys[id(module)]) for name, module in model.named_modules()
+             if id(module) in keys}
     owner = {}
     for pid, found in names.items():
-        top, _, rest = found[0].partition(".")
-        key = top if isinstance(model, nn.Sequential) else f"{top}.{rest.partition('.')[0]}"
-        owner[pid] = index.get(key, POST if top in _POST else PRE)
+        region = next((r for prefix, r in index.items() if found[0].startswith(prefix)), None)
+        if region is None:
+            region = POST if any(found[0].startswith(f"{p}.") for p in post) else PRE
+        owner[pid] = region
     return {pid: " = ".join(n) for pid, n in names.items()}, owner
 
 
@@ -157,19 +161,19 @@ def _output_finding(expected, got, on_meta: bool) -> str | None:
             f"output (both of shape {tuple(expected.shape)})")
 
 
-def check_stage_forward(model: nn.Module, inputs: torch.Tensor) -> None:
+def check_stage_forward(model: nn.Module, inputs: torch.Tensor, adapter=None) -> None:
     """Refuse (ConfigError) when the pipeline stages of ``model``, composed in one process, do
     not compute ``model(inputs)``: different outputs, parameters only one of them uses, or a
     weight used where the stage holding it does not run. Runs in eval mode without gradients
     and leaves the model (and the CPU RNG) as it was. On a meta-device model only uses and
     shapes are compared; when ``model(inputs)`` itself fails, nothing can be compared and
-    nothing is refused."""
-    blocks = pipeline_blocks(model)
+    nothing is refused. ``adapter``: see the module's doc."""
+    blocks = adapter.blocks(model) if adapter is not None else pipeline_blocks(model)
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     device = first.device if first is not None else torch.device("cpu")
     inputs, on_meta = inputs.to(device), device.type == "meta"
     params = {id(p): p for p in model.parameters()}
-    names, owner = _owners(model, blocks)
+    names, owner = _owners(model, blocks, *([adapter.post_modules] if adapter else []))
     modes = {module: module.training for module in model.modules()}
     recorder = _UseRecorder(params, blocks)
     failure = got = None
@@ -178,11 +182,13 @@ def check_stage_forward(model: nn.Module, inputs: torch.Tensor) -> None:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), recorder:
             try:
                 expected = model(inputs)
+                expected = adapter.model_output(expected) if adapter is not None else expected
             except Exception:  # noqa: BLE001 - not this check's to report (the data's format?)
                 return
             model_uses = recorder.take()
             try:
-                got = stage_forward(model, inputs)
+                got = (adapter.stage_forward if adapter is not None else stage_forward)(
+                    model, inputs)
             except Exception as error:  # noqa: BLE001 - reported below
                 failure = error
             stage_uses = recorder.take()
@@ -214,10 +220,12 @@ def check_stage_forward(model: nn.Module, inputs: torch.Tensor) -> None:
         findings.append(finding)
     findings = shared + findings
     if findings:
-        raise ConfigError(_message(type(model).__name__, len(inputs), findings, bool(shared)))
+        raise ConfigError(_message(type(model).__name__, len(inputs), findings, bool(shared),
+                                   getattr(adapter, "stages_doc", None)))
 
 
-def _message(model_name: str, num_samples: int, findings: list[str], shared: bool) -> str:
+def _message(model_name: str, num_samples: int, findings: list[str], shared: bool,
+             stages_doc: str | None = None) -> str:
     lines = "".join(f"\n  - {line}" for line in findings)
     untie = ("\nA pipeline stage holds its own copy of every weight it uses, so a weight used "
              "by two stages would be two weights drifting apart: untie it (give the output "
@@ -225,14 +233,14 @@ def _message(model_name: str, num_samples: int, findings: list[str], shared: boo
              "train without pp." if shared else "")
     return (
         f"the pipeline stages of {model_name} would not compute its forward (checked in one "
-        f"process on the first {num_samples} training sample(s)):{lines}{untie}\n"
+        f"process on {num_samples} sample(s)):{lines}{untie}\n" + (stages_doc or
         "The stages run model.embed(x) (a module or method: everything before the first "
         "block), then the blocks of model.layers in order, each called with the hidden state "
         "alone, then model.norm and model.head (everything after the last block); an "
         "nn.Sequential runs its children in order. Restructure the model so that this is "
         "exactly its forward (e.g. add a positional term inside embed: def embed(self, idx): "
         "return self.tok(idx) + self.pos; project the output in a head module; nothing between "
-        "blocks), or train it without pp.")
+        "blocks), or train it without pp."))
 
 
 def model_for_check(model: nn.Module | None, original) -> nn.Module | None:
@@ -253,15 +261,18 @@ def model_for_check(model: nn.Module | None, original) -> nn.Module | None:
     return built if isinstance(built, nn.Module) else model
 
 
-def check_before_start(model: nn.Module | None, original, sample_inputs) -> None:
+def check_before_start(model: nn.Module | None, original, sample_inputs, adapter=None) -> None:
     """:func:`check_stage_forward` on the model (see :func:`model_for_check`) and the inputs
-    ``sample_inputs()`` gives (the first training samples; None when samples are not pairs)."""
+    ``sample_inputs()`` gives (the first training samples; None when samples are not pairs:
+    then an adapter's ``example_inputs``, else nothing is checked)."""
     checked = model_for_check(model, original)
     if checked is None:
         return
     try:
         inputs = sample_inputs()
     except Exception:  # noqa: BLE001 - samples the stack cannot batch: nothing to check on
-        return
+        inputs = None
+    if inputs is None and adapter is not None:
+        inputs = adapter.example_inputs(checked)
     if isinstance(inputs, torch.Tensor):
-        check_stage_forward(checked, inputs)
+        check_stage_forward(checked, inputs, *([adapter] if adapter is not None else []))

@@ -27,16 +27,19 @@ SHARDING_BREAKS = ("zero-bubble", "zbv", "dualpipev")  # wrong gradients with ze
 @dataclass(frozen=True)
 class PipelineOptions:
     """The Trainer's pipeline settings (``pp_schedule``, ``stages_per_rank``, ``pp_balance``,
-    ``split_points``)."""
+    ``split_points``). ``adapter``: a function model -> how to pipeline it, or None for models
+    cut by ``model.layers`` (pipeline.py); see :func:`pipeline_adapter`."""
 
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     balance: str = "params"
     split_points: list[int] | None = None
+    adapter: Callable | None = None
 
     @classmethod
-    def from_settings(cls, s: dict, layout) -> PipelineOptions:
-        options = cls(s["pp_schedule"], s["stages_per_rank"], s["pp_balance"], s["split_points"])
+    def from_settings(cls, s: dict, layout, adapter=None) -> PipelineOptions:
+        options = cls(s["pp_schedule"], s["stages_per_rank"], s["pp_balance"], s["split_points"],
+                      adapter)
         options.check(layout)
         return options
 
@@ -48,6 +51,18 @@ class PipelineOptions:
                               f"{self.balance!r}")
 
 
+def pipeline_adapter(model, options: PipelineOptions):
+    """What pipelines ``model`` when its blocks are not ``model.layers`` (e.g. a Hugging Face
+    model: meshtrain.models.hf_pipeline), or None. An adapter has ``blocks(model)``,
+    ``split(model, split_points, stage_index)`` (as :func:`~meshtrain.parallel.pipeline.
+    split_model`), ``split_batch(batch) -> (inputs, targets)``, ``loss_fn`` (used when fit gets
+    none), and for pipeline_check.py ``stage_forward(model, x)``, ``model_output(output)``,
+    ``example_inputs(model)`` and ``post_modules``."""
+    if options.adapter is None or model is None:
+        return None
+    return options.adapter(model)
+
+
 def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
                           num_microbatches: int, batch_size: int, sample_inputs=None,
                           original=None) -> None:
@@ -57,7 +72,8 @@ def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
     ``original``: the module or factory the user gave)."""
     from meshtrain.parallel.pipeline import check_pipeline, pipeline_blocks
 
-    if loss_fn is None:
+    adapter = pipeline_adapter(model if model is not None else original, options)
+    if loss_fn is None and getattr(adapter, "loss_fn", None) is None:
         raise ConfigError(
             "pipeline layouts need loss_fn: the last stage computes loss_fn(output, targets) "
             "on each micro-batch; pass loss_fn= to fit")
@@ -70,25 +86,27 @@ def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
             "backward, which matches one process), or 1f1b, gpipe or interleaved-1f1b with "
             "zero3")
     if model is not None:
-        check_pipeline(len(pipeline_blocks(model)), layout.degree("pp"),
+        blocks = adapter.blocks(model) if adapter is not None else pipeline_blocks(model)
+        check_pipeline(len(blocks), layout.degree("pp"),
                        schedule=options.schedule, num_microbatches=num_microbatches,
                        stages_per_rank=options.stages_per_rank, batch_size=batch_size)
     if sample_inputs is not None:
         from meshtrain.parallel.pipeline_check import check_before_start
 
-        check_before_start(model, original, sample_inputs)
+        check_before_start(model, original, sample_inputs, adapter)
 
 
-def _sample_block_input(model, options: PipelineOptions, sample_inputs, device):
+def _sample_block_input(model, options: PipelineOptions, sample_inputs, device, adapter):
     """The hidden state entering the first block, for time/memory balancing."""
     if options.balance == "params" or options.split_points:
         return None
     embed = getattr(model, "embed", None)
     inputs = sample_inputs() if sample_inputs is not None else None
-    if not callable(embed) or inputs is None:
+    if not callable(embed) or inputs is None or adapter is not None:
         raise ConfigError(
             f"pp_balance={options.balance!r} measures each block on a sample input, which "
-            "needs model.embed(x) and (inputs, targets) samples; use pp_balance='params' or "
+            "needs model.embed(x), blocks called with the hidden state alone and (inputs, "
+            "targets) samples; use pp_balance='params' or "
             "split_points=")
     with torch.no_grad():
         return embed(to_device(inputs, device))
@@ -102,20 +120,24 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
     FSDP as for a whole model), and build the schedule."""
     from meshtrain.parallel.partition import partition_blocks
     from meshtrain.parallel.pipeline import (
-        PipelineRunner, merge_stages, pipeline_blocks, rank_stages, split_model,
+        PipelineRunner, pipeline_blocks, rank_stages, split_model,
     )
 
     pp_mesh, pp = mesh.axis("pp"), mesh.layout.degree("pp")
     num_stages = pp * pipeline.stages_per_rank
-    split = partition_blocks(pipeline_blocks(model), num_stages, balance=pipeline.balance,
+    adapter = pipeline_adapter(model, pipeline)
+    blocks_of = adapter.blocks if adapter is not None else pipeline_blocks
+    loss_fn = loss_fn if loss_fn is not None else getattr(adapter, "loss_fn", None)
+    split = partition_blocks(blocks_of(model), num_stages, balance=pipeline.balance,
                              sample_input=_sample_block_input(model, pipeline, sample_inputs,
-                                                              device),
+                                                              device, adapter),
                              split_points=pipeline.split_points,
                              group=torch.distributed.group.WORLD)  # one split on every rank
     indices = rank_stages(pp_mesh.get_local_rank(), pp, pipeline.stages_per_rank,
                           pipeline.schedule)
-    stages = [split_model(model, split, i) for i in indices]
-    stage_options = dataclasses.replace(options, blocks=pipeline_blocks)
+    stages = [(adapter.split if adapter is not None else split_model)(model, split, i)
+              for i in indices]
+    stage_options = dataclasses.replace(options, blocks=blocks_of)
     for stage in stages:
         parallelize(stage, mesh, device=device, options=stage_options)
     runner = PipelineRunner(stages, indices, num_stages, pp_mesh, device,
@@ -127,6 +149,7 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
     engine = PipelineEngine(merged, merged, mesh, device=device, precision=precision,
                             loss_fn=loss_fn, options=options, grad_accum_steps=1)
     engine.runner, engine.pipeline, engine.split_points = runner, pipeline, split
+    engine.adapter = adapter
     engine.num_microbatches, engine.log, engine.run_dir = num_microbatches, log, run_dir
     return engine
 
@@ -134,11 +157,11 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
 class PipelineEngine(Engine):
     """This rank's stages under a schedule: one loader draw is the step's whole batch."""
 
-    runner = pipeline = split_points = log = run_dir = None
+    runner = pipeline = split_points = log = run_dir = adapter = None
     num_microbatches, _num_calls = 1, 0
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, int]:
-        inputs, targets = to_device(next(batches), self.device)
+        inputs, targets = self._split(to_device(next(batches), self.device))
         record = self._num_calls == 1  # the second step: past one-time start-up costs
         self._num_calls += 1
         self.runner.scale_loss = self.precision.scale_loss  # the schedule runs the backward
@@ -160,7 +183,11 @@ class PipelineEngine(Engine):
     @torch.no_grad()
     def eval_loss(self, batch) -> torch.Tensor | None:
         with self.precision.autocast(), self.loss_context():
-            return self.runner.eval_loss(*batch)
+            return self.runner.eval_loss(*self._split(batch))
+
+    def _split(self, batch):
+        """(inputs, targets) of a batch: the adapter's split (a dict batch), else the pair."""
+        return self.adapter.split_batch(batch) if self.adapter is not None else batch
 
     def _report_timeline(self, events) -> None:
         """The pipeline diagram of one step, and its measured bubble beside the formula."""
@@ -178,3 +205,37 @@ class PipelineEngine(Engine):
                       f"{measured:.2f} (formula {ideal:.2f})")
         self.log(f"pipeline step {self._num_calls}: measured bubble {measured:.2f}, formula "
                  f"(p-1)/(v*m+p-1) = {ideal:.2f}; timeline: {path}")
+
+
+def merge_stages(stages: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module holding all of this rank's stages under their full-model names, for the
+    optimizer, checkpoints and what ``fit`` returns (its ``forward`` is not meant to be called).
+    The stages' submodules are shared, not copied."""
+    if len(stages) == 1:
+        return stages[0]
+    merged = torch.nn.Module()
+    for stage in stages:
+        _merge_into(merged, stage)
+    return merged
+
+
+def _merge_into(merged: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Add ``module``'s submodules to ``merged``: containers both hold (``layers``, or
+    ``model`` of a Hugging Face model) become new containers holding both's children; a leaf
+    both hold (a copy without parameters, such as rotary embeddings) is kept once."""
+    for name, child in module.named_children():
+        have = merged._modules.get(name)
+        if have is None:
+            merged.add_module(name, child)
+            continue
+        if have is child or next(child.children(), None) is None:
+            continue
+        if not getattr(have, "_pp_merged", False):  # a stage's own module: not changed
+            nested = isinstance(have, torch.nn.ModuleDict)
+            container = torch.nn.ModuleDict() if nested else torch.nn.Module()
+            container._modules.update(have._modules)
+            container._parameters.update(have._parameters)
+            container._buffers.update(have._buffers)
+            container._pp_merged = True
+            merged._modules[name] = have = container
+        _merge_into(have, child)
