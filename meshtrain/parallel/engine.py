@@ -92,10 +92,10 @@ def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None) -> to
                 f"{type(batch).__name__}. Return such pairs from the dataset, or drop "
                 "loss_fn and let the model compute the loss")
         inputs, targets = batch
-        with _noted(f"meshtrain called model(inputs) with inputs {describe(inputs)} (the first "
-                    "element of each (inputs, targets) sample, batched)"):
+        with _noted(lambda: f"meshtrain called model(inputs) with inputs {describe(inputs)} "
+                    "(the first element of each (inputs, targets) sample, batched)"):
             output = module(inputs)
-        with _noted(f"meshtrain called loss_fn(output, targets) with output "
+        with _noted(lambda: f"meshtrain called loss_fn(output, targets) with output "
                     f"{describe(output)} and targets {describe(targets)}"):
             loss = loss_fn(output, targets)
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
@@ -104,7 +104,7 @@ def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None) -> to
                 "micro-batch (a scalar tensor: the mean loss over its samples); reduce it, e.g. "
                 "reduction='mean' or loss.mean()")
         return loss
-    with _noted(f"without loss_fn meshtrain calls the model with the whole batch "
+    with _noted(lambda: "without loss_fn meshtrain calls the model with the whole batch "
                 f"{describe(batch)} (model(*batch), or model(**batch) for a dict) and expects "
                 "the loss back; if the model returns predictions, pass loss_fn="):
         out = module(**batch) if isinstance(batch, dict) else (
@@ -119,13 +119,14 @@ def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None) -> to
 
 
 @contextlib.contextmanager
-def _noted(note: str):
-    """Add ``note`` to a TypeError/ValueError/IndexError/RuntimeError raised inside (its type
-    and torch's message unchanged: fault handling still sees what happened)."""
+def _noted(note: Callable[[], str]):
+    """Add ``note()`` to a TypeError/ValueError/IndexError/RuntimeError raised inside (its type
+    and torch's message unchanged: fault handling still sees what happened). A function, so
+    that the text is built only on an error, not every micro-batch."""
     try:
         yield
     except (TypeError, ValueError, IndexError, RuntimeError) as error:
-        error.add_note(f"meshtrain: {note}.")
+        error.add_note(f"meshtrain: {note()}.")
         raise
 
 
