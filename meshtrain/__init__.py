@@ -4,10 +4,14 @@ __version__ = "0.1.0"
 
 from meshtrain.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from meshtrain.errors import ConfigError, LayoutError, MeshtrainError, WorkerFailed
+from meshtrain import losses
+from meshtrain.losses import GlobalMeanLoss
+from meshtrain.parallel.batch_gather import gather_batch
 from meshtrain.parallel.layout import Layout
 from meshtrain.trainer import Trainer
 
 __all__ = [
-    "Callback", "ConfigError", "EarlyStopping", "Layout", "LayoutError", "LearningRateMonitor",
-    "MeshtrainError", "ModelCheckpoint", "Trainer", "WorkerFailed", "__version__",
+    "Callback", "ConfigError", "EarlyStopping", "GlobalMeanLoss", "Layout", "LayoutError",
+    "LearningRateMonitor", "MeshtrainError", "ModelCheckpoint", "Trainer", "WorkerFailed",
+    "__version__", "gather_batch", "losses",
 ]

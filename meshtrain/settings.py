@@ -247,6 +247,9 @@ _DEFINITIONS = [
     _S("loss_parallel", "parallel", False, "bool",
        "Tensor parallel: keep the logits sharded over the vocabulary and compute the "
        "cross-entropy on the shards. Needs tp in the layout."),
+    _S("sync_batchnorm", "parallel", True, "bool",
+       "BatchNorm statistics over the micro-batches of every data-parallel rank together (as "
+       "one process on the global micro-batch); False: per rank, not layout-invariant."),
     _S("tp_plan", "parallel", None, "tp_plan",
        "Your own tensor-parallel plan (module name -> ParallelStyle), used instead of the "
        "model's tp_plan(). Needs tp in the layout.", none=True, config=False),

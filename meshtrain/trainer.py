@@ -37,7 +37,7 @@ from meshtrain.launch.world import (
     collective_checks, drain_collectives, resolve_world_size, start_world,
 )
 from meshtrain.loop_state import LoopState, MetricWindow
-from meshtrain.models.hf import hf_cp_support, hf_pp_support, hf_tp_plans
+from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_pp_support, hf_tp_plans
 from meshtrain.observe.run_log import RunLog
 from meshtrain.parallel.apply import ParallelOptions, apply_layout, build_optimizer, check_model
 from meshtrain.parallel.engine import plan_batches
@@ -75,7 +75,8 @@ class Trainer:
         self.grad_accum_steps = self.batch_plan.grad_accum_steps
         check_fault_settings(s)
         self.parallel_options = ParallelOptions.from_settings(s, hf_tp_plans(
-            self.layout.degree("tp"), s["sequence_parallel"], s["loss_parallel"]), hf_cp_support)
+            self.layout.degree("tp"), s["sequence_parallel"], s["loss_parallel"]), hf_cp_support,
+            hf_loss_items)
         self.callbacks, self.precision_name = list(s["callbacks"]), s["precision"]
         self._run_dir_arg = s["run_dir"]
         self.rank = self._env.rank if self._env else 0

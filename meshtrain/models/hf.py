@@ -29,6 +29,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils.data import Dataset
 
+from meshtrain.data.batch import describe
 from meshtrain.errors import ConfigError
 from meshtrain.models.hf_pipeline import HFPipeline, causal_lm_loss
 
@@ -309,6 +310,24 @@ def hf_cp_support(model: nn.Module) -> HFContextParallel | None:
     """For :func:`meshtrain.parallel.context_parallel.cp_support`: the adapter of a Hugging Face
     model (None for other models, which bring their own methods)."""
     return HFContextParallel(model) if is_hf_model(model) else None
+
+
+def hf_loss_items(model: nn.Module):
+    """For ``ParallelOptions.loss_items``: a Hugging Face causal LM's loss is a global mean over
+    the tokens with a target (``labels`` shifted by one, ``-100`` ignored; meshtrain.losses); it
+    takes ``num_items_in_batch``. None for other models."""
+    if not (is_hf_model(model) and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))):
+        return None
+    return count_lm_targets
+
+
+def count_lm_targets(batch) -> torch.Tensor:
+    """Next-token targets in a ``{"input_ids", "labels"}`` batch: ``labels[:, 1:]`` not -100."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if labels is None:
+        raise ConfigError("a Hugging Face causal LM trained without loss_fn needs batches with "
+                          f"'labels' (the model computes its loss from them); got {describe(batch)}")
+    return (labels[:, 1:] != -100).sum()
 
 
 def hf_pp_support(model: nn.Module) -> HFPipeline | None:

@@ -10,8 +10,8 @@ without parameters: each stage keeps a copy) and the causal mask (``create_causa
 padding) and calls its decoder layers with ``attention_mask``, ``position_embeddings`` and
 ``position_ids``; the last stage applies ``model.norm`` and ``lm_head`` and returns the logits.
 
-The last stage's loss is :func:`causal_lm_loss` (the same as the model's own: targets shifted
-by one, mean over the tokens): batches ``{"input_ids", "labels"}`` are split into
+The last stage's loss is :data:`causal_lm_loss` (the same as the model's own: targets shifted
+by one, a mean over the global batch's tokens): batches ``{"input_ids", "labels"}`` are split into
 ``(input_ids, labels)``, so ``fit`` needs no ``loss_fn`` under pp either.
 """
 
@@ -24,16 +24,32 @@ import torch
 import torch.nn as nn
 
 from meshtrain.errors import ConfigError
+from meshtrain.losses import GlobalMeanLoss
 
 
-def causal_lm_loss(output, labels: torch.Tensor) -> torch.Tensor:
+class CausalLMLoss(GlobalMeanLoss):
     """Next-token cross-entropy as ``transformers``' ``ForCausalLMLoss`` computes it: logits
-    at position ``t`` against ``labels[t + 1]`` (``-100`` ignored), mean over the tokens, in
-    fp32. ``output``: the logits, or the model's output (``.logits``)."""
-    logits = getattr(output, "logits", output)
-    targets = nn.functional.pad(labels[:, 1:], (0, 1), value=-100).to(logits.device)
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                       ignore_index=-100)
+    at position ``t`` against ``labels[t + 1]`` (``-100`` ignored), in fp32; a global mean over
+    the tokens with a target (meshtrain.losses: the call returns the sum, :meth:`count` the
+    tokens). ``output``: the logits, or the model's output (``.logits``)."""
+
+    def __init__(self):
+        pass
+
+    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
+        logits = getattr(output, "logits", output)
+        targets = nn.functional.pad(labels[:, 1:], (0, 1), value=-100).to(logits.device)
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                           ignore_index=-100, reduction="sum")
+
+    def count(self, labels: torch.Tensor) -> torch.Tensor:
+        return (labels[:, 1:] != -100).sum()
+
+    def __repr__(self) -> str:
+        return "causal_lm_loss"
+
+
+causal_lm_loss = CausalLMLoss()
 
 
 def _positions(hidden: torch.Tensor) -> torch.Tensor:
@@ -69,7 +85,7 @@ class HFPipeline:
     """How parallel/pipeline*.py cuts, runs and checks a Llama-style HF causal LM."""
 
     #: the last stage's loss when ``fit`` gets no ``loss_fn``
-    loss_fn = staticmethod(causal_lm_loss)
+    loss_fn = causal_lm_loss
     #: modules run after the last block (the last stage's), for the forward check
     post_modules = ("model.norm", "lm_head")
     #: what the stages run, for the forward check's message

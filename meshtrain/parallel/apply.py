@@ -1,8 +1,9 @@
 """Turning a plain model into a parallel one, in one fixed order; the result is an Engine.
 
 The order (as in torchtitan) is: pipeline split (:func:`apply_layout`, then :func:`parallelize`
-on each stage), tensor parallel, context parallel, activation checkpointing, then the
-data-parallel wrapper (FSDP or DDP) last, because it must see the final parameters.
+on each stage), tensor parallel, context parallel, synchronised BatchNorm, activation
+checkpointing, then the data-parallel wrapper (FSDP or DDP) last, because it must see the final
+parameters.
 ``torch.compile`` would belong between checkpointing and the wrapper and is not implemented yet.
 Each strategy is one ``apply_*`` function in its own module; this file only decides which ones
 run, and in what order.
@@ -40,18 +41,24 @@ class ParallelOptions:
     tp_plan: dict | Callable[[torch.nn.Module], dict | None] | None = None
     # module -> what makes it context parallel, or None: the module itself (context_parallel.py)
     context_parallel: Callable[[torch.nn.Module], object | None] | None = None
+    # module -> how to count its own loss's items (engine.loss_counter), or None
+    loss_items: Callable[[torch.nn.Module], Callable | None] | None = None
+    sync_batchnorm: bool = True
 
     @classmethod
-    def from_settings(cls, s: dict, tp_plan=None, context_parallel=None) -> ParallelOptions:
+    def from_settings(cls, s: dict, tp_plan=None, context_parallel=None,
+                      loss_items=None) -> ParallelOptions:
         """From the Trainer's settings (meshtrain.settings); ``tp_plan`` replaces a missing one,
-        ``context_parallel`` adapts models that lack the methods (see ``cp_support``)."""
+        ``context_parallel`` adapts models that lack the methods (see ``cp_support``),
+        ``loss_items`` counts the loss items of models that return their loss."""
         tp_plan = s["tp_plan"] if s["tp_plan"] is not None else tp_plan
         return cls(bucket_cap_mb=25.0 if s["bucket_cap_mb"] is None else s["bucket_cap_mb"],
                    comm_hook=s["comm_hook"], powersgd_rank=s["powersgd_rank"],
                    precision=s["precision"], offload=s["offload"],
                    activation_checkpointing=s["activation_checkpointing"], blocks=s["blocks"],
                    sequence_parallel=s["sequence_parallel"], loss_parallel=s["loss_parallel"],
-                   tp_plan=tp_plan, context_parallel=context_parallel)
+                   tp_plan=tp_plan, context_parallel=context_parallel, loss_items=loss_items,
+                   sync_batchnorm=s["sync_batchnorm"])
 
 
 def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch.nn.Module]:
@@ -132,6 +139,10 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         from meshtrain.parallel.context_parallel import apply_cp
 
         apply_cp(model, mesh.axis("cp"), options.context_parallel)
+    if options.sync_batchnorm and mesh.loss is not None:
+        from meshtrain.parallel.sync_batchnorm import apply_sync_batchnorm
+
+        apply_sync_batchnorm(model, mesh.loss.get_group())
     needs_blocks = options.activation_checkpointing or layout.is_sharded
     blocks = model_blocks(model, options) if needs_blocks else []
     if options.activation_checkpointing:

@@ -82,8 +82,11 @@ def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled
         yield
 
 
-def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None) -> torch.Tensor:
-    """``loss_fn(module(inputs), targets)``, or the loss the module returns itself. An error at
+def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None,
+                 num_items=None) -> torch.Tensor:
+    """``loss_fn(module(inputs), targets)``, or the loss the module returns itself. With
+    ``num_items`` (a global-mean loss, meshtrain.losses): the micro-batch's sum divided by it
+    (``loss_fn``'s sum, or the model's own with ``num_items_in_batch=num_items``). An error at
     this boundary keeps torch's message and gains a note of what meshtrain fed and expected."""
     if loss_fn is not None:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -103,12 +106,13 @@ def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None) -> to
                 f"loss_fn returned {describe(loss)}, but meshtrain needs one number per "
                 "micro-batch (a scalar tensor: the mean loss over its samples); reduce it, e.g. "
                 "reduction='mean' or loss.mean()")
-        return loss
+        return loss if num_items is None else loss / num_items
+    extra = {} if num_items is None else {"num_items_in_batch": num_items}
     with _noted(lambda: "without loss_fn meshtrain calls the model with the whole batch "
                 f"{describe(batch)} (model(*batch), or model(**batch) for a dict) and expects "
                 "the loss back; if the model returns predictions, pass loss_fn="):
-        out = module(**batch) if isinstance(batch, dict) else (
-            module(*batch) if isinstance(batch, (tuple, list)) else module(batch))
+        out = module(**{**batch, **extra}) if isinstance(batch, dict) else (
+            module(*batch, **extra) if isinstance(batch, (tuple, list)) else module(batch, **extra))
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         got = describe(loss) if isinstance(loss, torch.Tensor) else type(out).__name__
@@ -116,6 +120,21 @@ def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None) -> to
             "without loss_fn the model must return the loss (a scalar tensor, or an object "
             f"with .loss / ['loss']); it returned {got}. Pass loss_fn=")
     return loss
+
+
+def loss_counter(model: torch.nn.Module, loss_fn, adapt: Callable | None = None):
+    """How to count a micro-batch's loss items before its forward (meshtrain.losses), or None
+    for a mean loss: ``loss_fn.count(targets)`` for a GlobalMeanLoss; for a model returning its
+    own loss, ``model.count_loss_items(batch)``, or what ``adapt(model)`` gives (a Hugging
+    Face causal LM)."""
+    from meshtrain.losses import is_global_mean
+
+    if loss_fn is not None:
+        return (lambda batch: loss_fn.count(batch[1])) if is_global_mean(loss_fn) else None
+    own = getattr(model, "count_loss_items", None)
+    if callable(own):
+        return own
+    return adapt(model) if adapt is not None else None
 
 
 @contextlib.contextmanager
@@ -148,6 +167,16 @@ class Engine:
             from meshtrain.parallel.context_parallel import cp_support
 
             self.cp_support = cp_support(model, options.context_parallel)
+        self.counter = loss_counter(model, loss_fn, options.loss_items)
+
+    def global_items(self, count: torch.Tensor) -> torch.Tensor:
+        """What each loss rank divides its micro-batch sums by: the items of the whole step
+        (``count`` summed over the batch ranks) over the ranks whose gradients are averaged,
+        so the average is the sum over the global batch divided by its items."""
+        total = count.to(self.device, torch.int64).reshape(())
+        if self.mesh.batch is not None:
+            torch.distributed.all_reduce(total, group=self.mesh.batch.get_group())
+        return total.clamp(min=1).to(torch.float32) / self.layout.loss_degree
 
     def parameters(self):
         return self.model.parameters()
@@ -171,19 +200,42 @@ class Engine:
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, int]:
         """Forward and backward over this rank's micro-batches of one step (gradients
-        accumulate; synchronised on the last one). Returns (the step's mean loss here, tokens)."""
-        accum, total, tokens = self.grad_accum_steps, torch.zeros((), device=self.device), 0
-        for micro_step in range(accum):
-            batch = to_device(next(batches), self.device)
-            tokens += count_tokens(batch)
+        accumulate; synchronised on the last one). Returns (the step's loss here, tokens): a
+        mean loss is divided by the micro-batches; a global-mean loss (meshtrain.losses) by the
+        items of the whole step, counted first."""
+        accum, total = self.grad_accum_steps, torch.zeros((), device=self.device)
+        micro = [to_device(next(batches), self.device) for _ in range(accum)]
+        tokens = sum(count_tokens(batch) for batch in micro)
+        if not self._checked_loss:
+            self._check_loss(micro[0], accum)
+        num_items = None
+        if self.counter is not None:
+            num_items = self.global_items(sum(self.counter(batch) for batch in micro))
+        for micro_step, batch in enumerate(micro):
             batch = self.shard(batch)
             last = micro_step == accum - 1
             with gradient_sync(self.train_module, self.model, enabled=last), self.loss_context():
-                with self.precision.autocast():
-                    loss = compute_loss(self.train_module, batch, self.loss_fn) / accum
+                with self.precision.autocast(), batch_group(self.mesh):
+                    loss = compute_loss(self.train_module, batch, self.loss_fn, num_items)
+                    loss = loss / accum if num_items is None else loss
                 self.precision.backward(loss)
             total += plain(loss.detach())
         return total, tokens
+
+    _checked_loss = False
+
+    def _check_loss(self, batch, num_micro_batches: int) -> None:
+        """Once: warn (rank 0) when a plain mean loss meets ignored targets (meshtrain.losses)."""
+        import warnings
+
+        from meshtrain.losses import plain_mean_warning
+
+        self._checked_loss = True
+        targets = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
+        message = plain_mean_warning(self.loss_fn, targets,
+                                     num_micro_batches * self.layout.loss_degree)
+        if message and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            warnings.warn(message, stacklevel=2)
 
     def sync_gradients(self) -> None:
         """Average the gradients that no wrapper averaged (see ``averages_gradients_by_hand``)."""
@@ -204,25 +256,42 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, batches, limit: int | None = None) -> float:
-        """Sample-weighted mean loss over ``batches`` (at most ``limit`` of them here), summed
-        over the stages and loss ranks, so every sample of every rank counts once."""
+        """Mean loss over ``batches`` (at most ``limit`` of them here), summed over the stages
+        and loss ranks so every sample of every rank counts once: weighted by samples for a
+        mean loss, by items for a global-mean loss."""
         was_training = self.model.training
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, weight
         for i, batch in enumerate(batches):
             if limit is not None and i >= limit:
                 break
             batch = to_device(batch, self.device)
             loss = self.eval_loss(batch)
-            if loss is not None:  # None: a pipeline rank without the last stage
-                totals[0] += loss.double() * batch_size(batch)
-                totals[1] += batch_size(batch)
+            if loss is None:  # a pipeline rank without the last stage
+                continue
+            if self.counter is None:
+                weight = batch_size(batch)
+                totals[0] += loss.double() * weight
+            else:  # the loss is this rank's sum (of its cp shard): its items counted once
+                weight = self.counter(batch).double() / self.layout.degree("cp")
+                totals[0] += loss.double()
+            totals[1] += weight
         self.model.train(was_training)
         self.mesh.sum_over_loss_ranks(totals)
         return float(totals[0] / totals[1].clamp(min=1))
 
     @torch.no_grad()
     def eval_loss(self, batch) -> torch.Tensor | None:
-        """The mean loss of one batch (None on ranks that do not compute it)."""
-        with self.precision.autocast(), self.loss_context():
-            return plain(compute_loss(self.model, self.shard(batch), self.loss_fn))
+        """The loss of one batch: its mean, or for a global-mean loss its sum (None on ranks
+        that do not compute it)."""
+        num_items = None if self.counter is None else torch.ones((), device=self.device)
+        with self.precision.autocast(), self.loss_context(), batch_group(self.mesh):
+            return plain(compute_loss(self.model, self.shard(batch), self.loss_fn, num_items))
+
+
+def batch_group(mesh):
+    """The data-parallel group that :func:`meshtrain.gather_batch` gathers over, while the
+    loop runs the model and the loss."""
+    from meshtrain.parallel.batch_gather import batch_group as enter
+
+    return enter(mesh.batch.get_group() if mesh.batch is not None else None)

@@ -19,7 +19,7 @@ import torch
 
 from meshtrain.data.batch import count_tokens, plain, to_device
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.engine import Engine
+from meshtrain.parallel.engine import Engine, batch_group
 
 SHARDING_BREAKS = ("zero-bubble", "zbv", "dualpipev")  # wrong gradients with zero3 (not zero2)
 
@@ -150,6 +150,8 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
                             loss_fn=loss_fn, options=options, grad_accum_steps=1)
     engine.runner, engine.pipeline, engine.split_points = runner, pipeline, split
     engine.adapter = adapter
+    if engine.counter is not None:  # a global-mean loss_fn: its targets may come from a dict
+        engine.counter = lambda batch: loss_fn.count(engine._split(batch)[1])
     engine.num_microbatches, engine.log, engine.run_dir = num_microbatches, log, run_dir
     return engine
 
@@ -165,7 +167,13 @@ class PipelineEngine(Engine):
         record = self._num_calls == 1  # the second step: past one-time start-up costs
         self._num_calls += 1
         self.runner.scale_loss = self.precision.scale_loss  # the schedule runs the backward
-        with self.precision.autocast(), self.loss_context():
+        if not self._checked_loss:
+            self._check_loss((inputs, targets), self.num_microbatches)
+        if self.counter is not None:  # global mean: each micro-batch's sum over the step's
+            # items, times the micro-batches (the schedule divides the gradients by them)
+            items = self.global_items(self.loss_fn.count(targets))
+            self.runner.num_items = items / self.num_microbatches
+        with self.precision.autocast(), self.loss_context(), batch_group(self.mesh):
             if record:  # collective: every rank records the same step
                 loss, events = self.runner.timed_step(inputs, targets)
                 self._report_timeline(events)
@@ -182,7 +190,7 @@ class PipelineEngine(Engine):
 
     @torch.no_grad()
     def eval_loss(self, batch) -> torch.Tensor | None:
-        with self.precision.autocast(), self.loss_context():
+        with self.precision.autocast(), self.loss_context(), batch_group(self.mesh):
             return self.runner.eval_loss(*self._split(batch))
 
     def _split(self, batch):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain import settings
+from meshtrain import losses, settings
 from meshtrain.callbacks import Callback
 from meshtrain.config import dumps_toml
 from meshtrain.data.text import CharChunks, CharTokenizer, split_tokens, stdlib_text, unigram_cross_entropy
@@ -143,8 +143,7 @@ def _parts(config: dict, tokenizer: CharTokenizer, seed: int, total_steps: int) 
         optimizer=lambda params: torch.optim.AdamW(
             params, lr=opt["lr"], weight_decay=opt["weight_decay"],
             betas=(opt["beta1"], opt["beta2"])),
-        loss_fn=lambda logits, targets: torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), targets.flatten()),
+        loss_fn=losses.cross_entropy(),  # token mean over the global batch
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
 
 
