@@ -234,3 +234,49 @@ def regression_job() -> dict:
     return dict(model=mlp, train_data=regression_data(), optimizer=adamw,
                 loss_fn=torch.nn.functional.mse_loss,
                 settings=dict(global_batch_size=16, seed=0))
+
+
+# Batch-coupled training (issue 13): a BatchNorm MLP, and tokens with ignored (-100) targets.
+def bn_mlp() -> torch.nn.Module:
+    # no bias before the norm: BatchNorm removes any shift, so its true gradient is exactly 0
+    # and AdamW would turn the rounding noise on it into lr-sized steps
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN_FEATURES, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+        torch.nn.Linear(16, OUT_FEATURES))
+
+
+def padded_tokens(seed: int = 7) -> TensorDataset:
+    """Random 12-token sequences; sample i keeps its first k_i targets (1 to 12), the rest are
+    -100 (ignored), so micro-batches hold different numbers of tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (NUM_SAMPLES, SEQ_12 + 1), generator=gen)
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    keep = torch.randint(1, SEQ_12 + 1, (NUM_SAMPLES,), generator=gen)
+    targets[torch.arange(SEQ_12) >= keep[:, None]] = -100
+    return TensorDataset(inputs, targets)
+
+
+def plain_mean_loss(logits, targets):
+    """The token mean of each micro-batch (what a global-mean loss replaces)."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                             ignore_index=-100)
+
+
+def batchnorm_job() -> dict:
+    """``parity:batchnorm_job``: the BatchNorm MLP on the regression data."""
+    return dict(model=bn_mlp, train_data=regression_data(), optimizer=adamw,
+                loss_fn=torch.nn.functional.mse_loss, settings=dict(global_batch_size=16, seed=0))
+
+
+def padded_lm_job(plain: bool = False) -> dict:
+    """``parity:padded_lm_job``: the 12-token GPT on padded targets, token-mean loss."""
+    from meshtrain.losses import cross_entropy
+
+    return dict(model=tiny_gpt_seq12, train_data=padded_tokens(), optimizer=adamw_gpt,
+                loss_fn=plain_mean_loss if plain else cross_entropy(ignore_index=-100),
+                settings=dict(global_batch_size=16, seed=0))
+
+
+def padded_lm_plain_job() -> dict:
+    """``parity:padded_lm_plain_job``: the same with a per-micro-batch mean loss."""
+    return padded_lm_job(plain=True)

@@ -74,3 +74,19 @@ def test_command_line_mistakes(capsys):
     with pytest.raises(ConfigError, match="no 'auto'"):
         layout_world_size("dp=auto,tp=2")
     assert layout_world_size("pp=2,tp=2,dp_shard=2") == 8
+
+
+def test_batch_coupled_jobs_are_reported_correctly():
+    """A BatchNorm model and a padded token-mean loss (issue 13): equal to one process with
+    synchronised statistics and a global-mean loss; per-rank statistics, or a per-micro-batch
+    mean, differ and are reported as such."""
+    quiet = {"out": lambda *a: None}
+    good = parity(Source("parity:batchnorm_job"), ["dp=2", "zero3=2"], 4, **quiet)
+    good += parity(Source("parity:padded_lm_job"), ["dp=2", "pp=2"], 4, **quiet)
+    assert all(row.ok and row.first_divergence is None for row in good), good
+    per_rank, = parity(Source("parity:batchnorm_job", ("--parallel.sync_batchnorm=false",)),
+                       ["dp=2"], 4, **quiet)
+    plain, = parity(Source("parity:padded_lm_plain_job"), ["dp=2"], 4, **quiet)
+    for row in (per_rank, plain):
+        assert not row.ok and row.first_divergence == 1 and not row.error, row
+        assert row.max_param_diff > 1e-4

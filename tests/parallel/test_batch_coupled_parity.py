@@ -9,18 +9,11 @@ negatives come from :func:`meshtrain.gather_batch` equals one process's loss ove
 import pytest
 import torch
 from parity import (
-    IN_FEATURES, adamw, assert_parity, max_param_diff, regression_data, run_layout, train_state,
+    IN_FEATURES, adamw, assert_parity, bn_mlp, max_param_diff, regression_data, run_layout,
+    train_state,
 )
 
 import meshtrain
-
-
-def bn_mlp() -> torch.nn.Module:
-    # no bias before the norm: BatchNorm removes any shift, so its true gradient is exactly 0
-    # and AdamW would turn the rounding noise on it into lr-sized steps
-    return torch.nn.Sequential(
-        torch.nn.Linear(IN_FEATURES, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-        torch.nn.Linear(16, 3))
 
 
 BN_FNS = dict(model_fn=bn_mlp, data_fn=regression_data, optimizer_fn=adamw)

@@ -10,31 +10,12 @@ the whole step on every rank. Every layout must then equal one process on the gl
 """
 
 import pytest
-import torch
 from parity import (
-    SEQ_12, VOCAB, adamw_gpt, assert_parity, max_param_diff, tiny_gpt_seq12, train_state,
+    adamw_gpt, assert_parity, max_param_diff, padded_tokens, plain_mean_loss, tiny_gpt_seq12,
+    train_state,
 )
-from torch.utils.data import TensorDataset
 
 import meshtrain
-
-NUM = 96
-
-
-def padded_tokens(seed: int = 7) -> TensorDataset:
-    """Random tokens; sample i keeps its first k_i targets (k_i from 1 to 12), the rest -100."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (NUM, SEQ_12 + 1), generator=gen)
-    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
-    keep = torch.randint(1, SEQ_12 + 1, (NUM,), generator=gen)
-    targets[torch.arange(SEQ_12) >= keep[:, None]] = -100
-    return TensorDataset(inputs, targets)
-
-
-def plain_mean_loss(logits, targets):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                             ignore_index=-100)
-
 
 TOKEN_LOSS = meshtrain.losses.cross_entropy(ignore_index=-100)
 FNS = dict(model_fn=tiny_gpt_seq12, data_fn=padded_tokens, loss_fn=TOKEN_LOSS,
