@@ -17,6 +17,8 @@ DTensor's ``ColwiseParallel`` / ``RowwiseParallel`` accept only ``nn.Linear`` / 
 meshtrain's all-gather-of-K/V attention with ``transformers`` and cuts each batch itself.
 ``pp`` too: :class:`~meshtrain.models.hf_pipeline.HFPipeline` cuts ``model.model.layers`` into
 stages and computes the loss on the last stage (:func:`causal_lm_loss`, the model's own).
+The loss is a mean over the targets of the whole global batch under every layout
+(:func:`hf_loss_items`: meshtrain counts the targets and passes ``num_items_in_batch``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from meshtrain.models.hf_pipeline import HFPipeline, causal_lm_loss
 
 __all__ = [
     "HFContextParallel", "RandomTokenDataset", "causal_lm_loss", "default_tp_plan",
-    "hf_cp_support", "hf_pp_support", "hf_tp_plan", "is_hf_model", "is_llama_like",
+    "count_lm_targets", "hf_cp_support", "hf_loss_items", "hf_pp_support", "hf_tp_plan", "is_hf_model", "is_llama_like",
     "random_token_data", "tiny_gpt2", "tiny_llama",
 ]
 
@@ -256,9 +258,10 @@ class HFContextParallel:
 
     Its attention modules call :func:`_cp_attention` (registered under ``transformers``'
     ``AttentionInterface``); each batch ``{"input_ids", "labels"}`` is cut by the zig-zag order,
-    with ``position_ids`` for RoPE, the labels shifted *before* the cut (``shift_labels``: a
-    token's target may sit on another rank) and ``num_items_in_batch`` set so that the mean
-    of the cp ranks' losses is the loss over the whole sequence.
+    with ``position_ids`` for RoPE and the labels shifted *before* the cut (``shift_labels``: a
+    token's target may sit on another rank). The Engine passes ``num_items_in_batch`` (the
+    step's targets over the loss ranks), so the mean of the cp ranks' losses is the loss over
+    the whole sequence.
     """
 
     def __init__(self, model: nn.Module):
@@ -298,11 +301,9 @@ class HFContextParallel:
         labels = batch.get("labels")
         if labels is not None:
             shifted = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+            # the loss is this rank's sum over its tokens divided by num_items_in_batch, which
+            # the Engine sets from the whole step's count (meshtrain.losses, hf_loss_items)
             out["labels"] = out["shift_labels"] = shard_sequence(shifted, rank, degree)
-            # the loss is summed over this rank's tokens and divided by this count: averaged
-            # over the cp ranks it is the mean over every target of the sequence
-            count = (shifted != -100).sum().clamp(min=1)
-            out["num_items_in_batch"] = count.to(torch.float32) / degree
         return out
 
 

@@ -10,6 +10,7 @@ the whole step on every rank. Every layout must then equal one process on the gl
 """
 
 import pytest
+import torch
 from parity import (
     adamw_gpt, assert_parity, max_param_diff, padded_tokens, plain_mean_loss, tiny_gpt_seq12,
     train_state,
@@ -69,3 +70,32 @@ def test_layouts_match_one_process(layout, kwargs):
 @pytest.mark.timeout(200)
 def test_pipeline_with_several_micro_batches_matches_one_process():
     assert_parity("pp=2", 2, steps=10, fns=FNS, micro_batch_size=2)
+
+
+def _validate(layout: str | None):
+    """(val/loss after 3 steps, the token mean over the validation set computed by hand)."""
+    import tempfile
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = meshtrain.Trainer(layout=layout, max_steps=3, global_batch_size=16,
+                                    loggers=(), progress_bar=False, run_dir=run_dir, seed=0,
+                                    save_final_checkpoint=False)
+        val = padded_tokens(seed=8)
+        model = trainer.fit(tiny_gpt_seq12, padded_tokens(), val, optimizer=adamw_gpt,
+                            loss_fn=TOKEN_LOSS)
+        got = trainer.validate(val)["val/loss"]
+        x, y = val.tensors
+        with torch.no_grad():
+            by_hand = TOKEN_LOSS(model(x), y) / TOKEN_LOSS.count(y)  # model: replicated
+        return got, float(by_hand)
+
+
+@pytest.mark.timeout(200)
+def test_validation_is_the_token_mean_of_the_whole_set():
+    from meshtrain.launch.spawn import run_workers
+
+    alone, by_hand = _validate(None)
+    assert abs(alone - by_hand) < 1e-5
+    for got, _ in run_workers(_validate, 2, ("dp=2",), timeout=120):
+        assert abs(got - alone) < 1e-5
