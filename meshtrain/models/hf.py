@@ -36,9 +36,9 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.hf_pipeline import HFPipeline, causal_lm_loss
 
 __all__ = [
-    "HFContextParallel", "RandomTokenDataset", "causal_lm_loss", "default_tp_plan",
-    "count_lm_targets", "hf_cp_support", "hf_loss_items", "hf_pp_support", "hf_tp_plan", "is_hf_model", "is_llama_like",
-    "random_token_data", "tiny_gpt2", "tiny_llama",
+    "HFContextParallel", "RandomTokenDataset", "causal_lm_loss", "count_lm_targets",
+    "default_tp_plan", "hf_cp_support", "hf_loss_items", "hf_pp_support", "hf_tp_plan",
+    "is_hf_model", "is_llama_like", "random_token_data", "tiny_gpt2", "tiny_llama",
 ]
 
 _INSTALL_HINT = "install the optional extra: pip install 'meshtrain[hf]' (transformers>=4.50)"
