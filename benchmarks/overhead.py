@@ -25,6 +25,7 @@ less than wall-clock time.
     python benchmarks/overhead.py                   # 20 warm-up + 200 timed steps, 5 repeats
     python benchmarks/overhead.py --quick           # smoke run (one short run of each variant)
     python benchmarks/overhead.py --raw-bucket-view # raw DDP with meshtrain's DDP setting
+    python benchmarks/overhead.py --variants raw,meshtrain,meshtrain-global-mean
     python benchmarks/overhead.py --out overhead.json
 """
 
@@ -51,7 +52,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from meshtrain.launch.spawn import run_workers
 
 WORLD_SIZE = 2
-VARIANTS = ("raw", "meshtrain", "lightning")
+# meshtrain-global-mean: meshtrain with loss_fn=meshtrain.losses.cross_entropy() (the items of
+# the step counted over the ranks: one more all-reduce of a number per step)
+VARIANTS = ("raw", "meshtrain", "meshtrain-global-mean", "lightning")
+DEFAULT_VARIANTS = ("raw", "meshtrain", "lightning")
 
 
 @dataclass(frozen=True)
@@ -177,8 +181,8 @@ def raw_worker(cfg: Config) -> dict:
 # ---------------------------------------------------------------------------------------------
 # (b) meshtrain
 # ---------------------------------------------------------------------------------------------
-def meshtrain_worker(cfg: Config, log_every_n_steps: int) -> dict:
-    from meshtrain import Trainer
+def meshtrain_worker(cfg: Config, log_every_n_steps: int, global_mean: bool = False) -> dict:
+    from meshtrain import Trainer, losses
     from meshtrain.callbacks import Callback
 
     class Clock(Callback):
@@ -200,10 +204,11 @@ def meshtrain_worker(cfg: Config, log_every_n_steps: int) -> dict:
         )
         trainer.fit(
             lambda: build_model(cfg), build_data(cfg),
-            optimizer=lambda params: make_optimizer(params, cfg.lr), loss_fn=F.cross_entropy,
+            optimizer=lambda params: make_optimizer(params, cfg.lr),
+            loss_fn=losses.cross_entropy() if global_mean else F.cross_entropy,
         )
         end_process_group()  # while the trainer (and its DDP wrapper) is still alive
-    return clock.result("meshtrain")
+    return clock.result("meshtrain-global-mean" if global_mean else "meshtrain")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,8 +283,8 @@ def bench_worker(variant: str, cfg: Config, log_every_n_steps: int, hang_s: floa
     with hang_guard(hang_s):
         if variant == "raw":
             return raw_worker(cfg)
-        if variant == "meshtrain":
-            return meshtrain_worker(cfg, log_every_n_steps)
+        if variant.startswith("meshtrain"):
+            return meshtrain_worker(cfg, log_every_n_steps, variant == "meshtrain-global-mean")
         return lightning_worker(cfg)
 
 
@@ -326,7 +331,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (5)")
     parser.add_argument("--log-every-n-steps", type=int, default=50,
                         help="meshtrain's log_every_n_steps (50)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--raw-bucket-view", action="store_true",
                         help="give the raw loop DDP(gradient_as_bucket_view=True) as meshtrain has")

@@ -24,6 +24,7 @@ import torch
 
 from meshtrain.data.batch import batch_size, count_tokens, describe, plain, to_device
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.batch_gather import batch_group
 from meshtrain.parallel.layout import Layout
 
 
@@ -83,11 +84,11 @@ def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled
 
 
 def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None,
-                 num_items=None) -> torch.Tensor:
-    """``loss_fn(module(inputs), targets)``, or the loss the module returns itself. With
-    ``num_items`` (a global-mean loss, meshtrain.losses): the micro-batch's sum divided by it
-    (``loss_fn``'s sum, or the model's own with ``num_items_in_batch=num_items``). An error at
-    this boundary keeps torch's message and gains a note of what meshtrain fed and expected."""
+                 summed: bool = False) -> torch.Tensor:
+    """``loss_fn(module(inputs), targets)``, or the loss the module returns itself. ``summed``
+    (a global-mean loss, meshtrain.losses): the micro-batch's sum (``loss_fn``'s, or the
+    model's own with ``num_items_in_batch=1``). An error at this boundary keeps torch's message
+    and gains a note of what meshtrain fed and expected."""
     if loss_fn is not None:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ConfigError(
@@ -106,8 +107,8 @@ def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None,
                 f"loss_fn returned {describe(loss)}, but meshtrain needs one number per "
                 "micro-batch (a scalar tensor: the mean loss over its samples); reduce it, e.g. "
                 "reduction='mean' or loss.mean()")
-        return loss if num_items is None else loss / num_items
-    extra = {} if num_items is None else {"num_items_in_batch": num_items}
+        return loss
+    extra = {"num_items_in_batch": 1} if summed else {}
     with _noted(lambda: "without loss_fn meshtrain calls the model with the whole batch "
                 f"{describe(batch)} (model(*batch), or model(**batch) for a dict) and expects "
                 "the loss back; if the model returns predictions, pass loss_fn="):
@@ -168,15 +169,17 @@ class Engine:
 
             self.cp_support = cp_support(model, options.context_parallel)
         self.counter = loss_counter(model, loss_fn, options.loss_items)
+        # the ranks reading different samples: items are counted and gather_batch gathers here
+        self.batch_pg = mesh.batch.get_group() if mesh.batch is not None else None
 
-    def global_items(self, count: torch.Tensor) -> torch.Tensor:
-        """What each loss rank divides its micro-batch sums by: the items of the whole step
-        (``count`` summed over the batch ranks) over the ranks whose gradients are averaged,
-        so the average is the sum over the global batch divided by its items."""
+    def global_items(self, count: torch.Tensor) -> StepItems:
+        """The items of the whole step: ``count`` (this rank's) summed over the batch ranks, in
+        the background while the first forward runs."""
         total = count.to(self.device, torch.int64).reshape(())
-        if self.mesh.batch is not None:
-            torch.distributed.all_reduce(total, group=self.mesh.batch.get_group())
-        return total.clamp(min=1).to(torch.float32) / self.layout.loss_degree
+        work = None
+        if self.batch_pg is not None:
+            work = torch.distributed.all_reduce(total, group=self.batch_pg, async_op=True)
+        return StepItems(total, work, self.layout.loss_degree)
 
     def parameters(self):
         return self.model.parameters()
@@ -208,16 +211,16 @@ class Engine:
         tokens = sum(count_tokens(batch) for batch in micro)
         if not self._checked_loss:
             self._check_loss(micro[0], accum)
-        num_items = None
+        items = None
         if self.counter is not None:
-            num_items = self.global_items(sum(self.counter(batch) for batch in micro))
+            items = self.global_items(sum(self.counter(batch) for batch in micro))
         for micro_step, batch in enumerate(micro):
             batch = self.shard(batch)
             last = micro_step == accum - 1
             with gradient_sync(self.train_module, self.model, enabled=last), self.loss_context():
-                with self.precision.autocast(), batch_group(self.mesh):
-                    loss = compute_loss(self.train_module, batch, self.loss_fn, num_items)
-                    loss = loss / accum if num_items is None else loss
+                with self.precision.autocast(), batch_group(self.batch_pg):
+                    loss = compute_loss(self.train_module, batch, self.loss_fn, items is not None)
+                    loss = loss / accum if items is None else loss / items.divisor()
                 self.precision.backward(loss)
             total += plain(loss.detach())
         return total, tokens
@@ -284,14 +287,23 @@ class Engine:
     def eval_loss(self, batch) -> torch.Tensor | None:
         """The loss of one batch: its mean, or for a global-mean loss its sum (None on ranks
         that do not compute it)."""
-        num_items = None if self.counter is None else torch.ones((), device=self.device)
-        with self.precision.autocast(), self.loss_context(), batch_group(self.mesh):
-            return plain(compute_loss(self.model, self.shard(batch), self.loss_fn, num_items))
+        with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
+            return plain(compute_loss(self.model, self.shard(batch), self.loss_fn,
+                                      self.counter is not None))
 
 
-def batch_group(mesh):
-    """The data-parallel group that :func:`meshtrain.gather_batch` gathers over, while the
-    loop runs the model and the loss."""
-    from meshtrain.parallel.batch_gather import batch_group as enter
+class StepItems:
+    """A step's item count being summed over the batch ranks (an all-reduce in flight)."""
 
-    return enter(mesh.batch.get_group() if mesh.batch is not None else None)
+    def __init__(self, total: torch.Tensor, work, loss_degree: int):
+        self.total, self.work, self.loss_degree, self._divisor = total, work, loss_degree, None
+
+    def divisor(self) -> torch.Tensor:
+        """What each loss rank divides its sums by: the step's items over the ranks whose
+        gradients are averaged, so that the average is the global sum over the items."""
+        if self._divisor is None:
+            if self.work is not None:
+                self.work.wait()
+            self._divisor = self.total.clamp(min=1).to(torch.float32) / self.loss_degree
+        return self._divisor
+

@@ -193,7 +193,7 @@ class PipelineRunner:
         self.modules, self.indices, self.num_stages = list(stage_modules), expected, num_stages
         self.loss_fn = loss_fn
         self.scale_loss: Callable = lambda loss: loss  # fp16: times the grad scaler's scale
-        self.num_items = None  # a global-mean loss: what each micro-batch's sum is divided by
+        self.num_items = None  # a global-mean loss: () -> what each micro-batch's sum is divided by
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, unscaled
         self.num_microbatches = num_microbatches
         self.stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(expected),
@@ -214,7 +214,7 @@ class PipelineRunner:
         step also calls it once on placeholder outputs, to infer the gradients' shapes.)"""
         loss = self.loss_fn(output, target)
         if self.num_items is not None:
-            loss = loss / self.num_items
+            loss = loss / self.num_items()
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
             raise ConfigError(
                 f"loss_fn returned {describe(loss)}, but meshtrain needs one number per "

@@ -19,7 +19,8 @@ import torch
 
 from meshtrain.data.batch import count_tokens, plain, to_device
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.engine import Engine, batch_group
+from meshtrain.parallel.batch_gather import batch_group
+from meshtrain.parallel.engine import Engine
 
 SHARDING_BREAKS = ("zero-bubble", "zbv", "dualpipev")  # wrong gradients with zero3 (not zero2)
 
@@ -172,8 +173,8 @@ class PipelineEngine(Engine):
         if self.counter is not None:  # global mean: each micro-batch's sum over the step's
             # items, times the micro-batches (the schedule divides the gradients by them)
             items = self.global_items(self.loss_fn.count(targets))
-            self.runner.num_items = items / self.num_microbatches
-        with self.precision.autocast(), self.loss_context(), batch_group(self.mesh):
+            self.runner.num_items = lambda: items.divisor() / self.num_microbatches
+        with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             if record:  # collective: every rank records the same step
                 loss, events = self.runner.timed_step(inputs, targets)
                 self._report_timeline(events)
@@ -190,7 +191,7 @@ class PipelineEngine(Engine):
 
     @torch.no_grad()
     def eval_loss(self, batch) -> torch.Tensor | None:
-        with self.precision.autocast(), self.loss_context(), batch_group(self.mesh):
+        with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             return self.runner.eval_loss(*self._split(batch))
 
     def _split(self, batch):
