@@ -79,7 +79,7 @@ def reference_markdown() -> str:
     out = [
         "# Settings reference",
         "",
-        "<!-- Generated from meshtrain/settings.py by `python tools/gen_reference.py`; do not "
+        "<!-- Generated from meshtrain/setting_table.py by `python tools/gen_reference.py`; do not "
         "edit by hand. -->",
         "",
         "Every `Trainer` keyword argument. In a recipe's TOML config each one lives in the "

@@ -31,7 +31,7 @@ def _trainer_takes_any_keyword() -> bool:
 def test_every_trainer_keyword_is_defined_once_with_its_default():
     params = _trainer_parameters()
     assert set(params) <= set(SETTINGS), (
-        "Trainer keywords missing from meshtrain/settings.py: "
+        "Trainer keywords missing from meshtrain/setting_table.py: "
         f"{sorted(set(params) - set(SETTINGS))}")
     if not _trainer_takes_any_keyword():
         assert set(SETTINGS) == set(params), (

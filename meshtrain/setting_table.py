@@ -1,0 +1,218 @@
+"""Every Trainer setting: name, section, default, type, one-line doc, check (meshtrain.settings
+reads this table; the kinds of value are in meshtrain/setting_types.py)."""
+
+from __future__ import annotations
+
+from meshtrain.errors import ConfigError
+from meshtrain.setting_types import Setting
+
+
+# -- checks that are more than a type: each names its setting ---------------------------------
+def _check_loggers(value) -> None:
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)):
+        raise ConfigError(f"loggers must be a list of logger names ('csv', 'tensorboard'), "
+                          f"got {value!r}")
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(f"unknown logger {name!r} in loggers; choose from 'csv', "
+                              "'tensorboard' (or an empty list for none)")
+
+
+def _check_callbacks(value) -> None:
+    from meshtrain.callbacks import Callback
+
+    for item in value:
+        if not isinstance(item, Callback):
+            raise ConfigError(f"callbacks must be Callback objects (subclasses of "
+                              f"meshtrain.Callback), got {type(item).__name__}")
+
+
+def _check_resume(value) -> None:
+    from meshtrain.checkpoint.resume import check_resume  # does the folder hold a checkpoint?
+
+    check_resume(value)
+
+
+# The choices, as the modules that implement them define them (tests/test_settings.py checks
+# they agree).
+ACCELERATORS = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+COMM_HOOKS = ("fp16", "bf16", "powersgd")
+OFFLOADS = ("cpu",)
+ACTIVATION_CHECKPOINTING = ("full", "selective")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv",
+                "dualpipev")
+PP_BALANCES = ("params", "time", "memory")
+NAN_POLICIES = ("error", "skip", "rollback")
+LOGGERS = ("csv", "tensorboard")
+
+_S = Setting
+DEFINITIONS = [
+    # -- trainer ------------------------------------------------------------------------------
+    _S("layout", "trainer", None, "layout",
+       'The parallel layout over the mesh, e.g. "dp=2", "zero3=4", "pp=2,dp_shard=2,tp=2" (a '
+       "string, a table/dict or a Layout; see docs/model_parallel.md); none: data parallel over "
+       "all processes.", none=True),
+    _S("devices", "trainer", 1, "devices",
+       "Processes on this machine when started with plain python; under meshtrain run/torchrun "
+       'the launcher decides and this must match or be "auto".',
+       error="devices must be a positive integer or 'auto', got {value!r}"),
+    _S("accelerator", "trainer", "auto", "choice",
+       '"cpu", "cuda" or "auto" (a GPU when one is visible).', choices=ACCELERATORS,
+       error="accelerator must be 'cpu', 'cuda' or 'auto', got {value!r}"),
+    _S("max_steps", "trainer", None, "int",
+       "Stop after this many optimizer steps (set max_steps or max_epochs, or both).",
+       none=True, minimum=1),
+    _S("max_epochs", "trainer", None, "int",
+       "Stop after this many passes over the training data.", none=True, minimum=1),
+    _S("global_batch_size", "trainer", 32, "int",
+       "Samples per optimizer step over all ranks (= dp x micro_batch_size x accumulation).",
+       minimum=1),
+    _S("micro_batch_size", "trainer", None, "int",
+       "Samples per forward pass on one rank; none: as large as possible (no accumulation), "
+       "under pp one micro-batch per stage.", none=True, minimum=1),
+    _S("grad_clip_norm", "trainer", None, "number",
+       "Clip the gradients by their global L2 norm (over every shard and stage); none: no "
+       "clipping.", none=True),
+    _S("precision", "trainer", "fp32", "choice",
+       '"fp32", "bf16-mixed" or "fp16-mixed" (float16 autocast with a grad scaler; CPU and '
+       "GPU). Parity with fp32: docs/precision.md.",
+       choices=PRECISIONS,
+       error="unknown precision {value!r}; choose one of fp32, bf16-mixed, fp16-mixed"),
+    _S("seed", "trainer", 0, "int",
+       "Seeds the initial parameters (the same on every rank), the data order and each rank's "
+       "dropout."),
+    _S("shuffle", "trainer", True, "bool",
+       "Shuffle the training data each epoch (one seeded order, independent of the number of "
+       "ranks)."),
+    _S("val_every_n_steps", "trainer", None, "int",
+       "Validate every N optimizer steps and at the end of fit; none: at the end only.",
+       none=True, minimum=1),
+    _S("limit_val_batches", "trainer", None, "int",
+       "Use at most this many validation micro-batches per rank; none: all of them.",
+       none=True, minimum=1),
+    _S("num_workers", "trainer", 0, "int",
+       "DataLoader worker processes per rank (for data given as a Dataset).", minimum=0),
+    _S("callbacks", "trainer", (), "callbacks",
+       "Callback objects (EarlyStopping, ModelCheckpoint, LearningRateMonitor or your own; see "
+       "Callbacks below).", check=_check_callbacks, config=False),
+    # -- parallel -----------------------------------------------------------------------------
+    _S("bucket_cap_mb", "parallel", None, "number",
+       "DDP gradient bucket size in MiB; none: 25. A DDP setting: an error under a layout "
+       "without DDP (zero2/zero3/dp_shard, tp, pp).", none=True),
+    _S("comm_hook", "parallel", None, "choice",
+       'DDP communication hook: "fp16" or "bf16" (compressed all-reduce) or "powersgd" '
+       "(low-rank); none: plain all-reduce. An error under a layout without DDP.",
+       choices=COMM_HOOKS, none=True,
+       error="unknown comm_hook {value!r}; choose one of fp16, bf16, powersgd or None"),
+    _S("powersgd_rank", "parallel", 1, "int",
+       'Rank of PowerSGD\'s low-rank gradient approximation (with comm_hook="powersgd" only).',
+       minimum=1),
+    _S("offload", "parallel", None, "choice",
+       '"cpu": keep the sharded parameters, gradients and optimizer state in CPU memory (a '
+       "sharded layout on GPUs); none: no offload.", choices=OFFLOADS, none=True,
+       error="unknown offload {value!r}; choose None (no offload) or 'cpu'"),
+    _S("activation_checkpointing", "parallel", None, "choice",
+       '"full" recomputes each block\'s activations in backward, "selective" only the cheap '
+       "element-wise ones (matmul and attention outputs are kept); none: off.",
+       choices=ACTIVATION_CHECKPOINTING, none=True,
+       error="activation_checkpointing must be 'full', 'selective' or None, got {value!r}"),
+    _S("blocks", "parallel", None, "callable",
+       "A function model -> the submodules sharded (and checkpointed) one by one; none: the "
+       "model's repeated blocks (e.g. model.layers).", none=True, config=False,
+       error="blocks must be a function (model -> iterable of modules) or None, got {value!r}"),
+    _S("meta_init", "parallel", "auto", "choice",
+       "Build a sharded model given as a factory on the meta device and let each rank "
+       'initialise only its shards (needs init_weights()); "auto": whenever possible.',
+       choices=(True, False, "auto"),
+       error="meta_init must be True, False or 'auto', got {value!r}"),
+    _S("sequence_parallel", "parallel", False, "bool",
+       "Tensor parallel: norms and dropout work on sequence shards (the sequence length must "
+       "divide by tp). Needs tp in the layout."),
+    _S("loss_parallel", "parallel", False, "bool",
+       "Tensor parallel: keep the logits sharded over the vocabulary and compute the "
+       "cross-entropy on the shards. Needs tp in the layout."),
+    _S("sync_batchnorm", "parallel", True, "bool",
+       "BatchNorm statistics over the micro-batches of every data-parallel rank together (as "
+       "one process on the global micro-batch); False: per rank, not layout-invariant."),
+    _S("tp_plan", "parallel", None, "tp_plan",
+       "Your own tensor-parallel plan (module name -> ParallelStyle), used instead of the "
+       "model's tp_plan(). Needs tp in the layout.", none=True, config=False),
+    # -- pipeline -----------------------------------------------------------------------------
+    _S("pp_schedule", "pipeline", "1f1b", "choice",
+       "Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved-1f1b, "
+       "looped-bfs, zero-bubble (several stages per rank), zbv, dualpipev (two per rank, V).",
+       choices=PP_SCHEDULES,
+       error="unknown pipeline schedule {value!r} (pp_schedule); choose one of "
+             + ", ".join(PP_SCHEDULES)),
+    _S("stages_per_rank", "pipeline", 1, "int",
+       "Pipeline stages on each rank (2 or more for the interleaved schedules, 2 for zbv and "
+       "dualpipev).", minimum=1),
+    _S("pp_balance", "pipeline", "params", "choice",
+       'How the blocks are cut into stages of equal cost: "params" (parameter count), "time" '
+       '(measured forward+backward) or "memory" (parameters plus saved activations).',
+       choices=PP_BALANCES,
+       error="pp_balance must be 'params', 'time' or 'memory', got {value!r}"),
+    _S("split_points", "pipeline", None, "int_list",
+       "Cut points given by hand: the first block index of stages 1, 2, ... (e.g. [3, 6]); "
+       "none: from pp_balance.", none=True),
+    # -- checkpoint ---------------------------------------------------------------------------
+    _S("checkpoint_every_n_steps", "checkpoint", None, "int",
+       "Save a checkpoint every N optimizer steps into run_dir/checkpoints/step_*; none: no "
+       "periodic checkpoints.", none=True, minimum=1),
+    _S("checkpoint_every_n_minutes", "checkpoint", None, "number",
+       "Save a checkpoint when this many minutes have passed since the last one; none: off.",
+       none=True,
+       error="checkpoint_every_n_minutes must be a number > 0 or None, got {value!r}"),
+    _S("keep_last_k", "checkpoint", None, "int",
+       "Keep only the newest k periodic checkpoints; none: keep all.", none=True, minimum=1),
+    _S("async_checkpoint", "checkpoint", False, "bool",
+       "Write periodic checkpoints in the background (a copy to CPU memory blocks the step, the "
+       "write does not)."),
+    _S("resume", "checkpoint", "auto", "resume",
+       '"auto": continue the newest unfinished run of this job and model (root_dir/name), or '
+       "run_dir's newest checkpoint; a checkpoint folder; none: start afresh.", none=True,
+       check=_check_resume,
+       error="resume must be 'auto', None or a checkpoint folder, got {value!r}"),
+    _S("save_final_checkpoint", "checkpoint", True, "bool",
+       "Save run_dir/checkpoints/final at the end of fit."),
+    # -- fault --------------------------------------------------------------------------------
+    _S("nan_policy", "fault", "error", "choice",
+       'What a NaN/Inf loss or gradient does (every rank alike): "error" stops, "skip" drops '
+       'the update, "rollback" restores the last checkpoint and skips the batch; none: no check.',
+       choices=NAN_POLICIES, none=True,
+       error="nan_policy must be one of 'error', 'skip', 'rollback' or None, got {value!r}"),
+    _S("collective_timeout_s", "fault", 300.0, "number",
+       "After the first step a collective waiting this long raises instead of hanging (must "
+       "exceed the slowest checkpoint write)."),
+    _S("init_timeout_s", "fault", 600.0, "number",
+       "Collective timeout for start-up and the first step."),
+    _S("stall_timeout_s", "fault", 240.0, "number",
+       "A step running this long writes every rank's Python stacks to run_dir/stacks/ and ends "
+       "the job (below collective_timeout_s); none: no watchdog.", none=True),
+    _S("debug_collectives", "fault", False, "bool",
+       "Check every collective across ranks first and name the ranks and call sites of a "
+       "desync (a few ms per collective: for debugging)."),
+    _S("mtbf_hours", "fault", 3.0, "number",
+       "Expected hours between failures, for the Young/Daly checkpoint interval fit prints."),
+    # -- logging ------------------------------------------------------------------------------
+    _S("log_every_n_steps", "logging", 10, "int",
+       "How often the loss is averaged over ranks and logged.", minimum=1),
+    _S("log_grad_norm", "logging", False, "bool",
+       "Log train/grad_norm, the global L2 norm of the gradients before clipping (over every "
+       "shard and stage)."),
+    _S("loggers", "logging", ("csv", "tensorboard"), "loggers",
+       "Where metrics go in the run folder: metrics.csv (and loss.png) and/or TensorBoard "
+       "event files.", choices=LOGGERS, check=_check_loggers),
+    _S("progress_bar", "logging", True, "bool", "Show a progress bar on rank 0."),
+    _S("root_dir", "logging", "runs", "path",
+       "Run folders go to root_dir/name/<time> (unless run_dir is given)."),
+    _S("name", "logging", "auto", "str", 'The job\'s name: its runs go to root_dir/name/; "auto": '
+       "the script's file name (train.py: train), or the config's under `meshtrain train`."),
+    _S("run_dir", "logging", None, "path",
+       "Where this run's logs and checkpoints go; none: root_dir/name/<time> (or the folder of "
+       "the run being resumed).", none=True),
+]
+del _S
+
