@@ -93,6 +93,8 @@ def check_factory(name: str, factory, required: bool) -> None:
 def check_optimizer_factory(factory) -> None:
     """Call the factory on a throw-away parameter so a broken one fails before any process."""
     probe = [torch.nn.Parameter(torch.zeros(1))]
+    if getattr(factory, "takes_names", False):  # meshtrain.optim: (name, parameter) pairs
+        probe = [("probe", probe[0])]
     try:
         made = factory(probe)
     except Exception as error:  # noqa: BLE001 - re-raised with context

@@ -189,7 +189,11 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
 
 
 def build_optimizer(model: torch.nn.Module, factory, mesh: ParallelMesh):
-    """The user's optimizer, or for ZeRO-1 the same optimizer with its state sharded."""
+    """The user's optimizer, or for ZeRO-1 the same optimizer with its state sharded (a
+    factory marked ``takes_names`` gets (name, parameter) pairs: meshtrain.optim)."""
+    from meshtrain.optim import params_factory
+
+    factory = params_factory(factory, model)
     if mesh.layout.zero_stage == 1 and mesh.layout.degree("dp") > 1:
         from meshtrain.parallel.zero1 import make_zero1_optimizer
 
