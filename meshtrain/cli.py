@@ -9,6 +9,8 @@
     meshtrain run [torchrun flags] script.py [args]          start a script on N processes
     meshtrain slurm --nodes N --gpus-per-node G script.py    write (and submit) an sbatch script
     meshtrain export CHECKPOINT_DIR model.pt                 checkpoint -> one plain state_dict file
+    meshtrain prepare INPUT... --out DIR (--tokenizer tokenizer.json | --train-tokenizer N)
+        text / JSON lines -> memory-mapped token shards for the causal_lm recipe
     meshtrain --version
 """
 
@@ -65,12 +67,17 @@ def main(argv: list[str] | None = None) -> int:
             from meshtrain.checkpoint.export import export
 
             return export(rest)
+        if command == "prepare":
+            from meshtrain.data.prepare import main as prepare
+
+            return prepare(rest)
         if command == "slurm":
             from meshtrain.launch.slurm import slurm
 
             return slurm(rest)
         raise ConfigError(
-            f"unknown command {command!r}; commands: train, lr-find, memory, parity, run, slurm, export (see --help)"
+            f"unknown command {command!r}; commands: train, lr-find, memory, parity, run, slurm, "
+            "export, prepare (see --help)"
         )
     except ConfigError as error:
         print(f"meshtrain: error: {error}", file=sys.stderr)
