@@ -34,6 +34,12 @@ def _check_resume(value) -> None:
     check_resume(value)
 
 
+def _check_init_from(value) -> None:
+    from meshtrain.checkpoint.hf_weights import weight_files  # safetensors in the folder?
+
+    weight_files(value)
+
+
 # The choices, as the modules that implement them define them (tests/test_settings.py checks
 # they agree).
 ACCELERATORS = ("auto", "cpu", "cuda")
@@ -175,6 +181,11 @@ DEFINITIONS = [
        "run_dir's newest checkpoint; a checkpoint folder; none: start afresh.", none=True,
        check=_check_resume,
        error="resume must be 'auto', None or a checkpoint folder, got {value!r}"),
+    _S("init_from", "checkpoint", None, "path",
+       "A Hugging Face model folder (config.json + safetensors) whose weights initialise the "
+       "model once the layout is applied, each rank reading only its shards (a resumed "
+       "checkpoint replaces them); none: the model's own initialisation.", none=True,
+       check=_check_init_from),
     _S("save_final_checkpoint", "checkpoint", True, "bool",
        "Save run_dir/checkpoints/final at the end of fit."),
     # -- fault --------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from meshtrain import checks
+from meshtrain.checkpoint.hf_weights import load_hf_weights
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.resume import model_shapes, resolve_run_dir, resume_fit
 from meshtrain.data.sampler import GlobalBatchSampler, make_loader, release_workers
@@ -102,13 +103,10 @@ class Trainer:
     current_epoch = property(lambda self: self.state.current_epoch)
     num_skipped_steps = property(lambda self: self.state.num_skipped_steps)
     num_rollbacks = property(lambda self: self.state.num_rollbacks)
-
     is_global_zero = property(lambda self: self.rank == 0)
 
-    @property
-    def dp_rank(self) -> int:
-        """This rank's index among the ranks that see different samples."""
-        return self.mesh.batch_rank if self.mesh is not None else 0
+    # this rank's index among the ranks that see different samples
+    dp_rank = property(lambda self: self.mesh.batch_rank if self.mesh is not None else 0)
 
     def print(self, *args, **kwargs) -> None:
         """``print`` on global rank zero only (through the progress bar when one is live)."""
@@ -244,6 +242,8 @@ class Trainer:
             grad_accum_steps=self.grad_accum_steps, on_meta=on_meta,
             sample_inputs=sample_inputs, log=self.print, run_dir=self.run_dir)
         self.model = self.engine.model
+        if self.init_from is not None:  # pretrained weights: each rank reads its own shards
+            load_hf_weights(self.model, self.init_from, partial=self.layout.degree("pp") > 1)
         self.optimizer = build_optimizer(self.model, optimizer_factory, self.mesh)
         checks.check_optimizer(self.optimizer)
         self.lr_scheduler = scheduler_factory(self.optimizer) if scheduler_factory else None

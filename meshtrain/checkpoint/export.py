@@ -1,4 +1,5 @@
-"""``meshtrain export``: turn a (sharded) training checkpoint into one plain ``state_dict`` file.
+"""``meshtrain export``: turn a (sharded) training checkpoint into one plain ``state_dict`` file
+(or, with ``--hf``, a Hugging Face model folder: :func:`meshtrain.checkpoint.hf_export.export_hf`).
 
 Training checkpoints are torch distributed checkpoints: one file per rank, loadable on any world
 size, and they hold optimizer state too. For inference one usually wants the model's weights
@@ -18,12 +19,15 @@ import torch
 from meshtrain.errors import ConfigError
 
 
-def export_model(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike,
-                 dtype: torch.dtype | None = None) -> Path:
-    """Write the model weights of ``checkpoint_dir`` to ``out_file``; return its path."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+def read_model_state(checkpoint_dir: str | os.PathLike,
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model entries of the checkpoint ``checkpoint_dir`` as full tensors, read in this one
+    process (no process group), floating-point ones converted to ``dtype`` when given."""
+    from torch.distributed.checkpoint.state_dict_loader import (
+        _load_state_dict_from_keys,
+    )
 
-    checkpoint_dir, out_file = Path(checkpoint_dir), Path(out_file)
+    checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / ".metadata").is_file():
         raise ConfigError(
             f"{checkpoint_dir} is not a distributed checkpoint (no .metadata file); pass a "
@@ -34,22 +38,63 @@ def export_model(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike,
         state = _load_state_dict_from_keys("model", checkpoint_id=str(checkpoint_dir))["model"]
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return state
+
+
+def export_model(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike,
+                 dtype: torch.dtype | None = None) -> Path:
+    """Write the model weights of ``checkpoint_dir`` to ``out_file``; return its path."""
+    state = read_model_state(checkpoint_dir, dtype)
+    out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, out_file)
     return out_file
 
 
+def saved_hf_config(checkpoint_dir: str | os.PathLike) -> Path:
+    """The Hugging Face config saved with the run of ``checkpoint_dir``:
+    ``<run>/hf_config/config.json`` next to ``<run>/checkpoints/<name>``."""
+    folder = Path(checkpoint_dir).resolve().parent.parent / "hf_config"
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"no Hugging Face config given and none saved with the run ({folder / 'config.json'} "
+            "does not exist); pass --config with the model's config folder or config.json"
+        )
+    return folder
+
+
 def export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="meshtrain export",
-        description="Write a checkpoint's model weights as one plain state_dict file.",
+        description="Write a checkpoint's model weights as one plain state_dict file, or (--hf) "
+                    "as a Hugging Face model folder.",
     )
     parser.add_argument("checkpoint", help="checkpoint folder (e.g. runs/x/<time>/checkpoints/final)")
-    parser.add_argument("out", help="output file, e.g. model.pt")
+    parser.add_argument("out", nargs="?", help="output file, e.g. model.pt (not with --hf)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--hf", metavar="OUT_DIR",
+                        help="write a Hugging Face folder (config.json, model.safetensors)")
+    parser.add_argument("--config", metavar="DIR_OR_FILE",
+                        help="with --hf: the model's config folder or config.json (default: the "
+                             "run's hf_config/ next to its checkpoints/)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="with --hf: copy its tokenizer files")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    path = export_model(args.checkpoint, args.out, dtype)
-    num_bytes = path.stat().st_size
-    print(f"wrote {path} ({num_bytes / 2**20:.1f} MiB)")
+    if args.hf is None:
+        if args.out is None or args.config or args.tokenizer:
+            parser.error("give an output file, or --hf OUT_DIR (--config and --tokenizer go "
+                         "with --hf)")
+        path = export_model(args.checkpoint, args.out, dtype)
+        num_bytes = path.stat().st_size
+        print(f"wrote {path} ({num_bytes / 2**20:.1f} MiB)")
+        return 0
+    if args.out is not None:
+        parser.error("give either an output file or --hf OUT_DIR, not both")
+    from meshtrain.checkpoint.hf_export import export_hf
+
+    config = args.config if args.config else saved_hf_config(args.checkpoint)
+    path = export_hf(args.checkpoint, args.hf, config=config, tokenizer_dir=args.tokenizer,
+                     dtype=dtype)
+    num_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    print(f"wrote {path} ({num_bytes / 2**20:.1f} MiB of weights)")
     return 0

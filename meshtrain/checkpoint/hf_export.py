@@ -1,0 +1,139 @@
+"""``meshtrain export CHECKPOINT --hf OUT_DIR``: a training checkpoint (DCP) as a Hugging Face
+model folder (config.json + safetensors, tied copies left out as ``save_pretrained`` does) that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads. Reading a folder into a layout is
+meshtrain/checkpoint/hf_weights.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from meshtrain.checkpoint.hf_weights import (
+    _TOKENIZER_FILES, SAFE_INDEX, SAFE_WEIGHTS, _clean, _few, _model_tensors,
+)
+from meshtrain.errors import ConfigError
+
+
+# --- Writing a folder ---------------------------------------------------------------------------
+def _resolve_config(config):
+    """A ``PretrainedConfig`` from itself, a folder holding config.json, or a config.json file."""
+    import transformers
+
+    if isinstance(config, transformers.PretrainedConfig):
+        return config
+    path = Path(config)
+    folder = path.parent if path.is_file() else path
+    if not (folder / "config.json").is_file() or (path.is_file() and path.name != "config.json"):
+        raise ConfigError(f"no Hugging Face config at {path}: pass a folder holding "
+                          "config.json (or the config.json file itself)")
+    return transformers.AutoConfig.from_pretrained(folder)
+
+
+def _reference_names(config) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """The names and shapes a ``from_pretrained`` model of ``config`` expects, and its tied
+    copies (left out of the files, as ``save_pretrained`` does) -> the name they copy. Built on
+    the meta device: nothing is allocated."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tied = {}
+    for group in _model_tensors(model):
+        for name in group[1:]:
+            tied[name] = group[0]
+    return shapes, tied
+
+
+def _write_shards(state: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    for old in list(out_dir.glob("model*.safetensors")) + [out_dir / SAFE_INDEX]:
+        old.unlink(missing_ok=True)  # a previous export's shards must not mix with these
+    if len(shards) == 1:
+        save_file(shards[0], out_dir / SAFE_WEIGHTS, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out_dir / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values()),
+                          "total_parameters": sum(t.numel() for t in state.values())},
+             "weight_map": weight_map}
+    (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, config,
+              tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
+              max_shard_bytes: int = 5 * 10**9) -> Path:
+    """Write the model weights of the training checkpoint ``checkpoint_dir`` as a Hugging Face
+    folder ``out_dir``; return its path.
+
+    ``config``: a ``transformers.PretrainedConfig`` or a folder (or file) holding config.json,
+    the architecture the checkpoint was trained as. Written: ``config.json``, the weights as
+    ``model.safetensors`` (or ``model-0000x-of-0000y.safetensors`` shards with an index when
+    larger than ``max_shard_bytes``), tied copies left out (as ``save_pretrained`` does), and the
+    tokenizer files of ``tokenizer_dir`` when given. ``dtype`` converts floating-point weights
+    (and is recorded in config.json). Reads the checkpoint in this one process (no process
+    group); the names and shapes are checked against ``config`` before anything is written.
+    """
+    from meshtrain.checkpoint.export import read_model_state
+
+    out_dir = Path(out_dir)
+    config = _resolve_config(config)
+    if max_shard_bytes < 1:
+        raise ConfigError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    state = {_clean(k): v for k, v in read_model_state(checkpoint_dir, dtype).items()}
+    shapes, tied = _reference_names(config)
+    expected = set(shapes) - set(tied)
+    missing = expected - set(state)
+    extra = set(state) - set(shapes)
+    arch = (config.architectures or [type(config).__name__])[0]
+    if missing or extra:
+        raise ConfigError(
+            f"the checkpoint {checkpoint_dir} does not match the config ({arch}): "
+            + (f"missing {_few(missing)}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"not in the config's model {_few(extra)}" if extra else "")
+            + "; pass the config the model was trained with")
+    for name in shapes:  # (in the model's order: the first mismatch is the telling one)
+        if name in expected and tuple(state[name].shape) != shapes[name]:
+            raise ConfigError(f"{name}: the checkpoint holds shape {tuple(state[name].shape)}, "
+                              f"the config's model {shapes[name]} ({arch}); pass the config "
+                              "the model was trained with")
+    for name, source in tied.items():  # a tied copy that was trained apart is not a copy
+        if name in state and source in state and not torch.equal(state[name], state[source]):
+            raise ConfigError(
+                f"the config ties {name} to {source} (tie_word_embeddings), but the checkpoint "
+                "holds different values for them; pass a config with tie_word_embeddings=False")
+    state = {name: state[name].contiguous() for name in shapes if name in expected}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    floating = [t.dtype for t in state.values() if t.is_floating_point()]
+    if floating:
+        config.dtype = floating[0]
+    config.save_pretrained(out_dir)
+    _write_shards(state, out_dir, max_shard_bytes)
+    if tokenizer_dir is not None:
+        tokenizer_dir = Path(tokenizer_dir)
+        found = [tokenizer_dir / f for f in _TOKENIZER_FILES if (tokenizer_dir / f).is_file()]
+        if not found:
+            raise ConfigError(f"no tokenizer files in {tokenizer_dir} (looked for "
+                              f"{', '.join(_TOKENIZER_FILES[:4])}, ...)")
+        for file in found:
+            shutil.copy2(file, out_dir / file.name)
+    return out_dir
