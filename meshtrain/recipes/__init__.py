@@ -34,7 +34,7 @@ from meshtrain.config import dumps_toml, load_toml, resolve
 from meshtrain.errors import ConfigError
 
 MODES = ("train", "lr-find", "memory")
-BUILTIN = ("char_lm",)
+BUILTIN = ("char_lm", "causal_lm")
 
 
 def load_recipe(name: str, origin: str = "the config"):

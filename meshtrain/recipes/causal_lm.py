@@ -1,0 +1,302 @@
+"""Recipe ``causal_lm``: pre-train or fine-tune a causal language model on prepared token shards.
+
+The model is a Hugging Face causal LM built from its config (``[model] architecture`` = llama,
+qwen2 or mistral with the sizes below, or ``hf_config`` = a local config.json / folder, or
+``pretrained`` = a local model folder whose weights initialise it), or meshtrain's own GPT
+(``architecture = "gpt"``). The data are the memory-mapped shards ``meshtrain prepare`` writes
+(``[data] path``: its ``--out`` folder, holding ``train/``, ``val/`` and ``tokenizer.json``),
+packed into sequences of ``seq_len`` tokens. AdamW without weight decay on norms, biases and
+embeddings (meshtrain.optim), linear warm-up then cosine; the loss is the token mean over the
+global batch (meshtrain.losses). At the end it prints the validation perplexity beside the
+unigram baseline of the same tokenizer, and a sample.
+
+    meshtrain prepare mytexts/ --out data/mycorpus --train-tokenizer 4096 --val-fraction 0.02
+    meshtrain train examples/llama_tiny.toml --data.path=data/mycorpus
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshtrain import losses, settings
+from meshtrain.callbacks import Callback
+from meshtrain.config import dumps_toml
+from meshtrain.errors import ConfigError
+from meshtrain.optim import AdamW
+from meshtrain.parity import whole_state
+from meshtrain.recipes.char_lm import cosine_with_warmup
+from meshtrain.trainer import Trainer
+
+ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                 "mistral": ("MistralConfig", "MistralForCausalLM"), "gpt": None}
+
+TRAINER_DEFAULTS = {
+    "trainer": {"layout": "dp=2", "devices": 2, "max_steps": 300, "grad_clip_norm": 1.0,
+                "val_every_n_steps": 100, "limit_val_batches": 20},
+    "logging": {"log_every_n_steps": 10},
+}
+
+
+def _trainer_sections() -> dict[str, dict]:
+    sections = settings.config_sections()
+    for section, values in TRAINER_DEFAULTS.items():
+        sections[section].update(values)
+    return sections
+
+
+DEFAULTS = {
+    "job": {"recipe": "causal_lm"},
+    # path: the --out folder of `meshtrain prepare`; tokenizer: its tokenizer.json unless given
+    "data": {"path": "", "seq_len": 256, "tokenizer": ""},
+    # sizes apply when neither hf_config nor pretrained gives the config; vocab_size 0: the
+    # tokenizer's, padded to vocab_multiple (tensor parallel splits the vocabulary)
+    "model": {"architecture": "llama", "hf_config": "", "pretrained": "", "hidden_size": 128,
+              "num_layers": 4, "num_heads": 4, "num_kv_heads": 4, "intermediate_size": 0,
+              "vocab_size": 0, "vocab_multiple": 64, "max_position_embeddings": 2048,
+              "tie_word_embeddings": False},
+    "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
+                  "warmup_steps": 30, "min_lr_ratio": 0.1},
+    **_trainer_sections(),
+    "sample": {"prompt": "def ", "num_tokens": 48, "temperature": 0.8, "top_k": 20},
+}
+
+
+# -- data ----------------------------------------------------------------------------------------
+def data_paths(data: dict) -> tuple[Path, Path, Path]:
+    """(train folder, val folder, tokenizer.json) of ``[data]``, checked to exist."""
+    if not data["path"]:
+        raise ConfigError("data.path is empty: give the --out folder of `meshtrain prepare` "
+                          "(e.g. `meshtrain prepare texts/ --out data/corpus --train-tokenizer "
+                          "4096 --val-fraction 0.02`, then --data.path=data/corpus)")
+    root = Path(data["path"])
+    train, val = root / "train", root / "val"
+    if not (train / "meta.json").is_file():
+        raise ConfigError(f"data.path {root} holds no prepared token shards ({train}/meta.json "
+                          "is missing); run `meshtrain prepare ... --out "
+                          f"{root}` first")
+    tokenizer = Path(data["tokenizer"]) if data["tokenizer"] else root / "tokenizer.json"
+    return train, val, tokenizer
+
+
+def load_data(config: dict):
+    """The train and validation datasets (val None without a val split) and the shards' meta,
+    after checking the tokenizer is the one the shards were written with."""
+    from meshtrain.data.tokens import PackedTokens, check_tokenizer
+
+    train, val, tokenizer = data_paths(config["data"])
+    check_tokenizer(train, tokenizer)
+    hf = config["model"]["architecture"] != "gpt"
+    seq_len = config["data"]["seq_len"]
+    train_set = PackedTokens(train, seq_len, dict_batches=hf)
+    val_set = PackedTokens(val, seq_len, dict_batches=hf) if (val / "meta.json").is_file() else None
+    return train_set, val_set, train_set.meta
+
+
+def unigram_baseline(train_set, val_set, vocab_size: int, max_tokens: int = 50_000_000) -> float:
+    """Cross-entropy (nats/token) on the validation tokens of the unigram distribution of the
+    training tokens (add-one smoothed): what a model has to beat."""
+    def counts(dataset) -> np.ndarray:
+        n = min(dataset.num_tokens, max_tokens)
+        return np.bincount(dataset.read(0, n).astype(np.int64), minlength=vocab_size)
+
+    train, val = counts(train_set), counts(val_set if val_set is not None else train_set)
+    logp = np.log((train + 1) / (train.sum() + vocab_size))
+    return float(-(val * logp).sum() / max(1, val.sum()))
+
+
+# -- model ---------------------------------------------------------------------------------------
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("the causal_lm recipe builds Hugging Face models: pip install "
+                          "'meshtrain[hf]' (transformers), or set model.architecture = \"gpt\"")
+    return transformers
+
+
+def model_config(config: dict, tokenizer_vocab: int):
+    """The model's config: a ``transformers`` config, or a GPTConfig for ``gpt``; checked
+    against the tokenizer's vocabulary and ``seq_len`` before any process starts."""
+    from meshtrain.data.tokens import check_model_vocab
+
+    m, seq_len = config["model"], config["data"]["seq_len"]
+    if m["architecture"] not in ARCHITECTURES:
+        raise ConfigError(f"model.architecture {m['architecture']!r} is not one of "
+                          f"{', '.join(ARCHITECTURES)}; or give model.hf_config (a config.json)")
+    vocab = m["vocab_size"] or -(-tokenizer_vocab // m["vocab_multiple"]) * m["vocab_multiple"]
+    if m["architecture"] == "gpt":
+        from meshtrain.models.gpt import GPTConfig
+
+        cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, num_layers=m["num_layers"],
+                        num_heads=m["num_heads"], d_model=m["hidden_size"])
+        check_model_vocab({"vocab_size": tokenizer_vocab}, cfg.vocab_size, key="model.vocab_size")
+        return cfg
+    tf = _transformers()
+    source = m["hf_config"] or m["pretrained"]
+    if source:
+        if not Path(source).exists():
+            raise ConfigError(f"model.{'hf_config' if m['hf_config'] else 'pretrained'} "
+                              f"{source} does not exist; give a local config.json or model folder")
+        cfg = tf.AutoConfig.from_pretrained(source)
+        key = "the vocab_size of " + str(source)
+    else:
+        config_class = getattr(tf, ARCHITECTURES[m["architecture"]][0])
+        hidden = m["hidden_size"]
+        inner = m["intermediate_size"] or 64 * math.ceil(8 * hidden / 3 / 64)
+        cfg = config_class(vocab_size=vocab, hidden_size=hidden, intermediate_size=inner,
+                           num_hidden_layers=m["num_layers"], num_attention_heads=m["num_heads"],
+                           num_key_value_heads=m["num_kv_heads"],
+                           max_position_embeddings=m["max_position_embeddings"],
+                           tie_word_embeddings=m["tie_word_embeddings"])
+        key = "model.vocab_size"
+    check_model_vocab({"vocab_size": tokenizer_vocab}, cfg.vocab_size, key=key)
+    if seq_len > cfg.max_position_embeddings:
+        raise ConfigError(f"data.seq_len={seq_len} is above the model's maximum "
+                          f"max_position_embeddings={cfg.max_position_embeddings}; use a "
+                          "shorter seq_len (or a larger model.max_position_embeddings)")
+    return cfg
+
+
+def model_factory(config: dict, cfg, seed: int):
+    if config["model"]["architecture"] == "gpt":
+        from meshtrain.models.gpt import GPT
+
+        return lambda: GPT(cfg, seed=seed)
+    from meshtrain.models.hf import _build
+
+    model_class = getattr(_transformers(), type(cfg).__name__.replace("Config", "ForCausalLM"))
+    return lambda: _build(model_class, cfg, seed)
+
+
+def _tokenizer_vocab(tokenizer_path: Path) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_path)).get_vocab_size(with_added_tokens=True)
+
+
+# -- the job -------------------------------------------------------------------------------------
+def trainer_keywords(config: dict) -> dict:
+    keywords = settings.flatten(config)
+    if config["model"]["pretrained"] and keywords.get("init_from") is None:
+        keywords["init_from"] = config["model"]["pretrained"]
+    return keywords
+
+
+def check(config: dict, mode: str = "train") -> str:
+    """``--dry-run``: the Trainer, the data folder, the tokenizer and the model config checked;
+    nothing trains."""
+    trainer = Trainer(**trainer_keywords(config))
+    train, _, tokenizer = data_paths(config["data"])
+    from meshtrain.data.tokens import check_tokenizer
+
+    check_tokenizer(train, tokenizer)
+    cfg = model_config(config, _tokenizer_vocab(tokenizer))
+    return (f"layout {trainer.layout}, {trainer.world_size} processes, model "
+            f"{type(cfg).__name__}, vocabulary {cfg.vocab_size}")
+
+
+class _SaveRun(Callback):
+    """The resolved config, the model's config (``hf_config/``, what `meshtrain export --hf`
+    reads) and the tokenizer, in the run folder."""
+
+    def __init__(self, config: dict, cfg, tokenizer: Path):
+        self.config, self.cfg, self.tokenizer = config, cfg, tokenizer
+
+    def on_fit_start(self, trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        (trainer.run_dir / "config.toml").write_text(dumps_toml(self.config))
+        if hasattr(self.cfg, "save_pretrained"):
+            self.cfg.save_pretrained(trainer.run_dir / "hf_config")
+        (trainer.run_dir / "tokenizer.json").write_bytes(self.tokenizer.read_bytes())
+
+
+def job(config: dict) -> dict:
+    """What ``meshtrain parity`` trains."""
+    train_set, _, meta = load_data(config)
+    _, _, tokenizer = data_paths(config["data"])
+    cfg = model_config(config, _tokenizer_vocab(tokenizer))
+    flat = settings.flatten(config)
+    return dict(_parts(config, cfg, flat["seed"], flat["max_steps"] or 10**9),
+                train_data=train_set)
+
+
+def _parts(config: dict, cfg, seed: int, total_steps: int) -> dict:
+    opt = config["optimizer"]
+    schedule = cosine_with_warmup(total_steps, opt["warmup_steps"], opt["min_lr_ratio"])
+    gpt = config["model"]["architecture"] == "gpt"
+    return dict(model=model_factory(config, cfg, seed),
+                optimizer=AdamW(lr=opt["lr"], weight_decay=opt["weight_decay"],
+                                betas=(opt["beta1"], opt["beta2"])),
+                loss_fn=losses.cross_entropy() if gpt else None,  # HF: the model's own (global mean)
+                lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
+
+
+def run(config: dict, mode: str = "train"):
+    train_set, val_set, meta = load_data(config)
+    _, _, tokenizer_path = data_paths(config["data"])
+    cfg = model_config(config, _tokenizer_vocab(tokenizer_path))
+    keywords = trainer_keywords(config)
+    if mode == "memory":
+        keywords.update(max_steps=1, val_every_n_steps=None, progress_bar=False, resume=None,
+                        checkpoint_every_n_steps=None, loggers=(), save_final_checkpoint=False)
+    trainer = Trainer(**keywords, callbacks=[_SaveRun(config, cfg, tokenizer_path)])
+    parts = _parts(config, cfg, trainer.seed, keywords["max_steps"] or 10**9)
+    fit = dict(optimizer=parts["optimizer"], loss_fn=parts["loss_fn"])
+    if mode == "lr-find":
+        return trainer.lr_find(parts["model"], train_set, **fit)
+    if mode == "memory":
+        trainer.fit(parts["model"], train_set, **fit)
+        return {"run_dir": trainer.run_dir}
+    trainer.print(f"data: {train_set.num_tokens:,} training tokens in {len(train_set):,} "
+                  f"sequences of {train_set.seq_len}; vocabulary {meta['vocab_size']}")
+    model = trainer.fit(parts["model"], train_set, val_set, lr_scheduler=parts["lr_scheduler"],
+                        **fit)
+    val_loss = trainer.callback_metrics.get("val/loss")
+    baseline = unigram_baseline(train_set, val_set, meta["vocab_size"])
+    model = _whole_model(trainer, model, parts["model"])
+    if trainer.is_global_zero:
+        if val_loss is not None:
+            print(f"\nvalidation perplexity {math.exp(val_loss):.1f} (loss {val_loss:.3f} nats/"
+                  f"token); unigram baseline {math.exp(baseline):.1f} ({baseline:.3f})")
+        print("--- sample ---------------------------------------------------------")
+        print(sample(model, tokenizer_path, config["sample"], trainer, config["data"]["seq_len"]))
+        print("--------------------------------------------------------------------")
+    return {"val_loss": val_loss, "baseline": baseline, "run_dir": trainer.run_dir}
+
+
+def _whole_model(trainer, model, build):
+    """The whole model on rank 0 (gathered from shards and stages; None elsewhere)."""
+    layout = trainer.layout
+    if layout.degree("pp") == 1 and not layout.is_sharded and layout.degree("tp") == 1:
+        return model
+    state = whole_state(model, layout.degree("pp"))  # collective
+    if not trainer.is_global_zero:
+        return None
+    whole = build().to(trainer.device)
+    whole.load_state_dict(state)
+    return whole
+
+
+@torch.no_grad()
+def sample(model, tokenizer_path: Path, options: dict, trainer, window: int) -> str:
+    """``options["num_tokens"]`` tokens after the prompt, top-k sampled, the model seeing at
+    most the last ``window`` tokens (its training length)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    ids = torch.tensor([tokenizer.encode(options["prompt"]).ids], device=trainer.device)
+    generator = torch.Generator(device=trainer.device).manual_seed(trainer.seed)
+    model.eval()
+    for _ in range(options["num_tokens"]):
+        out = model(ids[:, -window:])
+        logits = getattr(out, "logits", out)[:, -1, :].float() / max(options["temperature"], 1e-6)
+        top = torch.topk(logits, min(options["top_k"], logits.shape[-1]))
+        choice = torch.multinomial(torch.softmax(top.values, -1), 1, generator=generator)
+        ids = torch.cat([ids, top.indices.gather(-1, choice)], dim=1)
+    return tokenizer.decode(ids[0].tolist())

@@ -1,0 +1,68 @@
+"""The causal_lm recipe: prepared token shards -> a Hugging Face Llama (or meshtrain's GPT)
+trained from a config; every bad input is a clear error before any process starts."""
+
+import shutil
+
+import pytest
+
+from meshtrain import cli
+from meshtrain.data.prepare import prepare
+
+pytestmark = pytest.mark.timeout(300)
+
+TEXTS = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 20 for i in range(24)]
+TINY = ["--model.hidden_size=32", "--model.num_layers=2", "--model.num_heads=2",
+        "--model.num_kv_heads=1", "--data.seq_len=32", "--trainer.global_batch_size=4",
+        "--trainer.layout=none", "--trainer.devices=1", "--trainer.max_steps=3",
+        "--trainer.val_every_n_steps=3", "--trainer.limit_val_batches=2",
+        "--checkpoint.checkpoint_every_n_steps=none", "--checkpoint.resume=none",
+        "--model.vocab_multiple=8"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    for i, text in enumerate(TEXTS):
+        (root / f"doc{i:02d}.py").write_text(text)
+    out = tmp_path_factory.mktemp("prepared")
+    prepare([root], out, train_tokenizer_vocab=300, val_fraction=0.2, overwrite=True,
+            log=lambda *a: None)
+    return out
+
+
+def train(corpus, tmp_path, *extra, dry_run=False):
+    args = ["train", "examples/llama_tiny.toml", f"--data.path={corpus}",
+            f"--logging.root_dir={tmp_path}", *TINY, *extra]
+    return cli.main(args + (["--dry-run"] if dry_run else []))
+
+
+def test_llama_trains_and_samples(corpus, tmp_path, capsys):
+    assert train(corpus, tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "validation perplexity" in out and "unigram baseline" in out and "--- sample" in out
+    run = next((tmp_path / "llama_tiny").iterdir())
+    assert (run / "hf_config" / "config.json").is_file() and (run / "tokenizer.json").is_file()
+    assert (run / "checkpoints" / "final").is_dir()
+
+
+def test_gpt_architecture_trains(corpus, tmp_path):
+    assert train(corpus, tmp_path, "--model.architecture=gpt") == 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--data.path={missing}"], "holds no prepared token shards"),
+    (["--data.tokenizer={missing}/tokenizer.json"], "does not exist"),
+    (["--data.tokenizer={other}"], "is not the one the shards were written with"),
+    (["--model.vocab_size=64"], "smaller than the token shards' vocab_size"),
+    (["--data.seq_len=64", "--model.max_position_embeddings=48"], "above the model's maximum"),
+    (["--model.architecture=bert"], "is not one of llama, qwen2, mistral, gpt"),
+])
+def test_bad_inputs_are_clear_errors_before_any_process(corpus, tmp_path, capsys, extra, message):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.txt").write_text("some other text entirely " * 50)
+    prepare([other], tmp_path / "other_out", train_tokenizer_vocab=280, log=lambda *a: None)
+    shutil.copy(tmp_path / "other_out" / "tokenizer.json", tmp_path / "other.json")
+    extra = [e.format(missing=tmp_path / "nowhere", other=tmp_path / "other.json") for e in extra]
+    assert train(corpus, tmp_path, *extra, dry_run=True) == 2
+    assert message in capsys.readouterr().err
