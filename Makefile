@@ -1,12 +1,15 @@
 # Two commands on a fresh machine:
 #   make demo   set up .venv and run the main job (a char-level GPT on 2 CPU processes)
 #   make test   set up .venv and run the test suite
+# and the language-model job:
+#   make llm    token shards of the standard library's sources, a small Llama pre-trained on
+#               them (2 CPU processes), exported as a Hugging Face folder and loaded back
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench setup clean
+.PHONY: demo llm test bench setup clean
 
 setup: $(STAMP)
 
@@ -19,6 +22,18 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/meshtrain train examples/char_gpt.toml --checkpoint.resume=none
+
+# the standard library's top-level sources: text that is on every machine
+STDLIB := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+
+llm: $(STAMP)
+	$(BIN)/meshtrain prepare $(STDLIB)/*.py --out runs/llm_data --train-tokenizer 4096 \
+		--val-fraction 0.05 --overwrite
+	$(BIN)/meshtrain train examples/llama_tiny.toml --checkpoint.resume=none
+	run=$$(ls -td runs/llama_tiny/2*/ | head -1); \
+	$(BIN)/meshtrain export $${run}checkpoints/final --hf $${run}hf --tokenizer $$run && \
+	ln -sfn $$(basename $$run)/hf runs/llama_tiny/hf && \
+	$(BIN)/python examples/generate_hf.py runs/llama_tiny/hf "def "
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10
