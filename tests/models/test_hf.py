@@ -66,9 +66,10 @@ def test_tp_config_errors():
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("layout", ["dp=2", "zero3=2", "tp=2"])
+@pytest.mark.parametrize("layout", ["dp=2", "zero3=2", "tp=2", "dp_shard=2,tp=2"])
 def test_llama_parity(layout):
-    assert_parity(layout, 2, steps=STEPS, global_batch_size=BATCH, fns=LLAMA_FNS)
+    ranks = 4 if "," in layout else 2
+    assert_parity(layout, ranks, steps=10, global_batch_size=BATCH, fns=LLAMA_FNS)
 
 
 def tied_llama():

@@ -101,7 +101,7 @@ def test_tied_llama_is_refused_before_any_process(tmp_path, monkeypatch):
 
 
 def test_llama_pp2_dict_batches_match_one_process():
-    assert_parity("pp=2", 2, steps=STEPS, global_batch_size=BATCH, micro_batch_size=MICRO,
+    assert_parity("pp=2", 2, steps=10, global_batch_size=BATCH, micro_batch_size=MICRO,
                   fns=DICT_FNS)
 
 
