@@ -4,6 +4,7 @@ trained from a config; every bad input is a clear error before any process start
 import shutil
 
 import pytest
+import torch
 
 from meshtrain import cli
 from meshtrain.data.prepare import prepare
@@ -66,3 +67,39 @@ def test_bad_inputs_are_clear_errors_before_any_process(corpus, tmp_path, capsys
     extra = [e.format(missing=tmp_path / "nowhere", other=tmp_path / "other.json") for e in extra]
     assert train(corpus, tmp_path, *extra, dry_run=True) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example, extra", [
+    ("llama_tiny", []), ("llama_1b_zero3", []), ("llama_1b_tp", []), ("llama_1b_pp", []),
+    ("llama_1b_3d", ["--trainer.devices=32"]),
+])
+def test_example_configs_pass_a_dry_run(corpus, example, extra, capsys):
+    code = cli.main(["train", f"examples/{example}.toml", "--dry-run", f"--data.path={corpus}",
+                     *extra])
+    assert code == 0, capsys.readouterr().err
+    assert "config OK" in capsys.readouterr().out
+
+
+def test_finetune_starts_from_the_pretrained_folder(corpus, tmp_path, capsys):
+    """examples/llama_finetune.toml with a pretrained folder: one step at learning rate 0 ends
+    with exactly the folder's weights; a missing folder is refused before any process."""
+    from safetensors.torch import load_file
+
+    from meshtrain.checkpoint.hf_export import export_hf
+    from meshtrain.models.hf import tiny_llama
+
+    tiny_llama(vocab_size=320, hidden_size=32, num_layers=2, seed=5).save_pretrained(
+        tmp_path / "hf")
+    common = ["train", "examples/llama_finetune.toml", f"--data.path={corpus}",
+              f"--data.tokenizer={corpus}/tokenizer.json", f"--logging.root_dir={tmp_path}",
+              "--trainer.layout=none", "--trainer.devices=1", "--data.seq_len=16",
+              "--trainer.global_batch_size=4", "--trainer.val_every_n_steps=none",
+              "--checkpoint.resume=none"]
+    assert cli.main([*common, "--model.pretrained=nowhere", "--dry-run"]) == 2
+    assert "folder nowhere does not exist" in capsys.readouterr().err
+    assert cli.main([*common, f"--model.pretrained={tmp_path / 'hf'}", "--trainer.max_steps=1",
+                     "--optimizer.lr=0.0", "--optimizer.warmup_steps=1"]) == 0
+    run = next((tmp_path / "llama_finetune").iterdir())
+    out = export_hf(run / "checkpoints" / "final", tmp_path / "out", config=tmp_path / "hf")
+    got, want = load_file(out / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
