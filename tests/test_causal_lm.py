@@ -101,5 +101,6 @@ def test_finetune_starts_from_the_pretrained_folder(corpus, tmp_path, capsys):
                      "--optimizer.lr=0.0", "--optimizer.warmup_steps=1"]) == 0
     run = next((tmp_path / "llama_finetune").iterdir())
     out = export_hf(run / "checkpoints" / "final", tmp_path / "out", config=tmp_path / "hf")
-    got, want = load_file(out / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    want = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)

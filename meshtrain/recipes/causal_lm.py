@@ -233,7 +233,8 @@ def _parts(config: dict, cfg, seed: int, total_steps: int) -> dict:
     return dict(model=model_factory(config, cfg, seed),
                 optimizer=AdamW(lr=opt["lr"], weight_decay=opt["weight_decay"],
                                 betas=(opt["beta1"], opt["beta2"])),
-                loss_fn=losses.cross_entropy() if gpt else None,  # HF: the model's own (global mean)
+                # Hugging Face models compute their own loss (a global mean too)
+                loss_fn=losses.cross_entropy() if gpt else None,
                 lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
 
 
