@@ -35,6 +35,7 @@ _TYPE_TEXT = {
     "devices": 'integer or "auto"', "layout": "layout string or table",
     "int_list": "list of integers", "callbacks": "list of Callback", "callable": "function",
     "tp_plan": "dict (module name -> ParallelStyle)", "resume": '"auto", a path',
+    "metrics": "list of metric names",
 }
 
 

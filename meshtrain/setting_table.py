@@ -34,6 +34,12 @@ def _check_resume(value) -> None:
     check_resume(value)
 
 
+def _check_metrics(value) -> None:
+    from meshtrain.metrics import resolve
+
+    resolve(value)
+
+
 def _check_init_from(value) -> None:
     from meshtrain.checkpoint.hf_weights import weight_files  # safetensors in the folder?
 
@@ -98,6 +104,10 @@ DEFINITIONS = [
     _S("limit_val_batches", "trainer", None, "int",
        "Use at most this many validation micro-batches per rank; none: all of them.",
        none=True, minimum=1),
+    _S("metrics", "trainer", (), "metrics",
+       'Validation and test metrics besides the loss: "perplexity", "token_accuracy" or '
+       "meshtrain.metrics.Metric objects; reduced over every rank (docs/llm.md).",
+       check=_check_metrics),
     _S("num_workers", "trainer", 0, "int",
        "DataLoader worker processes per rank (for data given as a Dataset).", minimum=0),
     _S("callbacks", "trainer", (), "callbacks",

@@ -50,6 +50,7 @@ _FITS: dict[str, Callable[[Setting, object], bool]] = {
     and all(a < b for a, b in zip(v, v[1:])),
     "callbacks": lambda s, v: isinstance(v, Iterable) and not isinstance(v, (str, bytes, dict)),
     "callable": lambda s, v: callable(v),
+    "metrics": lambda s, v: isinstance(v, (list, tuple)),
     "tp_plan": lambda s, v: isinstance(v, dict) or callable(v),
 }
 _WHAT = {
@@ -59,6 +60,7 @@ _WHAT = {
     "int_list": "a list of strictly increasing block indices >= 1 (the first block of stages "
                 "1, 2, ...)",
     "callbacks": "a list of Callback objects", "callable": "a function",
+    "metrics": "a list of metric names or meshtrain.metrics.Metric objects",
     "tp_plan": "a dict (module name -> ParallelStyle)",
 }
 

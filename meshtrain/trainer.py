@@ -375,15 +375,14 @@ class Trainer:
         return metrics
 
     def validate(self, val_data: DataLike | None = None) -> dict[str, float]:
-        """Mean loss over ``val_data`` (default: the fit's validation data) on the fitted model."""
+        """Loss and metrics over ``val_data`` (default: the fit's validation data)."""
         data = val_data if val_data is not None else self._val_data
         if self.model is None or data is None:
             raise ConfigError("call fit(...) first, and pass val_data here or to fit")
         return self._evaluate(data, prefix="val")
 
     def test(self, test_data: DataLike) -> dict[str, float]:
-        """Mean loss over all of ``test_data`` on the fitted model (``limit_val_batches`` is for
-        validation only)."""
+        """Loss and metrics over all of ``test_data`` (``limit_val_batches`` is for validation)."""
         if self.model is None:
             raise ConfigError("call fit(...) before test(...)")
         metrics = self._evaluate(test_data, prefix="test")
@@ -391,7 +390,7 @@ class Trainer:
         return metrics
 
     def _evaluate(self, data: DataLike, prefix: str) -> dict[str, float]:
-        """Sample-weighted mean loss; every sample is seen exactly once over all ranks (in
+        """Mean loss and ``metrics``; every sample is seen exactly once over all ranks (in
         validation, only the first ``limit_val_batches`` micro-batches per rank)."""
         limit = self.limit_val_batches if prefix == "val" else None
         dataset, ways = checks.dataset_of(data, prefix), self.layout.batch_degree
@@ -400,7 +399,8 @@ class Trainer:
             micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_degree=ways,
             shuffle=False, last_batch="partial")
         loader = self._loader(dataset, data, sampler, persistent=False)  # workers end with it
-        return {f"{prefix}/loss": self.engine.evaluate(loader, limit)}
+        values = self.engine.evaluate(loader, limit, self.metrics)
+        return {f"{prefix}/{k}": v for k, v in values.items()}
 
     # -- checkpoints, logging, callbacks ----------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict, dict]:

@@ -91,6 +91,7 @@ def _bad_values(setting) -> list:
         "callable": [3],
         "tp_plan": [3],
         "resume": [3, "/no/such/checkpoint"],
+        "metrics": [["accuracy"], "perplexity", 3, ["loss"]],
     }[kind]
 
 

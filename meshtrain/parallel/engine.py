@@ -84,11 +84,12 @@ def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled
 
 
 def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None,
-                 summed: bool = False) -> torch.Tensor:
+                 summed: bool = False, with_output: bool = False):
     """``loss_fn(module(inputs), targets)``, or the loss the module returns itself. ``summed``
     (a global-mean loss, meshtrain.losses): the micro-batch's sum (``loss_fn``'s, or the
-    model's own with ``num_items_in_batch=1``). An error at this boundary keeps torch's message
-    and gains a note of what meshtrain fed and expected."""
+    model's own with ``num_items_in_batch=1``); ``with_output``: (loss, the model's output). An
+    error at this boundary keeps torch's message and gains a note of what meshtrain fed and
+    expected."""
     if loss_fn is not None:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ConfigError(
@@ -107,7 +108,7 @@ def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None,
                 f"loss_fn returned {describe(loss)}, but meshtrain needs one number per "
                 "micro-batch (a scalar tensor: the mean loss over its samples); reduce it, e.g. "
                 "reduction='mean' or loss.mean()")
-        return loss
+        return (loss, output) if with_output else loss
     extra = {"num_items_in_batch": 1} if summed else {}
     with _noted(lambda: "without loss_fn meshtrain calls the model with the whole batch "
                 f"{describe(batch)} (model(*batch), or model(**batch) for a dict) and expects "
@@ -120,7 +121,7 @@ def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None,
         raise ConfigError(
             "without loss_fn the model must return the loss (a scalar tensor, or an object "
             f"with .loss / ['loss']); it returned {got}. Pass loss_fn=")
-    return loss
+    return (loss, out) if with_output else loss
 
 
 def loss_counter(model: torch.nn.Module, loss_fn, adapt: Callable | None = None):
@@ -258,18 +259,25 @@ class Engine:
         return plain(norm).detach()
 
     @torch.no_grad()
-    def evaluate(self, batches, limit: int | None = None) -> float:
-        """Mean loss over ``batches`` (at most ``limit`` of them here), summed over the stages
-        and loss ranks so every sample of every rank counts once: weighted by samples for a
-        mean loss, by items for a global-mean loss."""
+    def evaluate(self, batches, limit: int | None = None, metrics=()) -> dict[str, float]:
+        """``{"loss": ..., <metric>: ...}`` over ``batches`` (at most ``limit`` of them here),
+        summed over the stages and loss ranks so every sample of every rank counts once. The
+        loss is weighted by samples for a mean loss, by items for a global-mean loss;
+        ``metrics``: names or meshtrain.metrics.Metric objects, reduced the same way."""
+        from meshtrain.metrics import resolve
+
+        metrics = resolve(metrics)
         was_training = self.model.training
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, weight
+        sizes = [m.num_sums for m in metrics]
+        # loss sum, weight, then every metric's sums: one all-reduce for all of them
+        totals = torch.zeros(2 + sum(sizes), dtype=torch.float64, device=self.device)
+        sums = list(totals[2:].split(sizes)) if metrics else []
         for i, batch in enumerate(batches):
             if limit is not None and i >= limit:
                 break
             batch = to_device(batch, self.device)
-            loss = self.eval_loss(batch)
+            loss = self.eval_loss(batch, with_output=bool(metrics))
             if loss is None:  # a pipeline rank without the last stage
                 continue
             if self.counter is None:
@@ -279,17 +287,24 @@ class Engine:
                 weight = self.counter(batch).double() / self.layout.degree("cp")
                 totals[0] += loss.double()
             totals[1] += weight
+            for metric, part in zip(metrics, sums):
+                metric.update(part, *self.eval_seen)
         self.model.train(was_training)
         self.mesh.sum_over_loss_ranks(totals)
-        return float(totals[0] / totals[1].clamp(min=1))
+        loss = float(totals[0] / totals[1].clamp(min=1))
+        return {"loss": loss, **{m.name: m.compute(part, loss) for m, part in zip(metrics, sums)}}
 
     @torch.no_grad()
-    def eval_loss(self, batch) -> torch.Tensor | None:
+    def eval_loss(self, batch, with_output: bool = False) -> torch.Tensor | None:
         """The loss of one batch: its mean, or for a global-mean loss its sum (None on ranks
-        that do not compute it)."""
+        that do not compute it). ``with_output``: (output, batch as the model saw it) kept in
+        ``eval_seen`` for metrics."""
+        batch = self.shard(batch)
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
-            return plain(compute_loss(self.model, self.shard(batch), self.loss_fn,
-                                      self.counter is not None))
+            loss, output = compute_loss(self.model, batch, self.loss_fn,
+                                        self.counter is not None, with_output=True)
+        self.eval_seen = (output, batch) if with_output else None
+        return plain(loss)
 
 
 class StepItems:

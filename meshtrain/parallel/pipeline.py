@@ -194,6 +194,7 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.scale_loss: Callable = lambda loss: loss  # fp16: times the grad scaler's scale
         self.num_items = None  # a global-mean loss: () -> what each micro-batch's sum is divided by
+        self.eval_output = None  # the last stage's output of the last eval_loss
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, unscaled
         self.num_microbatches = num_microbatches
         self.stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(expected),
@@ -295,6 +296,7 @@ class PipelineRunner:
                 dst = self.stage_rank.get(index + 1)
                 if index == self.num_stages - 1:
                     loss = self.loss_fn(out, targets).detach()
+                    self.eval_output = out  # for validation metrics
                 elif dst != here:
                     out = out.contiguous()
                     dist.send_object_list([out.shape, out.dtype], group=self.group,

@@ -190,9 +190,11 @@ class PipelineEngine(Engine):
         return plain(clip_grad_norm_(list(self.parameters()), max_norm, self.mesh.axis("pp")))
 
     @torch.no_grad()
-    def eval_loss(self, batch) -> torch.Tensor | None:
+    def eval_loss(self, batch, with_output: bool = False) -> torch.Tensor | None:
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
-            return self.runner.eval_loss(*self._split(batch))
+            loss = self.runner.eval_loss(*self._split(batch))
+        self.eval_seen = (self.runner.eval_output, batch) if with_output else None
+        return loss
 
     def _split(self, batch):
         """(inputs, targets) of a batch: the adapter's split (a dict batch), else the pair."""

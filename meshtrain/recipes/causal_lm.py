@@ -37,7 +37,8 @@ ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
 
 TRAINER_DEFAULTS = {
     "trainer": {"layout": "dp=2", "devices": 2, "max_steps": 300, "grad_clip_norm": 1.0,
-                "val_every_n_steps": 100, "limit_val_batches": 20},
+                "val_every_n_steps": 100, "limit_val_batches": 20,
+                "metrics": ["perplexity", "token_accuracy"]},
     "logging": {"log_every_n_steps": 10},
 }
 
@@ -263,8 +264,10 @@ def run(config: dict, mode: str = "train"):
     model = _whole_model(trainer, model, parts["model"])
     if trainer.is_global_zero:
         if val_loss is not None:
+            accuracy = trainer.callback_metrics.get("val/token_accuracy")
             print(f"\nvalidation perplexity {math.exp(val_loss):.1f} (loss {val_loss:.3f} nats/"
-                  f"token); unigram baseline {math.exp(baseline):.1f} ({baseline:.3f})")
+                  f"token{'' if accuracy is None else f', token accuracy {accuracy:.3f}'}); "
+                  f"unigram baseline {math.exp(baseline):.1f} ({baseline:.3f})")
         print("--- sample ---------------------------------------------------------")
         print(sample(model, tokenizer_path, config["sample"], trainer, config["data"]["seq_len"]))
         print("--------------------------------------------------------------------")
