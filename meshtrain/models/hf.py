@@ -36,9 +36,9 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.hf_pipeline import HFPipeline, causal_lm_loss
 
 __all__ = [
-    "HFContextParallel", "RandomTokenDataset", "causal_lm_loss", "count_lm_targets",
-    "default_tp_plan", "hf_cp_support", "hf_loss_items", "hf_pp_support", "hf_tp_plan",
-    "is_hf_model", "is_llama_like", "random_token_data", "tiny_gpt2", "tiny_llama",
+    "HFContextParallel", "RandomTokenDataset", "build_seeded", "causal_lm_loss",
+    "count_lm_targets", "default_tp_plan", "hf_cp_support", "hf_loss_items", "hf_pp_support",
+    "hf_tp_plan", "is_hf_model", "is_llama_like", "random_token_data", "tiny_gpt2", "tiny_llama",
 ]
 
 _INSTALL_HINT = "install the optional extra: pip install 'meshtrain[hf]' (transformers>=4.50)"
@@ -53,7 +53,9 @@ def _transformers():
 
 
 # --- Tiny models from configs (no download) ----------------------------------------------------
-def _build(model_cls, config, seed: int) -> nn.Module:
+def build_seeded(model_cls, config, seed: int) -> nn.Module:
+    """``model_cls(config)`` initialised from ``seed`` (the caller's RNG untouched), SDPA
+    attention."""
     config._attn_implementation = "sdpa"  # works on CPU; no flash-attention needed
     with torch.random.fork_rng(devices=[]):  # the same weights whatever the caller's RNG state
         torch.manual_seed(seed)
@@ -73,7 +75,7 @@ def tiny_llama(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2,
         max_position_embeddings=seq_len, attention_dropout=0.0,
         tie_word_embeddings=tie_word_embeddings, use_cache=False,
     )
-    return _build(tf.LlamaForCausalLM, config, seed)
+    return build_seeded(tf.LlamaForCausalLM, config, seed)
 
 
 def tiny_gpt2(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2,
@@ -84,7 +86,7 @@ def tiny_gpt2(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2,
         vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
         n_positions=seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
     )
-    return _build(tf.GPT2LMHeadModel, config, seed)
+    return build_seeded(tf.GPT2LMHeadModel, config, seed)
 
 
 # --- Data ---------------------------------------------------------------------------------------
@@ -327,7 +329,8 @@ def count_lm_targets(batch) -> torch.Tensor:
     labels = batch.get("labels") if isinstance(batch, dict) else None
     if labels is None:
         raise ConfigError("a Hugging Face causal LM trained without loss_fn needs batches with "
-                          f"'labels' (the model computes its loss from them); got {describe(batch)}")
+                          "'labels' (the model computes its loss from them); got "
+                          f"{describe(batch)}")
     return (labels[:, 1:] != -100).sum()
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.sync_batchnorm import as_process_group
+from meshtrain.parallel.mesh import as_process_group
 
 _BATCH_GROUP: ContextVar = ContextVar("meshtrain_batch_group", default=None)
 _MAX_DIMS = 8  # dims compared by the shape check (more are rare)

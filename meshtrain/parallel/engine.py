@@ -238,7 +238,8 @@ class Engine:
         targets = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
         message = plain_mean_warning(self.loss_fn, targets,
                                      num_micro_batches * self.layout.loss_degree)
-        if message and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        dist = torch.distributed
+        if message and (not dist.is_initialized() or dist.get_rank() == 0):
             warnings.warn(message, stacklevel=2)
 
     def sync_gradients(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshtrain.errors import ConfigError
 from meshtrain.parallel.layout import Layout
 
 
@@ -73,3 +74,14 @@ class ParallelMesh:
         if self.loss is not None:
             dist.all_reduce(totals, group=self.loss.get_group())
         return totals
+
+
+def as_process_group(group):
+    """``group`` as a ``ProcessGroup`` (or None): a 1-D ``DeviceMesh`` gives its group."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if hasattr(group, "get_group") and getattr(group, "ndim", None) == 1:
+        return group.get_group()
+    raise ConfigError(
+        f"expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got {group!r}"
+    )

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.mesh import as_process_group
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -62,17 +63,6 @@ class _GroupRef:
 
     def __reduce__(self):
         return _GroupRef, (None,)
-
-
-def as_process_group(group):
-    """``group`` as a ``ProcessGroup`` (or None): a 1-D ``DeviceMesh`` gives its group."""
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return group
-    if hasattr(group, "get_group") and getattr(group, "ndim", None) == 1:
-        return group.get_group()
-    raise ConfigError(
-        f"expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got {group!r}"
-    )
 
 
 class _SyncMixin:
