@@ -110,11 +110,10 @@ def check_optimizer(made) -> None:
 
 
 def dataset_of(data, what: str) -> Dataset:
+    """The dataset behind ``data``: map-style (indexed, with a length) or a stream."""
     dataset = data.dataset if isinstance(data, DataLoader) else data
-    if isinstance(dataset, IterableDataset):
-        raise ConfigError(
-            f"{what} is an IterableDataset; meshtrain shards data by index, so pass a map-style "
-            "Dataset (with __getitem__ and __len__)")
+    if isinstance(dataset, IterableDataset):  # read in one global order (data/stream.py)
+        return dataset
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise ConfigError(f"{what} must be a torch Dataset or DataLoader, got "
                           f"{type(data).__name__}")
@@ -127,7 +126,12 @@ def first_inputs(dataset, count: int):
     """A function giving the inputs of the first ``count`` (inputs, targets) samples, stacked
     (for measuring blocks on a sample), or None when samples are not pairs."""
     def inputs():
-        samples = [dataset[i] for i in range(min(len(dataset), count))]
+        if isinstance(dataset, IterableDataset):
+            from meshtrain.data.stream import first_items
+
+            samples = first_items(dataset, count)
+        else:
+            samples = [dataset[i] for i in range(min(len(dataset), count))]
         if not all(isinstance(s, (tuple, list)) for s in samples):
             return None
         return torch.stack([s[0] for s in samples])
@@ -135,7 +139,7 @@ def first_inputs(dataset, count: int):
 
 
 def check_fit_inputs(model, train_data, val_data, *, optimizer, lr_scheduler,
-                     global_batch_size: int) -> Dataset:
+                     global_batch_size: int, max_steps: int | None = None) -> Dataset:
     """``fit``'s arguments, before any process starts; returns the training dataset."""
     check_model(model)
     check_factory("optimizer", optimizer, required=True)
@@ -144,7 +148,23 @@ def check_fit_inputs(model, train_data, val_data, *, optimizer, lr_scheduler,
     train_set = dataset_of(train_data, "train_data")
     if val_data is not None:
         dataset_of(val_data, "val_data")
-    if len(train_set) < global_batch_size:
+    if isinstance(train_set, IterableDataset):
+        check_stream(train_set, global_batch_size, max_steps)
+    elif len(train_set) < global_batch_size:
         raise ConfigError(f"train_data has {len(train_set)} samples, fewer than one global batch "
                           f"of {global_batch_size}; lower global_batch_size or add data")
     return train_set
+
+
+def check_stream(stream, global_batch_size: int, max_steps: int | None) -> None:
+    """A training stream: its length is known, or max_steps bounds the run."""
+    from meshtrain.data.stream import stream_length
+
+    length = stream_length(stream)
+    if length is None and max_steps is None:
+        raise ConfigError(
+            "train_data is a stream (an IterableDataset) without __len__, so an epoch's length "
+            "is unknown; set max_steps (e.g. max_steps=1000) to say how long to train")
+    if length is not None and length < global_batch_size:
+        raise ConfigError(f"train_data has {length} items, fewer than one global batch of "
+                          f"{global_batch_size}; lower global_batch_size or add data")

@@ -42,12 +42,11 @@ class LoopState:
     current_epoch: int = 0
     num_skipped_steps: int = 0
     num_rollbacks: int = 0
-    sampler: object | None = None  # a GlobalBatchSampler once fit has data
+    sampler: object | None = None  # a GlobalBatchSampler (or StreamSampler) once fit has data
     window: MetricWindow | None = None
 
-    def epoch_done(self, global_batch_size: int) -> bool:
-        s = self.sampler
-        return s.consumed_samples >= s.num_global_batches * global_batch_size
+    def epoch_done(self) -> bool:
+        return self.sampler.epoch_done()
 
     def next_epoch(self) -> None:
         self.current_epoch += 1

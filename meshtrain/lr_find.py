@@ -57,7 +57,7 @@ def lr_find(trainer, model, train_data, *, optimizer, loss_fn=None, min_lr: floa
         lr = min_lr * (max_lr / min_lr) ** (i / (num_steps - 1))
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr
-        if sampler.consumed_samples >= sampler.num_global_batches * trainer.global_batch_size:
+        if sampler.epoch_done():
             sampler.set_epoch(sampler.epoch + 1)
             batches = iter(loader)
         loss, _, _ = trainer.train_step(batches)

@@ -30,7 +30,7 @@ from meshtrain import checks
 from meshtrain.checkpoint.hf_weights import load_hf_weights
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.resume import model_shapes, resolve_run_dir, resume_fit
-from meshtrain.data.sampler import GlobalBatchSampler, make_loader, release_workers
+from meshtrain.data.sampler import eval_loader, release_workers, train_loaders
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.spawn import DistEnv
@@ -185,7 +185,8 @@ class Trainer:
         resume when a checkpoint is due (what ``fit`` does before its loop)."""
         train_set = checks.check_fit_inputs(model, train_data, val_data, optimizer=optimizer,
                                             lr_scheduler=lr_scheduler,
-                                            global_batch_size=self.global_batch_size)
+                                            global_batch_size=self.global_batch_size,
+                                            max_steps=self.max_steps)
         meta_model = checks.inspect_model(model)
         self._check_model(meta_model, loss_fn, checks.first_inputs(train_set, 2), model)
         self._model_shapes = model_shapes(meta_model)  # None: known once built
@@ -194,11 +195,11 @@ class Trainer:
             self._setup_run_dir()
             self._setup_model(model, meta_model, optimizer, lr_scheduler, loss_fn,
                               checks.first_inputs(train_set, self.micro_batch_size))
-            self.state.sampler = GlobalBatchSampler(
-                len(train_set), global_batch_size=self.global_batch_size,
+            self.state.sampler, self.train_loader = train_loaders(
+                train_set, train_data, global_batch_size=self.global_batch_size,
                 micro_batch_size=self.batch_plan.loader_batch_size, dp_rank=self.dp_rank,
-                dp_degree=self.layout.batch_degree, shuffle=self.shuffle, seed=self.seed)
-            self.train_loader = self._loader(train_set, train_data, self.state.sampler)
+                dp_degree=self.layout.batch_degree, shuffle=self.shuffle, seed=self.seed,
+                **self._loader_options())
             self._val_data = val_data
             self.checkpoints = CheckpointManager.from_settings(self.run_dir / "checkpoints",
                                                                self._settings)
@@ -249,10 +250,9 @@ class Trainer:
         self.lr_scheduler = scheduler_factory(self.optimizer) if scheduler_factory else None
         torch.manual_seed(self.seed + 1 + self.rank)  # dropout: different per rank, reproducible
 
-    def _loader(self, dataset, original, batch_sampler, persistent=True) -> DataLoader:
-        return make_loader(dataset, original, batch_sampler, num_workers=self.num_workers,
-                           seed=self.seed + self.rank, pin_memory=self.device_type == "cuda",
-                           persistent=persistent)
+    def _loader_options(self) -> dict:
+        return {"num_workers": self.num_workers, "loader_seed": self.seed + self.rank,
+                "pin_memory": self.device_type == "cuda"}
 
     # -- the loop ---------------------------------------------------------------------------------
     def _fit_loop(self) -> None:
@@ -269,12 +269,12 @@ class Trainer:
         guard.start()
         try:
             while state.global_step < total and not self.should_stop:
-                if state.epoch_done(self.global_batch_size):
+                if state.epoch_done():
                     state.next_epoch()
                 self._call("on_train_epoch_start")
                 batches = iter(self.train_loader)
                 while state.global_step < total and not self.should_stop:
-                    if state.epoch_done(self.global_batch_size):
+                    if state.epoch_done():
                         break
                     if guard.skip_bad_batch():  # a batch that a rollback ruled out
                         batches = iter(self.train_loader)
@@ -393,12 +393,9 @@ class Trainer:
         """Mean loss and ``metrics``; every sample is seen exactly once over all ranks (in
         validation, only the first ``limit_val_batches`` micro-batches per rank)."""
         limit = self.limit_val_batches if prefix == "val" else None
-        dataset, ways = checks.dataset_of(data, prefix), self.layout.batch_degree
-        sampler = GlobalBatchSampler(
-            len(dataset), global_batch_size=ways * self.micro_batch_size,
-            micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_degree=ways,
-            shuffle=False, last_batch="partial")
-        loader = self._loader(dataset, data, sampler, persistent=False)  # workers end with it
+        loader = eval_loader(checks.dataset_of(data, prefix), data,
+                             micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
+                             dp_degree=self.layout.batch_degree, **self._loader_options())
         values = self.engine.evaluate(loader, limit, self.metrics)
         return {f"{prefix}/{k}": v for k, v in values.items()}
 

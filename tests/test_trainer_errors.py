@@ -155,20 +155,27 @@ def test_model_that_is_not_a_module(tmp_path):
 
 
 class _Stream(IterableDataset):
+    def __init__(self, length=None):
+        self.length = length
+
     def __iter__(self):
         yield from _data()
 
+    def __len__(self):
+        if self.length is None:
+            raise TypeError("no length")
+        return self.length
+
 
 @pytest.mark.parametrize("wrap", [lambda d: d, lambda d: DataLoader(d, batch_size=4)])
-def test_iterable_dataset(tmp_path, wrap):
-    _fit_raises(_kwargs(tmp_path), "IterableDataset.*map-style", data=wrap(_Stream()))
+def test_stream_without_a_length_needs_max_steps(tmp_path, wrap):
+    _fit_raises(_kwargs(tmp_path, max_steps=None, max_epochs=1), "without __len__.*set max_steps",
+                data=wrap(_Stream()))
 
 
-def test_iterable_validation_dataset(tmp_path):
-    trainer = Trainer(**_kwargs(tmp_path))
-    with pytest.raises(ConfigError, match="val_data is an IterableDataset"):
-        trainer.fit(_model, _data(), _Stream(), optimizer=_sgd,
-                    loss_fn=torch.nn.functional.mse_loss)
+def test_stream_shorter_than_one_global_batch(tmp_path):
+    _fit_raises(_kwargs(tmp_path, global_batch_size=16), "has 10 items, fewer than one global",
+                data=_Stream(length=10))
 
 
 def test_dataset_smaller_than_one_global_batch(tmp_path):

@@ -176,6 +176,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     # ---------------------------------------------------------------- position
 
+    def epoch_done(self) -> bool:
+        """Whether this epoch's last global batch has been consumed."""
+        return self.consumed_samples >= self.num_global_batches * self.global_batch_size
+
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch``."""
         _check_non_negative_int("epoch", epoch)
@@ -207,6 +211,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at a saved position; the dp degree and micro batch size may differ."""
+        if state.get("kind") == "stream":
+            raise ConfigError(
+                "the checkpoint was trained on a stream (an IterableDataset), and this run has "
+                "a map-style dataset; resume with the same kind of training data")
         missing = {"epoch", "consumed_samples", "seed", "shuffle", "num_samples"} - set(state)
         if missing:
             raise ConfigError(
@@ -255,6 +263,44 @@ def make_loader(dataset, original, batch_sampler, *, num_workers: int, seed: int
                       num_workers=workers, pin_memory=pin_memory,
                       persistent_workers=persistent and workers > 0,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def train_loaders(dataset, original, *, global_batch_size: int, micro_batch_size: int,
+                  dp_rank: int, dp_degree: int, shuffle: bool, seed: int, num_workers: int,
+                  loader_seed: int, pin_memory: bool):
+    """(sampler, loader) over the training data: a GlobalBatchSampler for a map-style dataset,
+    a StreamSampler (meshtrain.data.stream) for an IterableDataset; both keep the position
+    that checkpoints save."""
+    from meshtrain.data.stream import is_stream, stream_loaders
+
+    if is_stream(dataset):
+        return stream_loaders(dataset, original, global_batch_size=global_batch_size,
+                              micro_batch_size=micro_batch_size, dp_rank=dp_rank,
+                              dp_degree=dp_degree, num_workers=num_workers, seed=loader_seed,
+                              pin_memory=pin_memory)
+    sampler = GlobalBatchSampler(len(dataset), global_batch_size=global_batch_size,
+                                 micro_batch_size=micro_batch_size, dp_rank=dp_rank,
+                                 dp_degree=dp_degree, shuffle=shuffle, seed=seed)
+    return sampler, make_loader(dataset, original, sampler, num_workers=num_workers,
+                                seed=loader_seed, pin_memory=pin_memory)
+
+
+def eval_loader(dataset, original, *, micro_batch_size: int, dp_rank: int, dp_degree: int,
+                num_workers: int, loader_seed: int, pin_memory: bool):
+    """This rank's evaluation micro-batches: every sample once over all ranks, none dropped."""
+    from meshtrain.data.stream import is_stream, stream_eval_loader
+
+    if is_stream(dataset):
+        return stream_eval_loader(dataset, original, micro_batch_size=micro_batch_size,
+                                  dp_rank=dp_rank, dp_degree=dp_degree,
+                                  num_workers=num_workers, seed=loader_seed,
+                                  pin_memory=pin_memory)
+    sampler = GlobalBatchSampler(
+        len(dataset), global_batch_size=dp_degree * micro_batch_size,
+        micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
+        shuffle=False, last_batch="partial")
+    return make_loader(dataset, original, sampler, num_workers=num_workers, seed=loader_seed,
+                       pin_memory=pin_memory, persistent=False)  # workers end with the pass
 
 
 def release_workers(loader) -> None:
