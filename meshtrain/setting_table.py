@@ -11,12 +11,18 @@ from meshtrain.setting_types import Setting
 def _check_loggers(value) -> None:
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)):
-        raise ConfigError(f"loggers must be a list of logger names ('csv', 'tensorboard'), "
+        raise ConfigError(f"loggers must be a list of logger names ({_LOGGER_NAMES}), "
                           f"got {value!r}")
     for name in names:
         if name not in LOGGERS:
-            raise ConfigError(f"unknown logger {name!r} in loggers; choose from 'csv', "
-                              "'tensorboard' (or an empty list for none)")
+            raise ConfigError(f"unknown logger {name!r} in loggers; choose from {_LOGGER_NAMES} "
+                              "(or an empty list for none)")
+        if name in ("mlflow", "wandb"):  # optional extras: is the package there? (no import)
+            from meshtrain.observe.external_loggers import missing_package
+
+            message = missing_package(name)
+            if message is not None:
+                raise ConfigError(f"loggers: {message}")
 
 
 def _check_callbacks(value) -> None:
@@ -57,7 +63,8 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble"
                 "dualpipev")
 PP_BALANCES = ("params", "time", "memory")
 NAN_POLICIES = ("error", "skip", "rollback")
-LOGGERS = ("csv", "tensorboard")
+LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
+_LOGGER_NAMES = ", ".join(repr(name) for name in LOGGERS)
 
 _S = Setting
 DEFINITIONS = [
@@ -224,8 +231,10 @@ DEFINITIONS = [
        "Log train/grad_norm, the global L2 norm of the gradients before clipping (over every "
        "shard and stage)."),
     _S("loggers", "logging", ("csv", "tensorboard"), "loggers",
-       "Where metrics go in the run folder: metrics.csv (and loss.png) and/or TensorBoard "
-       "event files.", choices=LOGGERS, check=_check_loggers),
+       "Where metrics go: metrics.csv (and loss.png), TensorBoard event files, MLflow (a local "
+       "store in the run folder's mlruns/ unless MLFLOW_TRACKING_URI is set) and/or Weights & "
+       "Biases (run folder's wandb/, offline without WANDB_API_KEY); mlflow and wandb need "
+       "pip install 'meshtrain[loggers]'.", choices=LOGGERS, check=_check_loggers),
     _S("progress_bar", "logging", True, "bool", "Show a progress bar on rank 0."),
     _S("root_dir", "logging", "runs", "path",
        "Run folders go to root_dir/name/<time> (unless run_dir is given)."),

@@ -85,7 +85,7 @@ def _bad_values(setting) -> list:
         "choice": ["bogus", 1],
         "devices": [0, "all", 2.0],
         "layout": [3, 2.5],
-        "loggers": [["wandb"], "wandb", 3, None],
+        "loggers": [["neptune"], "neptune", 3, None],
         "int_list": [[3, 2], [0, 2], ["1"], 3],
         "callbacks": [[object()], "callback"],
         "callable": [3],
@@ -125,7 +125,7 @@ def test_the_existing_wording_is_kept():
     for values, message in [
         ({"precision": "fp8"}, "unknown precision 'fp8'.*fp32, bf16-mixed, fp16-mixed"),
         ({"comm_hook": "int8"}, "unknown comm_hook 'int8'.*fp16, bf16, powersgd"),
-        ({"loggers": ["wandb"]}, "unknown logger 'wandb'"),
+        ({"loggers": ["neptune"]}, "unknown logger 'neptune'"),
         ({"nan_policy": "ignore"}, "nan_policy must be one of"),
         ({"stall_timeout_s": -1}, "stall_timeout_s must be a positive number"),
         ({"checkpoint_every_n_minutes": -2.0}, "checkpoint_every_n_minutes must be a number > 0"),

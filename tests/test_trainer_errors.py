@@ -121,8 +121,8 @@ def test_layout_not_matching_the_world(world_of_two, tmp_path):
 
 
 def test_unknown_logger(tmp_path):
-    with pytest.raises(ConfigError, match="unknown logger 'wandb'"):
-        Trainer(**_kwargs(tmp_path, loggers=("csv", "wandb")))
+    with pytest.raises(ConfigError, match="unknown logger 'neptune'"):
+        Trainer(**_kwargs(tmp_path, loggers=("csv", "neptune")))
 
 
 # ---- fit(...) -----------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 A logger receives hyperparameters once and scalar metrics by step. ``Logger`` itself does nothing,
 so a Trainer can hold one on every rank and call it unconditionally. ``CSVLogger`` keeps a plain
 ``metrics.csv`` that survives a crash (every row is flushed); ``TensorBoardLogger`` writes event
-files for ``tensorboard --logdir``. Nothing here touches ``torch.distributed``.
+files for ``tensorboard --logdir``. MLflow and Weights & Biases loggers (optional extras) are in
+``meshtrain/observe/external_loggers.py``. Nothing here touches ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from typing import Any
 from meshtrain.errors import ConfigError
 
 __all__ = [
+    "EXTERNAL_LOGGERS",
     "CSVLogger",
     "Logger",
     "TensorBoardLogger",
     "flatten_params",
+    "make_loggers",
     "read_metrics_csv",
 ]
 
@@ -238,12 +241,31 @@ class TensorBoardLogger(Logger):
 
 
 LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
+# optional extras (pip install 'meshtrain[loggers]'), in meshtrain/observe/external_loggers.py
+EXTERNAL_LOGGERS = ("mlflow", "wandb")
 
 
 def make_loggers(names, run_dir: Path, hparams: dict) -> list[Logger]:
-    """The loggers named in ``names`` (``"csv"``, ``"tensorboard"``), each given ``hparams``."""
+    """The loggers named in ``names`` (``"csv"``, ``"tensorboard"``, ``"mlflow"``, ``"wandb"``),
+    each given ``hparams``; MLflow's experiment and W&B's project are the job's name
+    (``hparams["name"]``)."""
     names = [names] if isinstance(names, str) else list(names)
-    loggers = [LOGGERS[name](run_dir) for name in names]
-    for logger in loggers:
-        logger.log_hparams(hparams)
+    loggers: list[Logger] = []
+    try:
+        for name in names:
+            if name in LOGGERS:
+                loggers.append(LOGGERS[name](run_dir))
+            elif name in EXTERNAL_LOGGERS:
+                from meshtrain.observe.external_loggers import make_external_logger
+
+                loggers.append(make_external_logger(name, run_dir, hparams.get("name")))
+            else:
+                raise ConfigError(f"unknown logger {name!r} in loggers; choose from "
+                                  + ", ".join(repr(n) for n in (*LOGGERS, *EXTERNAL_LOGGERS)))
+        for logger in loggers:
+            logger.log_hparams(hparams)
+    except BaseException:
+        for logger in loggers:  # close what was opened (an MLflow / W&B run ends)
+            logger.finalize()
+        raise
     return loggers
