@@ -54,6 +54,10 @@ def check_settings_apply(layout, settings: dict) -> None:
             raise ConfigError(
                 f"{name} is a tensor-parallel setting, but the layout {layout} has no tp axis; "
                 f"add tp=N to the layout or drop {name}")
+    from meshtrain.parallel.local_sgd import check_local_sgd
+
+    check_local_sgd(layout, settings["local_sgd_every"], settings["outer_lr"],
+                    settings["outer_momentum"])
     if offload is not None and not layout.is_sharded:
         raise ConfigError(
             f"offload={offload!r} moves sharded state to CPU memory and needs a sharded "
@@ -64,6 +68,13 @@ def check_model(model) -> None:
     if not (isinstance(model, torch.nn.Module) or callable(model)):
         raise ConfigError(f"model must be a torch.nn.Module or a function that builds one, got "
                           f"{type(model).__name__}")
+    if isinstance(model, torch.nn.DataParallel):
+        raise ConfigError(
+            "the model is wrapped in torch.nn.DataParallel (one process driving several "
+            "devices); meshtrain runs one process per device instead, which the Python GIL and "
+            "the per-step scatter of inputs and replication of the model do not slow down: pass "
+            "the bare module (model.module) and set devices=N, e.g. Trainer(devices=4, "
+            "layout='dp=4') (docs/parameter_server.md)")
 
 
 def inspect_model(model) -> torch.nn.Module | None:

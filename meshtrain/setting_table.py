@@ -156,6 +156,15 @@ DEFINITIONS = [
     _S("loss_parallel", "parallel", False, "bool",
        "Tensor parallel: keep the logits sharded over the vocabulary and compute the "
        "cross-entropy on the shards. Needs tp in the layout."),
+    _S("local_sgd_every", "parallel", None, "int",
+       "Local SGD: each dp rank steps on its own gradients and the parameters are averaged "
+       "every H steps (and at the last) instead of the gradients every step; plain dp only "
+       "(docs/parameter_server.md).", none=True, minimum=1),
+    _S("outer_lr", "parallel", None, "number",
+       "DiLoCo's outer step for local SGD: Nesterov SGD on the averaged change, at this rate "
+       "(DiLoCo: 0.7); none: plain averaging.", none=True),
+    _S("outer_momentum", "parallel", 0.9, "number",
+       "Momentum of local SGD's outer step (with outer_lr)."),
     _S("sync_batchnorm", "parallel", True, "bool",
        "BatchNorm statistics over the micro-batches of every data-parallel rank together (as "
        "one process on the global micro-batch); False: per rank, not layout-invariant."),

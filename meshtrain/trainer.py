@@ -207,7 +207,7 @@ class Trainer:
                 self, FaultOptions.from_settings(self), self.checkpoints,
                 run_dir=self.run_dir, rank=self.rank, world_size=self.world_size,
                 device=self.device, grad_scaler=self.precision.scaler is not None,
-                gradients_identical=self.layout.gradients_identical_after_sync)
+                gradients_identical=self.engine.gradients_identical)
             if self._resume_from is not None:
                 resume_fit(self, self._resume_from)
         except BaseException as error:
@@ -359,6 +359,8 @@ class Trainer:
         self.grad_norm = self.engine.clip_grad_norm(self.grad_clip_norm) if measure else None
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        step = self.global_step + 1
+        self.engine.after_optimizer_step(step, last=step >= self.total_steps())
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return loss, tokens, "ok"

@@ -367,3 +367,8 @@ def test_samples_of_the_wrong_width(tmp_path):
         Trainer(**_kwargs(tmp_path)).fit(_model, wide, optimizer=_sgd,
                                          loss_fn=torch.nn.functional.mse_loss)
     assert "model(inputs) with inputs tensor (8, 5) float32" in caught.value.__notes__[0]
+
+
+def test_a_dataparallel_model_is_refused_with_the_process_per_device_advice(tmp_path):
+    _fit_raises(_kwargs(tmp_path), r"torch.nn.DataParallel.*model.module.*devices=N",
+                model=torch.nn.DataParallel(_model()))

@@ -44,6 +44,9 @@ class ParallelOptions:
     # module -> how to count its own loss's items (engine.loss_counter), or None
     loss_items: Callable[[torch.nn.Module], Callable | None] | None = None
     sync_batchnorm: bool = True
+    local_sgd_every: int | None = None  # local SGD (local_sgd.py): average parameters every H
+    outer_lr: float | None = None
+    outer_momentum: float = 0.9
 
     @classmethod
     def from_settings(cls, s: dict, tp_plan=None, context_parallel=None,
@@ -58,7 +61,8 @@ class ParallelOptions:
                    activation_checkpointing=s["activation_checkpointing"], blocks=s["blocks"],
                    sequence_parallel=s["sequence_parallel"], loss_parallel=s["loss_parallel"],
                    tp_plan=tp_plan, context_parallel=context_parallel, loss_items=loss_items,
-                   sync_batchnorm=s["sync_batchnorm"])
+                   sync_batchnorm=s["sync_batchnorm"], local_sgd_every=s["local_sgd_every"],
+                   outer_lr=s["outer_lr"], outer_momentum=s["outer_momentum"])
 
 
 def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch.nn.Module]:
@@ -155,7 +159,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         apply_fsdp(model, mesh.shard, reshard_after_forward=layout.zero_stage == 3,
                    precision=options.precision, offload=options.offload, blocks=blocks or None)
         return model
-    if layout.uses_ddp:
+    if layout.uses_ddp and options.local_sgd_every is None:  # local SGD: no gradient sync
         from meshtrain.parallel.data_parallel import apply_ddp
 
         return apply_ddp(model, mesh.mesh, axis="dp", bucket_cap_mb=options.bucket_cap_mb,
@@ -181,6 +185,15 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
     else:
         train_module = parallelize(model, mesh, device=device, options=options)
         engine = Engine(model, train_module, mesh, grad_accum_steps=grad_accum_steps, **common)
+        if options.local_sgd_every is not None:
+            from meshtrain.parallel.local_sgd import LocalSGD
+
+            engine.averager = LocalSGD(model, mesh.axis("dp").get_group(),
+                                       options.local_sgd_every, outer_lr=options.outer_lr,
+                                       outer_momentum=options.outer_momentum)
+            log(f"local SGD: parameters averaged every {options.local_sgd_every} steps, "
+                f"{engine.averager.bytes_per_step / 2**20:.3f} MiB per step on average (DDP: "
+                f"{engine.averager.param_bytes / 2**20:.3f} MiB of gradients every step)")
     if on_meta:
         from meshtrain.parallel.fully_shard import materialize
 

@@ -242,6 +242,19 @@ class Engine:
         if message and (not dist.is_initialized() or dist.get_rank() == 0):
             warnings.warn(message, stacklevel=2)
 
+    averager = None  # local SGD (local_sgd.py): parameters averaged after some steps instead
+
+    @property
+    def gradients_identical(self) -> bool:
+        """Does every rank hold the same gradients after ``sync_gradients``?"""
+        return self.averager is None and self.layout.gradients_identical_after_sync
+
+    def after_optimizer_step(self, step: int, last: bool) -> None:
+        """After optimizer step ``step`` (1-based; ``last``: the fit's last): local SGD's
+        parameter average, when one is due."""
+        if self.averager is not None:
+            self.averager.after_step(step, last)
+
     def sync_gradients(self) -> None:
         """Average the gradients that no wrapper averaged (see ``averages_gradients_by_hand``)."""
         if self.layout.averages_gradients_by_hand:
