@@ -158,8 +158,8 @@ DEFINITIONS = [
        "cross-entropy on the shards. Needs tp in the layout."),
     _S("local_sgd_every", "parallel", None, "int",
        "Local SGD: each dp rank steps on its own gradients and the parameters are averaged "
-       "every H steps (and at the last) instead of the gradients every step; plain dp only "
-       "(docs/parameter_server.md).", none=True, minimum=1),
+       "every H steps (and when training ends) instead of the gradients every step; plain dp "
+       "only (docs/parameter_server.md).", none=True, minimum=1),
     _S("outer_lr", "parallel", None, "number",
        "DiLoCo's outer step for local SGD: Nesterov SGD on the averaged change, at this rate "
        "(DiLoCo: 0.7); none: plain averaging.", none=True),

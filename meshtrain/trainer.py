@@ -289,6 +289,7 @@ class Trainer:
                         state.window.reset()
                         continue
                     state.advance()
+                    self.engine.after_optimizer_step(state.global_step)  # local SGD averages
                     if memory is not None and memory.row is not None:
                         self.run_log.memory(memory)
                         memory = None
@@ -301,6 +302,7 @@ class Trainer:
                         validated_at = state.global_step
                     guard.after_step(total)
                 self._call("on_train_epoch_end")
+            self.engine.end_of_training()  # one model on every rank again (local SGD)
             # not again when a validation just stopped training early (same weights)
             if self._val_data is not None and validated_at != state.global_step:
                 self._run_validation()
@@ -359,8 +361,6 @@ class Trainer:
         self.grad_norm = self.engine.clip_grad_norm(self.grad_clip_norm) if measure else None
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        step = self.global_step + 1
-        self.engine.after_optimizer_step(step, last=step >= self.total_steps())
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return loss, tokens, "ok"

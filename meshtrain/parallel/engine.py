@@ -249,11 +249,17 @@ class Engine:
         """Does every rank hold the same gradients after ``sync_gradients``?"""
         return self.averager is None and self.layout.gradients_identical_after_sync
 
-    def after_optimizer_step(self, step: int, last: bool) -> None:
-        """After optimizer step ``step`` (1-based; ``last``: the fit's last): local SGD's
-        parameter average, when one is due."""
+    def after_optimizer_step(self, step: int) -> None:
+        """After optimizer step ``step`` (1-based, skipped steps too): local SGD's parameter
+        average, when one is due."""
         if self.averager is not None:
-            self.averager.after_step(step, last)
+            self.averager.after_step(step)
+
+    def end_of_training(self) -> None:
+        """When the loop ends (at max_steps or stopped early): local SGD averages the steps
+        since its last average, so every rank ends with the same model."""
+        if self.averager is not None:
+            self.averager.finish()
 
     def sync_gradients(self) -> None:
         """Average the gradients that no wrapper averaged (see ``averages_gradients_by_hand``)."""

@@ -77,6 +77,7 @@ class LocalSGD:
             self.anchor = [p.detach().clone() for p in self.params]
             self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
                                          nesterov=outer_momentum > 0)
+        self.pending = False  # steps taken since the last average
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
 
     @property
@@ -84,13 +85,17 @@ class LocalSGD:
         """Bytes each rank all-reduces per optimizer step, on average."""
         return self.param_bytes / self.every
 
-    def after_step(self, step: int, last: bool = False) -> bool:
-        """After optimizer step ``step`` (1-based): average when it is due (every ``every``
-        steps, and at the ``last`` step so training ends with one model). True if it did."""
-        if step % self.every == 0 or last:
+    def after_step(self, step: int) -> None:
+        """After optimizer step ``step`` (1-based): average every ``every`` steps."""
+        self.pending = step % self.every != 0
+        if not self.pending:
             self.average()
-            return True
-        return False
+
+    def finish(self) -> None:
+        """Average the steps since the last average, if any (training ends with one model)."""
+        if self.pending:
+            self.average()
+            self.pending = False
 
     @torch.no_grad()
     def average(self) -> None:
