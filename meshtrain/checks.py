@@ -58,6 +58,11 @@ def check_settings_apply(layout, settings: dict) -> None:
 
     check_local_sgd(layout, settings["local_sgd_every"], settings["outer_lr"],
                     settings["outer_momentum"])
+    if layout.num_servers or settings["ps_mode"] != "sync" or \
+            settings["ps_staleness"] is not None:
+        from meshtrain.parallel.ps_layout import check_ps_layout
+
+        check_ps_layout(layout, settings)
     if offload is not None and not layout.is_sharded:
         raise ConfigError(
             f"offload={offload!r} moves sharded state to CPU memory and needs a sharded "

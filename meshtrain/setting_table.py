@@ -165,6 +165,13 @@ DEFINITIONS = [
        "(DiLoCo: 0.7); none: plain averaging.", none=True),
     _S("outer_momentum", "parallel", 0.9, "number",
        "Momentum of local SGD's outer step (with outer_lr)."),
+    _S("ps_mode", "parallel", "sync", "choice",
+       'Parameter servers (layout "ps=S,dp=W"): "sync" (the servers step once every worker '
+       'pushed; equal to one process) or "async" (each push applied on arrival, bounded by '
+       "ps_staleness; docs/parameter_server.md).", choices=("sync", "async")),
+    _S("ps_staleness", "parallel", None, "int",
+       'Async parameter servers: a worker may run at most this many steps ahead of the slowest '
+       "(stale synchronous parallel); none: no bound.", none=True),
     _S("sync_batchnorm", "parallel", True, "bool",
        "BatchNorm statistics over the micro-batches of every data-parallel rank together (as "
        "one process on the global micro-batch); False: per rank, not layout-invariant."),

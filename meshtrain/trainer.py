@@ -20,32 +20,26 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from meshtrain import checks
-from meshtrain.checkpoint.hf_weights import load_hf_weights
 from meshtrain.checkpoint.manager import CheckpointManager
-from meshtrain.checkpoint.resume import model_shapes, resolve_run_dir, resume_fit
-from meshtrain.data.sampler import eval_loader, release_workers, train_loaders
+from meshtrain.data.sampler import eval_loader, release_workers
 from meshtrain.errors import ConfigError
-from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
+from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
-from meshtrain.launch.world import (
-    collective_checks, drain_collectives, resolve_world_size, start_world,
-)
+from meshtrain.launch.world import collective_checks, drain_collectives, resolve_world_size
 from meshtrain.loop_state import LoopState, MetricWindow
 from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_pp_support, hf_tp_plans
 from meshtrain.observe.run_log import RunLog
-from meshtrain.parallel.apply import ParallelOptions, apply_layout, build_optimizer, check_model
+from meshtrain.parallel.apply import ParallelOptions
 from meshtrain.parallel.engine import plan_batches
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.pipeline_engine import PipelineOptions
-from meshtrain.precision import Precision
 
 ModelLike = torch.nn.Module | Callable[[], torch.nn.Module]
 DataLike = Dataset | DataLoader
@@ -66,8 +60,9 @@ class Trainer:
         self._settings = s = check(settings)
         self.device_type = checks.resolve_device_type(s)
         self._env = DistEnv.from_environ()
-        self.world_size = resolve_world_size(s["devices"], self._env, self.device_type)
-        self.layout = Layout.parse(s["layout"], self.world_size)
+        self.layout = Layout.parse(s["layout"], resolve_world_size(s["devices"], self._env,
+                                                                   self.device_type))
+        self.world_size = self.layout.world_size  # the mesh's ranks (not ps servers)
         checks.check_settings_apply(self.layout, s)
         self.pipeline_options = PipelineOptions.from_settings(s, self.layout, hf_pp_support)
         self.batch_plan = plan_batches(self.layout, s["global_batch_size"],
@@ -87,6 +82,7 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None  # the last step's, before clipping
         self.should_stop, self.callback_metrics = False, {}
         self.run_dir = self._resume_from = self._workers = self._val_data = None
+        self.ps_server = self._store = None  # this process's server index under ps=S
         self._model_shapes = None  # the whole model's state names and shapes (resume.py)
         self.run_log = RunLog(self.rank == 0)
         self.checkpoints: CheckpointManager | None = None  # every save goes through it
@@ -112,27 +108,6 @@ class Trainer:
         """``print`` on global rank zero only (through the progress bar when one is live)."""
         self.run_log.print(*args, **kwargs)
 
-    # -- processes, run folder, model -------------------------------------------------------------
-    def _setup_world(self) -> None:
-        """Start the other processes if needed; create the process group and mesh (once)."""
-        if self.mesh is not None:
-            return
-        world = start_world(self.world_size, self._env, self.device_type,
-                            init_timeout_s=self.init_timeout_s,
-                            debug_collectives=self.debug_collectives, log=self.print)
-        self.rank, self.device, self._env, self._workers = (
-            world.rank, world.device, world.env, world.workers)
-        self.mesh = ParallelMesh(self.layout, self.device_type)
-        if self.world_size > 1:  # the mesh's sub-groups get torch's 30-minute default
-            set_collective_timeout(timedelta(seconds=self.init_timeout_s))
-
-    def _setup_run_dir(self) -> None:
-        if self.run_dir is None:
-            self.run_dir, self._resume_from = resolve_run_dir(
-                self.resume, run_dir=self._run_dir_arg, root_dir=self.root_dir, name=self.name,
-                rank=self.rank, shapes=self._model_shapes)
-            self.run_log.open(self.run_dir, self.loggers, self.hparams())
-
     def hparams(self) -> dict:
         """The run's settings as loggers record them (plain values only)."""
         values = {k: v for k, v in self._settings.items()
@@ -154,6 +129,10 @@ class Trainer:
         """
         self.prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
                      lr_scheduler=lr_scheduler)
+        if self.ps_server is not None:  # a parameter server: serves until training ends
+            from meshtrain.trainer_setup import serve
+
+            return serve(self, model)
         self.print(f"run folder: {self.run_dir}")
         try:
             with collective_checks(self.debug_collectives):
@@ -182,73 +161,11 @@ class Trainer:
     def prepare(self, model, train_data, val_data=None, *, optimizer, loss_fn=None,
                 lr_scheduler=None) -> None:
         """Check the inputs, then create processes, model, optimizer and data loaders, and
-        resume when a checkpoint is due (what ``fit`` does before its loop)."""
-        train_set = checks.check_fit_inputs(model, train_data, val_data, optimizer=optimizer,
-                                            lr_scheduler=lr_scheduler,
-                                            global_batch_size=self.global_batch_size,
-                                            max_steps=self.max_steps)
-        meta_model = checks.inspect_model(model)
-        self._check_model(meta_model, loss_fn, checks.first_inputs(train_set, 2), model)
-        self._model_shapes = model_shapes(meta_model)  # None: known once built
-        self._setup_world()
-        try:
-            self._setup_run_dir()
-            self._setup_model(model, meta_model, optimizer, lr_scheduler, loss_fn,
-                              checks.first_inputs(train_set, self.micro_batch_size))
-            self.state.sampler, self.train_loader = train_loaders(
-                train_set, train_data, global_batch_size=self.global_batch_size,
-                micro_batch_size=self.batch_plan.loader_batch_size, dp_rank=self.dp_rank,
-                dp_degree=self.layout.batch_degree, shuffle=self.shuffle, seed=self.seed,
-                **self._loader_options())
-            self._val_data = val_data
-            self.checkpoints = CheckpointManager.from_settings(self.run_dir / "checkpoints",
-                                                               self._settings)
-            self._guard = StepGuard(
-                self, FaultOptions.from_settings(self), self.checkpoints,
-                run_dir=self.run_dir, rank=self.rank, world_size=self.world_size,
-                device=self.device, grad_scaler=self.precision.scaler is not None,
-                gradients_identical=self.engine.gradients_identical)
-            if self._resume_from is not None:
-                resume_fit(self, self._resume_from)
-        except BaseException as error:
-            if self._workers is not None:
-                self._workers.raise_if_failed(error)
-            raise
+        resume when a checkpoint is due (what ``fit`` does before its loop; trainer_setup.py)."""
+        from meshtrain.trainer_setup import prepare
 
-    def _check_model(self, model, loss_fn, sample_inputs=None, original=None) -> None:
-        """The model against the layout (``model`` may be a meta-device copy, or None)."""
-        check_model(model, self.layout, self.parallel_options, pipeline=self.pipeline_options,
-                    loss_fn=loss_fn, num_microbatches=self.grad_accum_steps,
-                    batch_size=self.global_batch_size // self.layout.batch_degree,
-                    sample_inputs=sample_inputs, original=original)
-
-    def _setup_model(self, model, meta_model, optimizer_factory, scheduler_factory, loss_fn,
-                     sample_inputs) -> None:
-        """Build (or take) the model, apply the layout, then create the optimizer."""
-        from meshtrain.parallel.fully_shard import builds_on_meta
-
-        torch.manual_seed(self.seed)  # identical initial parameters on every rank
-        on_meta = builds_on_meta(self.layout, self.meta_init, model, meta_model)
-        model = meta_model if on_meta else (
-            model if isinstance(model, torch.nn.Module) else model())
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"the model factory returned {type(model).__name__}, not a "
-                              "torch.nn.Module")
-        self._check_model(model, loss_fn)
-        self._model_shapes = model_shapes(model)  # before a pipeline keeps only its stages
-        self.precision = Precision(self.precision_name, self.device_type)
-        self.engine = apply_layout(
-            model, self.mesh, device=self.device, options=self.parallel_options,
-            pipeline=self.pipeline_options, precision=self.precision, loss_fn=loss_fn,
-            grad_accum_steps=self.grad_accum_steps, on_meta=on_meta,
-            sample_inputs=sample_inputs, log=self.print, run_dir=self.run_dir)
-        self.model = self.engine.model
-        if self.init_from is not None:  # pretrained weights: each rank reads its own shards
-            load_hf_weights(self.model, self.init_from, partial=self.layout.degree("pp") > 1)
-        self.optimizer = build_optimizer(self.model, optimizer_factory, self.mesh)
-        checks.check_optimizer(self.optimizer)
-        self.lr_scheduler = scheduler_factory(self.optimizer) if scheduler_factory else None
-        torch.manual_seed(self.seed + 1 + self.rank)  # dropout: different per rank, reproducible
+        prepare(self, model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
+                lr_scheduler=lr_scheduler)
 
     def _loader_options(self) -> dict:
         return {"num_workers": self.num_workers, "loader_seed": self.seed + self.rank,
@@ -397,7 +314,7 @@ class Trainer:
         limit = self.limit_val_batches if prefix == "val" else None
         loader = eval_loader(checks.dataset_of(data, prefix), data,
                              micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
-                             dp_degree=self.layout.batch_degree, **self._loader_options())
+                             dp_degree=self.mesh.layout.batch_degree, **self._loader_options())
         values = self.engine.evaluate(loader, limit, self.metrics)
         return {f"{prefix}/{k}": v for k, v in values.items()}
 

@@ -89,12 +89,21 @@ def _state(model, optimizer, *, for_load: bool) -> dict:
     """
     if optimizer is None:
         return {"model": get_state_dict(model, [])[0]}
+    if _on_servers(optimizer):  # ps: the servers' parameters and state, copied in first
+        if not for_load:
+            optimizer.fetch()
+        optimizer = optimizer.local
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         model_sd = get_state_dict(model, [])[0]
         optim_sd = (zero1_state_dict_template if for_load else zero1_state_dict)(model, optimizer)
         return {"model": model_sd, "optim": optim_sd}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _on_servers(optimizer) -> bool:
+    """A ps layout's optimizer (meshtrain/parallel/ps_layout.py), whose state is on servers."""
+    return hasattr(optimizer, "fetch") and hasattr(optimizer, "local")
 
 
 def tmp_path(path: str | os.PathLike) -> Path:
@@ -173,6 +182,8 @@ def load_checkpoint(
     state = _state(model, optimizer, for_load=True)
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path)
+    servers, optimizer = (optimizer, optimizer.local) if _on_servers(optimizer) else (
+        None, optimizer)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={},
                        options=StateDictOptions(strict=True))
@@ -185,6 +196,8 @@ def load_checkpoint(
             optim_state_dict=state.get("optim", {}),
             options=StateDictOptions(strict=True),
         )
+    if servers is not None:  # ps: the loaded state goes to the servers
+        servers.restore()
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))

@@ -73,16 +73,37 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta, store=Non
     """
     import torch.distributed as dist
 
-    if store is None and STORE_ENV in os.environ:
-        host, port = os.environ[STORE_ENV].rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), env.world_size, is_master=False, timeout=timeout)
-    elif store is None and RESTART_COUNT_ENV in os.environ:
-        store = _attempt_store(env, timeout)
+    if store is None and (STORE_ENV in os.environ or RESTART_COUNT_ENV in os.environ):
+        store = job_store(env, timeout)
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
+    register_shutdown()
+
+
+def register_shutdown() -> None:
+    """End this process as :func:`_shutdown` says (once per process)."""
+    if not _state["hooked"]:
+        atexit.register(_shutdown)
     _record_uncaught_exceptions()
-    atexit.register(_shutdown)
+
+
+def job_store(env: DistEnv, timeout: timedelta):
+    """The job's key-value store: our launcher's (``MESHTRAIN_STORE``), torchelastic's (per
+    restart attempt), or else one that rank 0 hosts at MASTER_ADDR:MASTER_PORT (as env://)."""
+    import torch.distributed as dist
+
+    if STORE_ENV in os.environ:
+        host, port = os.environ[STORE_ENV].rsplit(":", 1)
+        return dist.TCPStore(host, int(port), env.world_size, is_master=False, timeout=timeout)
+    if RESTART_COUNT_ENV in os.environ:
+        return _attempt_store(env, timeout)
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise ConfigError("MASTER_ADDR/MASTER_PORT are not set: start the script with torchrun, "
+                          "`meshtrain run`, or Trainer(devices=N) from a plain script")
+    return dist.TCPStore(host, int(port), env.world_size, is_master=env.rank == 0,
+                         timeout=timeout, multi_tenant=True)
 
 
 def _attempt_store(env: DistEnv, timeout: timedelta):

@@ -22,6 +22,8 @@ class World:
     device: torch.device
     env: DistEnv | None
     workers: ScriptWorkers | None  # the processes started from a plain `python script.py`
+    server: int | None = None  # ps=S: which parameter server this process is (no group)
+    store: object = None  # ps=S: the job's store, which the servers reach too
 
 
 def resolve_world_size(devices, env: DistEnv | None, device_type: str) -> int:
@@ -40,9 +42,12 @@ def resolve_world_size(devices, env: DistEnv | None, device_type: str) -> int:
 
 
 def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
-                init_timeout_s: float, debug_collectives: bool = False, log=print) -> World:
+                init_timeout_s: float, debug_collectives: bool = False, log=print,
+                num_servers: int = 0) -> World:
     """Start the other processes if needed (a plain script becomes rank 0), pick the device
-    and create the default process group (gloo on CPU, NCCL on GPU)."""
+    and create the default process group (gloo on CPU, NCCL on GPU). With ``num_servers``
+    (layout ps=S) the last S processes are parameter servers: in no process group, only in the
+    RPC world that every process then joins (meshtrain/parallel/ps_layout.py)."""
     workers = None
     if world_size > 1 and env is None:
         workers = ScriptWorkers(world_size, timedelta(seconds=init_timeout_s))
@@ -56,6 +61,10 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
         return World(0, device, env, workers)
     if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    if num_servers:
+        return _start_ps_world(world_size, num_servers, env, device, workers,
+                               timedelta(seconds=init_timeout_s), "nccl" if device_type == "cuda"
+                               else "gloo")
     if not dist.is_initialized():
         if debug_collectives:
             from meshtrain.fault.desync import enable_collective_checks
@@ -68,6 +77,23 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
         init_process_group(env, "nccl" if device_type == "cuda" else "gloo",
                            timedelta(seconds=init_timeout_s))
     return World(env.rank, device, env, workers)
+
+
+def _start_ps_world(world_size, num_servers, env, device, workers, timeout, backend) -> World:
+    from meshtrain.launch.spawn import job_store, register_shutdown
+    from meshtrain.parallel.ps_layout import join_workers
+
+    store = job_store(env, timeout)
+    num_workers = world_size - num_servers
+    if env.rank >= num_workers:  # a server: answers RPCs on the CPU
+        register_shutdown()
+        return World(env.rank, torch.device("cpu"), env, workers, env.rank - num_workers, store)
+    if not dist.is_initialized():
+        local = min(env.local_world_size, num_workers)
+        init_process_group(DistEnv(env.rank, env.local_rank, num_workers, local), backend,
+                           timeout, store=dist.PrefixStore("workers", store))
+    join_workers(store, env.rank, world_size)
+    return World(env.rank, device, env, workers, None, store)
 
 
 def collective_checks(enabled: bool):

@@ -110,6 +110,10 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
             "the model has no trainable parameters (requires_grad=True), so there is nothing "
             f"to train{' or shard' if layout.is_sharded else ''}"
         )
+    if layout.num_servers:
+        from meshtrain.parallel.ps_layout import check_ps_model
+
+        check_ps_model(model, layout.num_servers)
     if options.activation_checkpointing and not model_blocks(model, options):
         raise ConfigError(
             f"activation_checkpointing={options.activation_checkpointing!r} needs the model's "
@@ -194,6 +198,12 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
             log(f"local SGD: parameters averaged every {options.local_sgd_every} steps, "
                 f"{engine.averager.bytes_per_step / 2**20:.3f} MiB per step on average (DDP: "
                 f"{engine.averager.param_bytes / 2**20:.3f} MiB of gradients every step)")
+    if mesh.layout.num_servers:
+        from meshtrain.parallel.ps_layout import PSTraining
+
+        engine.averager = PSTraining()  # its optimizer is set once the servers have started
+        log(f"parameter servers: {mesh.layout.num_servers} server(s), "
+            f"{mesh.layout.world_size} worker(s); the optimizer runs on the servers")
     if on_meta:
         from meshtrain.parallel.fully_shard import materialize
 

@@ -28,6 +28,10 @@ ZeRO names are aliases that also pick what is sharded (Rajbhandari et al., SC 20
 
 Hybrid sharding: ``dp_replicate=2,dp_shard=2`` (or ``dp_replicate=2,zero2=2``).
 
+Parameter servers: ``ps=S,dp=W`` starts S + W processes; the last S hold the parameters and the
+optimizer (meshtrain/parallel/ps_layout.py) and are not in the mesh, the first W are the
+data-parallel workers (``dp=auto`` when left out). ``ps`` combines with ``dp`` only.
+
 Composition: any combination on one mesh, e.g. ``pp=2,dp_shard=2,tp=2``. With ``pp``, ``tp`` or
 ``cp``, ``dp`` gradients are averaged by an explicit all-reduce instead of DDP (DDP breaks under
 pipelining and does not take DTensor parameters); ``zero1`` is for plain data parallelism only;
@@ -76,6 +80,7 @@ class Layout:
 
     degrees: dict[str, int] = field(default_factory=dict)
     zero_stage: int = 0
+    num_servers: int = 0  # ``ps=S``: S parameter-server processes beside the mesh's workers
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -84,7 +89,8 @@ class Layout:
         if world_size < 1:
             raise LayoutError(f"world size must be at least 1, got {world_size}")
         if isinstance(spec, Layout):
-            return cls(*_resolve(_layout_to_raw(spec), world_size, str(spec)))
+            return cls.parse(str(spec) if spec.degrees or spec.num_servers else "dp=1",
+                             world_size)
         elif spec is None or (isinstance(spec, str) and not spec.strip()):
             raw = {"dp": "auto"}
         elif isinstance(spec, str):
@@ -95,7 +101,8 @@ class Layout:
             raise LayoutError(
                 f"layout must be a string like 'dp=2', a dict or a Layout, got {type(spec).__name__}"
             )
-        return cls(*_resolve(raw, world_size, spec))
+        num_servers = _servers(raw, world_size, spec)
+        return cls(*_resolve(raw, world_size - num_servers, spec), num_servers)
 
     # -- queries ------------------------------------------------------------------------------
     def degree(self, axis: str) -> int:
@@ -132,13 +139,14 @@ class Layout:
     def uses_ddp(self) -> bool:
         """DDP averages the gradients (``dp``/``zero1`` alone): its bucket and hook settings apply."""
         return self.degree("dp") > 1 and self.loss_axes == ("dp",) and not (
-            "pp" in self.degrees or "tp" in self.degrees)
+            "pp" in self.degrees or "tp" in self.degrees or self.num_servers)
 
     @property
     def averages_gradients_by_hand(self) -> bool:
         """Replicated (not sharded) gradients averaged by an explicit all-reduce over the loss
         axes: plain ``dp`` with ``pp`` or ``tp``, and any ``cp`` without ``dp_shard``."""
-        return not self.is_sharded and self.loss_degree > 1 and not self.uses_ddp
+        return not (self.is_sharded or self.num_servers) and self.loss_degree > 1 and not \
+            self.uses_ddp
 
     @property
     def gradients_identical_after_sync(self) -> bool:
@@ -150,13 +158,21 @@ class Layout:
         """Why DDP's settings do nothing under this layout (for error messages)."""
         if self.is_sharded:
             return "FSDP reduce-scatters the gradients of a sharded layout"
+        if self.num_servers:
+            return "parameter servers average the workers' gradients"
         if self.averages_gradients_by_hand:
             return "with pp, tp or cp, gradients are averaged by an explicit all-reduce"
         return "no data-parallel ranks average gradients here"
 
     @property
     def world_size(self) -> int:
+        """The mesh's ranks (with ``ps``: the workers; the servers are not in it)."""
         return math.prod(self.degrees.values()) if self.degrees else 1
+
+    @property
+    def num_processes(self) -> int:
+        """Every process of the job: the mesh's ranks and the parameter servers."""
+        return self.world_size + self.num_servers
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -178,11 +194,44 @@ class Layout:
         names = {"dp": "zero1"} if self.zero_stage == 1 else (
             {"dp_shard": "zero2"} if self.zero_stage == 2 else {})
         text = ",".join(f"{names.get(a, a)}={self.degrees[a]}" for a in self.axis_names)
+        if self.num_servers:
+            return f"ps={self.num_servers},{text or 'dp=1'}"
         return text or "single"
 
 
-def _layout_to_raw(layout: Layout) -> dict:
-    return _parse_pairs(str(layout)) if layout.degrees else {}
+def _servers(raw: dict, world_size: int, spec) -> int:
+    """``ps=S`` (parameter servers, meshtrain/parallel/ps_layout.py) taken out of ``raw``: the
+    last S processes serve, the others are plain data-parallel workers."""
+    if "ps" not in raw:
+        return 0
+    value = raw.pop("ps")
+    try:
+        num_servers = int(value)
+    except (TypeError, ValueError):
+        raise LayoutError(f"ps={value!r} in {spec!r}: give the number of parameter servers, "
+                          "e.g. 'ps=1,dp=3' (1 server, 3 workers); 'auto' is not taken") from None
+    if num_servers < 1:
+        raise LayoutError(f"ps={num_servers} in {spec!r}: a parameter-server layout needs at "
+                          "least 1 server; drop ps= for all-reduce data parallelism")
+    other = sorted(set(raw) - {"dp"})
+    if other:
+        raise LayoutError(f"layout {spec!r}: with ps (parameter servers) the workers are plain "
+                          f"data parallel; {', '.join(other)} do not combine with it; write "
+                          f"e.g. 'ps={num_servers},dp={max(1, world_size - num_servers)}'")
+    if world_size <= num_servers:
+        raise LayoutError(
+            f"layout {spec!r} has {num_servers} parameter server(s) and the world size is "
+            f"{world_size}, which leaves no workers; start more processes (world size = servers "
+            f"+ workers, e.g. devices={num_servers + 2} for 2 workers) or lower ps")
+    workers = str(raw.setdefault("dp", "auto")).strip().lower()
+    if workers not in ("auto", "-1") and workers.isdigit() and int(workers) + num_servers != \
+            world_size:
+        raise LayoutError(
+            f"layout {spec!r} needs {int(workers) + num_servers} processes ({num_servers} "
+            f"server(s) + {workers} workers) but the world size is {world_size}; start "
+            f"{int(workers) + num_servers} processes, or write 'ps={num_servers}' alone (every "
+            "other process a worker)")
+    return num_servers
 
 
 def _parse_pairs(spec: str) -> dict[str, str]:

@@ -291,6 +291,11 @@ def _rpc_push(worker, step, grads, lr) -> torch.futures.Future:
     return _server().push(worker, step, grads, lr)
 
 
+def _rpc_keep_final(state: dict) -> None:
+    """The trained model's full state, which :func:`serve` returns (ps_layout.py)."""
+    _HOST["final"] = state
+
+
 def _rpc_call(method: str, *args):
     """finish / state / load_state / stats of this process's server."""
     return getattr(_server(), method)(*args)
@@ -319,8 +324,9 @@ def serve(index: int, rank: int, world_size: int, addr: str, port: int, **option
     rpc.shutdown()  # graceful: waits for all workers' outstanding calls and their shutdown
     with _HOST_LOCK:
         server, _HOST["server"] = _HOST["server"], None
+        final = _HOST.pop("final", None)
     return {"name": server_name(index), "state": server and server.state(),
-            "stats": server and server.stats()}
+            "stats": server and server.stats(), "final": final}
 
 
 def join_as_worker(index: int, rank: int, world_size: int, addr: str, port: int,

@@ -60,7 +60,7 @@ class PSClient:
         learning rate for this update (a worker-side LR schedule)."""
         futs, sent = [], 0
         for server, shard in zip(self.servers, self.shards):
-            grads = {n: self.params[n].grad.detach() for n in shard
+            grads = {n: self.params[n].grad.detach().cpu() for n in shard  # RPC sends CPU
                      if self.params[n].grad is not None}
             sent += _nbytes(grads)
             futs.append(rpc.rpc_async(server, _rpc_push,

@@ -1,0 +1,154 @@
+"""What ``Trainer.fit`` does before its loop: check the inputs, start the processes, build the
+model under the layout, the optimizer and the data loaders, and resume when a checkpoint is due.
+
+Under a ``ps`` layout (meshtrain/parallel/ps_layout.py) the server processes stop after the
+checks and the world: :func:`serve` keeps them answering the workers until training ends.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+from meshtrain import checks
+from meshtrain.checkpoint.hf_weights import load_hf_weights
+from meshtrain.checkpoint.manager import CheckpointManager
+from meshtrain.checkpoint.resume import model_shapes, resolve_run_dir, resume_fit
+from meshtrain.data.sampler import train_loaders
+from meshtrain.errors import ConfigError
+from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
+from meshtrain.launch.world import start_world
+from meshtrain.parallel.apply import apply_layout, build_optimizer, check_model
+from meshtrain.parallel.layout import Layout
+from meshtrain.parallel.mesh import ParallelMesh
+from meshtrain.precision import Precision
+
+
+def prepare(trainer, model, train_data, val_data=None, *, optimizer, loss_fn=None,
+            lr_scheduler=None) -> None:
+    """Everything ``fit`` needs before its loop (see the module's docstring)."""
+    t = trainer
+    train_set = checks.check_fit_inputs(model, train_data, val_data, optimizer=optimizer,
+                                        lr_scheduler=lr_scheduler,
+                                        global_batch_size=t.global_batch_size,
+                                        max_steps=t.max_steps)
+    meta_model = checks.inspect_model(model)
+    check_model_layout(t, meta_model, loss_fn, checks.first_inputs(train_set, 2), model)
+    t._model_shapes = model_shapes(meta_model)  # None: known once built
+    setup_world(t)
+    if t.ps_server is not None:
+        t._loss_fn = loss_fn
+        return
+    try:
+        setup_run_dir(t)
+        setup_model(t, model, meta_model, optimizer, lr_scheduler, loss_fn,
+                    checks.first_inputs(train_set, t.micro_batch_size))
+        t.state.sampler, t.train_loader = train_loaders(
+            train_set, train_data, global_batch_size=t.global_batch_size,
+            micro_batch_size=t.batch_plan.loader_batch_size, dp_rank=t.dp_rank,
+            dp_degree=t.layout.batch_degree, shuffle=t.shuffle, seed=t.seed,
+            **t._loader_options())
+        t._val_data = val_data
+        t.checkpoints = CheckpointManager.from_settings(t.run_dir / "checkpoints", t._settings)
+        t._guard = StepGuard(
+            t, FaultOptions.from_settings(t), t.checkpoints,
+            run_dir=t.run_dir, rank=t.rank, world_size=t.world_size,
+            device=t.device, grad_scaler=t.precision.scaler is not None,
+            gradients_identical=t.engine.gradients_identical)
+        if t._resume_from is not None:
+            resume_fit(t, t._resume_from)
+    except BaseException as error:
+        if t._workers is not None:
+            t._workers.raise_if_failed(error)
+        raise
+
+
+def setup_world(t) -> None:
+    """Start the other processes if needed; create the process group and mesh (once)."""
+    if t.mesh is not None:
+        return
+    world = start_world(t.layout.num_processes, t._env, t.device_type,
+                        init_timeout_s=t.init_timeout_s, num_servers=t.layout.num_servers,
+                        debug_collectives=t.debug_collectives, log=t.print)
+    t.rank, t.device, t._env, t._workers = world.rank, world.device, world.env, world.workers
+    t.ps_server = world.server
+    t._store = world.store
+    if t.ps_server is not None:  # a parameter server: in no process group, evaluates alone
+        t.mesh = ParallelMesh(Layout(), t.device_type)
+        return
+    t.mesh = ParallelMesh(t.layout, t.device_type)
+    if t.world_size > 1:  # the mesh's sub-groups get torch's 30-minute default
+        set_collective_timeout(timedelta(seconds=t.init_timeout_s))
+
+
+def setup_run_dir(t) -> None:
+    if t.run_dir is None:
+        t.run_dir, t._resume_from = resolve_run_dir(
+            t.resume, run_dir=t._run_dir_arg, root_dir=t.root_dir, name=t.name,
+            rank=t.rank, shapes=t._model_shapes)
+        t.run_log.open(t.run_dir, t.loggers, t.hparams())
+
+
+def check_model_layout(t, model, loss_fn, sample_inputs=None, original=None) -> None:
+    """The model against the layout (``model`` may be a meta-device copy, or None)."""
+    check_model(model, t.layout, t.parallel_options, pipeline=t.pipeline_options,
+                loss_fn=loss_fn, num_microbatches=t.grad_accum_steps,
+                batch_size=t.global_batch_size // t.layout.batch_degree,
+                sample_inputs=sample_inputs, original=original)
+
+
+def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss_fn,
+                sample_inputs) -> None:
+    """Build (or take) the model, apply the layout, then create the optimizer."""
+    from meshtrain.parallel.fully_shard import builds_on_meta
+
+    torch.manual_seed(t.seed)  # identical initial parameters on every rank
+    on_meta = builds_on_meta(t.layout, t.meta_init, model, meta_model)
+    model = meta_model if on_meta else build(model)
+    check_model_layout(t, model, loss_fn)
+    t._model_shapes = model_shapes(model)  # before a pipeline keeps only its stages
+    t.precision = Precision(t.precision_name, t.device_type)
+    t.engine = apply_layout(
+        model, t.mesh, device=t.device, options=t.parallel_options,
+        pipeline=t.pipeline_options, precision=t.precision, loss_fn=loss_fn,
+        grad_accum_steps=t.grad_accum_steps, on_meta=on_meta,
+        sample_inputs=sample_inputs, log=t.print, run_dir=t.run_dir)
+    t.model = t.engine.model
+    if t.init_from is not None:  # pretrained weights: each rank reads its own shards
+        load_hf_weights(t.model, t.init_from, partial=t.layout.degree("pp") > 1)
+    t.optimizer = build_optimizer(t.model, optimizer_factory, t.mesh)
+    checks.check_optimizer(t.optimizer)
+    if t.layout.num_servers:  # the optimizer runs on the servers
+        from meshtrain.parallel.ps_layout import start_servers
+
+        t.optimizer = t.engine.averager.optimizer = start_servers(t.model, t.optimizer,
+                                                                 t.layout, t._settings)
+    t.lr_scheduler = scheduler_factory(t.optimizer) if scheduler_factory else None
+    torch.manual_seed(t.seed + 1 + t.rank)  # dropout: different per rank, reproducible
+
+
+def build(model) -> torch.nn.Module:
+    """The user's module, or what their factory returns."""
+    model = model if isinstance(model, torch.nn.Module) else model()
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"the model factory returned {type(model).__name__}, not a "
+                          "torch.nn.Module")
+    return model
+
+
+def serve(t, model) -> torch.nn.Module:
+    """(A ``ps`` server process.) Serve until the workers finish; then hold the trained model
+    and evaluate alone on the whole data (``validate``/``test`` give the workers' numbers)."""
+    from meshtrain.parallel.ps_layout import serve_job
+
+    result = serve_job(t.ps_server, t.rank, t.layout.num_processes, t._store)
+    torch.manual_seed(t.seed)
+    t.model = build(model)
+    if result["final"] is not None:
+        t.model.load_state_dict(result["final"])
+    t.precision = Precision(t.precision_name, t.device_type)
+    t.engine = apply_layout(t.model, t.mesh, device=t.device, options=t.parallel_options,
+                            pipeline=None, precision=t.precision, loss_fn=t._loss_fn,
+                            grad_accum_steps=1, log=t.print)
+    return t.model
