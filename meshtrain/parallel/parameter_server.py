@@ -30,8 +30,10 @@ functions reach).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import os
 import threading
 from collections.abc import Callable
 
@@ -311,6 +313,18 @@ def rpc_options(addr: str, port: int, *, num_threads: int = 16,
                                            rpc_timeout=rpc_timeout)
 
 
+@contextlib.contextmanager
+def _rank0_hosts_store():
+    """Under torchrun, TORCHELASTIC_USE_AGENT_STORE=True makes every tcp:// rendezvous a client
+    of a store nobody hosts at our port (all processes hang in init_rpc): hide it meanwhile."""
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+
+
 def ps_role(rank: int, num_servers: int) -> tuple[str, int]:
     """Ranks 0..S-1 are servers ps0..; the rest workers worker0..: ("server"|"worker", index)."""
     return ("server", rank) if rank < num_servers else ("worker", rank - num_servers)
@@ -319,8 +333,9 @@ def ps_role(rank: int, num_servers: int) -> tuple[str, int]:
 def serve(index: int, rank: int, world_size: int, addr: str, port: int, **options) -> dict:
     """Be server ``ps{index}`` until every process has called ``rpc.shutdown``; return what it
     held at the end: {"name", "state" (see ParameterServer.state), "stats"} (None if unused)."""
-    rpc.init_rpc(server_name(index), rank=rank, world_size=world_size,
-                 rpc_backend_options=rpc_options(addr, port, **options))
+    with _rank0_hosts_store():
+        rpc.init_rpc(server_name(index), rank=rank, world_size=world_size,
+                     rpc_backend_options=rpc_options(addr, port, **options))
     rpc.shutdown()  # graceful: waits for all workers' outstanding calls and their shutdown
     with _HOST_LOCK:
         server, _HOST["server"] = _HOST["server"], None
@@ -332,5 +347,6 @@ def serve(index: int, rank: int, world_size: int, addr: str, port: int, **option
 def join_as_worker(index: int, rank: int, world_size: int, addr: str, port: int,
                    **options) -> None:
     """Join the job as ``worker{index}``; end with ``rpc.shutdown()`` after the last step."""
-    rpc.init_rpc(f"worker{index}", rank=rank, world_size=world_size,
-                 rpc_backend_options=rpc_options(addr, port, **options))
+    with _rank0_hosts_store():
+        rpc.init_rpc(f"worker{index}", rank=rank, world_size=world_size,
+                     rpc_backend_options=rpc_options(addr, port, **options))

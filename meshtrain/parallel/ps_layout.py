@@ -97,6 +97,8 @@ def rpc_address(store, rank: int) -> tuple[str, int]:
         from meshtrain.launch.ports import find_free_port
 
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        if addr == "localhost":  # TensorPipe's store hangs on it here (IPv6 first?)
+            addr = "127.0.0.1"
         store.set(RPC_KEY, f"{addr}:{find_free_port()}")
     addr, port = store.get(RPC_KEY).decode().rsplit(":", 1)
     return addr, int(port)
