@@ -154,16 +154,26 @@ def layout_world_size(layout: str) -> int:
     if any(str(v).strip().lower() in ("auto", "-1") for v in pairs.values()):
         raise ConfigError(f"layout {layout!r}: meshtrain parity needs every degree written out "
                           "(no 'auto'), so it knows how many processes to start")
-    try:
-        return math.prod(int(v) for v in pairs.values())
+    try:  # parameter servers (ps=S) are processes beside the mesh's
+        servers = int(pairs.pop("ps", 0))
+        return math.prod(int(v) for v in pairs.values()) + servers
     except ValueError:
         raise ConfigError(f"layout {layout!r}: degrees must be integers") from None
 
 
+def _parse_pairs(layout: str) -> dict:
+    from meshtrain.parallel.layout import _parse_pairs
+
+    return _parse_pairs(layout)
+
+
 def run_settings(job: dict, layout: str | None, steps: int, run_dir: str) -> dict:
     world = 1 if not layout else layout_world_size(layout)
-    return {**job["settings"], **QUIET, "layout": layout or None, "devices": world,
-            "max_steps": steps, "run_dir": run_dir}
+    settings = {**job["settings"], **QUIET, "layout": layout or None, "devices": world,
+                "max_steps": steps, "run_dir": run_dir}
+    if layout and "ps" in _parse_pairs(layout):  # the servers alone know the global norm
+        settings["log_grad_norm"] = False
+    return settings
 
 
 def train(source: Source, layout: str | None, steps: int, quiet: bool = True) -> dict | None:

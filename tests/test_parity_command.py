@@ -74,6 +74,7 @@ def test_command_line_mistakes(capsys):
     with pytest.raises(ConfigError, match="no 'auto'"):
         layout_world_size("dp=auto,tp=2")
     assert layout_world_size("pp=2,tp=2,dp_shard=2") == 8
+    assert layout_world_size("ps=2,dp=3") == 5  # servers beside the workers
 
 
 def test_batch_coupled_jobs_are_reported_correctly():
