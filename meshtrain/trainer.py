@@ -82,7 +82,7 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None  # the last step's, before clipping
         self.should_stop, self.callback_metrics = False, {}
         self.run_dir = self._resume_from = self._workers = self._val_data = None
-        self.ps_server = self._store = None  # this process's server index under ps=S
+        self.ps_server = self._store = self.ps_stats = None  # ps=S: server index, its counters
         self._model_shapes = None  # the whole model's state names and shapes (resume.py)
         self.run_log = RunLog(self.rank == 0)
         self.checkpoints: CheckpointManager | None = None  # every save goes through it

@@ -143,6 +143,7 @@ def serve(t, model) -> torch.nn.Module:
     from meshtrain.parallel.ps_layout import serve_job
 
     result = serve_job(t.ps_server, t.rank, t.layout.num_processes, t._store)
+    t.ps_stats = result["stats"]  # bytes received and sent, optimizer steps, staleness seen
     torch.manual_seed(t.seed)
     t.model = build(model)
     if result["final"] is not None:

@@ -54,10 +54,11 @@ class PSClient:
         self._copy_in(self._wait([rpc.rpc_async(s, _rpc_pull, args=(self.worker,))
                                   for s in self.servers]))
 
-    def step(self, lr: float | None = None) -> None:
+    def step(self, lr: float | None = None, zero_grad: bool = True) -> None:
         """Push this worker's gradients (to all servers at once), wait for the updated
-        parameters, copy them in and clear the gradients. ``lr`` overrides the servers'
-        learning rate for this update (a worker-side LR schedule)."""
+        parameters, copy them in and clear the gradients (unless ``zero_grad=False``: the
+        caller does). ``lr`` overrides the servers' learning rate for this update (a
+        worker-side LR schedule)."""
         futs, sent = [], 0
         for server, shard in zip(self.servers, self.shards):
             grads = {n: self.params[n].grad.detach().cpu() for n in shard  # RPC sends CPU
@@ -66,7 +67,8 @@ class PSClient:
             futs.append(rpc.rpc_async(server, _rpc_push,
                                       args=(self.worker, self.step_count, grads, lr)))
         received = self._copy_in(self._wait(futs))
-        self.model.zero_grad(set_to_none=True)
+        if zero_grad:
+            self.model.zero_grad(set_to_none=True)
         self.step_count += 1
         self.bytes_sent += sent
         self.bytes_per_step = sent + received

@@ -151,7 +151,7 @@ class ServerOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ConfigError("an optimizer closure (LBFGS) cannot run on parameter servers")
-        self.client.step(lr=self.param_groups[0]["lr"])
+        self.client.step(lr=self.param_groups[0]["lr"], zero_grad=False)  # zero_grad() does
 
     def fetch(self) -> None:
         """Copy the servers' parameters into the model and their optimizer state into
