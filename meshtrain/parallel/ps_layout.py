@@ -97,7 +97,7 @@ def rpc_address(store, rank: int) -> tuple[str, int]:
         from meshtrain.launch.ports import find_free_port
 
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        if addr == "localhost":  # TensorPipe's store hangs on it here (IPv6 first?)
+        if addr == "localhost":  # torchrun sets it; an IPv4 literal, as our launchers use
             addr = "127.0.0.1"
         store.set(RPC_KEY, f"{addr}:{find_free_port()}")
     addr, port = store.get(RPC_KEY).decode().rsplit(":", 1)

@@ -92,7 +92,7 @@ def test_tied_llama_is_refused_before_any_process(tmp_path, monkeypatch):
     def no_world(*args, **kwargs):
         raise AssertionError("the pipeline check let the model through: processes would start")
 
-    monkeypatch.setattr("meshtrain.trainer.start_world", no_world)
+    monkeypatch.setattr("meshtrain.trainer_setup.start_world", no_world)
     trainer = Trainer(**trainer_kwargs(tmp_path / "run", layout="pp=2", devices=2, max_steps=1,
                                        global_batch_size=8))
     with pytest.raises(ConfigError, match="shared across stages"):
