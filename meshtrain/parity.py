@@ -28,6 +28,7 @@ import torch
 
 from meshtrain.callbacks import Callback
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.layout import _parse_pairs
 
 #: max |dparam| and |dloss| a layout may differ from one process by, per precision
 #: (mixed precision: see docs/reference or benchmarks/README.md for how they were measured)
@@ -148,8 +149,6 @@ def _apply_overrides(flat: dict, overrides) -> dict:
 # -- one run ---------------------------------------------------------------------------------
 def layout_world_size(layout: str) -> int:
     """How many processes ``layout`` needs (its degrees multiplied; no 'auto' axis)."""
-    from meshtrain.parallel.layout import _parse_pairs
-
     pairs = _parse_pairs(layout)
     if any(str(v).strip().lower() in ("auto", "-1") for v in pairs.values()):
         raise ConfigError(f"layout {layout!r}: meshtrain parity needs every degree written out "
@@ -159,12 +158,6 @@ def layout_world_size(layout: str) -> int:
         return math.prod(int(v) for v in pairs.values()) + servers
     except ValueError:
         raise ConfigError(f"layout {layout!r}: degrees must be integers") from None
-
-
-def _parse_pairs(layout: str) -> dict:
-    from meshtrain.parallel.layout import _parse_pairs
-
-    return _parse_pairs(layout)
 
 
 def run_settings(job: dict, layout: str | None, steps: int, run_dir: str) -> dict:

@@ -122,8 +122,8 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
     if t.layout.num_servers:  # the optimizer runs on the servers
         from meshtrain.parallel.ps_layout import start_servers
 
-        t.optimizer = t.engine.averager.optimizer = start_servers(t.model, t.optimizer,
-                                                                 t.layout, t._settings)
+        t.optimizer = t.engine.averager = start_servers(t.model, t.optimizer, t.layout,
+                                                        t._settings)
     t.lr_scheduler = scheduler_factory(t.optimizer) if scheduler_factory else None
     torch.manual_seed(t.seed + 1 + t.rank)  # dropout: different per rank, reproducible
 

@@ -198,10 +198,7 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
             log(f"local SGD: parameters averaged every {options.local_sgd_every} steps, "
                 f"{engine.averager.bytes_per_step / 2**20:.3f} MiB per step on average (DDP: "
                 f"{engine.averager.param_bytes / 2**20:.3f} MiB of gradients every step)")
-    if mesh.layout.num_servers:
-        from meshtrain.parallel.ps_layout import PSTraining
-
-        engine.averager = PSTraining()  # its optimizer is set once the servers have started
+    if mesh.layout.num_servers:  # the optimizer (ps_layout.ServerOptimizer) ends the training
         log(f"parameter servers: {mesh.layout.num_servers} server(s), "
             f"{mesh.layout.world_size} worker(s); the optimizer runs on the servers")
     if on_meta:

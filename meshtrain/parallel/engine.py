@@ -242,7 +242,9 @@ class Engine:
         if message and (not dist.is_initialized() or dist.get_rank() == 0):
             warnings.warn(message, stacklevel=2)
 
-    averager = None  # local SGD (local_sgd.py): parameters averaged after some steps instead
+    # local SGD (local_sgd.py): parameters averaged after some steps instead; under ps the
+    # ServerOptimizer (ps_layout.py), which leaves the servers when training ends
+    averager = None
 
     @property
     def gradients_identical(self) -> bool:

@@ -84,12 +84,6 @@ def check_ps_model(model: torch.nn.Module, num_servers: int, max_imbalance: floa
             f"use ps={best} (or fewer)")
 
 
-def server_index(rank: int, layout) -> int | None:
-    """Which server job rank ``rank`` is (the last S ranks), or None for a worker."""
-    index = rank - layout.world_size
-    return index if layout.num_servers and index >= 0 else None
-
-
 def rpc_address(store, rank: int) -> tuple[str, int]:
     """Where the RPC world meets: rank 0 (worker 0) picks a free port and publishes it in the
     job's store, which every process (servers too) reaches."""
@@ -192,20 +186,12 @@ class ServerOptimizer(torch.optim.Optimizer):
         self.open = False
         rpc.shutdown()
 
-
-class PSTraining:
-    """The Engine's averager under ``ps`` (engine.after_optimizer_step / end_of_training):
-    nothing after a step (the push did it all); at the end, :meth:`ServerOptimizer.close`."""
-
-    def __init__(self):
-        self.optimizer: ServerOptimizer | None = None
-
+    # as the Engine's averager (engine.after_optimizer_step / end_of_training): nothing after a
+    # step (the push did it all), close when training ends
     def after_step(self, step: int) -> None:
         pass
 
-    def finish(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.close()
+    finish = close
 
 
 def join_workers(store, rank: int, num_processes: int) -> None:
