@@ -27,6 +27,10 @@ def resolve_device_type(settings: dict) -> str:
     check_precision(settings["precision"], device_type)
     if settings["offload"] is not None:
         check_offload(settings["offload"], device_type)
+    if settings["compile"]:
+        from meshtrain.parallel.compile import check_toolchain
+
+        check_toolchain(device_type)
     return device_type
 
 

@@ -59,6 +59,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 COMM_HOOKS = ("fp16", "bf16", "powersgd")
 OFFLOADS = ("cpu",)
 ACTIVATION_CHECKPOINTING = ("full", "selective")
+COMPILE_MODES = ("blocks", "model")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv",
                 "dualpipev")
 PP_BALANCES = ("params", "time", "memory")
@@ -141,6 +142,12 @@ DEFINITIONS = [
        "element-wise ones (matmul and attention outputs are kept); none: off.",
        choices=ACTIVATION_CHECKPOINTING, none=True,
        error="activation_checkpointing must be 'full', 'selective' or None, got {value!r}"),
+    _S("compile", "parallel", False, "choice",
+       'torch.compile (Inductor): True or "blocks" compiles each repeated block, "model" the '
+       "whole forward; applied after tp, cp and checkpointing, before DDP/FSDP2, under every "
+       "layout (docs/compile.md).",
+       choices=(False, True) + COMPILE_MODES,
+       error="compile must be True, False, 'blocks' or 'model', got {value!r}"),
     _S("blocks", "parallel", None, "callable",
        "A function model -> the submodules sharded (and checkpointed) one by one; none: the "
        "model's repeated blocks (e.g. model.layers).", none=True, config=False,

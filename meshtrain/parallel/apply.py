@@ -2,9 +2,8 @@
 
 The order (as in torchtitan) is: pipeline split (:func:`apply_layout`, then :func:`parallelize`
 on each stage), tensor parallel, context parallel, synchronised BatchNorm, activation
-checkpointing, then the data-parallel wrapper (FSDP or DDP) last, because it must see the final
-parameters.
-``torch.compile`` would belong between checkpointing and the wrapper and is not implemented yet.
+checkpointing, ``torch.compile``, then the data-parallel wrapper (FSDP or DDP) last, because it
+must see the final parameters.
 Each strategy is one ``apply_*`` function in its own module; this file only decides which ones
 run, and in what order.
 """
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.compile import compile_mode
 from meshtrain.parallel.engine import Engine
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelMesh
@@ -34,6 +34,7 @@ class ParallelOptions:
     precision: str = "fp32"
     offload: str | None = None
     activation_checkpointing: str | None = None
+    compile: str | None = None  # "blocks", "model" or None (compile.py)
     blocks: BlocksFn | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
@@ -59,6 +60,7 @@ class ParallelOptions:
                    comm_hook=s["comm_hook"], powersgd_rank=s["powersgd_rank"],
                    precision=s["precision"], offload=s["offload"],
                    activation_checkpointing=s["activation_checkpointing"], blocks=s["blocks"],
+                   compile=compile_mode(s["compile"]),
                    sequence_parallel=s["sequence_parallel"], loss_parallel=s["loss_parallel"],
                    tp_plan=tp_plan, context_parallel=context_parallel, loss_items=loss_items,
                    sync_batchnorm=s["sync_batchnorm"], local_sgd_every=s["local_sgd_every"],
@@ -87,6 +89,11 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
         check_pipeline_layout(model, layout, pipeline, loss_fn=loss_fn,
                               num_microbatches=num_microbatches, batch_size=batch_size,
                               sample_inputs=sample_inputs, original=original)
+    if options.compile is not None:  # blocks unknown without a model: then checked on the ranks
+        from meshtrain.parallel.compile import check_compile
+
+        check_compile(options.compile,
+                      has_blocks=model is None or bool(model_blocks(model, options)))
     if model is None:
         return
     plan = tp_plan_of(model, options) if layout.degree("tp") > 1 else None
@@ -151,12 +158,16 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         from meshtrain.parallel.sync_batchnorm import apply_sync_batchnorm
 
         apply_sync_batchnorm(model, mesh.loss.get_group())
-    needs_blocks = options.activation_checkpointing or layout.is_sharded
+    needs_blocks = options.activation_checkpointing or layout.is_sharded or options.compile
     blocks = model_blocks(model, options) if needs_blocks else []
     if options.activation_checkpointing:
         from meshtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, options.activation_checkpointing, blocks)
+    if options.compile is not None:
+        from meshtrain.parallel.compile import apply_compile
+
+        apply_compile(model, options.compile, blocks, tensor_parallel=layout.degree("tp") > 1)
     if layout.is_sharded:  # 1-D: FSDP; 2-D (replicate, shard): HSDP
         from meshtrain.parallel.fully_shard import apply_fsdp
 
@@ -198,6 +209,9 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
             log(f"local SGD: parameters averaged every {options.local_sgd_every} steps, "
                 f"{engine.averager.bytes_per_step / 2**20:.3f} MiB per step on average (DDP: "
                 f"{engine.averager.param_bytes / 2**20:.3f} MiB of gradients every step)")
+    if options.compile is not None:
+        what = "each repeated block" if options.compile == "blocks" else "the whole forward"
+        log(f"torch.compile: {what} (Inductor); the first steps include compiling")
     if mesh.layout.num_servers:  # the optimizer (ps_layout.ServerOptimizer) ends the training
         log(f"parameter servers: {mesh.layout.num_servers} server(s), "
             f"{mesh.layout.world_size} worker(s); the optimizer runs on the servers")
