@@ -369,6 +369,7 @@ class MemoryProbe:
         self.model, self.optimizer, self.layout = model, optimizer, layout
         self.num_params = _num_params(model) if num_params is None else num_params
         self.row: MemoryRow | None = None
+        self.allocator: dict[str, int] | None = None  # on a GPU: the CUDA allocator's figures
         self._forward = ForwardParamBytes(model)
         self._step_hook = optimizer.register_step_post_hook(self._after_step)
 
@@ -377,6 +378,7 @@ class MemoryProbe:
             return
         self.row = memory_row(self.model, self.optimizer, self.layout, self.num_params,
                               forward_params=self._forward.bytes)
+        self.allocator = allocator_bytes(self.model)
         self._forward.remove()
 
     def summary(self) -> str | None:
@@ -385,11 +387,30 @@ class MemoryProbe:
         if self.row is None:
             return None
         self.remove()
-        return _summary_text(self.row, self.layout, self._forward.bytes is not None)
+        text = _summary_text(self.row, self.layout, self._forward.bytes is not None)
+        if self.allocator is not None:
+            mib = {k: v / 2**20 for k, v in self.allocator.items()}
+            text += (f"\nCUDA allocator after step 1 (MiB): allocated {mib['allocated']:.2f}, "
+                     f"peak allocated {mib['peak_allocated']:.2f}, reserved "
+                     f"{mib['reserved']:.2f} (model state plus activations, buffers and "
+                     "communication)")
+        return text
 
     def remove(self) -> None:
         self._forward.remove()
         self._step_hook.remove()
+
+
+def allocator_bytes(model: torch.nn.Module) -> dict[str, int] | None:
+    """The CUDA caching allocator's view of the device ``model`` is on: bytes allocated now, at
+    the peak so far, and reserved from the driver; None off CUDA."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return None
+    device = param.device
+    return {"allocated": torch.cuda.memory_allocated(device),
+            "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device)}
 
 
 def _fmt_count(n: int) -> str:

@@ -178,8 +178,29 @@ def block_memory_costs(blocks: Sequence[nn.Module], sample_input: torch.Tensor, 
     return costs
 
 
+class _CudaEventClock:
+    """Seconds between consecutive calls, from CUDA events on the current stream: each call
+    records an event; the second of a pair waits for it and returns the time since the first
+    (``clock() - start`` in :func:`block_time_costs` then reads that elapsed time)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.start = device, None
+
+    def __call__(self) -> float:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        if self.start is None:
+            self.start = event
+            return 0.0
+        event.synchronize()
+        elapsed, self.start = self.start.elapsed_time(event) / 1e3, None
+        return elapsed
+
+
 def _clock_for(device: torch.device) -> Callable[[], float]:
     """The clock :func:`block_time_costs` uses by default on ``device`` (see there)."""
+    if device.type == "cuda":
+        return _CudaEventClock(device)
     single_cpu_thread = device.type == "cpu" and torch.get_num_threads() == 1
     return time.thread_time if single_cpu_thread else time.perf_counter
 
@@ -191,15 +212,15 @@ def block_time_costs(blocks: Sequence[nn.Module], sample_input: torch.Tensor, *,
     own backward) on the input it gets when the blocks run in sequence on ``sample_input``.
 
     Each round times every block once, so a burst of load from elsewhere hits them alike. The
-    clock: wall time after a CUDA synchronize on a GPU; on the CPU with one torch thread, that
-    thread's CPU time (all of the work runs on it), which other processes cannot inflate.
-    ``clock`` replaces it (any function returning seconds; tests pass a fake one).
+    clock: on a GPU, CUDA events recorded on the stream around the block (the kernels' time,
+    not the launching); on the CPU with one torch thread, that thread's CPU time (all of the
+    work runs on it), which other processes cannot inflate. ``clock`` replaces it (any function
+    returning seconds; tests pass a fake one).
     """
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, "
                           f"warmup={warmup}")
     device = sample_input.device
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     clock = clock or _clock_for(device)
     times: list[list[float]] = [[] for _ in blocks]
     with _untouched(blocks, device):
@@ -211,12 +232,10 @@ def block_time_costs(blocks: Sequence[nn.Module], sample_input: torch.Tensor, *,
         for round_ in range(warmup + repeats):
             for index, (block, x) in enumerate(zip(blocks, inputs)):
                 x = _leaf(x)
-                sync()
                 start = clock()
                 out = _run(block, x, index)
                 if out.requires_grad:
                     out.backward(torch.ones_like(out))
-                sync()
                 if round_ >= warmup:
                     times[index].append(clock() - start)
                 for p in block.parameters():

@@ -176,6 +176,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-collectives", action="store_true")
     p.add_argument("--save-final", type=int, default=1)
     p.add_argument("--save-loaded", action="store_true")
+    p.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
     return p
 
 
@@ -188,7 +189,7 @@ def train(argv: list[str]) -> dict:
     dataset = Tokens() if gpt else Samples(args.nan_index)
     resume = None if args.resume == "none" else args.resume
     trainer = Trainer(
-        layout=args.layout, devices="auto", accelerator="cpu", max_steps=args.max_steps,
+        layout=args.layout, devices="auto", accelerator=args.accelerator, max_steps=args.max_steps,
         global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
         run_dir=args.run_dir, loggers=("csv",), log_every_n_steps=1, progress_bar=False,
         checkpoint_every_n_steps=args.ckpt_every, async_checkpoint=args.async_ckpt,
