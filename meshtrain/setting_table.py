@@ -144,8 +144,8 @@ DEFINITIONS = [
        error="activation_checkpointing must be 'full', 'selective' or None, got {value!r}"),
     _S("compile", "parallel", False, "choice",
        'torch.compile (Inductor): True or "blocks" compiles each repeated block, "model" the '
-       "whole forward; applied after tp, cp and checkpointing, before DDP/FSDP2, under every "
-       "layout (docs/compile.md).",
+       "whole forward (not with activation_checkpointing); applied after tp, cp and "
+       "checkpointing, before DDP/FSDP2, under every layout (docs/compile.md).",
        choices=(False, True) + COMPILE_MODES,
        error="compile must be True, False, 'blocks' or 'model', got {value!r}"),
     _S("blocks", "parallel", None, "callable",

@@ -93,7 +93,8 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
         from meshtrain.parallel.compile import check_compile
 
         check_compile(options.compile,
-                      has_blocks=model is None or bool(model_blocks(model, options)))
+                      has_blocks=model is None or bool(model_blocks(model, options)),
+                      activation_checkpointing=options.activation_checkpointing)
     if model is None:
         return
     plan = tp_plan_of(model, options) if layout.degree("tp") > 1 else None

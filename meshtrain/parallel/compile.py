@@ -38,11 +38,19 @@ def compile_mode(value) -> str | None:
     return value
 
 
-def check_compile(mode: str | None, *, has_blocks: bool) -> None:
+def check_compile(mode: str | None, *, has_blocks: bool,
+                  activation_checkpointing: str | None = None) -> None:
     """Refuse, before any process starts, what compile cannot do (every layout composes with it:
     tests/parallel/test_compile.py)."""
     if mode is None:
         return
+    if mode == "model" and activation_checkpointing is not None:
+        raise ConfigError(
+            f"compile='model' with activation_checkpointing={activation_checkpointing!r} fails "
+            "in backward in torch 2.13: the whole-model graph takes in the blocks' checkpoint "
+            "hooks, and the recomputation no longer matches the forward; use compile=True "
+            "(each block compiled, checkpointing around it) or activation_checkpointing=None"
+        )
     if mode == "blocks" and not has_blocks:
         raise ConfigError(
             "compile='blocks' needs the model's repeated blocks (e.g. an nn.ModuleList of "
