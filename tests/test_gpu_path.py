@@ -10,7 +10,6 @@ roundoff, measured on CPU); the GPU's half-precision kernels round like the CPU'
 
 from __future__ import annotations
 
-import math
 import re
 import tempfile
 
@@ -20,9 +19,8 @@ from parity import GPT4_FNS, GPT_FNS, GRAD_NORMS, compare_ranks, mlp, regression
     train_state
 from test_gpu import no_tf32  # noqa: F401  (autouse: TF32 off in every test here)
 from test_mixed_precision import FNS as MP_FNS
-from test_mixed_precision import assert_within, limits
+from test_mixed_precision import _InjectInf, assert_within, limits
 
-from meshtrain import Callback
 from meshtrain.launch.spawn import run_workers
 
 pytestmark = [
@@ -106,34 +104,8 @@ def test_mixed_precision_on_cuda_within_the_formats_limits(precision):
     assert_within([half], fp32, limits(precision), f"{precision} on cuda vs fp32 on cpu")
 
 
-class _OverflowAtStep2(Callback):
-    """Puts an inf into one scaled gradient in step 2; records the scale after every step and
-    the parameters after steps 1 and 2."""
-
-    def __init__(self):
-        self.scales, self.params = [], {}
-
-    def on_fit_start(self, trainer):
-        engine, forward_backward = trainer.engine, trainer.engine.forward_backward
-
-        def poisoned(batches):
-            out = forward_backward(batches)
-            if trainer.global_step == 1:
-                next(p.grad for p in engine.parameters() if p.grad is not None).view(-1)[0] = \
-                    math.inf
-            return out
-
-        engine.forward_backward = poisoned
-
-    def on_train_step_end(self, trainer, metrics):
-        self.scales.append(trainer.precision.scaler.get_scale())
-        if trainer.global_step in (1, 2):
-            self.params[trainer.global_step] = {
-                k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-
-
 def test_fp16_overflow_on_cuda_skips_the_step_and_halves_the_scale():
-    record = _OverflowAtStep2()
+    record = _InjectInf()  # rank 0 (the only one here) puts an inf in a gradient in step 2
     state = train_state(dict(COMMON, accelerator="cuda", precision="fp16-mixed",
                              callbacks=[record]), **MP_FNS)
     assert all(torch.equal(v, record.params[2][k]) for k, v in record.params[1].items())
