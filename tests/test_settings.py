@@ -138,6 +138,7 @@ def test_the_existing_wording_is_kept():
 
 def test_choices_agree_with_the_code_that_implements_them():
     from meshtrain.fault.nonfinite import NAN_POLICIES
+    from meshtrain.parallel.compile import MODES as COMPILE_MODES
     from meshtrain.parallel.data_parallel import COMM_HOOKS
     from meshtrain.parallel.fully_shard import OFFLOADS
     from meshtrain.parallel.partition import BALANCES
@@ -150,6 +151,7 @@ def test_choices_agree_with_the_code_that_implements_them():
     assert set(SETTINGS["pp_balance"].choices) == set(BALANCES)
     assert SETTINGS["pp_schedule"].choices == tuple(SCHEDULES)
     assert SETTINGS["precision"].choices == tuple(PRECISIONS)
+    assert SETTINGS["compile"].choices == (False, True, *COMPILE_MODES)
 
 
 def test_flatten_converts_toml_stand_ins_and_names_the_right_section():

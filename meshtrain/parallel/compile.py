@@ -27,15 +27,11 @@ MODES = ("blocks", "model")
 
 
 def compile_mode(value) -> str | None:
-    """The setting's value as a mode: ``True`` means ``"blocks"``; ``False``/``None`` off."""
-    if value is True:
-        return "blocks"
-    if value is False or value is None:
-        return None
-    if value not in MODES:
-        raise ConfigError(f"unknown compile mode {value!r}; choose True or 'blocks' (compile each "
-                          "repeated block), 'model' (the whole forward) or False (off)")
-    return value
+    """The setting's (already checked) value as a mode: ``True`` means ``"blocks"``;
+    ``False``/``None`` off."""
+    mode = "blocks" if value is True else (value or None)
+    assert mode is None or mode in MODES, value
+    return mode
 
 
 def check_compile(mode: str | None, *, has_blocks: bool,
