@@ -98,7 +98,8 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from meshtrain.models.gpt import GPT
-    from meshtrain.parallel.tensor_parallel import apply_tp, comm_counts, loss_parallel_context
+    from meshtrain.parallel.tensor_parallel import apply_tp, loss_parallel_context
+    from meshtrain.parallel.tp_debug import comm_counts
 
     mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
     gen = torch.Generator().manual_seed(1234)

@@ -144,7 +144,8 @@ def dataset_of(data, what: str) -> Dataset:
 
 def first_inputs(dataset, count: int):
     """A function giving the inputs of the first ``count`` (inputs, targets) samples, stacked
-    (for measuring blocks on a sample), or None when samples are not pairs."""
+    (for measuring blocks on a sample); dict samples (``{"input_ids", "labels"}``) batched whole,
+    as the loader would; None for other samples."""
     def inputs():
         if isinstance(dataset, IterableDataset):
             from meshtrain.data.stream import first_items
@@ -152,6 +153,10 @@ def first_inputs(dataset, count: int):
             samples = first_items(dataset, count)
         else:
             samples = [dataset[i] for i in range(min(len(dataset), count))]
+        if samples and all(isinstance(s, dict) for s in samples):
+            from torch.utils.data import default_collate
+
+            return default_collate(samples)
         if not all(isinstance(s, (tuple, list)) for s in samples):
             return None
         return torch.stack([s[0] for s in samples])

@@ -185,6 +185,10 @@ DEFINITIONS = [
     _S("tp_plan", "parallel", None, "tp_plan",
        "Your own tensor-parallel plan (module name -> ParallelStyle), used instead of the "
        "model's tp_plan(). Needs tp in the layout.", none=True, config=False),
+    _S("tp_check_steps", "parallel", 1, "int",
+       "Tensor parallel: in the first N steps, check that every parameter replicated over the "
+       "tp ranks got the same gradient on each (one small all-reduce), so a wrong plan stops "
+       "with the parameter named instead of training differently; 0: off.", minimum=0),
     # -- pipeline -----------------------------------------------------------------------------
     _S("pp_schedule", "pipeline", "1f1b", "choice",
        "Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved-1f1b, "

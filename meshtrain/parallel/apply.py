@@ -40,6 +40,7 @@ class ParallelOptions:
     loss_parallel: bool = False
     # a plan, or a function module -> plan or None (None: the module's own ``tp_plan``)
     tp_plan: dict | Callable[[torch.nn.Module], dict | None] | None = None
+    tp_check_steps: int = 1  # steps whose replicated gradients are compared (tp_debug.py)
     # module -> what makes it context parallel, or None: the module itself (context_parallel.py)
     context_parallel: Callable[[torch.nn.Module], object | None] | None = None
     # module -> how to count its own loss's items (engine.loss_counter), or None
@@ -62,7 +63,8 @@ class ParallelOptions:
                    activation_checkpointing=s["activation_checkpointing"], blocks=s["blocks"],
                    compile=compile_mode(s["compile"]),
                    sequence_parallel=s["sequence_parallel"], loss_parallel=s["loss_parallel"],
-                   tp_plan=tp_plan, context_parallel=context_parallel, loss_items=loss_items,
+                   tp_plan=tp_plan, tp_check_steps=s["tp_check_steps"],
+                   context_parallel=context_parallel, loss_items=loss_items,
                    sync_batchnorm=s["sync_batchnorm"], local_sgd_every=s["local_sgd_every"],
                    outer_lr=s["outer_lr"], outer_momentum=s["outer_momentum"])
 

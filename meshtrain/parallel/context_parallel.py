@@ -82,14 +82,16 @@ def _gather_sequence(local: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
                  dropout_p: float = 0.0, scale: float | None = None,
-                 kv_groups: int = 1) -> torch.Tensor:
+                 kv_groups: int = 1, window: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys and values.
 
     ``q``, ``k``, ``v``: this rank's ``(batch, heads, local_len, head_dim)``, tokens in
     :func:`shard_sequence` order; the output keeps that order. ``cp_mesh``: the 1-D cp
     ``DeviceMesh`` (``None`` or size 1: plain causal attention). ``kv_groups``: grouped-query
     attention, each K/V head serves that many query heads (repeated after the gather, so the
-    collective carries the K/V heads only).
+    collective carries the K/V heads only). ``window``: a sliding window, a query attends to the
+    ``window`` latest keys up to itself (``0 <= q_pos - k_pos < window``, as transformers'
+    sliding-window masks).
     """
     if kv_groups > 1:
         def repeat(t):
@@ -98,8 +100,13 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
         def repeat(t):
             return t
     if cp_mesh is None or cp_mesh.size() == 1:
-        return F.scaled_dot_product_attention(q, repeat(k), repeat(v), dropout_p=dropout_p,
-                                              is_causal=True, scale=scale)
+        if window is None:
+            return F.scaled_dot_product_attention(q, repeat(k), repeat(v), dropout_p=dropout_p,
+                                                  is_causal=True, scale=scale)
+        pos = torch.arange(q.size(-2), device=q.device)
+        return F.scaled_dot_product_attention(q, repeat(k), repeat(v),
+                                              attn_mask=_causal_mask(pos, pos, window),
+                                              dropout_p=dropout_p, scale=scale)
     if cp_mesh.ndim != 1:
         raise ConfigError(f"cp_mesh must be a 1-D DeviceMesh (the cp axis), got {cp_mesh.ndim}-D")
     cp_degree, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
@@ -113,9 +120,16 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     k_full, v_full = kv.unbind(0)
     q_pos = local_positions(local_len, cp_rank, cp_degree, device=q.device)
     k_pos = torch.arange(local_len * cp_degree, device=q.device)
-    mask = q_pos[:, None] >= k_pos[None, :]  # True: query may attend to that key
-    return F.scaled_dot_product_attention(q, repeat(k_full), repeat(v_full), attn_mask=mask,
+    return F.scaled_dot_product_attention(q, repeat(k_full), repeat(v_full),
+                                          attn_mask=_causal_mask(q_pos, k_pos, window),
                                           dropout_p=dropout_p, scale=scale)
+
+
+def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """True where a query (global position ``q_pos``) may attend to a key (``k_pos``)."""
+    distance = q_pos[:, None] - k_pos[None, :]
+    mask = distance >= 0
+    return mask if window is None else mask & (distance < window)
 
 
 # -- the apply step ---------------------------------------------------------------------------

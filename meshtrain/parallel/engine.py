@@ -170,6 +170,9 @@ class Engine:
 
             self.cp_support = cp_support(model, options.context_parallel)
         self.counter = loss_counter(model, loss_fn, options.loss_items)
+        # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
+        self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
+        self._steps_synced = 0
         # the ranks reading different samples: items are counted and gather_batch gathers here
         self.batch_pg = mesh.batch.get_group() if mesh.batch is not None else None
 
@@ -185,14 +188,19 @@ class Engine:
     def parameters(self):
         return self.model.parameters()
 
+    @contextlib.contextmanager
     def loss_context(self):
-        """Where the loss and its backward run: ``loss_parallel()`` when the tensor-parallel
-        head leaves the logits sharded over the vocabulary."""
-        if self.options.loss_parallel and self.layout.degree("tp") > 1:
-            from meshtrain.parallel.tensor_parallel import loss_parallel_context
+        """Where the forward, the loss and its backward run: under tp, with a plain message for
+        a forward that mixes tensors and DTensors, and in ``loss_parallel()`` when the
+        tensor-parallel head leaves the logits sharded over the vocabulary."""
+        if self.layout.degree("tp") == 1:
+            yield
+            return
+        from meshtrain.parallel.tensor_parallel import loss_parallel_context
+        from meshtrain.parallel.tp_debug import mixed_tensor_hint
 
-            return loss_parallel_context(True)
-        return contextlib.nullcontext()
+        with mixed_tensor_hint(), loss_parallel_context(self.options.loss_parallel):
+            yield
 
     def shard(self, batch):
         """This rank's part of a batch: under ``cp`` its chunks of the sequence (dim 1)."""
@@ -264,11 +272,20 @@ class Engine:
             self.averager.finish()
 
     def sync_gradients(self) -> None:
-        """Average the gradients that no wrapper averaged (see ``averages_gradients_by_hand``)."""
+        """Average the gradients that no wrapper averaged (see ``averages_gradients_by_hand``);
+        in the first ``tp_check_steps`` steps, check that the tensor-parallel plan left every
+        replicated parameter the same gradient on each tp rank (tp_debug.py)."""
         if self.layout.averages_gradients_by_hand:
             from meshtrain.parallel.data_parallel import allreduce_gradients
 
             allreduce_gradients(self.parameters(), self.mesh.loss.get_group())
+        self._steps_synced += 1
+        if self.tp_checks_left > 0:
+            from meshtrain.parallel.tp_debug import check_replicated_grads
+
+            self.tp_checks_left -= 1
+            check_replicated_grads(self.model, self.mesh.axis("tp").get_group(),
+                                   step=self._steps_synced)
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """The gradients' global L2 norm before clipping (over every shard and stage, the same

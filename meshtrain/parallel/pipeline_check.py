@@ -263,13 +263,17 @@ def model_for_check(model: nn.Module | None, original) -> nn.Module | None:
 
 def check_before_start(model: nn.Module | None, original, sample_inputs, adapter=None) -> None:
     """:func:`check_stage_forward` on the model (see :func:`model_for_check`) and the inputs
-    ``sample_inputs()`` gives (the first training samples; None when samples are not pairs:
-    then an adapter's ``example_inputs``, else nothing is checked)."""
+    ``sample_inputs()`` gives: the first training samples, as long as training makes them (a
+    forward that differs only past some length, such as a sliding window, shows); a dict batch
+    split by the adapter; without samples an adapter's ``example_inputs``, else nothing is
+    checked."""
     checked = model_for_check(model, original)
     if checked is None:
         return
     try:
         inputs = sample_inputs()
+        if isinstance(inputs, dict):
+            inputs = adapter.split_batch(inputs)[0] if adapter is not None else None
     except Exception:  # noqa: BLE001 - samples the stack cannot batch: nothing to check on
         inputs = None
     if inputs is None and adapter is not None:

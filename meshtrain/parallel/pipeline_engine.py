@@ -54,7 +54,7 @@ class PipelineOptions:
 
 def pipeline_adapter(model, options: PipelineOptions):
     """What pipelines ``model`` when its blocks are not ``model.layers`` (e.g. a Hugging Face
-    model: meshtrain.models.hf_pipeline), or None. An adapter has ``blocks(model)``,
+    model: meshtrain.models.hf.pipeline), or None. An adapter has ``blocks(model)``,
     ``split(model, split_points, stage_index)`` (as :func:`~meshtrain.parallel.pipeline.
     split_model`), ``split_batch(batch) -> (inputs, targets)``, ``loss_fn`` (used when fit gets
     none), and for pipeline_check.py ``stage_forward(model, x)``, ``model_output(output)``,
@@ -103,7 +103,7 @@ def _sample_block_input(model, options: PipelineOptions, sample_inputs, device, 
         return None
     embed = getattr(model, "embed", None)
     inputs = sample_inputs() if sample_inputs is not None else None
-    if not callable(embed) or inputs is None or adapter is not None:
+    if not callable(embed) or not isinstance(inputs, torch.Tensor) or adapter is not None:
         raise ConfigError(
             f"pp_balance={options.balance!r} measures each block on a sample input, which "
             "needs model.embed(x), blocks called with the hidden state alone and (inputs, "
@@ -233,13 +233,19 @@ def merge_stages(stages: list[torch.nn.Module]) -> torch.nn.Module:
 def _merge_into(merged: torch.nn.Module, module: torch.nn.Module) -> None:
     """Add ``module``'s submodules to ``merged``: containers both hold (``layers``, or
     ``model`` of a Hugging Face model) become new containers holding both's children; a leaf
-    both hold (a copy without parameters, such as rotary embeddings) is kept once."""
+    both hold (a copy without parameters, such as rotary embeddings) is kept once, the one with
+    parameters if either has them (a stage holds a stand-in without, e.g. ``nn.Identity`` for
+    the final norm of the last stage)."""
     for name, child in module.named_children():
         have = merged._modules.get(name)
         if have is None:
             merged.add_module(name, child)
             continue
-        if have is child or next(child.children(), None) is None:
+        if have is child:
+            continue
+        if next(child.children(), None) is None:
+            if next(have.parameters(), None) is None and next(child.parameters(), None) is not None:
+                merged._modules[name] = child
             continue
         if not getattr(have, "_pp_merged", False):  # a stage's own module: not changed
             nested = isinstance(have, torch.nn.ModuleDict)

@@ -25,12 +25,10 @@ import contextlib
 import difflib
 import fnmatch
 import functools
-import warnings
-from collections import defaultdict
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
     loss_parallel, parallelize_module,
@@ -40,7 +38,7 @@ from meshtrain.errors import ConfigError
 
 __all__ = [
     "ReplicateParallel", "apply_tp", "attention_plan", "check_divides", "check_plan_keys",
-    "check_tp", "comm_counts",
+    "check_tp", "module_matches",
     "dropout_entries", "full_value", "loss_parallel_context", "mlp_plan", "model_tp_plan",
     "replicate_the_rest",
 ]
@@ -95,15 +93,28 @@ def model_tp_plan(model: nn.Module, tp_degree: int, *, sequence_parallel: bool =
 
 # --- Plans: module FQN -> ParallelStyle --------------------------------------------------------
 class ReplicateParallel(ParallelStyle):
-    """Parameters replicated as DTensors, replicated inputs, plain outputs; no communication.
+    """Parameters replicated as DTensors; no communication in the forward.
 
     For layers TP leaves whole (position embedding, norms without SP), so that every parameter is
-    a DTensor: ``clip_grad_norm_`` and foreach optimizers refuse a mix with plain tensors.
+    a DTensor: ``clip_grad_norm_`` and foreach optimizers refuse a mix with plain tensors. By
+    default the module sees replicated DTensor inputs and returns plain outputs.
+
+    ``local_input=True``: the module runs on this rank's part of a split activation (a per-head
+    norm after a column-parallel projection, transformers' "replicated_with_grad_allreduce"):
+    inputs, outputs and, during its forward, its parameters are plain local tensors, and each
+    parameter's gradient, this rank's share, is marked partial, so it is summed over the tp ranks
+    (by ``apply_tp``'s gradient hook, or by FSDP2 under a sharded layout).
     """
+
+    def __init__(self, *, local_input: bool = False):
+        super().__init__()
+        self.local_input = local_input
 
     @staticmethod
     def _params(name, module, mesh):
         for p_name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
             replicated = DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False)
             module.register_parameter(p_name, nn.Parameter(replicated, param.requires_grad))
 
@@ -118,7 +129,35 @@ class ReplicateParallel(ParallelStyle):
         return output.to_local() if isinstance(output, DTensor) else output
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if self.local_input:
+            distribute_module(module, device_mesh, self._params)
+            run_on_local_params(module, partial_grads=True)
+            return module
         return distribute_module(module, device_mesh, self._params, self._inputs, self._outputs)
+
+
+def run_on_local_params(module: nn.Module, *, partial_grads: bool,
+                        names: list[str] | None = None) -> None:
+    """Make ``module.forward`` see its own replicated DTensor parameters (``names``, default
+    all) as plain local tensors (views: gradients flow back to the DTensors). ``partial_grads``:
+    each rank's gradient is its share of the whole (the module saw part of the activations) and
+    is summed over the ranks; otherwise every rank computes the same gradient (the module saw
+    whole activations)."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def local_forward(*args, **kwargs):
+        saved = {name: p for name, p in module._parameters.items()
+                 if isinstance(p, DTensor) and (names is None or name in names)}
+        for name, param in saved.items():
+            grads = [Partial() if partial_grads else p for p in param.placements]
+            module._parameters[name] = param.to_local(grad_placements=grads)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    module.forward = local_forward
 
 
 def _join(prefix: str, name: str) -> str:
@@ -164,7 +203,7 @@ def dropout_entries(module: nn.Module, prefix: str) -> dict[str, ParallelStyle]:
             if isinstance(child, nn.Dropout) and child.p > 0}
 
 
-def _matches(name: str, key: str) -> bool:
+def module_matches(name: str, key: str) -> bool:
     """Does plan ``key`` name module ``name``? (``parallelize_module``'s rule: ``*`` patterns
     per dotted part.)"""
     parts, pattern = name.split("."), key.split(".")
@@ -178,7 +217,7 @@ def replicate_the_rest(model: nn.Module, plan: dict[str, ParallelStyle]
     plan = dict(plan)
     for name, module in model.named_modules():
         leaf = next(module.children(), None) is None
-        if leaf and not any(_matches(name, key) for key in plan) and \
+        if leaf and not any(module_matches(name, key) for key in plan) and \
                 next(module.parameters(recurse=False), None) is not None:
             plan[name] = ReplicateParallel()
     return plan
@@ -189,7 +228,7 @@ def check_plan_keys(model: nn.Module, plan: dict) -> None:
     one that does not, and the run then fails on a shape mismatch far away)."""
     names = [name for name, _ in model.named_modules() if name]
     for key in plan:
-        if not isinstance(key, str) or not any(_matches(name, key) for name in names):
+        if not isinstance(key, str) or not any(module_matches(name, key) for name in names):
             owner = str(key).rpartition(".")[0]  # 'fc.weight': a parameter's name
             close = [owner] if owner in names else difflib.get_close_matches(str(key), names, n=3)
             hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
@@ -204,8 +243,9 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
              sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
     """Split ``model`` in place over the 1-D ``tp_mesh`` and return it.
 
-    ``plan=None`` takes the model's own (``model.tp_plan``, after its ``check_tp``). A given
-    ``plan`` is applied as it is, and the two flags only decide the sequence-length check. With
+    ``plan=None`` takes the model's own (``model.tp_plan``, after its ``check_tp``); a given
+    ``plan`` is applied as it is, and the two flags only decide the sequence-length check. Either
+    way every parameter the plan leaves out is replicated (see ``replicate_the_rest``). With
     ``loss_parallel`` the model returns vocab-sharded DTensor logits: compute the loss and call
     backward inside ``loss_parallel_context(True)``.
     """
@@ -220,25 +260,36 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
                              loss_parallel=loss_parallel)
         if sequence_parallel:
             model.register_forward_pre_hook(functools.partial(_check_length, tp_mesh.size()))
-    else:  # a user's plan (its keys checked against the whole model before any process
-        # started; a pipeline stage holds some of the modules): what it leaves out is
-        # replicated, so that no plain tensor meets a DTensor (clipping, foreach optimizers)
-        names = [name for name, _ in model.named_modules()]
-        plan = {k: v for k, v in plan.items() if any(_matches(n, k) for n in names)}
-        plan = replicate_the_rest(model, plan)
+    # keys checked against the whole model before any process started; a pipeline stage holds
+    # some of the modules. What the plan leaves out is replicated, so that no plain tensor meets
+    # a DTensor (clipping, foreach optimizers)
+    names = [name for name, _ in model.named_modules()]
+    plan = {k: v for k, v in plan.items() if any(module_matches(n, k) for n in names)}
+    plan = replicate_the_rest(model, plan)
     ties = _tied_names(model)
     parallelize_module(model, tp_mesh, plan)
     _tie_again(model, ties)
-    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
-    if plain:
-        raise ConfigError(
-            f"tensor parallel left {len(plain)} parameter(s) plain ({', '.join(plain[:3])}): they "
-            "belong to modules that also hold submodules, which the plan cannot replicate; move "
-            "them into a leaf module (e.g. an nn.Linear or a small nn.Module of their own)")
+    _replicate_held_parameters(model, tp_mesh)
     for param in model.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(_complete_grad)
     return model
+
+
+def _replicate_held_parameters(model: nn.Module, tp_mesh) -> None:
+    """Parameters no style took (held by a module that has submodules: a positional
+    ``nn.Parameter`` on the root, a class token) become replicated DTensors that their module's
+    forward sees as plain tensors: it runs on whole activations, so every rank computes the same
+    gradient (the first step's check, tp_check.py, verifies it)."""
+    for module in model.modules():
+        plain = [name for name, p in module.named_parameters(recurse=False)
+                 if not isinstance(p, DTensor)]
+        if plain:
+            for name in plain:
+                param = module._parameters[name]
+                local = DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False)
+                module.register_parameter(name, nn.Parameter(local, param.requires_grad))
+            run_on_local_params(module, partial_grads=False, names=plain)
 
 
 def _tied_names(model: nn.Module) -> list[list[str]]:
@@ -305,45 +356,6 @@ def loss_parallel_context(enabled: bool):
             yield
     else:
         yield
-
-
-# --- Counting communication --------------------------------------------------------------------
-def _collective_name(op) -> str:
-    """DTensor's functional collectives by kind; direct c10d calls (FSDP2, DDP) as c10d.<op>."""
-    namespace, _, name = str(op).rpartition(".")
-    name = name.strip("_")
-    if not namespace.endswith("c10d_functional"):
-        return f"c10d.{name}"
-    for short in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
-        if name.startswith(short):
-            return short
-    return name
-
-
-def comm_counts(model: nn.Module, batch, loss_fn, *, loss_parallel: bool = False) -> dict[str, int]:
-    """Collectives this rank issues in one forward + backward of ``batch = (inputs, targets)``.
-
-    Counted with DTensor's ``CommDebugMode``, by kind, as ``"forward/<kind>"`` (forward and
-    loss), ``"backward/<kind>"`` and the total ``"<kind>"``. TP's collectives are ``all_reduce``,
-    ``all_gather``, ``reduce_scatter``; those FSDP2 or DDP call directly appear as ``c10d.<op>``
-    (FSDP2: ``c10d.allgather_base``, ``c10d.reduce_scatter_base``). The optimizer step is not
-    included (it needs none after TP). Gradients are left in ``.grad``.
-    """
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    inputs, targets = batch
-    with loss_parallel_context(loss_parallel), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Full backward hook is firing")  # CommDebugMode's
-        with CommDebugMode() as forward:
-            loss = loss_fn(model(inputs), targets)
-        with CommDebugMode() as backward:
-            loss.backward()
-    result: dict[str, int] = defaultdict(int)
-    for phase, mode in (("forward", forward), ("backward", backward)):
-        for op, n in mode.get_comm_counts().items():
-            result[f"{phase}/{_collective_name(op)}"] += n
-            result[_collective_name(op)] += n
-    return dict(result)
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,7 @@ def test_errors_name_the_problem(tmp_path):
 
 
 def test_pipeline_stages_load_their_own_layers(tmp_path):
-    from meshtrain.models.hf_pipeline import HFPipeline
+    from meshtrain.models.hf.pipeline import HFPipeline
 
     source = tiny_llama(num_layers=3)
     source.save_pretrained(tmp_path)

@@ -5,12 +5,13 @@ from functools import partial
 import pytest
 import torch
 import transformers  # noqa: F401  (the `test` extra installs it: these tests never skip)
-from parity import adamw_gpt, assert_parity
+from parity import adamw_gpt, assert_parity, sgd
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from meshtrain.errors import ConfigError
 from meshtrain.models.hf import (
-    default_tp_plan, hf_tp_plan, random_token_data, tiny_gpt2, tiny_llama,
+    default_tp_plan, hf_tp_plan, random_token_data, tiny_causal_lm, tiny_gpt2, tiny_llama,
 )
 from meshtrain.parallel.tensor_parallel import ReplicateParallel
 
@@ -28,6 +29,35 @@ LLAMA12_FNS = dict(model_fn=tiny_llama, data_fn=partial(random_token_data, seq_l
 STEPS, BATCH = 6, 8
 
 
+# Architectures whose attention differs from Llama's (tiny configs, untied): Qwen3 normalises
+# each head's queries and keys (a norm on split heads), OLMo2 the whole projections, Mistral
+# attends within a sliding window shorter than the sequence.
+SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32,
+             tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
+             eos_token_id=None)
+
+
+def tiny_qwen3():
+    return tiny_causal_lm("Qwen3", head_dim=8, **SMALL)
+
+
+def tiny_olmo2():
+    return tiny_causal_lm("Olmo2", **SMALL)
+
+
+def tiny_mistral_window():
+    return tiny_causal_lm("Mistral", sliding_window=8, **SMALL)
+
+
+def tokens_16():
+    return random_token_data(seq_len=16, vocab_size=64)
+
+
+def arch_fns(model_fn, optimizer_fn=adamw_gpt):
+    return dict(model_fn=model_fn, data_fn=tokens_16, loss_fn=None, optimizer_fn=optimizer_fn)
+
+
 def test_tiny_models_return_their_loss_and_are_deterministic():
     batch = random_token_data(num_samples=4)[0]
     batch = {k: v[None] for k, v in batch.items()}
@@ -40,29 +70,45 @@ def test_tiny_models_return_their_loss_and_are_deterministic():
     assert set(batch) == {"input_ids", "labels"}
 
 
-def test_llama_plan_covers_every_parameter():
+def test_plan_is_the_models_own_declaration():
+    """Every pattern transformers declares, translated; nothing guessed from module names."""
     model = tiny_llama()
     plan = hf_tp_plan(model, tp=2)
-    assert isinstance(plan["model.embed_tokens"], RowwiseParallel)
-    assert isinstance(plan["model.layers.1.self_attn.k_proj"], ColwiseParallel)
-    assert isinstance(plan["model.layers.1.self_attn.o_proj"], RowwiseParallel)
-    assert isinstance(plan["model.layers.0.mlp.up_proj"], ColwiseParallel)
-    assert isinstance(plan["model.layers.0.mlp.down_proj"], RowwiseParallel)
-    assert isinstance(plan["lm_head"], ColwiseParallel)
-    assert isinstance(plan["model.norm"], ReplicateParallel)
-    assert isinstance(plan["model.layers.0.input_layernorm"], ReplicateParallel)
-    owners = {name.rsplit(".", 1)[0] for name, _ in model.named_parameters()}
-    assert owners <= set(plan)  # every parameter becomes a DTensor
+    assert set(plan) == set(model.tp_plan)
+    assert isinstance(plan["model.embed_tokens"], RowwiseParallel)  # embedding_rowwise
+    q, o = plan["model.layers.*.self_attn.q_proj"], plan["model.layers.*.self_attn.o_proj"]
+    assert isinstance(q, ColwiseParallel) and q.output_layouts == (Shard(-1),)  # colwise
+    assert isinstance(o, RowwiseParallel) and o.input_layouts == (Shard(-1),)  # rowwise
+    head = plan["lm_head"]  # colwise_gather_output: the logits whole, for the model's own loss
+    assert isinstance(head, ColwiseParallel) and head.output_layouts == (Replicate(),)
+    qwen3 = plan_of(tiny_qwen3())  # per-head norms see this rank's heads: gradients summed
+    norm = qwen3["model.layers.*.self_attn.q_norm"]
+    assert isinstance(norm, ReplicateParallel) and norm.local_input
+    olmo2 = plan_of(tiny_olmo2())  # norms over the whole projection: q/k/v gathered, o cut
+    assert olmo2["model.layers.*.self_attn.k_proj"].output_layouts == (Replicate(),)
+    assert olmo2["model.layers.*.self_attn.o_proj"].input_layouts == (Replicate(),)
     assert default_tp_plan(torch.nn.Linear(2, 2)) is None  # not HF: meshtrain's own plan
+
+
+def plan_of(model):
+    return hf_tp_plan(model, tp=2)
 
 
 def test_tp_config_errors():
     with pytest.raises(ConfigError, match="num_key_value_heads=2"):
         hf_tp_plan(tiny_llama(num_heads=4, num_kv_heads=2), tp=4)
-    with pytest.raises(ConfigError, match="Conv1D"):
+    with pytest.raises(ConfigError, match="declares no tensor-parallel plan"):
         default_tp_plan(tiny_gpt2(), 2)
     with pytest.raises(ConfigError, match="sequence_parallel"):
         default_tp_plan(tiny_llama(), 2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="out_features of model.layers.0.mlp.gate_proj=24"):
+        hf_tp_plan(tiny_llama(intermediate_size=24, num_heads=16, num_kv_heads=16), tp=16)
+    moe = tiny_causal_lm("Qwen3Moe", vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                         moe_intermediate_size=8, num_experts=2, num_experts_per_tok=1)
+    with pytest.raises(ConfigError, match=r"experts.* as '(packed_colwise|moe_tp_experts)', "
+                                          "which meshtrain does not implement"):
+        hf_tp_plan(moe, tp=2)
 
 
 @pytest.mark.timeout(200)
@@ -87,8 +133,8 @@ def test_tied_embeddings_under_tp_match_one_process(layout):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("layout", ["dp=2", "zero3=2"])
-def test_gpt2_parity(layout):
+@pytest.mark.parametrize("layout", ["dp=2", "zero3=2", "cp=2"])
+def test_gpt2_parity(layout):  # cp: learned positions from position_ids, attention registry
     assert_parity(layout, 2, steps=STEPS, global_batch_size=BATCH, fns=GPT2_FNS)
 
 
@@ -126,5 +172,30 @@ def test_llama_context_parallel_batch_keeps_every_target_once():
     with pytest.raises(ConfigError, match="padding"):
         cp.shard_context_parallel_batch({**batch, "attention_mask": torch.zeros(2, 12)},
                                         FakeCPMesh(0))
-    with pytest.raises(ConfigError, match="no context-parallel support"):
-        HFContextParallel(tiny_gpt2()).check_context_parallel(2)
+    gemma2 = tiny_causal_lm("Gemma2", head_dim=8, attn_logit_softcapping=50.0, **SMALL)
+    with pytest.raises(ConfigError, match=r"sets attn_logit_softcapping=50.0 \(soft-capping"):
+        HFContextParallel(gemma2).check_context_parallel(2)
+
+
+# Plain SGD: the update is the gradient, so a partial gradient shows in the parameters (AdamW
+# turns one element of q_proj whose gradient is ~7e-9, below its eps, into a 3e-5 step either way).
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", ["tp=2", "dp_shard=2,tp=2"])
+def test_qwen3_per_head_norms_under_tp_match_one_process(layout):
+    assert_parity(layout, 2 if layout == "tp=2" else 4, steps=STEPS, global_batch_size=BATCH,
+                  fns=arch_fns(tiny_qwen3, sgd))
+
+
+@pytest.mark.timeout(200)
+def test_olmo2_whole_projection_norms_under_tp_match_one_process():
+    assert_parity("tp=2", 2, steps=STEPS, global_batch_size=BATCH, fns=arch_fns(tiny_olmo2))
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", ["pp=2", "cp=2"])
+def test_mistral_sliding_window_under_pp_and_cp_matches_one_process(layout):
+    """A window of 8 on 16-token sequences: the stages run the model's own masks, and context
+    parallel masks the gathered keys by the window."""
+    assert_parity(layout, 2, steps=STEPS, global_batch_size=BATCH,
+                  fns=arch_fns(tiny_mistral_window))
+

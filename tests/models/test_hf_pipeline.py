@@ -1,4 +1,4 @@
-"""Llama-style Hugging Face causal LMs under pipeline parallel (blocks at model.model.layers)."""
+"""Hugging Face causal LMs under pipeline parallel, cut by the pipeline plan they declare."""
 
 from functools import partial
 
@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 
 from meshtrain import Trainer
 from meshtrain.errors import ConfigError
-from meshtrain.models import hf_pipeline
+from meshtrain.models.hf import pipeline as hf_pipeline
 from meshtrain.models.hf import (
     causal_lm_loss, hf_pp_support, random_token_data, tiny_gpt2, tiny_llama,
 )
@@ -69,9 +69,8 @@ def test_refusals():
     with pytest.raises(ConfigError, match="tie_word_embeddings"):
         tied = tiny_llama(tie_word_embeddings=True)
         adapter.split(tied, [1], 0)
-    with pytest.raises(ConfigError, match="no pipeline-parallel support"):
-        gpt2 = tiny_gpt2()
-        hf_pp_support(gpt2).blocks(gpt2)
+    with pytest.raises(ConfigError, match="declares no pipeline plan"):
+        hf_pp_support(tiny_gpt2())
     ids = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(ConfigError, match="padding"):
         adapter.split_batch({"input_ids": ids, "labels": ids, "attention_mask": ids})
@@ -82,9 +81,10 @@ def test_refusals():
 def test_forward_check_refuses_stages_that_differ(monkeypatch):
     model = tiny_llama_4_layers()
     adapter = hf_pp_support(model)
-    positions = hf_pipeline._positions  # (a constant shift would not show: RoPE is relative)
-    monkeypatch.setattr(hf_pipeline, "_positions", lambda hidden: positions(hidden) * 2)
-    with pytest.raises(ConfigError, match=r"would not compute its forward(.|\n)*LlamaModel"):
+    run_stage = hf_pipeline.run_stage  # a stage that scales the hidden state it receives
+    monkeypatch.setattr(hf_pipeline, "run_stage", lambda model, x, first, last: run_stage(
+        model, x if first else 2 * x, first, last))
+    with pytest.raises(ConfigError, match=r"would not compute its forward(.|\n)*own forward"):
         check_stage_forward(model, adapter.example_inputs(model), adapter)
 
 

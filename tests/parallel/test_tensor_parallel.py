@@ -15,9 +15,10 @@ from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.fully_shard import materialize
 from meshtrain.parallel.tensor_parallel import (
-    ReplicateParallel, apply_tp, check_tp, comm_counts, full_value, model_tp_plan,
+    ReplicateParallel, apply_tp, check_tp, full_value, model_tp_plan,
     loss_parallel_context, mlp_plan,
 )
+from meshtrain.parallel.tp_debug import comm_counts
 
 CONFIG = dict(vocab_size=16, seq_len=8, num_layers=2, d_model=16, num_heads=2, mlp_ratio=4)
 STEPS, DP_TP_STEPS, BATCH, LR = 10, 5, 8, 1e-3

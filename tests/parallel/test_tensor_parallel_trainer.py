@@ -1,7 +1,10 @@
 """Tensor-parallel layouts through the Trainer reproduce one-process training (a tiny GPT)."""
 
 import pytest
-from parity import GPT4_FNS, GPT_FNS, assert_parity
+import torch
+from parity import GPT4_FNS, GPT_FNS, SEQ, VOCAB, assert_parity, sgd
+
+from meshtrain.launch.spawn import run_workers
 
 
 @pytest.mark.timeout(200)
@@ -66,3 +69,120 @@ def test_sequence_parallel_on_pipeline_stages_matches_one_process(fns):
     output for the next stage (refused inside fit before, after the processes had started)."""
     assert_parity("pp=2,tp=2", 4, steps=3, fns=fns, micro_batch_size=2,
                   parallel_kwargs=dict(sequence_parallel=True))
+
+
+# -- user models: what the plan leaves out, a wrong plan, a forward that mixes tensors ----------
+class HeadNormNet(torch.nn.Module):
+    """Regression through 4 'heads' of 4 units, each normalised by one LayerNorm(4): under tp
+    the projection is split by heads, so the norm sees only this rank's heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(12, 16)
+        self.head_norm = torch.nn.LayerNorm(4)
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h = self.head_norm(h.view(*h.shape[:-1], -1, 4)).flatten(-2)
+        return self.out(torch.relu(h))
+
+
+def _head_norm_plan(right: bool):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from meshtrain.parallel.tensor_parallel import ReplicateParallel
+
+    plan = {"proj": ColwiseParallel(), "out": RowwiseParallel()}
+    if right:  # the norm's gradient is each rank's share: summed over tp
+        plan["head_norm"] = ReplicateParallel(local_input=True)
+    return plan
+
+
+HEAD_NORM_FNS = dict(model_fn=HeadNormNet, optimizer_fn=sgd)
+
+
+def _wrong_plan_rank():
+    from parity import train_state
+
+    train_state(dict(layout="tp=2", max_steps=3, global_batch_size=16,
+                     tp_plan=_head_norm_plan(right=False)), **HEAD_NORM_FNS)
+
+
+@pytest.mark.timeout(120)
+def test_a_replicated_norm_inside_a_split_region_stops_at_step_1_naming_it():
+    """The plan leaves the per-head norm replicated: each rank's gradient is its heads' share.
+    Training would run, slightly wrong; the first step's check stops it instead."""
+    from meshtrain.errors import WorkerFailed
+
+    with pytest.raises(WorkerFailed, match=r"after step 1's backward the gradient of "
+                                           r"head_norm\.(weight|bias), a parameter replicated"):
+        run_workers(_wrong_plan_rank, 2, timeout=100)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", ["tp=2", "dp_shard=2,tp=2"])
+def test_the_right_plan_for_the_norm_matches_one_process(layout):
+    assert_parity(layout, 2 if layout == "tp=2" else 4, steps=6, fns=HEAD_NORM_FNS,
+                  parallel_kwargs=dict(tp_plan=_head_norm_plan(right=True)))
+
+
+class PositionalNet(torch.nn.Module):
+    """A token model whose learned positions are an nn.Parameter on the root (as in many ViTs and
+    GPTs), with its own tp_plan() method that names only the MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.pos = torch.nn.Parameter(0.02 * torch.randn(SEQ, 16))
+        self.fc_in, self.fc_out = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, idx):
+        h = self.emb(idx) + self.pos[: idx.size(1)]
+        return self.head(h + self.fc_out(torch.relu(self.fc_in(h))))
+
+    def tp_plan(self, tp_degree, *, sequence_parallel=False, loss_parallel=False):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"fc_in": ColwiseParallel(), "fc_out": RowwiseParallel()}
+
+
+POSITIONAL_FNS = dict(GPT_FNS, model_fn=PositionalNet)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", ["tp=2", "dp_shard=2,tp=2"])
+def test_a_root_parameter_and_a_tp_plan_method_match_one_process(layout):
+    """The model's own partial plan is completed like a Trainer(tp_plan=...) (it was refused:
+    'left 22 parameter(s) plain'), and the root's positional parameter is replicated and seen
+    as a plain tensor by the root's forward (it was refused after the processes started)."""
+    assert_parity(layout, 2 if layout == "tp=2" else 4, steps=6, fns=POSITIONAL_FNS)
+
+
+class DirectReadNet(PositionalNet):
+    """Reads another module's parameter in its forward instead of calling the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos_emb = torch.nn.Embedding(SEQ, 16)
+
+    def forward(self, idx):
+        h = self.emb(idx) + self.pos_emb.weight[: idx.size(1)]
+        return self.head(h + self.fc_out(torch.relu(self.fc_in(h))))
+
+
+def _direct_read_rank():
+    from parity import train_state
+
+    train_state(dict(layout="tp=2", max_steps=1, global_batch_size=16),
+                **dict(GPT_FNS, model_fn=DirectReadNet))
+
+
+@pytest.mark.timeout(120)
+def test_a_forward_that_reads_a_parameter_directly_is_told_what_to_change():
+    from meshtrain.errors import WorkerFailed
+
+    with pytest.raises(WorkerFailed, match=r"reads another module's parameter directly(.|\n)*"
+                                           r"Call the module instead"):
+        run_workers(_direct_read_rank, 2, timeout=100)
