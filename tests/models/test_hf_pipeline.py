@@ -13,7 +13,7 @@ from meshtrain import Trainer
 from meshtrain.errors import ConfigError
 from meshtrain.models.hf import pipeline as hf_pipeline
 from meshtrain.models.hf import (
-    causal_lm_loss, hf_pp_support, random_token_data, tiny_gpt2, tiny_llama,
+    causal_lm_loss, hf_pp_support, random_token_data, tiny_causal_lm, tiny_gpt2, tiny_llama,
 )
 from meshtrain.parallel.pipeline_engine import merge_stages
 from meshtrain.parallel.pipeline_check import check_stage_forward
@@ -124,3 +124,53 @@ def test_llama_interleaved_two_stages_per_rank_match_one_process():
 def test_llama_pp2_tp2_match_one_process():  # each stage gets the built-in tp plan
     assert_parity("pp=2,tp=2", 4, steps=STEPS, global_batch_size=BATCH,
                   micro_batch_size=MICRO, fns=DICT_FNS)
+
+
+def test_per_layer_attention_types_follow_their_layers_onto_the_stages(monkeypatch):
+    """Qwen3 with sliding and full layers alternating: each one-layer stage must use its own
+    layer's type (the model indexes config.layer_types by the position in its layer list)."""
+    model = tiny_causal_lm("Qwen3", head_dim=8, sliding_window=4, use_sliding_window=True,
+                           layer_types=["sliding_attention", "full_attention"] * 2,
+                           **dict(SMALL, num_hidden_layers=4))
+    adapter = hf_pp_support(model)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    check_stage_forward(model, ids, adapter)
+    stages = [adapter.split(model, [1, 2, 3], i) for i in range(4)]
+    assert [s.config.layer_types for s in stages] == [["sliding_attention"], ["full_attention"]] * 2
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2  # restored
+
+
+def test_the_check_runs_on_training_samples_as_long_as_the_sequence(tmp_path, monkeypatch):
+    """Stages that lose Mistral's sliding window (8) differ from the model only past 8 tokens:
+    the check before any process starts sees it on the 16-token training samples (it ran on
+    16 example tokens whatever the data)."""
+    def no_world(*args, **kwargs):
+        raise AssertionError("the pipeline check let the model through: processes would start")
+
+    run_stage = hf_pipeline.run_stage
+
+    def without_window(model, x, first, last):
+        window, model.config.sliding_window = model.config.sliding_window, None
+        try:
+            return run_stage(model, x, first, last)
+        finally:
+            model.config.sliding_window = window
+
+    monkeypatch.setattr("meshtrain.trainer_setup.start_world", no_world)
+    monkeypatch.setattr(hf_pipeline, "run_stage", without_window)
+    monkeypatch.setattr(hf_pipeline.HFPipeline, "example_inputs",  # too short to show it
+                        lambda self, model: torch.zeros(2, 8, dtype=torch.long))
+    trainer = Trainer(**trainer_kwargs(tmp_path / "run", layout="pp=2", devices=2, max_steps=1,
+                                       global_batch_size=8))
+    with pytest.raises(ConfigError, match="the outputs differ"):
+        trainer.fit(mistral_window, random_token_data(seq_len=16, vocab_size=64),
+                    optimizer=adamw_gpt)
+
+
+SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32,
+             tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def mistral_window():
+    return tiny_causal_lm("Mistral", sliding_window=8, **SMALL)
