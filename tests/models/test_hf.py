@@ -199,3 +199,34 @@ def test_mistral_sliding_window_under_pp_and_cp_matches_one_process(layout):
     assert_parity(layout, 2, steps=STEPS, global_batch_size=BATCH,
                   fns=arch_fns(tiny_mistral_window))
 
+
+
+def tiny_qwen3_moe():
+    return tiny_causal_lm("Qwen3Moe", head_dim=8, moe_intermediate_size=16, num_experts=2,
+                          num_experts_per_tok=1, **SMALL)
+
+
+@pytest.mark.parametrize("layout, devices, match", [
+    ("tp=2", 2, r"marks model\.layers\.\*\.mlp\.experts\.gate_up_proj as 'packed_colwise'"),
+    ("tp=4", 4, r"splits the num_key_value_heads over 4 ranks"),
+    ("cp=2", 2, r"sets attn_logit_softcapping=50.0"),
+])
+def test_what_a_path_does_not_implement_is_refused_before_any_process(tmp_path, monkeypatch,
+                                                                      layout, devices, match):
+    from conftest import trainer_kwargs
+
+    from meshtrain import Trainer
+
+    def no_world(*args, **kwargs):
+        raise AssertionError("refused too late: the processes would start")
+
+    monkeypatch.setattr("meshtrain.trainer_setup.start_world", no_world)
+    model = {"tp=2": tiny_qwen3_moe, "tp=4": tiny_qwen3, "cp=2": tiny_gemma2_softcap}[layout]
+    trainer = Trainer(**trainer_kwargs(tmp_path / "run", layout=layout, devices=devices,
+                                       max_steps=1, global_batch_size=8))
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(model, tokens_16(), optimizer=adamw_gpt)
+
+
+def tiny_gemma2_softcap():
+    return tiny_causal_lm("Gemma2", head_dim=8, attn_logit_softcapping=50.0, **SMALL)
