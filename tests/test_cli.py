@@ -278,3 +278,16 @@ def test_a_config_without_a_name_names_the_job_after_its_file(tmp_path):
     config.write_text('[job]\nrecipe = "char_lm"\n')
     assert resolve_config(str(config), [])[2]["name"] == "tiny_lm"
     assert resolve_config(str(config), ["--logging.name=mine"])[2]["name"] == "mine"
+
+
+def test_the_readme_dry_runs_pass(tmp_path):
+    """The README's `meshtrain train ... --dry-run` commands, as written, check OK."""
+    readme = (ROOT / "README.md").read_text()
+    commands = [line.split("#")[0].split() for line in readme.splitlines()
+                if line.startswith("meshtrain train ") and "--dry-run" in line]
+    assert commands, "the README shows no dry run"
+    for command in commands:
+        args = [str(ROOT / a) if a.startswith("examples/") else a for a in command[1:]]
+        out = meshtrain_script(*args, cwd=tmp_path)
+        assert out.returncode == 0 and "config OK" in out.stdout, (command, out.stderr[-2000:])
+
