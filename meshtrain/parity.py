@@ -308,7 +308,13 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
         rows.append(row)
     out(f"parity: {steps} steps of {source.target}, precision {precision}, tolerance {tol:.0e}; "
         f"one process first, then {len(runnable)} layout(s)")
-    reference = run_workers(_train_rank, 1, (source, None, steps, quiet), timeout=timeout)[0]
+    try:  # (not when every layout was refused: nothing to compare it with)
+        reference = run_workers(_train_rank, 1, (source, None, steps, quiet),
+                                timeout=timeout)[0] if runnable else None
+    except Exception as error:  # noqa: BLE001 -- no reference: each row says why, not a crash
+        for row in runnable:
+            row.error = f"the one-process reference failed: {_last_line(str(error))}"
+        runnable = []
     for row in runnable:
         out(f"  {row.layout} on {row.ranks} process(es) ...")
         try:

@@ -172,3 +172,46 @@ def test_each_run_leaves_out_the_settings_its_layout_has_no_use_for():
     mistake = {"settings": {"powersgd_rank": 2}}
     assert run_settings(mistake, "dp=2", 3, "/tmp/x")["powersgd_rank"] == 2
 
+
+MISTAKE_JOB = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def job():
+    x = torch.randn(32, 4)
+    return dict(model=lambda: torch.nn.Linear(4, 2), train_data=TensorDataset(x, x[:, :2]),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                loss_fn=torch.nn.functional.mse_loss,
+                settings=dict(global_batch_size=8, powersgd_rank=2))  # without comm_hook
+
+
+def one_process_fails():
+    import os
+
+    def model():
+        if os.environ.get("WORLD_SIZE") == "1":
+            raise RuntimeError("this model cannot be built in one process")
+        return torch.nn.Linear(4, 2)
+    return {**job(), "model": model, "settings": dict(global_batch_size=8)}
+"""
+
+
+def test_a_setting_that_does_nothing_anywhere_is_a_row_error_not_a_crash(tmp_path, monkeypatch,
+                                                                        capsys):
+    """powersgd_rank without comm_hook='powersgd' does nothing under any layout: it is not
+    left out quietly but refused, as each row's error, and the command ends with exit 1; so is
+    a one-process reference that fails."""
+    (tmp_path / "mistake_job.py").write_text(MISTAKE_JOB)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["parity", "mistake_job:job", "--layouts", "dp=2", "--steps", "2"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("dp=2 "))
+    assert code == 1 and "refused before start" in row and "powersgd_rank=2" in row, out
+    # a reference that fails in its process: every row says so, no traceback ends the command
+    code = cli.main(["parity", "mistake_job:one_process_fails", "--layouts", "dp=2", "--steps",
+                     "2"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("dp=2 "))
+    assert code == 1 and "the one-process reference failed" in row, out
+    assert "cannot be built in one process" in row, out
