@@ -36,41 +36,23 @@ def resolve_device_type(settings: dict) -> str:
 
 def check_settings_apply(layout, settings: dict) -> None:
     """A setting that would do nothing under ``layout`` (or no way to stop) is an error, not
-    silently ignored. ``settings``: the Trainer's, checked one by one already."""
+    silently ignored. ``settings``: the Trainer's, checked one by one already. What each
+    setting needs is its definition's ``needs`` (meshtrain/setting_table.py)."""
+    from meshtrain.settings import unmet_needs
+
     if settings["max_steps"] is None and settings["max_epochs"] is None:
         raise ConfigError("set max_steps or max_epochs (or both) so training knows when to stop")
-    bucket_cap_mb, comm_hook, powersgd_rank, sequence_parallel, loss_parallel, tp_plan, \
-        offload = (settings[k] for k in ("bucket_cap_mb", "comm_hook", "powersgd_rank",
-                                         "sequence_parallel", "loss_parallel", "tp_plan",
-                                         "offload"))
-    for name, value in {"comm_hook": comm_hook, "bucket_cap_mb": bucket_cap_mb}.items():
-        if value is not None and not layout.uses_ddp:
-            raise ConfigError(
-                f"{name}={value!r} is a DDP setting, but the layout {layout} does not use DDP "
-                f"({layout.why_not_ddp()}); drop {name}, or use a dp/zero1 layout")
-    if powersgd_rank != 1 and comm_hook != "powersgd":
-        raise ConfigError(f"powersgd_rank={powersgd_rank} is used by comm_hook='powersgd' only "
-                          f"(comm_hook is {comm_hook!r}); set both or neither")
-    tp_settings = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
-                   "tp_plan": tp_plan}
-    for name, value in tp_settings.items():
-        if value not in (None, False) and layout.degree("tp") == 1:
-            raise ConfigError(
-                f"{name} is a tensor-parallel setting, but the layout {layout} has no tp axis; "
-                f"add tp=N to the layout or drop {name}")
+    unmet = [message for _, _, message in unmet_needs(layout, settings)]
+    if unmet:  # every one, so that one fix does not just reveal the next
+        raise ConfigError("\nalso: ".join(unmet))
     from meshtrain.parallel.local_sgd import check_local_sgd
 
     check_local_sgd(layout, settings["local_sgd_every"], settings["outer_lr"],
                     settings["outer_momentum"])
-    if layout.num_servers or settings["ps_mode"] != "sync" or \
-            settings["ps_staleness"] is not None:
+    if layout.num_servers:
         from meshtrain.parallel.ps_layout import check_ps_layout
 
         check_ps_layout(layout, settings)
-    if offload is not None and not layout.is_sharded:
-        raise ConfigError(
-            f"offload={offload!r} moves sharded state to CPU memory and needs a sharded "
-            f"layout (zero2/zero3/dp_shard); the layout is {layout}")
 
 
 def check_model(model) -> None:

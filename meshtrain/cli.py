@@ -3,7 +3,8 @@
     meshtrain train CONFIG.toml [--section.key=value ...]    train the job a config describes
     meshtrain lr-find CONFIG.toml [--section.key=value ...]  learning-rate range test for it
     meshtrain memory CONFIG.toml [--section.key=value ...]   per-rank model-state memory (1 step)
-        --dry-run: print the resolved config (every setting), check it, exit without training
+        --dry-run: print the resolved config (every setting), make every check train makes
+        before any process starts (the model against the layout on a meta-device copy), exit
     meshtrain parity CONFIG.toml --layouts "dp=2;tp=2;pp=2" [--steps K] [--section.key=value ...]
         train K steps in one process and under each layout; compare (exit 1 if any differs)
     meshtrain run [torchrun flags] script.py [args]          start a script on N processes
@@ -29,8 +30,10 @@ def _recipe(argv: list[str], mode: str) -> int:
 
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: meshtrain {mode} CONFIG.toml [--dry-run] [--section.key=value ...]\n\n"
-              "--dry-run prints the resolved config (every section and setting), checks it and "
-              "exits without training.\nSections and settings: docs/reference.md.\n\nExample: "
+              "--dry-run prints the resolved config (every section and setting), makes every "
+              "check train makes before any process starts (settings, data, the model against "
+              "the layout on a meta-device copy) and exits without training.\nSections and "
+              "settings: docs/reference.md.\n\nExample: "
               f"meshtrain {mode} examples/char_gpt.toml --trainer.layout=zero3=2 "
               "--parallel.activation_checkpointing=full")
         return 0 if argv else 2

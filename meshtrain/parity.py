@@ -8,8 +8,9 @@ A config's recipe supplies the job through ``job(config)`` (the built-in ``char_
 entry point ``module:function`` returns the same mapping: ``model`` (a module factory),
 ``train_data``, ``optimizer`` (a factory), ``loss_fn`` and optionally ``lr_scheduler`` (a factory)
 and ``settings`` (Trainer keywords, e.g. ``{"global_batch_size": 16}``; ``--section.key=value``
-overrides them). Every run uses the job's settings with the layout replaced; checkpoints,
-validation and loggers are off. fp32 parity is exact up to summation order: tolerance 1e-5.
+overrides them). Every run uses the job's settings with the layout replaced, less the settings
+that need what its layout lacks (a ``tp_plan`` without tp); checkpoints, validation and loggers
+are off. fp32 parity is exact up to summation order: tolerance 1e-5.
 """
 
 from __future__ import annotations
@@ -161,11 +162,20 @@ def layout_world_size(layout: str) -> int:
 
 
 def run_settings(job: dict, layout: str | None, steps: int, run_dir: str) -> dict:
+    """The Trainer settings of one run: the job's, quiet, under ``layout`` (one process when
+    None). A setting that needs what this layout lacks (``tp_plan`` without tp, a pipeline
+    schedule without pp, a DDP hook without DDP: its ``needs`` in meshtrain/setting_table.py)
+    is left out, so that the one-process reference and every other layout train without it."""
+    from meshtrain import settings as table
+    from meshtrain.parallel.layout import Layout
+
     world = 1 if not layout else layout_world_size(layout)
     settings = {**job["settings"], **QUIET, "layout": layout or None, "devices": world,
                 "max_steps": steps, "run_dir": run_dir}
     if layout and "ps" in _parse_pairs(layout):  # the servers alone know the global norm
         settings["log_grad_norm"] = False
+    for name in table.inapplicable(Layout.parse(layout or None, world), table.check(settings)):
+        del settings[name]  # (its default, which needs nothing)
     return settings
 
 
@@ -298,7 +308,13 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
         rows.append(row)
     out(f"parity: {steps} steps of {source.target}, precision {precision}, tolerance {tol:.0e}; "
         f"one process first, then {len(runnable)} layout(s)")
-    reference = run_workers(_train_rank, 1, (source, None, steps, quiet), timeout=timeout)[0]
+    try:  # (not when every layout was refused: nothing to compare it with)
+        reference = run_workers(_train_rank, 1, (source, None, steps, quiet),
+                                timeout=timeout)[0] if runnable else None
+    except Exception as error:  # noqa: BLE001 -- no reference: each row says why, not a crash
+        for row in runnable:
+            row.error = f"the one-process reference failed: {_last_line(str(error))}"
+        runnable = []
     for row in runnable:
         out(f"  {row.layout} on {row.ranks} process(es) ...")
         try:

@@ -8,6 +8,7 @@ import inspect
 import textwrap
 
 from meshtrain.config import toml_value
+from meshtrain.setting_types import need_words
 from meshtrain.settings import SECTIONS, SETTINGS, Setting
 
 # The public callbacks' arguments, one line each; defaults and types come from the signatures
@@ -53,6 +54,11 @@ def type_text(s: Setting) -> str:
     return text + (" or none" if s.none else "")
 
 
+def needs_text(s: Setting) -> str:
+    """The needs column: every need in words, "and" between them; empty for none."""
+    return " and ".join(need_words(need) for need in s.needs)
+
+
 def default_text(s: Setting) -> str:
     return "[]" if s.type == "callbacks" else toml_value(s.default)
 
@@ -90,14 +96,21 @@ def reference_markdown() -> str:
         'no null) write the string `"none"`. Settings marked *Python only* are objects a '
         "config file cannot hold: pass them to `Trainer(...)` in Python.",
         "",
+        "*Needs* is what a setting needs to have any effect: an axis of the layout, a kind of "
+        "layout, or another setting. A setting set to anything but its default while a need is "
+        "unmet would do nothing, so the Trainer refuses it (before any process starts) with "
+        "the fix; `meshtrain parity` leaves it out of the runs whose layout lacks it.",
+        "",
     ]
     header = ["| name | type | default | doc |", "|---|---|---|---|"]
     for section, doc in SECTIONS.items():
-        out += [f"## [{section}]", "", doc[0].upper() + doc[1:] + ".", "", *header]
+        out += [f"## [{section}]", "", doc[0].upper() + doc[1:] + ".", "",
+                "| name | type | default | needs | doc |", "|---|---|---|---|---|"]
         for s in SETTINGS.values():
             if s.section == section:
                 doc_text = s.doc if s.config else f"*Python only.* {s.doc}"
-                out.append(_row(f"`{s.name}`", type_text(s), f"`{default_text(s)}`", doc_text))
+                out.append(_row(f"`{s.name}`", type_text(s), f"`{default_text(s)}`",
+                                needs_text(s), doc_text))
         out.append("")
     out += ["## Callbacks", "",
             "Passed as `Trainer(callbacks=[...])` (Python only), from `meshtrain`.", ""]
@@ -128,6 +141,7 @@ def docstring() -> str:
     for s in SETTINGS.values():  # ordered by section
         where = f"config [{s.section}]" if s.config else "Python only"
         kind = type_text(s).replace(" or none", " or None")
-        text = f"{s.name}: {s.doc} ({kind}; default {s.default!r}; {where})"
+        needs = f"; needs {needs_text(s)}" if s.needs else ""
+        text = f"{s.name}: {s.doc} ({kind}; default {s.default!r}{needs}; {where})"
         lines += textwrap.wrap(text, width=96, initial_indent="    ", subsequent_indent="        ")
     return "\n".join(lines)

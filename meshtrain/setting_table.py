@@ -1,5 +1,6 @@
-"""Every Trainer setting: name, section, default, type, one-line doc, check (meshtrain.settings
-reads this table; the kinds of value are in meshtrain/setting_types.py)."""
+"""Every Trainer setting: name, section, default, type, one-line doc, check, and what it needs to
+have any effect (meshtrain.settings reads this table; the kinds of value and the words of a need
+are in meshtrain/setting_types.py)."""
 
 from __future__ import annotations
 
@@ -123,20 +124,19 @@ DEFINITIONS = [
        "Callbacks below).", check=_check_callbacks, config=False),
     # -- parallel -----------------------------------------------------------------------------
     _S("bucket_cap_mb", "parallel", None, "number",
-       "DDP gradient bucket size in MiB; none: 25. A DDP setting: an error under a layout "
-       "without DDP (zero2/zero3/dp_shard, tp, pp).", none=True),
+       "DDP gradient bucket size in MiB; none: 25.", none=True, needs=("ddp",)),
     _S("comm_hook", "parallel", None, "choice",
        'DDP communication hook: "fp16" or "bf16" (compressed all-reduce) or "powersgd" '
-       "(low-rank); none: plain all-reduce. An error under a layout without DDP.",
-       choices=COMM_HOOKS, none=True,
+       "(low-rank); none: plain all-reduce.",
+       choices=COMM_HOOKS, none=True, needs=("ddp",),
        error="unknown comm_hook {value!r}; choose one of fp16, bf16, powersgd or None"),
     _S("powersgd_rank", "parallel", 1, "int",
-       'Rank of PowerSGD\'s low-rank gradient approximation (with comm_hook="powersgd" only).',
-       minimum=1),
+       "Rank of PowerSGD's low-rank gradient approximation.", minimum=1,
+       needs=("comm_hook=powersgd",)),
     _S("offload", "parallel", None, "choice",
        '"cpu": keep the sharded parameters, gradients and optimizer state in CPU memory (a '
        "sharded layout on GPUs); none: no offload.", choices=OFFLOADS, none=True,
-       error="unknown offload {value!r}; choose None (no offload) or 'cpu'"),
+       needs=("sharded",), error="unknown offload {value!r}; choose None (no offload) or 'cpu'"),
     _S("activation_checkpointing", "parallel", None, "choice",
        '"full" recomputes each block\'s activations in backward, "selective" only the cheap '
        "element-wise ones (matmul and attention outputs are kept); none: off.",
@@ -151,62 +151,65 @@ DEFINITIONS = [
     _S("blocks", "parallel", None, "callable",
        "A function model -> the submodules sharded (and checkpointed) one by one; none: the "
        "model's repeated blocks (e.g. model.layers).", none=True, config=False,
+       needs=("sharded|activation_checkpointing|compile",),
        error="blocks must be a function (model -> iterable of modules) or None, got {value!r}"),
     _S("meta_init", "parallel", "auto", "choice",
        "Build a sharded model given as a factory on the meta device and let each rank "
        'initialise only its shards (needs init_weights()); "auto": whenever possible.',
-       choices=(True, False, "auto"),
+       choices=(True, False, "auto"), needs=("sharded",),
        error="meta_init must be True, False or 'auto', got {value!r}"),
     _S("sequence_parallel", "parallel", False, "bool",
        "Tensor parallel: norms and dropout work on sequence shards (the sequence length must "
-       "divide by tp). Needs tp in the layout."),
+       "divide by tp).", needs=("tp",)),
     _S("loss_parallel", "parallel", False, "bool",
        "Tensor parallel: keep the logits sharded over the vocabulary and compute the "
-       "cross-entropy on the shards. Needs tp in the layout."),
+       "cross-entropy on the shards.", needs=("tp",)),
     _S("local_sgd_every", "parallel", None, "int",
        "Local SGD: each dp rank steps on its own gradients and the parameters are averaged "
-       "every H steps (and when training ends) instead of the gradients every step; plain dp "
-       "only (docs/parameter_server.md).", none=True, minimum=1),
+       "every H steps (and when training ends) instead of the gradients every step "
+       "(docs/parameter_server.md).", none=True, minimum=1, needs=("plain_dp",)),
     _S("outer_lr", "parallel", None, "number",
        "DiLoCo's outer step for local SGD: Nesterov SGD on the averaged change, at this rate "
-       "(DiLoCo: 0.7); none: plain averaging.", none=True),
+       "(DiLoCo: 0.7); none: plain averaging.", none=True, needs=("local_sgd_every",)),
     _S("outer_momentum", "parallel", 0.9, "number",
-       "Momentum of local SGD's outer step (with outer_lr)."),
+       "Momentum of local SGD's outer step.", needs=("outer_lr",)),
     _S("ps_mode", "parallel", "sync", "choice",
        'Parameter servers (layout "ps=S,dp=W"): "sync" (the servers step once every worker '
        'pushed; equal to one process) or "async" (each push applied on arrival, bounded by '
-       "ps_staleness; docs/parameter_server.md).", choices=("sync", "async")),
+       "ps_staleness; docs/parameter_server.md).", choices=("sync", "async"), needs=("ps",)),
     _S("ps_staleness", "parallel", None, "int",
        'Async parameter servers: a worker may run at most this many steps ahead of the slowest '
-       "(stale synchronous parallel); none: no bound.", none=True),
+       "(stale synchronous parallel); none: no bound.", none=True,
+       needs=("ps", "ps_mode=async")),
     _S("sync_batchnorm", "parallel", True, "bool",
        "BatchNorm statistics over the micro-batches of every data-parallel rank together (as "
        "one process on the global micro-batch); False: per rank, not layout-invariant."),
     _S("tp_plan", "parallel", None, "tp_plan",
        "Your own tensor-parallel plan (module name -> ParallelStyle), used instead of the "
-       "model's tp_plan(). Needs tp in the layout.", none=True, config=False),
+       "model's tp_plan().", none=True, config=False, needs=("tp",)),
     _S("tp_check_steps", "parallel", 1, "int",
        "Tensor parallel: in the first N steps, check that every parameter replicated over the "
        "tp ranks got the same gradient on each (one small all-reduce), so a wrong plan stops "
-       "with the parameter named instead of training differently; 0: off.", minimum=0),
+       "with the parameter named instead of training differently; 0: off.", minimum=0,
+       needs=("tp",)),
     # -- pipeline -----------------------------------------------------------------------------
     _S("pp_schedule", "pipeline", "1f1b", "choice",
        "Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved-1f1b, "
        "looped-bfs, zero-bubble (several stages per rank), zbv, dualpipev (two per rank, V).",
-       choices=PP_SCHEDULES,
+       choices=PP_SCHEDULES, needs=("pp",),
        error="unknown pipeline schedule {value!r} (pp_schedule); choose one of "
              + ", ".join(PP_SCHEDULES)),
     _S("stages_per_rank", "pipeline", 1, "int",
        "Pipeline stages on each rank (2 or more for the interleaved schedules, 2 for zbv and "
-       "dualpipev).", minimum=1),
+       "dualpipev).", minimum=1, needs=("pp",)),
     _S("pp_balance", "pipeline", "params", "choice",
        'How the blocks are cut into stages of equal cost: "params" (parameter count), "time" '
        '(measured forward+backward) or "memory" (parameters plus saved activations).',
-       choices=PP_BALANCES,
+       choices=PP_BALANCES, needs=("pp", "not split_points"),
        error="pp_balance must be 'params', 'time' or 'memory', got {value!r}"),
     _S("split_points", "pipeline", None, "int_list",
        "Cut points given by hand: the first block index of stages 1, 2, ... (e.g. [3, 6]); "
-       "none: from pp_balance.", none=True),
+       "none: from pp_balance.", none=True, needs=("pp",)),
     # -- checkpoint ---------------------------------------------------------------------------
     _S("checkpoint_every_n_steps", "checkpoint", None, "int",
        "Save a checkpoint every N optimizer steps into run_dir/checkpoints/step_*; none: no "

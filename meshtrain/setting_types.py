@@ -1,4 +1,5 @@
-"""The kinds of value a Trainer setting takes, and :class:`Setting`, one setting's definition.
+"""The kinds of value a Trainer setting takes, what a setting needs to have any effect, and
+:class:`Setting`, one setting's definition.
 
 The settings themselves are in meshtrain/setting_table.py; meshtrain/settings.py is the API.
 """
@@ -65,6 +66,140 @@ _WHAT = {
 }
 
 
+# -- what a setting needs (Setting.needs) -----------------------------------------------------
+# A setting does nothing unless each of its needs is met; set to anything but its default while
+# one is not, it is an error (meshtrain/checks.py), and ``meshtrain parity`` leaves it out of the
+# runs whose layout lacks it. A need is one of:
+#   "pp", "tp", "cp", "dp", "dp_shard", "dp_replicate"   that axis in the layout (degree > 1)
+#   "ddp", "plain_dp", "sharded", "ps"                   a layout fact (LAYOUT_FACTS, from Layout)
+#   "<setting>"                                          another setting set (not at its default)
+#   "<setting>=<value>"                                  another setting with that (string) value
+#   "not <setting>"                                      another setting left at its default
+#   "<need>|<need>|..."                                  any one of these
+AXIS_KINDS = {"pp": "pipeline", "tp": "tensor-parallel", "cp": "context-parallel",
+              "dp": "data-parallel", "dp_shard": "sharded data-parallel",
+              "dp_replicate": "replicated-shards (HSDP)"}
+
+
+def _not_plain_dp(layout) -> str:
+    return "zero1 shards the optimizer state" if layout.uses_ddp else layout.why_not_ddp()
+
+
+# name: (in words, is it met? (Layout -> bool), the error's text ({shown}, {name}, {layout},
+# {why}), why not (Layout -> str))
+LAYOUT_FACTS: dict[str, tuple[str, Callable, str, Callable]] = {
+    "ddp": ("a layout that uses DDP (dp or zero1 alone)", lambda layout: layout.uses_ddp,
+            "{shown} is a DDP setting, but the layout {layout} does not use DDP ({why}), so it "
+            "would do nothing; drop {name}, or use a dp/zero1 layout",
+            lambda layout: layout.why_not_ddp()),
+    "plain_dp": ("plain data parallel (dp=N: replicated parameters and optimizer state)",
+                 lambda layout: layout.uses_ddp and not layout.zero_stage,
+                 "{shown} is a plain data-parallel setting, but the layout {layout} is not plain "
+                 "data parallel ({why}); use layout='dp=N', or drop {name}", _not_plain_dp),
+    "sharded": ("a sharded layout (zero2, zero3 or dp_shard)", lambda layout: layout.is_sharded,
+                "{shown} is a sharded-layout setting, but the layout {layout} does not shard "
+                "the model, so it would do nothing; use a sharded layout (zero2, zero3 or "
+                "dp_shard, e.g. layout='zero3=N'), or drop {name}", lambda layout: ""),
+    "ps": ("parameter servers (ps=S,dp=W)", lambda layout: layout.num_servers > 0,
+           "{shown} is a parameter-server setting, but the layout {layout} has no servers, so "
+           "it would do nothing; write e.g. layout='ps=1,dp=2' (3 processes), or drop {name}",
+           lambda layout: ""),
+}
+
+
+def at_default(setting: Setting, value) -> bool:
+    """Is ``value`` the setting's default? (a list equals its tuple; True is not 1)"""
+    default = setting.default
+    if isinstance(default, (tuple, list)) and isinstance(value, (tuple, list)):
+        return list(default) == list(value)
+    return type(value) is type(default) and value == default
+
+
+def need_atom(need: str) -> tuple[str, str, str | None]:
+    """One need (no ``|``) read: (kind, name, value); kind is "axis", "fact", "set", "equals"
+    or "unset"."""
+    if need.startswith("not "):
+        return "unset", need[4:].strip(), None
+    if "=" in need:
+        name, _, value = need.partition("=")
+        return "equals", name.strip(), value.strip()
+    if need in AXIS_KINDS:
+        return "axis", need, None
+    if need in LAYOUT_FACTS:
+        return "fact", need, None
+    return "set", need, None
+
+
+def need_met(need: str, layout, values: dict, settings: dict[str, Setting]) -> bool:
+    """Is ``need`` met by ``layout`` (a Layout) and the settings' ``values``?"""
+    def met(atom: str) -> bool:
+        kind, name, value = need_atom(atom)
+        if kind == "axis":
+            return layout.degree(name) > 1
+        if kind == "fact":
+            return bool(LAYOUT_FACTS[name][1](layout))
+        if kind == "equals":
+            return values[name] == value
+        is_set = not at_default(settings[name], values[name])
+        return is_set if kind == "set" else not is_set
+    return any(met(atom) for atom in need.split("|"))
+
+
+def need_words(need: str) -> str:
+    """A need in words, for the reference and error messages."""
+    def words(atom: str) -> str:
+        kind, name, value = need_atom(atom)
+        if kind == "fact":
+            return LAYOUT_FACTS[name][0]
+        return {"axis": f"a {name} axis in the layout", "set": f"{name} set",
+                "equals": f"{name}={value!r}", "unset": f"{name} unset"}[kind]
+    parts = [words(atom) for atom in need.split("|")]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+def is_layout_need(need: str) -> bool:
+    """Does ``need`` (any of its alternatives) ask something of the layout?"""
+    return any(need_atom(atom)[0] in ("axis", "fact") for atom in need.split("|"))
+
+
+def need_settings(need: str) -> list[str]:
+    """The other settings ``need`` names."""
+    return [need_atom(atom)[1] for atom in need.split("|")
+            if need_atom(atom)[0] in ("set", "equals", "unset")]
+
+
+def _shown(name: str, value) -> str:
+    """``name=value`` for a plain value, ``name`` alone for True or an object (a plan)."""
+    plain = value is None or isinstance(value, (str, int, float)) and value is not True
+    return f"{name}={value!r}" if plain else name
+
+
+def unmet_message(name: str, value, need: str, layout, values: dict) -> str:
+    """Why setting ``name`` (``value``) does nothing when ``need`` is unmet, and the fix."""
+    shown = _shown(name, value)
+    kind, other, wanted = need_atom(need)
+    if "|" in need:
+        return (f"{shown} does nothing here: it needs {need_words(need)}, and the layout "
+                f"{layout} with these settings has none of them; set one, or drop {name}")
+    if kind == "axis":
+        what = AXIS_KINDS[other]
+        return (f"{shown} is a {what} setting, but the layout {layout} has no {other} axis, so "
+                f"it would do nothing ({what} settings need a {what} layout, e.g. "
+                f"layout='{other}=2'); add {other}=N to the layout, or drop {name}")
+    if kind == "fact":
+        _, _, text, why = LAYOUT_FACTS[other]
+        return text.format(shown=shown, name=name, layout=layout, why=why(layout))
+    current = values[other]
+    if kind == "set":
+        return (f"{shown} is used with {other} only ({other} is {current!r}), so it would do "
+                f"nothing; set {other} too, or drop {name}")
+    if kind == "equals":
+        return (f"{shown} is used by {other}={wanted!r} only ({other} is {current!r}), so it "
+                f"would do nothing; set {other}={wanted!r} too, or drop {name}")
+    return (f"{shown} does nothing while {other} is set ({other}={current!r} takes its place); "
+            f"drop {name} or {other}")
+
+
 @dataclass(frozen=True)
 class Setting:
     """One Trainer keyword.
@@ -75,6 +210,8 @@ class Setting:
     message (a format string with ``{name}`` and ``{value!r}``) where meshtrain's existing
     wording is kept. ``check`` is a further check of the value (raises ConfigError).
     ``config=False``: Python only (an object a TOML file cannot hold), not in config sections.
+    ``needs``: what the setting needs to have any effect, each a need of the vocabulary above
+    (all of them must be met); set while one is not, it is an error.
     """
 
     name: str
@@ -88,6 +225,7 @@ class Setting:
     error: str | None = None
     check: Callable[[object], None] | None = None
     config: bool = True
+    needs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.section in SECTIONS and self.type in _FITS, (self.section, self.type)

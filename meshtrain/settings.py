@@ -5,9 +5,12 @@ The Python API (``Trainer(**keywords)``), the TOML sections of a recipe's config
 and ``docs/reference.md`` (``python tools/gen_reference.py``) all come from :data:`SETTINGS`.
 
 The table is meshtrain/setting_table.py, the kinds of value meshtrain/setting_types.py.
-A setting's check there looks at its own value only (type, range, choices). Checks that need
-several settings or the layout (``stall_timeout_s < collective_timeout_s``, DDP settings without
-DDP, ``sequence_parallel`` without ``tp``) stay with the code they protect (Trainer, fault.py).
+A setting's check there looks at its own value only (type, range, choices). What a setting needs
+to have any effect (an axis, a layout fact, another setting) is part of its definition too
+(``Setting.needs``): :func:`unmet_needs` finds the settings that would do nothing under a layout
+(an error: meshtrain/checks.py); ``meshtrain parity`` leaves :func:`inapplicable` ones out. Other
+checks that need several settings or the layout (``stall_timeout_s < collective_timeout_s``)
+stay with the code they protect (Trainer, fault.py).
 TOML has no null: in a config ``"none"`` stands for ``None`` (:func:`flatten` converts it).
 """
 
@@ -18,14 +21,30 @@ import difflib
 from meshtrain.config import unknown_key_message
 from meshtrain.errors import ConfigError
 from meshtrain.setting_table import DEFINITIONS
-from meshtrain.setting_types import SECTIONS, Setting
+from meshtrain.setting_types import (
+    AXIS_KINDS, LAYOUT_FACTS, SECTIONS, Setting, at_default, is_layout_need, need_atom, need_met,
+    need_settings, unmet_message,
+)
 
 __all__ = ["SECTIONS", "SETTINGS", "Setting", "check", "config_sections", "defaults", "flatten",
-           "docstring", "reference_markdown"]
+           "docstring", "inapplicable", "reference_markdown", "unmet_needs"]
 
 SETTINGS: dict[str, Setting] = {
     s.name: s for section in SECTIONS for s in DEFINITIONS if s.section == section}
 assert len(SETTINGS) == len(DEFINITIONS), "a setting is defined twice"
+
+
+def _check_needs() -> None:
+    """Every need names an axis, a layout fact or another setting (at import)."""
+    for s in DEFINITIONS:
+        for need in s.needs:
+            for atom in need.split("|"):
+                kind, name, _ = need_atom(atom)
+                known = {"axis": AXIS_KINDS, "fact": LAYOUT_FACTS}.get(kind, SETTINGS)
+                assert name in known and name != s.name, (s.name, need)
+
+
+_check_needs()
 
 
 # -- the API ----------------------------------------------------------------------------------
@@ -49,6 +68,37 @@ def check(values: dict) -> dict:
         SETTINGS[name].validate(value)
     from meshtrain.checkpoint.resume import job_name  # name="auto": the script's name
     return {**defaults(), **values, "name": job_name(values.get("name", SETTINGS["name"].default))}
+
+
+def unmet_needs(layout, values: dict) -> list[tuple[str, str, str]]:
+    """The settings in ``values`` (every setting's value, as :func:`check` returns them) that
+    are not at their default but would do nothing under ``layout`` (a Layout): (name, the first
+    unmet need, the error's message: what it needs and the fix), in the table's order."""
+    unmet = []
+    for name, s in SETTINGS.items():
+        value = values[name]
+        if not s.needs or at_default(s, value):
+            continue
+        need = next((n for n in s.needs if not need_met(n, layout, values, SETTINGS)), None)
+        if need is not None:
+            unmet.append((name, need, unmet_message(name, value, need, layout, values)))
+    return unmet
+
+
+def inapplicable(layout, values: dict) -> list[str]:
+    """The settings in ``values`` (as :func:`check` returns them) that ``layout`` gives nothing
+    to do: set while an axis or layout fact they need is missing, and those that need such a
+    setting in turn. A setting unmet for another reason (it needs a setting the user did not
+    set) is not among them: the Trainer refuses it."""
+    values, dropped = dict(values), []
+    while True:
+        drop = [name for name, need, _ in unmet_needs(layout, values)
+                if is_layout_need(need) or set(need_settings(need)) & set(dropped)]
+        if not drop:
+            return dropped
+        for name in drop:
+            values[name] = SETTINGS[name].default
+        dropped += drop
 
 
 def config_sections() -> dict[str, dict]:

@@ -158,6 +158,17 @@ class Trainer:
         return lr_find(self, model, train_data, optimizer=optimizer, loss_fn=loss_fn,
                        min_lr=min_lr, max_lr=max_lr, num_steps=num_steps)
 
+    def check(self, model: ModelLike, train_data: DataLike, val_data: DataLike | None = None,
+              *, optimizer: Callable, loss_fn: Callable | None = None,
+              lr_scheduler: Callable | None = None) -> None:
+        """Every check ``fit`` makes before any process starts, and nothing else: the inputs,
+        and the model against the layout on a meta-device copy (no weights, no processes).
+        Raises ConfigError naming the setting and the fix (``meshtrain train --dry-run``)."""
+        from meshtrain.trainer_setup import check_before_start
+
+        check_before_start(self, model, train_data, val_data, optimizer=optimizer,
+                           loss_fn=loss_fn, lr_scheduler=lr_scheduler)
+
     def prepare(self, model, train_data, val_data=None, *, optimizer, loss_fn=None,
                 lr_scheduler=None) -> None:
         """Check the inputs, then create processes, model, optimizer and data loaders, and

@@ -29,12 +29,9 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer, loss_fn=Non
             lr_scheduler=None) -> None:
     """Everything ``fit`` needs before its loop (see the module's docstring)."""
     t = trainer
-    train_set = checks.check_fit_inputs(model, train_data, val_data, optimizer=optimizer,
-                                        lr_scheduler=lr_scheduler,
-                                        global_batch_size=t.global_batch_size,
-                                        max_steps=t.max_steps)
-    meta_model = checks.inspect_model(model)
-    check_model_layout(t, meta_model, loss_fn, checks.first_inputs(train_set, 2), model)
+    train_set, meta_model = check_before_start(t, model, train_data, val_data,
+                                               optimizer=optimizer, loss_fn=loss_fn,
+                                               lr_scheduler=lr_scheduler)
     t._model_shapes = model_shapes(meta_model)  # None: known once built
     setup_world(t)
     if t.ps_server is not None:
@@ -62,6 +59,20 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer, loss_fn=Non
         if t._workers is not None:
             t._workers.raise_if_failed(error)
         raise
+
+
+def check_before_start(t, model, train_data, val_data=None, *, optimizer, loss_fn=None,
+                       lr_scheduler=None):
+    """Every check ``fit`` makes before any process starts (``Trainer.check``; ``--dry-run``):
+    the inputs, then the model against the layout on a meta-device copy of a factory's model
+    (no weights). Returns (the training dataset, that copy or None)."""
+    train_set = checks.check_fit_inputs(model, train_data, val_data, optimizer=optimizer,
+                                        lr_scheduler=lr_scheduler,
+                                        global_batch_size=t.global_batch_size,
+                                        max_steps=t.max_steps)
+    meta_model = checks.inspect_model(model)
+    check_model_layout(t, meta_model, loss_fn, checks.first_inputs(train_set, 2), model)
+    return train_set, meta_model
 
 
 def setup_world(t) -> None:

@@ -203,3 +203,21 @@ def script_env(base: dict | None = None) -> dict:
         [str(ROOT), str(ROOT / "tests"), *filter(None, [env.get("PYTHONPATH")])])
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+# ---- token shards as `meshtrain prepare` writes them --------------------------------------------
+@pytest.fixture(scope="session")
+def example_corpus(tmp_path_factory):
+    """Prepared token shards with one global batch of the cluster examples (examples/llama_1b_*:
+    256 sequences of 2048 tokens) in the training split: ~600k tokens of generated Python,
+    a 300-token tokenizer (prepared in about a second)."""
+    from meshtrain.data.prepare import prepare
+
+    texts = tmp_path_factory.mktemp("example_texts")
+    for i in range(24):
+        (texts / f"doc{i:02d}.py").write_text("".join(
+            f"def f{i}_{j}(x):\n    return x * {j} + {i * j}\n" for j in range(1200)))
+    out = tmp_path_factory.mktemp("example_corpus")
+    prepare([texts], out, train_tokenizer_vocab=300, val_fraction=0.05, overwrite=True,
+            log=lambda *a: None)
+    return out

@@ -73,9 +73,10 @@ def test_bad_inputs_are_clear_errors_before_any_process(corpus, tmp_path, capsys
     ("llama_tiny", []), ("llama_1b_zero3", []), ("llama_1b_tp", []), ("llama_1b_pp", []),
     ("llama_1b_3d", ["--trainer.devices=32"]),
 ])
-def test_example_configs_pass_a_dry_run(corpus, example, extra, capsys):
-    code = cli.main(["train", f"examples/{example}.toml", "--dry-run", f"--data.path={corpus}",
-                     *extra])
+def test_example_configs_pass_a_dry_run(example_corpus, example, extra, capsys):
+    # (the dry run checks the data too: one global batch of 256 x 2048 tokens)
+    code = cli.main(["train", f"examples/{example}.toml", "--dry-run",
+                     f"--data.path={example_corpus}", *extra])
     assert code == 0, capsys.readouterr().err
     assert "config OK" in capsys.readouterr().out
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain import Trainer
+from meshtrain import Trainer, cli
 from meshtrain import settings
 from meshtrain.config import parse_override, resolve
 from meshtrain.errors import ConfigError
@@ -278,3 +278,79 @@ def test_a_config_without_a_name_names_the_job_after_its_file(tmp_path):
     config.write_text('[job]\nrecipe = "char_lm"\n')
     assert resolve_config(str(config), [])[2]["name"] == "tiny_lm"
     assert resolve_config(str(config), ["--logging.name=mine"])[2]["name"] == "mine"
+
+
+def test_the_readme_dry_runs_pass(tmp_path):
+    """The README's `meshtrain train ... --dry-run` commands, as written, check OK."""
+    readme = (ROOT / "README.md").read_text()
+    commands = [line.split("#")[0].split() for line in readme.splitlines()
+                if line.startswith("meshtrain train ") and "--dry-run" in line]
+    assert commands, "the README shows no dry run"
+    for command in commands:
+        args = [str(ROOT / a) if a.startswith("examples/") else a for a in command[1:]]
+        out = meshtrain_script(*args, cwd=tmp_path)
+        assert out.returncode == 0 and "config OK" in out.stdout, (command, out.stderr[-2000:])
+
+
+# ---- --dry-run makes every check train makes before any process starts (issue 26) ---------------
+@pytest.mark.parametrize("config,overrides,named", [
+    # char_gpt with tp=4 and 2 heads
+    ("char_gpt", ["--trainer.layout=tp=4", "--trainer.devices=4", "--model.num_heads=2"],
+     ["tp=4", "num_heads=2", "use a tp that divides 2"]),
+    # pp=8 on 4 layers
+    ("char_gpt", ["--trainer.layout=pp=8", "--trainer.devices=8"],
+     ["pp=8", "only 4 blocks", "use fewer stages"]),
+    # compile="model" with activation checkpointing
+    ("char_gpt", ['--parallel.compile="model"', "--parallel.activation_checkpointing=full"],
+     ["compile='model'", "activation_checkpointing='full'", "use compile=True"]),
+    # llama_1b_tp.toml (tp=8) with 4 KV heads
+    ("llama_1b_tp", ["--model.num_kv_heads=4"], ["tp=8", "num_key_value_heads=4", "use a tp"]),
+    # llama_1b_pp.toml (pp=4, 2 stages per rank) with 2 layers
+    ("llama_1b_pp", ["--model.num_layers=2"],
+     ["pp=4 x stages_per_rank=2", "only 2 blocks", "use fewer stages"]),
+    # the README's own example: a pipeline schedule on the dp=2 demo, which has no pp
+    ("char_gpt", ["--pipeline.pp_schedule=gpipe"],
+     ["pp_schedule='gpipe'", "has no pp axis", "add pp=N to the layout, or drop pp_schedule"]),
+], ids=["tp4-2heads", "pp8-4layers", "compile-model-with-checkpointing", "llama_1b_tp-4kv",
+        "llama_1b_pp-2layers", "pp_schedule-without-pp"])
+def test_dry_run_refuses_what_train_refuses_naming_setting_and_fix(example_corpus, capsys, config,
+                                                                   overrides, named):
+    data = [f"--data.path={example_corpus}"] if config.startswith("llama") else []
+    code = cli.main(["train", f"examples/{config}.toml", "--dry-run", *data, *overrides])
+    out, err = capsys.readouterr()
+    assert code != 0 and "config OK" not in out, (out[-500:], err[-2000:])
+    assert err.startswith("meshtrain: error: ") and "Traceback" not in err, err
+    for words in named:
+        assert words in err, (words, err)
+
+
+JOB_RECIPE = """
+import torch
+from torch.utils.data import TensorDataset
+from meshtrain import settings
+
+DEFAULTS = {"job": {"recipe": "job_recipe"}, **settings.config_sections()}
+
+def run(config, mode="train"):
+    raise AssertionError("a dry run does not train")
+
+def job(config):
+    x = torch.randn(64, 4)
+    return dict(model=lambda: torch.nn.Linear(4, 2), train_data=TensorDataset(x, x[:, :2]),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                loss_fn=torch.nn.functional.mse_loss)
+"""
+
+
+def test_a_recipe_without_check_is_dry_run_on_its_job(tmp_path):
+    """A user's recipe with job() but no check(): the dry run checks that job's model against
+    the layout (a Linear has no tensor-parallel plan of its own)."""
+    (tmp_path / "job_recipe.py").write_text(JOB_RECIPE)
+    (tmp_path / "job.toml").write_text('[job]\nrecipe = "job_recipe"\n[trainer]\nmax_steps = 2\n'
+                                       'global_batch_size = 8\n')
+    out = meshtrain_script("train", "job.toml", "--dry-run", "--trainer.layout=dp=1", cwd=tmp_path)
+    assert out.returncode == 0 and "config OK" in out.stdout, out.stderr[-2000:]
+    out = meshtrain_script("train", "job.toml", "--dry-run", "--trainer.layout=tp=2",
+                           "--trainer.devices=2", cwd=tmp_path)
+    assert out.returncode == 2 and "config OK" not in out.stdout, out.stdout[-2000:]
+    assert "Linear has no tensor-parallel plan" in out.stderr, out.stderr[-2000:]

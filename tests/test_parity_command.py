@@ -91,3 +91,127 @@ def test_batch_coupled_jobs_are_reported_correctly():
     for row in (per_rank, plain):
         assert not row.ok and row.first_divergence == 1 and not row.error, row
         assert row.max_param_diff > 1e-4
+
+
+TP_PLAN_JOB = """
+import torch
+from torch.utils.data import TensorDataset
+
+from meshtrain.parallel.tensor_parallel import attention_plan, mlp_plan
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.head_dim = dim // heads
+        # no biases: a key bias has an exactly zero true gradient (softmax ignores a shift
+        # shared by all keys), which AdamW turns from rounding noise into lr-sized steps
+        self.q, self.k, self.v, self.out = (torch.nn.Linear(dim, dim, bias=False)
+                                            for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))  # local heads under tp
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.attn = Attention(dim)
+        self.fc_in, self.fc_out = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(x)))
+
+
+PLAN = {**attention_plan("attn", "q", "k", "v", "out"), **mlp_plan("", "fc_in", "fc_out")}
+
+
+def job():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, 16, generator=gen)
+    return dict(model=Block, train_data=TensorDataset(x, x.roll(1, dims=1)),
+                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+                loss_fn=torch.nn.functional.mse_loss,
+                settings=dict(global_batch_size=16, tp_plan=PLAN))
+"""
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_job_with_its_own_tp_plan_checks_against_one_process(tmp_path, monkeypatch, capsys):
+    """`meshtrain parity my_module:job` where the job's settings hold a hand-written tp_plan
+    (the documented way to check a plan): the one-process reference and dp=2 train without it
+    (it needs tp), tp=2 uses it, and all match."""
+    (tmp_path / "tp_plan_job.py").write_text(TP_PLAN_JOB)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["parity", "tp_plan_job:job", "--layouts", "dp=2;tp=2", "--steps", "3"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.startswith(("dp=2 ", "tp=2 "))}
+    assert code == 0, out
+    assert set(rows) == {"dp=2", "tp=2"} and all(r.rstrip().endswith("ok") for r in rows.values())
+    assert "2 of 2 layouts train like one process" in out
+
+
+def test_each_run_leaves_out_the_settings_its_layout_has_no_use_for():
+    from meshtrain.parity import run_settings
+
+    job = {"settings": {"tp_plan": {}, "comm_hook": "powersgd", "powersgd_rank": 2,
+                        "pp_schedule": "gpipe", "global_batch_size": 16}}
+    single = run_settings(job, None, 3, "/tmp/x")
+    assert not {"tp_plan", "comm_hook", "powersgd_rank", "pp_schedule"} & set(single)
+    assert single["global_batch_size"] == 16 and single["max_steps"] == 3
+    assert {"comm_hook", "powersgd_rank"} <= set(run_settings(job, "dp=2", 3, "/tmp/x"))
+    assert "tp_plan" in run_settings(job, "tp=2", 3, "/tmp/x")
+    assert "pp_schedule" in run_settings(job, "pp=2,tp=2", 3, "/tmp/x")
+    # a user's mistake is not dropped, the Trainer refuses it: powersgd_rank without comm_hook
+    mistake = {"settings": {"powersgd_rank": 2}}
+    assert run_settings(mistake, "dp=2", 3, "/tmp/x")["powersgd_rank"] == 2
+
+
+MISTAKE_JOB = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def job():
+    x = torch.randn(32, 4)
+    return dict(model=lambda: torch.nn.Linear(4, 2), train_data=TensorDataset(x, x[:, :2]),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                loss_fn=torch.nn.functional.mse_loss,
+                settings=dict(global_batch_size=8, powersgd_rank=2))  # without comm_hook
+
+
+def one_process_fails():
+    import os
+
+    def model():
+        if os.environ.get("WORLD_SIZE") == "1":
+            raise RuntimeError("this model cannot be built in one process")
+        return torch.nn.Linear(4, 2)
+    return {**job(), "model": model, "settings": dict(global_batch_size=8)}
+"""
+
+
+def test_a_setting_that_does_nothing_anywhere_is_a_row_error_not_a_crash(tmp_path, monkeypatch,
+                                                                        capsys):
+    """powersgd_rank without comm_hook='powersgd' does nothing under any layout: it is not
+    left out quietly but refused, as each row's error, and the command ends with exit 1; so is
+    a one-process reference that fails."""
+    (tmp_path / "mistake_job.py").write_text(MISTAKE_JOB)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["parity", "mistake_job:job", "--layouts", "dp=2", "--steps", "2"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("dp=2 "))
+    assert code == 1 and "refused before start" in row and "powersgd_rank=2" in row, out
+    # a reference that fails in its process: every row says so, no traceback ends the command
+    code = cli.main(["parity", "mistake_job:one_process_fails", "--layouts", "dp=2", "--steps",
+                     "2"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("dp=2 "))
+    assert code == 1 and "the one-process reference failed" in row, out
+    assert "cannot be built in one process" in row, out

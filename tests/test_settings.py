@@ -11,6 +11,7 @@ import meshtrain
 from meshtrain import Trainer, reference, settings
 from meshtrain.config import dumps_toml, resolve
 from meshtrain.errors import ConfigError
+from meshtrain.setting_types import at_default
 from meshtrain.settings import SECTIONS, SETTINGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,3 +246,121 @@ def test_the_args_docstring_has_every_setting():
     for name, setting in SETTINGS.items():
         assert f"\n    {name}: " in doc, name
     assert "Python only" in doc and "config [pipeline]" in doc
+
+
+# -- what each setting needs (Setting.needs) ---------------------------------------------------
+# A valid value other than the default for each setting that has needs or is named by one.
+NEEDS_SAMPLES = {
+    "bucket_cap_mb": 10, "comm_hook": "fp16", "powersgd_rank": 2, "offload": "cpu",
+    "blocks": lambda model: [], "meta_init": False, "sequence_parallel": True,
+    "loss_parallel": True, "local_sgd_every": 4, "outer_lr": 0.7, "outer_momentum": 0.5,
+    "ps_mode": "async", "ps_staleness": 1, "tp_plan": {}, "pp_schedule": "gpipe",
+    "stages_per_rank": 2, "pp_balance": "time", "split_points": [2],
+    "activation_checkpointing": "full", "compile": True, "tp_check_steps": 0,
+}
+# layouts that have a layout fact, and ones that lack it (an axis: "axis=2", and left out)
+WITH_FACT = {"ddp": "dp=2", "plain_dp": "dp=2", "sharded": "zero3=2", "ps": "ps=1,dp=2"}
+WITHOUT_FACT = {"ddp": "zero3=2", "plain_dp": "zero1=2", "sharded": "dp=2", "ps": "dp=2"}
+
+
+def _meet(need: str, parts: list, values: dict) -> None:
+    """Add to ``parts`` (of a layout) and ``values`` what meets ``need`` (its first choice)."""
+    from meshtrain.setting_types import need_atom
+
+    kind, name, value = need_atom(need.split("|")[0])
+    if kind == "axis":
+        parts.append(f"{name}=2")
+    elif kind == "fact":
+        parts.append(WITH_FACT[name])
+    elif kind in ("set", "equals"):
+        values[name] = NEEDS_SAMPLES[name] if kind == "set" else value
+        for inner in SETTINGS[name].needs:
+            _meet(inner, parts, values)
+
+
+def _break(need: str, parts: list, values: dict) -> None:
+    """Change ``parts`` and ``values`` so that no choice of ``need`` is met."""
+    from meshtrain.setting_types import need_atom
+
+    for atom in need.split("|"):
+        kind, name, _ = need_atom(atom)
+        if kind == "axis":
+            parts[:] = [p for p in parts if p != f"{name}=2"]
+        elif kind == "fact":
+            parts[:] = [WITHOUT_FACT[name] if p == WITH_FACT[name] else p for p in parts]
+        elif kind == "unset":
+            values[name] = NEEDS_SAMPLES[name]
+            for inner in SETTINGS[name].needs:
+                _meet(inner, parts, values)
+        else:
+            values.pop(name, None)
+
+
+def _layout(parts: list):
+    """The Layout of ``parts`` ("dp=2", "pp=2", ...) joined; one process when none."""
+    from meshtrain.parallel.layout import Layout
+    from meshtrain.parity import layout_world_size
+
+    spec = ",".join(dict.fromkeys(parts)) or "dp=1"
+    return Layout.parse(spec, layout_world_size(spec))
+
+
+def _apply(parts: list, values: dict) -> None:
+    """check_settings_apply (what the Trainer runs before any process) on a layout + values."""
+    from meshtrain.checks import check_settings_apply
+
+    check_settings_apply(_layout(parts), settings.check({"max_steps": 1, **values}))
+
+
+NEEDING = [(name, i) for name, s in SETTINGS.items() for i in range(len(s.needs))]
+
+
+@pytest.mark.parametrize("name,index", NEEDING, ids=[f"{n}-{i}" for n, i in NEEDING])
+def test_a_setting_whose_need_is_unmet_is_refused_by_name(name, index):
+    """Walks the table: each need of each setting, met (no error) and unmet (an error naming
+    the setting); the check is derived from the table, so a new setting cannot forget it."""
+    sample = NEEDS_SAMPLES[name]
+    SETTINGS[name].validate(sample)
+    assert not at_default(SETTINGS[name], sample), name
+    parts, values = [], {name: sample}
+    for need in SETTINGS[name].needs:
+        _meet(need, parts, values)
+    _apply(list(parts), dict(values))  # every need met: no error
+    _break(SETTINGS[name].needs[index], parts, values)
+    with pytest.raises(ConfigError) as error:
+        _apply(parts, values)
+    assert f"{name}=" in str(error.value) or f"{name} " in str(error.value), str(error.value)
+    del values[name]  # at its default, the setting itself is never an error
+    assert name not in [n for n, _, _ in settings.unmet_needs(
+        _layout(parts), settings.check({"max_steps": 1, **values}))]
+
+
+@pytest.mark.parametrize("spec", ["dp=1", "dp=2", "zero1=2", "zero3=2", "tp=2", "pp=2",
+                                  "cp=2", "ps=1,dp=2", "pp=2,dp_shard=2,tp=2"])
+def test_defaults_are_never_an_error_under_any_layout(spec):
+    assert settings.unmet_needs(_layout([spec]), settings.check({"max_steps": 1})) == []
+
+
+def test_the_reference_and_the_docstring_show_each_setting_s_needs():
+    text, doc = settings.reference_markdown(), settings.docstring()
+    row = next(line for line in text.splitlines() if line.startswith("| `pp_schedule` |"))
+    assert "| a pp axis in the layout |" in row
+    row = next(line for line in text.splitlines() if line.startswith("| `powersgd_rank` |"))
+    assert "comm_hook='powersgd'" in row
+    assert "needs a layout that uses DDP" in " ".join(doc.split())  # comm_hook's
+    for name, s in SETTINGS.items():
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{name}` |"))
+        assert (reference.needs_text(s) in row) and bool(s.needs) == bool(reference.needs_text(s))
+
+
+def test_inapplicable_leaves_out_layout_settings_and_what_needs_them_only():
+    values = settings.check({"max_steps": 1, "tp_plan": {}, "comm_hook": "powersgd",
+                             "powersgd_rank": 4, "pp_schedule": "gpipe"})
+    assert settings.inapplicable(_layout(["dp=1"]), values) == [
+        "comm_hook", "tp_plan", "pp_schedule", "powersgd_rank"]
+    assert settings.inapplicable(_layout(["dp=2"]), values) == ["tp_plan", "pp_schedule"]
+    assert settings.inapplicable(_layout(["pp=2", "tp=2"]), values) == [
+        "comm_hook", "powersgd_rank"]
+    # a user's own mistake (powersgd_rank without comm_hook) is not dropped: it is refused
+    alone = settings.check({"max_steps": 1, "powersgd_rank": 4})
+    assert settings.inapplicable(_layout(["dp=2"]), alone) == []

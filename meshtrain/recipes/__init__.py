@@ -12,8 +12,10 @@ current directory or ``PYTHONPATH``. A recipe is a module or object with
   then the per-rank model-state table); ``Trainer(**settings.flatten(config), ...)`` builds the
   Trainer from the config;
 - optionally ``check(config, mode="train")``, which ``--dry-run`` calls to validate the config
-  without training (it may return a one-line summary). Without it, ``--dry-run`` builds
-  ``Trainer(**settings.flatten(config))``;
+  without training (it may return a one-line summary): every check ``run`` would make before
+  any process starts, e.g. ``Trainer.check(model, train_data, ...)`` as the built-in recipes do.
+  Without it, ``--dry-run`` builds ``Trainer(**settings.flatten(config))`` and, when the recipe
+  has ``job(config)``, runs ``Trainer.check`` on that job;
 - optionally ``job(config)``, which ``meshtrain parity`` calls: a mapping with ``model`` (a
   factory), ``train_data``, ``optimizer`` (a factory), ``loss_fn`` and ``lr_scheduler`` (see
   meshtrain/parity.py).
@@ -107,7 +109,8 @@ def resolve_config(path: str, overrides: list[str]):
 
 def run_config(path: str, overrides: list[str], mode: str = "train", dry_run: bool = False):
     """Resolve a config and run its recipe; with ``dry_run``, print the resolved config, check
-    it (the Trainer is built, no process group is created) and return without training."""
+    it (every check made before any process starts; no process group is created) and return
+    without training."""
     assert mode in MODES, mode
     recipe, config, flat = resolve_config(path, overrides)
     if os.environ.get("RANK", "0") == "0":
@@ -124,7 +127,11 @@ def run_config(path: str, overrides: list[str], mode: str = "train", dry_run: bo
     elif flat:
         from meshtrain.trainer import Trainer
 
-        Trainer(**flat)
+        trainer = Trainer(**flat)
+        if callable(getattr(recipe, "job", None)):  # the model against the layout, and the data
+            job = recipe.job(config)
+            trainer.check(job["model"], job["train_data"], optimizer=job["optimizer"],
+                          loss_fn=job.get("loss_fn"), lr_scheduler=job.get("lr_scheduler"))
     print(f"config OK{f': {summary}' if summary else ''} (dry run: nothing was trained)",
           flush=True)
     return None

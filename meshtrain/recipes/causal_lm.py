@@ -189,14 +189,19 @@ def trainer_keywords(config: dict) -> dict:
 
 
 def check(config: dict, mode: str = "train") -> str:
-    """``--dry-run``: the Trainer, the data folder, the tokenizer and the model config checked;
-    nothing trains."""
-    trainer = Trainer(**trainer_keywords(config))
-    train, _, tokenizer = data_paths(config["data"])
-    from meshtrain.data.tokens import check_tokenizer
-
-    check_tokenizer(train, tokenizer)
+    """``--dry-run``: every check ``mode`` makes before any process starts (``Trainer.check``:
+    the settings, the data folder and tokenizer, the model config, and the model against the
+    layout on a meta-device copy: no weights); nothing trains."""
+    keywords = trainer_keywords(config)
+    trainer = Trainer(**keywords)
+    train_set, val_set, _ = load_data(config)
+    _, _, tokenizer = data_paths(config["data"])
     cfg = model_config(config, _tokenizer_vocab(tokenizer))
+    parts = _parts(config, cfg, trainer.seed, keywords["max_steps"] or 10**9)
+    train = mode == "train"  # lr-find and memory: no validation data, no scheduler
+    trainer.check(parts["model"], train_set, val_set if train else None,
+                  optimizer=parts["optimizer"], loss_fn=parts["loss_fn"],
+                  lr_scheduler=parts["lr_scheduler"] if train else None)
     return (f"layout {trainer.layout}, {trainer.world_size} processes, model "
             f"{type(cfg).__name__}, vocabulary {cfg.vocab_size}")
 

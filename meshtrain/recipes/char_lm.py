@@ -76,11 +76,18 @@ def _check_data_path(data: dict) -> None:
 
 
 def check(config: dict, mode: str = "train") -> str:
-    """``--dry-run``: build the Trainer (no process starts) and the model config, read nothing."""
-    trainer = Trainer(**trainer_keywords(config, mode))
-    _check_data_path(config["data"])
-    # the vocabulary size comes from the text, which a dry run does not read
-    model_config(config, vocab_size=1)
+    """``--dry-run``: every check ``mode`` makes before any process starts (``Trainer.check``:
+    the settings, the data, the model against the layout); reads the text, trains nothing."""
+    keywords = trainer_keywords(config, mode)
+    trainer = Trainer(**keywords)
+    _, tokenizer, train_tokens, val_tokens = _data(config)
+    seq_len = config["data"]["seq_len"]
+    parts = _parts(config, tokenizer, trainer.seed, keywords["max_steps"] or 10**9)
+    train = mode == "train"  # lr-find and memory: no validation data, no scheduler
+    trainer.check(parts["model"], CharChunks(train_tokens, seq_len),
+                  CharChunks(val_tokens, seq_len) if train else None,
+                  optimizer=parts["optimizer"], loss_fn=parts["loss_fn"],
+                  lr_scheduler=parts["lr_scheduler"] if train else None)
     facts = [f"{name} {getattr(trainer, attr)}" for name, attr in (
         ("layout", "layout"), ("processes", "world_size"), ("micro-batch", "micro_batch_size"),
         ("accumulation", "grad_accum_steps")) if hasattr(trainer, attr)]
