@@ -305,11 +305,14 @@ class Trainer:
         return metrics
 
     def validate(self, val_data: DataLike | None = None) -> dict[str, float]:
-        """Loss and metrics over ``val_data`` (default: the fit's validation data)."""
+        """Loss and metrics over ``val_data`` (default: the fit's validation data), logged at
+        the current step."""
         data = val_data if val_data is not None else self._val_data
         if self.model is None or data is None:
             raise ConfigError("call fit(...) first, and pass val_data here or to fit")
-        return self._evaluate(data, prefix="val")
+        metrics = self._evaluate(data, prefix="val")
+        self.log_metrics(metrics)
+        return metrics
 
     def test(self, test_data: DataLike) -> dict[str, float]:
         """Loss and metrics over all of ``test_data`` (``limit_val_batches`` is for validation)."""

@@ -93,6 +93,50 @@ def test_test_on_two_ranks_sees_every_sample_once(tmp_path):
     assert ranks[1]["test"][17][1] == [4, 5, 6, 7, 12, 13, 14, 15]
 
 
+# ---- validate() and test() after fit, with the default loggers (the README's example) ----------
+def _fit_validate_test(run_dir, layout=None):
+    """fit, then validate() and test(), with the default settings (csv and TensorBoard
+    loggers, which fit closes when it ends)."""
+    from meshtrain import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(layout=layout, max_steps=3, global_batch_size=16, micro_batch_size=4,
+                      run_dir=run_dir, progress_bar=False, seed=0, val_every_n_steps=None)
+    trainer.fit(mlp, regression_data(), _data(16, seed=7), optimizer=adamw, loss_fn=F.mse_loss)
+    return trainer.validate(), trainer.test(_data(23))
+
+
+def _logged_after_fit(run_dir) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = read_metrics_csv(run_dir / "metrics.csv")
+    csv_values = {k: (r["step"], v) for r in rows for k, v in r.items()
+                  if k in ("val/loss", "test/loss") and v is not None}
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tb_values = {tag: (e.step, e.value) for tag in ("val/loss", "test/loss")
+                 if tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
+    return {"csv": csv_values, "tensorboard": tb_values}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", [None, "dp=2"])
+def test_validate_and_test_after_fit_log_to_the_default_loggers(tmp_path, layout):
+    """They crashed with 'TensorBoardLogger was used after finalize()': fit closes its loggers.
+    The run's loggers open again for the row and close after it."""
+    run_dir = tmp_path / "run"
+    if layout is None:
+        val, test = _fit_validate_test(run_dir)
+    else:
+        (val, test), other = run_workers(_fit_validate_test, 2, (run_dir, layout), timeout=100)
+        assert other == (val, test), "both ranks report the same, global values"
+    assert set(val) == {"val/loss"} and set(test) == {"test/loss"}
+    logged = _logged_after_fit(run_dir)
+    for where in ("csv", "tensorboard"):
+        assert logged[where]["val/loss"] == (3, pytest.approx(val["val/loss"], rel=1e-6)), where
+        assert logged[where]["test/loss"] == (3, pytest.approx(test["test/loss"], rel=1e-6)), where
+
+
 # ---- DataLoaders given to fit -----------------------------------------------------------------
 def _fit(run_dir, data, *, steps=14, **kwargs):
     """Train the MLP; 14 steps of 16 out of 96 samples: three epochs (reshuffled each)."""

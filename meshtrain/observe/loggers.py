@@ -245,10 +245,12 @@ LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
 EXTERNAL_LOGGERS = ("mlflow", "wandb")
 
 
-def make_loggers(names, run_dir: Path, hparams: dict) -> list[Logger]:
+def make_loggers(names, run_dir: Path, hparams: dict, *, record: bool = True) -> list[Logger]:
     """The loggers named in ``names`` (``"csv"``, ``"tensorboard"``, ``"mlflow"``, ``"wandb"``),
     each given ``hparams``; MLflow's experiment and W&B's project are the job's name
-    (``hparams["name"]``)."""
+    (``hparams["name"]``). ``record=False``: loggers opened again on a run that recorded its
+    hparams already (metrics.csv appended, a new TensorBoard event file in the same folder, the
+    same MLflow or W&B run continued)."""
     names = [names] if isinstance(names, str) else list(names)
     loggers: list[Logger] = []
     try:
@@ -263,7 +265,8 @@ def make_loggers(names, run_dir: Path, hparams: dict) -> list[Logger]:
                 raise ConfigError(f"unknown logger {name!r} in loggers; choose from "
                                   + ", ".join(repr(n) for n in (*LOGGERS, *EXTERNAL_LOGGERS)))
         for logger in loggers:
-            logger.log_hparams(hparams)
+            if record:
+                logger.log_hparams(hparams)
     except BaseException:
         for logger in loggers:  # close what was opened (an MLflow / W&B run ends)
             logger.finalize()

@@ -9,10 +9,11 @@ from pathlib import Path
 class RunLog:
     def __init__(self, is_zero: bool):
         self.is_zero, self.loggers, self.bar, self.run_dir = is_zero, [], None, None
+        self._names, self._hparams, self._finished = (), {}, False
 
     def open(self, run_dir: Path, logger_names, hparams: dict) -> None:
         """Create the loggers in ``run_dir`` (rank zero), recording ``hparams``."""
-        self.run_dir = run_dir
+        self.run_dir, self._names, self._hparams = run_dir, logger_names, hparams
         if self.is_zero:
             from meshtrain.observe.loggers import make_loggers
 
@@ -27,9 +28,22 @@ class RunLog:
             print(*args, **kwargs, flush=True)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.is_zero:
+        """Metrics to every logger. After ``finish`` (``test``/``validate`` after ``fit``) the
+        run's loggers are opened again on the same files and runs, and closed after the row."""
+        if not self.is_zero:
+            return
+        if not self._finished:
             for logger in self.loggers:
                 logger.log_metrics(metrics, step)
+            return
+        from meshtrain.observe.loggers import make_loggers
+
+        self.loggers = make_loggers(self._names, self.run_dir, self._hparams, record=False)
+        try:
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step)
+        finally:
+            self.finish()
 
     def start_progress(self, total: int, enabled: bool) -> None:
         from meshtrain.observe.progress import ProgressBar
@@ -55,6 +69,7 @@ class RunLog:
     def finish(self) -> None:
         for logger in self.loggers:
             logger.finalize()
+        self._finished = True
 
     def plot(self, title: str) -> None:
         """The loss curves (``loss.png``) from ``metrics.csv``."""
