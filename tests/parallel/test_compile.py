@@ -15,7 +15,7 @@ import torch
 import torch._dynamo
 from parity import GPT_FNS, adamw_gpt, assert_parity, lm_loss, tiny_gpt, token_data
 
-from meshtrain import Trainer
+from meshtrain import Callback, Trainer
 from meshtrain.errors import ConfigError
 from meshtrain.models.hf import random_token_data, tiny_llama
 from meshtrain.parallel.compile import compile_mode
@@ -24,6 +24,24 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 LLAMA_FNS = dict(model_fn=tiny_llama, data_fn=random_token_data, loss_fn=None,
                  optimizer_fn=adamw_gpt)
+
+
+class CompiledOnEveryRank(Callback):
+    """Fails the rank's run when no graph was compiled in its process: a compiled layout that
+    silently ran eagerly would otherwise pass (the reference is eager)."""
+
+    def on_fit_end(self, trainer):
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0, f"rank {trainer.rank}: nothing was compiled (no dynamo graph)"
+        compiled = [m for m in trainer.model.modules() if m._compiled_call_impl is not None]
+        assert compiled, f"rank {trainer.rank}: no module of the model is compiled"
+
+
+def compiled_on_every_rank():
+    """``setup`` of the layout's run (every rank): the check above as a callback."""
+    return [CompiledOnEveryRank()]
 
 
 def quiet(**kwargs) -> Trainer:
@@ -90,17 +108,19 @@ def test_missing_cpp_compiler_is_a_config_error(monkeypatch):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout, options", [
+    ("dp=2", dict(compile=True)),
     ("dp=2", dict(compile="model")),
     ("zero3=2", dict(compile=True, activation_checkpointing="selective")),
 ])
 def test_compiled_layout_matches_one_eager_process(layout, options):
-    assert_parity(layout, 2, steps=10, fns=GPT_FNS, parallel_kwargs=options)
+    assert_parity(layout, 2, steps=10, fns=GPT_FNS, parallel_kwargs=options,
+                  setup=compiled_on_every_rank)
 
 
 @pytest.mark.timeout(240)
 def test_compiled_pipeline_matches_one_eager_process():
     assert_parity("pp=2", 2, steps=10, fns=GPT_FNS, micro_batch_size=4,
-                  parallel_kwargs=dict(compile=True))
+                  parallel_kwargs=dict(compile=True), setup=compiled_on_every_rank)
 
 
 @pytest.mark.timeout(240)
@@ -108,4 +128,4 @@ def test_compiled_hf_llama_under_tp_matches_one_eager_process():
     # the first block's input is the vocabulary-parallel embedding's to_local() view: compile.py
     # copies it before the graph (without, DTensor's backward fails in torch 2.13)
     assert_parity("tp=2", 2, steps=6, global_batch_size=8, tol=5e-5, fns=LLAMA_FNS,
-                  parallel_kwargs=dict(compile=True))
+                  parallel_kwargs=dict(compile=True), setup=compiled_on_every_rank)
