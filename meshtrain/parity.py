@@ -184,7 +184,6 @@ def train(source: Source, layout: str | None, steps: int, quiet: bool = True) ->
     rank 0 returns {"params", "losses", "grad_norms", "seconds"}, the other ranks None."""
     from meshtrain.trainer import Trainer
 
-    torch.set_num_threads(1)
     if quiet:  # torch's performance notes, once per rank and run (--verbose shows them)
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")

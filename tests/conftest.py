@@ -30,6 +30,11 @@ from meshtrain.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# One torch thread per process in the whole suite (the processes it starts inherit it): the
+# Trainer then keeps it instead of sharing the cores itself (launch/world.py); tests of that rule
+# unset it. Several threads per process on a busy 2-core machine crawl.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # run_workers' processes fork from one server: import what nearly every worker needs there once
 # (transformers: the Hugging Face tests' workers; a missing module is skipped by the server)
 spawn.FORKSERVER_PRELOAD += ["meshtrain", "meshtrain.trainer", "parity", "transformers"]

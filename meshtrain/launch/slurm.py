@@ -67,7 +67,10 @@ def render_sbatch(
             )
         lines.append(f"#SBATCH --{key}={value}")
 
-    threads = max(1, cpus_per_task // gpus_per_node) if cpus_per_task else 1
+    # the Trainer's rule (launch/world.py): the task's CPUs shared by its workers; without
+    # --cpus-per-task, the CPUs the task got (nproc reads its affinity)
+    threads = max(1, cpus_per_task // gpus_per_node) if cpus_per_task else \
+        f"$(( $(nproc) / {gpus_per_node} > 0 ? $(nproc) / {gpus_per_node} : 1 ))"
     cpus_flag = f" --cpus-per-task={cpus_per_task}" if cpus_per_task else ""
     command = [python, "-m", "torch.distributed.run"]
     user_part = " ".join(shlex.quote(a) for a in [script, *script_args])

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 
 from meshtrain.errors import ConfigError
 from meshtrain.launch.ports import check_port_free, find_free_port
+from meshtrain.launch.world import threads_per_process
 
 LOCAL_HOST = "127.0.0.1"
 # Words torchrun accepts for --nproc-per-node besides a number ("use every device/core").
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.description = (
         "Start TRAINING_SCRIPT on this node's workers with torchrun. Takes torchrun's flags. "
         "On one node (no --nnodes > 1, no --rdzv-endpoint) it runs on 127.0.0.1 with a free "
-        "port unless --master-port names one; OMP_NUM_THREADS defaults to 1."
+        "port unless --master-port names one; OMP_NUM_THREADS defaults to the cores available "
+        "divided by the workers on this node."
     )
     return parser
 
@@ -66,7 +68,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(restart_notice(args.max_restarts), file=sys.stderr, flush=True)
     attempts_before = _attempt_dirs(args.log_dir)
     with _restored_process_state(args.signals_to_handle):
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # the Trainer's rule (launch/world.py), set here: torchrun sets 1 when it is unset
+        os.environ.setdefault("OMP_NUM_THREADS",
+                              str(threads_per_process(_local_processes(args.nproc_per_node))[0]))
         # Workers that create their group through meshtrain end cleanly (see launch/spawn.py).
         os.environ["MESHTRAIN_LAUNCHER"] = "torchrun"
         try:
@@ -124,6 +128,20 @@ def _report_restarts(args: argparse.Namespace, before: set[str], failed: bool) -
         file=sys.stderr,
         flush=True,
     )
+
+
+def _local_processes(nproc_per_node: str) -> int:
+    """The workers torchrun starts on this node for ``--nproc-per-node`` (a number or
+    auto/cpu/gpu/xpu, resolved as torchrun does)."""
+    if str(nproc_per_node).isdigit():
+        return int(nproc_per_node)
+    import torch
+
+    if nproc_per_node == "gpu" or (nproc_per_node == "auto" and torch.cuda.is_available()):
+        return max(1, torch.cuda.device_count())
+    if nproc_per_node == "xpu":
+        return max(1, torch.xpu.device_count())
+    return os.cpu_count() or 1
 
 
 def prepare_args(args: argparse.Namespace) -> None:

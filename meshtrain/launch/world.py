@@ -24,6 +24,7 @@ class World:
     workers: ScriptWorkers | None  # the processes started from a plain `python script.py`
     server: int | None = None  # ps=S: which parameter server this process is (no group)
     store: object = None  # ps=S: the job's store, which the servers reach too
+    threads: str = ""  # the torch threads this process uses, and why (threads_per_process)
 
 
 def resolve_world_size(devices, env: DistEnv | None, device_type: str) -> int:
@@ -41,6 +42,33 @@ def resolve_world_size(devices, env: DistEnv | None, device_type: str) -> int:
     return devices
 
 
+def available_cores() -> int:
+    """The CPUs this process may run on (its affinity set: a container's or Slurm's share, not
+    the machine's), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+def threads_per_process(local_processes: int, environ=None,
+                        cores: int | None = None) -> tuple[int, str]:
+    """(torch threads for each process on this node, why): an explicit ``OMP_NUM_THREADS``,
+    else the cores available divided by the node's processes, at least 1. One rule for one
+    process and for N, so that a one-process run and ``dp=N`` use the same cores."""
+    environ = os.environ if environ is None else environ
+    explicit = environ.get("OMP_NUM_THREADS", "").strip()
+    if explicit:
+        if not explicit.isdigit() or int(explicit) < 1:
+            raise ConfigError(f"OMP_NUM_THREADS={explicit!r} is not a thread count; set it to a "
+                              "positive integer, or unset it to let meshtrain share the cores")
+        return int(explicit), "OMP_NUM_THREADS"
+    cores = available_cores() if cores is None else cores
+    local_processes = max(1, local_processes)
+    return max(1, cores // local_processes), \
+        f"{cores} core(s) / {local_processes} process(es) on this node"
+
+
 def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
                 init_timeout_s: float, debug_collectives: bool = False, log=print,
                 num_servers: int = 0) -> World:
@@ -53,18 +81,19 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
         workers = ScriptWorkers(world_size, timedelta(seconds=init_timeout_s))
         env = DistEnv.from_environ()
     local_rank = env.local_rank if world_size > 1 else 0
+    threads, why = threads_per_process(env.local_world_size if env is not None else 1)
+    torch.set_num_threads(threads)
+    threads = f"threads: {threads} per process ({why})"
     device = torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if world_size == 1:
-        return World(0, device, env, workers)
-    if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+        return World(0, device, env, workers, threads=threads)
     if num_servers:
         return _start_ps_world(world_size, num_servers, env, device, workers,
                                timedelta(seconds=init_timeout_s), "nccl" if device_type == "cuda"
-                               else "gloo")
+                               else "gloo", threads)
     if not dist.is_initialized():
         if debug_collectives:
             from meshtrain.fault.desync import enable_collective_checks
@@ -76,10 +105,11 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
         # long enough for start-up and the first step; shortened after it
         init_process_group(env, "nccl" if device_type == "cuda" else "gloo",
                            timedelta(seconds=init_timeout_s))
-    return World(env.rank, device, env, workers)
+    return World(env.rank, device, env, workers, threads=threads)
 
 
-def _start_ps_world(world_size, num_servers, env, device, workers, timeout, backend) -> World:
+def _start_ps_world(world_size, num_servers, env, device, workers, timeout, backend,
+                    threads: str) -> World:
     from meshtrain.launch.spawn import job_store, register_shutdown
     from meshtrain.parallel.ps_layout import join_workers
 
@@ -87,13 +117,14 @@ def _start_ps_world(world_size, num_servers, env, device, workers, timeout, back
     num_workers = world_size - num_servers
     if env.rank >= num_workers:  # a server: answers RPCs on the CPU
         register_shutdown()
-        return World(env.rank, torch.device("cpu"), env, workers, env.rank - num_workers, store)
+        return World(env.rank, torch.device("cpu"), env, workers, env.rank - num_workers, store,
+                     threads)
     if not dist.is_initialized():
         local = min(env.local_world_size, num_workers)
         init_process_group(DistEnv(env.rank, env.local_rank, num_workers, local), backend,
                            timeout, store=dist.PrefixStore("workers", store))
     join_workers(store, env.rank, world_size)
-    return World(env.rank, device, env, workers, None, store)
+    return World(env.rank, device, env, workers, None, store, threads)
 
 
 def collective_checks(enabled: bool):

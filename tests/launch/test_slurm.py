@@ -59,7 +59,9 @@ def test_optional_lines_are_left_out():
     text = render_sbatch(script="t.py", nodes=1, gpus_per_node=1)
     assert "--partition" not in text and "--account" not in text and "--time" not in text
     assert "--cpus-per-task" not in text
-    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"' in text
+    # the CPUs the task got, shared by its one worker (nproc reads the task's affinity)
+    assert ('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / 1 > 0 ? $(nproc) / 1 : 1 '
+            '))}"') in text
 
 
 def test_bash_accepts_the_syntax(tmp_path):
