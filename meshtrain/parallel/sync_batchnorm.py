@@ -127,7 +127,9 @@ def _sync_forward(bn: _BatchNorm, x: torch.Tensor, group) -> torch.Tensor:
     channels = x.shape[1]
     dims = [0] + list(range(2, x.dim()))
     shape = [1, channels] + [1] * (x.dim() - 2)
-    xf = x.float()
+    # compute in float32 at least (bf16/fp16 inputs), float64 for a float64 model
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dtype)
     local_count = x.numel() // channels if channels else 0
     # one all-reduce for the sums and the count (fp64: exact counts, sums of many ranks)
     packed = torch.cat([
@@ -136,18 +138,18 @@ def _sync_forward(bn: _BatchNorm, x: torch.Tensor, group) -> torch.Tensor:
     ])
     packed = all_reduce_sum(packed, group)
     count = packed[channels:].detach()
-    mean = (packed[:channels] / count).float()
+    mean = (packed[:channels] / count).to(dtype)
     centered = xf - mean.view(shape)
     sq_dev = all_reduce_sum(centered.square().sum(dims).double(), group)
-    var = (sq_dev / count).float()  # biased: for normalisation
+    var = (sq_dev / count).to(dtype)  # biased: for normalisation
     scale = torch.rsqrt(var + bn.eps)
     if bn.weight is not None:
-        scale = scale * bn.weight.float()
+        scale = scale * bn.weight.to(dtype)
     y = centered * scale.view(shape)
     if bn.bias is not None:
-        y = y + bn.bias.float().view(shape)
+        y = y + bn.bias.to(dtype).view(shape)
     if bn.track_running_stats and bn.running_mean is not None:
-        _update_running_stats(bn, mean.detach(), (sq_dev.detach() / (count - 1)).float())
+        _update_running_stats(bn, mean.detach(), (sq_dev.detach() / (count - 1)).to(dtype))
     return y.to(x.dtype)
 
 

@@ -76,6 +76,7 @@ def _bn_rank():
         assert apply_sync_batchnorm(module, dist.group.WORLD) == 1
         results[name] = train(module, name, rank)
     results["plain"] = train(make("bn1d_nc"), "bn1d_nc", rank)  # negative control: no sync
+    results["float64"] = _float64_step(rank)
     # eval: the original module's output, and no collective
     x = data("bn2d_uneven", 0, rank)[0]
     plain = make("bn2d_uneven")
@@ -96,6 +97,30 @@ def _bn_rank():
         torch.equal(unpickled(x), make("bn2d_uneven").train()(x)),
     )
     return end_together(results)
+
+
+def _float64_step(rank=None):
+    """One training forward of a float64 BatchNorm2d: its output and running variance."""
+    module = make("bn2d_uneven").double()
+    if rank is not None:
+        import torch.distributed as dist
+
+        apply_sync_batchnorm(module, dist.group.WORLD)
+    x = data("bn2d_uneven", 0, rank)[0].double()
+    return module(x).detach(), module.running_var.clone()
+
+
+@pytest.mark.timeout(120)
+def test_a_float64_model_keeps_float64(bn_results):
+    """It computed in float32 (x.float()) whatever the model's dtype: off by ~1e-7."""
+    y, running_var = _float64_step()
+    split = CASES["bn2d_uneven"][2]
+    got = torch.cat([r["float64"][0] for r in bn_results])
+    assert got.dtype == torch.float64
+    assert (got - y).abs().max() <= 1e-12
+    for result in bn_results:
+        assert (result["float64"][1] - running_var).abs().max() <= 1e-12
+    assert [len(r["float64"][0]) for r in bn_results] == list(split)
 
 
 @pytest.fixture(scope="module")
