@@ -219,8 +219,16 @@ def _run_one(fn, args, environ: dict, cwd: str, rank: int, out_dir: str, threads
         os.close(target)
     import torch
 
+    from meshtrain.launch.fork_guard import threads_at_fork
+
     torch.set_num_threads(threads)
     result_path = Path(out_dir) / f"rank{rank}.pkl"
+    if len(threads_at_fork) > 1:  # (an assert: nothing a user did; see fork_guard.py)
+        result_path.write_bytes(pickle.dumps(("error", (
+            f"the fork server had {len(threads_at_fork)} threads ({', '.join(threads_at_fork)}) "
+            "when it forked this worker: its heap may be corrupt. A module in "
+            "FORKSERVER_PRELOAD started them; leave it out or start its threads lazily"))))
+        os._exit(1)
     try:
         value = fn(*args)
     except BaseException:
@@ -271,7 +279,8 @@ def run_workers(fn, num_workers: int, args: tuple = (), *, timeout: float = 120.
     if num_workers < 1:
         raise ConfigError(f"num_workers must be at least 1, got {num_workers}")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # (no effect once the server runs)
+    # (no effect once the server runs); fork_guard last: it checks the server forks alone
+    ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, "meshtrain.launch.fork_guard"])
     store = _host_store(num_workers, timedelta(seconds=timeout))
     with tempfile.TemporaryDirectory(prefix="meshtrain-") as out_dir:
         procs = [
