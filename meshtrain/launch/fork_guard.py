@@ -6,6 +6,8 @@ how a worker can die with ``malloc(): unaligned tcache chunk detected``. This mo
 after :data:`meshtrain.launch.spawn.FORKSERVER_PRELOAD` in the fork server only, keeps torch from
 starting its thread pools there and records, at every fork, how many threads the server had:
 the worker refuses to run if it was more than one (``_run_one``), with the names of those threads.
+(What it found: with OMP_NUM_THREADS unset, ``import torch`` starts an OpenMP pool, so the server
+now starts with OMP_NUM_THREADS=1: ``spawn._server_environ``.)
 """
 import os
 import threading

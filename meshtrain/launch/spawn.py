@@ -17,6 +17,7 @@ a free port) and workers join it as clients.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import sys
@@ -262,6 +263,24 @@ class _Relay:
                 os.write(fd, data)
 
 
+@contextlib.contextmanager
+def _server_environ():
+    """The environment the fork server starts with (on the first ``start``): one OpenMP thread.
+    With OMP_NUM_THREADS unset, importing torch starts an OpenMP pool (cores - 1 threads), and
+    a fork of a process with a live GNU OpenMP pool may crash or hang (heap corruption:
+    "malloc(): unaligned tcache chunk detected"). The server never computes; each worker sets
+    its own count (``_run_one``) and takes the launching process's environment back."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+
+
 def run_workers(fn, num_workers: int, args: tuple = (), *, timeout: float = 120.0, threads: int = 1):
     """Run ``fn(*args)`` on ``num_workers`` new processes (ranks 0..N-1); return their results.
 
@@ -292,8 +311,9 @@ def run_workers(fn, num_workers: int, args: tuple = (), *, timeout: float = 120.
             )
             for rank in range(num_workers)
         ]
-        for proc in procs:
-            proc.start()
+        with _server_environ():
+            for proc in procs:
+                proc.start()
         relay = _Relay(out_dir, num_workers)
         deadline = time.monotonic() + timeout
         try:

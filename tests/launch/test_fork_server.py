@@ -38,31 +38,48 @@ def test_thread_names_sees_every_thread():
         worker.join()
 
 
+JOB = """
+import os
+from meshtrain.errors import WorkerFailed
+from meshtrain.launch import spawn
+
+def work():
+    from meshtrain.launch.fork_guard import threads_at_fork
+    return len(threads_at_fork), os.environ.get("OMP_NUM_THREADS")
+
+if __name__ == "__main__":
+    spawn.FORKSERVER_PRELOAD.extend({preload})
+    try:
+        print("threads at fork:", spawn.run_workers(work, 2, timeout=60))
+    except WorkerFailed as e:
+        print(e)
+"""
+
+
+def _launch(tmp_path, preload=(), **environ):
+    (tmp_path / "job.py").write_text(JOB.format(preload=list(preload)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    for key, value in environ.items():
+        env.pop(key, None) if value is None else env.__setitem__(key, value)
+    out = subprocess.run([sys.executable, "job.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    return out.stdout + out.stderr
+
+
+def test_without_omp_num_threads_the_server_has_no_openmp_pool(tmp_path):
+    """The cause of the heap crash: with OMP_NUM_THREADS unset (benchmarks, meshtrain parity),
+    importing torch in the server started an OpenMP pool, and workers were forks of a
+    multi-threaded process. The server now starts with one OpenMP thread."""
+    # (and the workers see the launching process's environment: no OMP_NUM_THREADS)
+    assert "threads at fork: [(1, None), (1, None)]" in _launch(tmp_path, OMP_NUM_THREADS=None)
+
+
 def test_a_server_with_threads_refuses_to_run_workers(tmp_path):
     """A preloaded module that starts a thread makes every worker fail, naming the threads."""
     (tmp_path / "starts_a_thread.py").write_text(textwrap.dedent("""
         import threading, time
         threading.Thread(target=time.sleep, args=(600,), daemon=True, name="sleeper").start()
     """))
-    (tmp_path / "job.py").write_text(textwrap.dedent("""
-        import os
-        from meshtrain.errors import WorkerFailed
-        from meshtrain.launch import spawn
-
-        def work():
-            return os.getpid()
-
-        if __name__ == "__main__":
-            spawn.FORKSERVER_PRELOAD.append("starts_a_thread")
-            try:
-                spawn.run_workers(work, 2, timeout=60)
-            except WorkerFailed as e:
-                print(e)
-            else:
-                print("ran")
-    """))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
-    out = subprocess.run([sys.executable, "job.py"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert "the fork server had 2 threads" in out.stdout, out.stdout + out.stderr
-    assert "sleeper" in out.stdout
+    out = _launch(tmp_path, ["starts_a_thread"])
+    assert "the fork server had 2 threads" in out, out
+    assert "sleeper" in out
