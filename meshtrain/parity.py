@@ -30,6 +30,9 @@ import torch
 from meshtrain.callbacks import Callback
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.layout import _parse_pairs
+from meshtrain.parity_verdict import HEADER, GradSizes, Row, compare, float64_job, table
+
+__all__ = ["HEADER", "Row", "Source", "compare", "parity", "table", "train"]
 
 #: max |dparam| and |dloss| a layout may differ from one process by, per precision
 #: (mixed precision: see docs/reference or benchmarks/README.md for how they were measured)
@@ -179,20 +182,25 @@ def run_settings(job: dict, layout: str | None, steps: int, run_dir: str) -> dic
     return settings
 
 
-def train(source: Source, layout: str | None, steps: int, quiet: bool = True) -> dict | None:
-    """Train ``steps`` steps of the job under ``layout`` (one process when None) on this rank;
-    rank 0 returns {"params", "losses", "grad_norms", "seconds"}, the other ranks None."""
+def train(source: Source, layout: str | None, steps: int, quiet: bool = True,
+          float64: bool = False) -> dict | None:
+    """Train ``steps`` steps of the job under ``layout`` (one process when None; ``float64``:
+    the job cast to float64) on this rank; rank 0 returns {"params", "losses", "grad_norms",
+    "seconds"} (one process: also "grad_sizes", each parameter's largest gradient element),
+    the other ranks None."""
     from meshtrain.trainer import Trainer
 
     if quiet:  # torch's performance notes, once per rank and run (--verbose shows them)
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     job = source.load()
-    curves = Curves()
+    if float64:
+        job = float64_job(job)
+    curves, sizes = Curves(), GradSizes()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:
         kwargs = run_settings(job, layout, steps, run_dir)
-        kwargs["callbacks"] = [curves, *kwargs.get("callbacks", ())]
+        kwargs["callbacks"] = [curves, *([] if layout else [sizes]), *kwargs.get("callbacks", ())]
         with contextlib.redirect_stdout(open(os.devnull, "w")) if quiet else \
                 contextlib.nullcontext():
             trainer = Trainer(**kwargs)
@@ -203,87 +211,28 @@ def train(source: Source, layout: str | None, steps: int, quiet: bool = True) ->
         return None
     return {"params": params, "losses": torch.tensor(curves.losses, dtype=torch.float64),
             "grad_norms": torch.tensor(curves.grad_norms, dtype=torch.float64),
-            "seconds": time.perf_counter() - start}
+            "grad_sizes": sizes.sizes, "seconds": time.perf_counter() - start}
 
 
-def _train_rank(source: Source, layout: str, steps: int, quiet: bool):
+def _train_rank(source: Source, layout: str, steps: int, quiet: bool, float64: bool = False):
     try:
-        return train(source, layout, steps, quiet)
+        return train(source, layout, steps, quiet, float64)
     except ConfigError as error:  # the message, not a traceback per rank
         raise SystemExit(f"meshtrain: error: {error}") from None
 
 
-# -- comparison ------------------------------------------------------------------------------
-@dataclass
-class Row:
-    """One layout against one process."""
-
-    layout: str
-    ranks: int
-    max_param_diff: float = math.nan
-    max_loss_diff: float = math.nan
-    first_divergence: int | None = None  # 1-based step, None when none
-    worst_param: str = ""
-    seconds: float = math.nan
-    error: str = ""
-    tol: float = 1e-5
-
-    @property
-    def ok(self) -> bool:
-        return not self.error and self.max_param_diff <= self.tol and self.max_loss_diff <= self.tol
-
-    def cells(self) -> list[str]:
-        if self.error:
-            return [self.layout, str(self.ranks), "-", "-", "-", "-", "-", "ERROR: " + self.error]
-        step = "-" if self.first_divergence is None else str(self.first_divergence)
-        return [self.layout, str(self.ranks), f"{self.max_param_diff:.2e}",
-                f"{self.max_loss_diff:.2e}", step, self.worst_param, f"{self.seconds:.1f}",
-                "ok" if self.ok else f"FAIL (tolerance {self.tol:.0e})"]
-
-
-HEADER = ["layout", "ranks", "max |dparam|", "max |dloss|", "diverges at step",
-          "largest difference", "seconds", "result"]
-
-
-def compare(reference: dict, run: dict, row: Row) -> Row:
-    """Fill ``row`` from a layout's ``run`` against the one-process ``reference``."""
-    want, got = reference["params"], run["params"]
-    if sorted(want) != sorted(got):
-        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        row.error = f"the layout's model has other parameters: missing {missing[:3]}, extra {extra[:3]}"
-        return row
-    diffs = {k: (got[k].double() - want[k].double()).abs().max().item() if got[k].numel() else 0.0
-             for k in want if got[k].shape == want[k].shape}
-    shapes = [k for k in want if got[k].shape != want[k].shape]
-    if shapes:
-        row.error = f"parameter {shapes[0]} has shape {tuple(got[shapes[0]].shape)}, one process {tuple(want[shapes[0]].shape)}"
-        return row
-    row.worst_param = max(diffs, key=diffs.get) if diffs else ""
-    row.max_param_diff = diffs[row.worst_param] if diffs else 0.0
-    losses, ref_losses = run["losses"], reference["losses"]
-    if len(losses) != len(ref_losses):
-        row.error = f"ran {len(losses)} steps, one process {len(ref_losses)}"
-        return row
-    loss_diff = (losses - ref_losses).abs()
-    norms, ref_norms = run["grad_norms"], reference["grad_norms"]
-    norm_diff = (norms - ref_norms).abs() / ref_norms.abs().clamp(min=1)
-    row.max_loss_diff = float(loss_diff.max()) if len(loss_diff) else 0.0
-    bad = (loss_diff > row.tol) | (norm_diff > row.tol) | (losses.isnan() != ref_losses.isnan())
-    row.first_divergence = int(bad.nonzero()[0]) + 1 if bad.any() else None
-    row.seconds = run["seconds"]
-    return row
-
-
-def table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+#: --reference: the truth each layout is judged against (meshtrain/parity_verdict.py)
+REFERENCES = ("auto", "float64", "fp32")
 
 
 def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None = None,
-           timeout: float = 600, quiet: bool = True, out=print) -> list[Row]:
-    """Train one process, then each layout; return one :class:`Row` per layout."""
+           timeout: float = 600, quiet: bool = True, out=print,
+           reference: str = "auto") -> list[Row]:
+    """Train one process, then each layout; return one :class:`Row` per layout. ``reference``:
+    "float64" also trains one process in float64 and judges each layout against it beside the
+    fp32 one process; "auto" does when the job allows it (else as "fp32": the tolerance alone)."""
+    if reference not in REFERENCES:
+        raise ConfigError(f"--reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
     from meshtrain.launch.spawn import run_workers
     from meshtrain.trainer import Trainer
 
@@ -308,12 +257,26 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
     out(f"parity: {steps} steps of {source.target}, precision {precision}, tolerance {tol:.0e}; "
         f"one process first, then {len(runnable)} layout(s)")
     try:  # (not when every layout was refused: nothing to compare it with)
-        reference = run_workers(_train_rank, 1, (source, None, steps, quiet),
-                                timeout=timeout)[0] if runnable else None
+        ref32 = run_workers(_train_rank, 1, (source, None, steps, quiet),
+                            timeout=timeout)[0] if runnable else None
     except Exception as error:  # noqa: BLE001 -- no reference: each row says why, not a crash
         for row in runnable:
             row.error = f"the one-process reference failed: {_last_line(str(error))}"
         runnable = []
+    truth = None
+    if runnable and reference != "fp32":
+        try:
+            truth = run_workers(_train_rank, 1, (source, None, steps, quiet, True),
+                                timeout=timeout)[0]
+            out("  judged against one process in float64 beside one process in fp32")
+        except Exception as error:  # noqa: BLE001 -- a model that cannot run in float64
+            why = _last_line(str(error))
+            if reference == "float64":
+                for row in runnable:
+                    row.error = f"the float64 reference failed: {why}"
+                runnable = []
+            else:
+                out(f"  no float64 reference ({why}): judged by the tolerance alone")
     for row in runnable:
         out(f"  {row.layout} on {row.ranks} process(es) ...")
         try:
@@ -322,8 +285,12 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
         except Exception as error:  # noqa: BLE001 -- one failing layout is a row, not the end
             row.error = _last_line(str(error))
             continue
-        compare(reference, run, row)
+        compare(ref32, run, row, truth)
     out(table([HEADER] + [row.cells() for row in rows]))
+    zero = sorted({name for row in rows for name in row.zero_gradient})
+    if zero:
+        out(f"~0 gradient in one process, so moved by the optimizer's reaction to rounding "
+            f"alone (not judged): {', '.join(zero)}")
     return rows
 
 
@@ -334,13 +301,17 @@ def _last_line(text: str) -> str:
 
 
 USAGE = """usage: meshtrain parity (CONFIG.toml | package.module:function) --layouts "L1;L2;..." \
-    [--steps K] [--tol T] [--timeout S] [--verbose] [--section.key=value ...]
+    [--steps K] [--tol T] [--reference auto|float64|fp32] [--timeout S] [--verbose] \
+    [--section.key=value ...]
 
 Trains the job K steps (default 10) in one process and under each layout (separated by ';'),
-quietly (--verbose: the runs' own output and warnings),
-then prints per layout: max |dparam| after the last step, max |dloss| over the steps, the first
-step whose loss or gradient norm differs beyond the tolerance, and the parameter that differs
-most. Exits 1 when any layout exceeds the tolerance, fails or is refused.
+quietly (--verbose: the runs' own output and warnings); with --reference float64 (auto: when the
+job allows it) also one process in float64, the truth each run is measured against. Prints per
+layout: max |dparam| and max |dloss| against one process, the first step whose loss or gradient
+norm parts, the tensor closest to its bound with its relative error and one process's. A layout
+passes when every tensor, loss and gradient norm is within the tolerance or no farther than 2x
+one process from the float64 truth; parameters with a ~0 gradient are listed, not judged.
+Exits 1 when any layout fails, errs or is refused.
 
 Example: meshtrain parity examples/char_gpt.toml --layouts "dp=2;zero3=2;tp=2;pp=2" --steps 10"""
 
@@ -350,7 +321,8 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    options = {"--layouts": None, "--steps": "10", "--tol": None, "--timeout": "600"}
+    options = {"--layouts": None, "--steps": "10", "--tol": None, "--timeout": "600",
+               "--reference": "auto"}
     verbose, rest = False, []
     args = iter(argv)
     for arg in args:
@@ -376,7 +348,7 @@ def main(argv: list[str]) -> int:
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     rows = parity(Source(rest[0], tuple(rest[1:])), layouts, steps, tol=tol, timeout=timeout,
-                  quiet=not verbose)
+                  quiet=not verbose, reference=options["--reference"])
     failed = [row.layout for row in rows if not row.ok]
     print(f"{len(rows) - len(failed)} of {len(rows)} layouts train like one process"
           + (f"; not: {', '.join(failed)}" if failed else ""))

@@ -1,0 +1,145 @@
+"""Small user models the suite's parity helpers were not tuned on, as `meshtrain parity` entry
+points (``cd tests; meshtrain parity parity_models:attention_job --layouts "dp=2;pp=2"``).
+
+* ``attention_job``: a transformer written as a user would, with biases on every projection.
+  Its attention key bias has a true gradient of exactly zero (softmax ignores a shift shared by
+  all keys), so AdamW moves it by rounding noise alone: under a fixed tolerance it "failed"
+  every layout although all were right.
+* ``cnn_job``: a CNN with BatchNorm2d. torch's fp32 CPU BatchNorm2d, the one-process run, is
+  off from a float64 computation by far more (5e-4 relative on running_var) than the layouts.
+* ``*_bug`` jobs: a real layout bug (gradients doubled on more than one process) and BatchNorm
+  statistics per rank (``sync_batchnorm=False``): both must still fail.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from meshtrain import Callback
+
+VOCAB, SEQ, WIDTH, HEADS = 32, 16, 32, 4
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, HEADS, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        return self.o((att @ v).transpose(1, 2).reshape(b, t, WIDTH))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = Attention()
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(),
+                                 nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(SEQ, WIDTH)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def embed(self, idx):  # (what pipeline stage 0 runs before the blocks)
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def transformer():
+    torch.manual_seed(0)
+    return TinyTransformer()
+
+
+def tokens(n: int = 64) -> TensorDataset:
+    gen = torch.Generator().manual_seed(3)
+    seq = torch.randint(0, VOCAB, (n, SEQ + 1), generator=gen)
+    return TensorDataset(seq[:, :-1], seq[:, 1:])
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def attention_job() -> dict:
+    return dict(model=transformer, train_data=tokens(), optimizer=adamw, loss_fn=lm_loss,
+                settings=dict(global_batch_size=8))
+
+
+class DoubledGradients(Callback):
+    """A layout bug: the gradients of a run on more than one process are twice the true ones."""
+
+    def on_before_optimizer_step(self, trainer):
+        if trainer.world_size > 1:
+            for p in trainer.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(2)
+
+
+def attention_bug_job() -> dict:
+    job = attention_job()
+    job["settings"]["callbacks"] = [DoubledGradients()]
+    return job
+
+
+class ConvNet(nn.Module):
+    def __init__(self, channels=(3, 8, 8, 16, 16)):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out),
+                          nn.ReLU())
+            for c_in, c_out in zip(channels, channels[1:]))
+        self.head = nn.Linear(channels[-1], 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def convnet():
+    torch.manual_seed(0)
+    return ConvNet()
+
+
+def images(n: int = 64) -> TensorDataset:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 3, 16, 16, generator=gen) * 30 + 10  # large activations and variances
+    return TensorDataset(x, torch.randint(0, 10, (n,), generator=gen))
+
+
+def cnn_job() -> dict:
+    return dict(model=convnet, train_data=images(), optimizer=adamw, loss_fn=F.cross_entropy,
+                settings=dict(global_batch_size=16))
+
+
+def cnn_unsynced_job() -> dict:
+    job = cnn_job()
+    job["settings"]["sync_batchnorm"] = False
+    return job
