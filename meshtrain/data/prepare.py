@@ -11,6 +11,10 @@ Documents are encoded with a Hugging Face ``tokenizer.json``, or a byte-level BP
 the inputs first, and written to ``OUT/train/`` (and ``OUT/val/``: document ``i`` goes to
 validation when ``floor((i + 1) * f) > floor(i * f)``, i.e. evenly spread, ``floor(N * f)`` of
 them) in the format of :mod:`meshtrain.data.tokens`; ``OUT/tokenizer.json`` is the tokenizer.
+When the inputs hold too few documents for the validation split to get one (one large text
+file), each document is cut by size into pieces, at line ends where it can, so that it does.
+Everything is written to a hidden folder beside ``OUT`` and moved into place at the end: an
+error leaves ``OUT`` as it was.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,6 +128,39 @@ def iter_documents(sources, text_field: str = "text", skipped: list | None = Non
                     yield text
 
 
+def count_documents(sources) -> int:
+    """About how many documents ``sources`` hold (a text file is one, a .jsonl file its
+    non-blank lines, a dataset its rows), without tokenizing anything."""
+    count = 0
+    for kind, source in sources:
+        if kind == "hf":
+            count += len(source[1])
+        elif kind == "text":
+            count += 1
+        else:
+            with open(source[0], encoding="utf-8", errors="replace") as f:
+                count += sum(1 for line in f if line.strip())
+    return count
+
+
+def split_by_size(text: str, pieces: int) -> list[str]:
+    """``text`` cut into up to ``pieces`` non-empty parts of about equal length, each cut moved
+    to the next line end when there is one before the following cut."""
+    if pieces <= 1:
+        return [text]
+    parts, start = [], 0
+    for j in range(1, pieces):
+        cut = max(start + 1, len(text) * j // pieces)
+        end = text.find("\n", cut, len(text) * (j + 1) // pieces)
+        cut = end + 1 if end >= 0 else cut
+        if cut >= len(text):
+            break
+        parts.append(text[start:cut])
+        start = cut
+    parts.append(text[start:])
+    return [part for part in parts if part]
+
+
 def train_tokenizer(texts, vocab_size: int, eos_token: str = EOS_TOKEN):
     """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` ids trained on ``texts``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -164,7 +203,7 @@ def prepare(inputs, out_dir, *, tokenizer=None, train_tokenizer_vocab: int | Non
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens <= 0:
         raise ConfigError(f"--shard-tokens must be a positive integer, got {shard_tokens!r}.")
     out = Path(out_dir)
-    tokenizer_bytes = None
+    tokenizer_bytes = tok = None
     if tokenizer is not None:
         if not Path(tokenizer).is_file():
             raise ConfigError(f"tokenizer file {tokenizer} does not exist; pass a Hugging Face "
@@ -178,9 +217,41 @@ def prepare(inputs, out_dir, *, tokenizer=None, train_tokenizer_vocab: int | Non
             raise ConfigError(f"tokenizer {tokenizer} has no {eos_token!r} token to end documents "
                               f"with; pass --eos-token with its end-of-text token.")
 
+    # everything goes to a hidden folder beside OUT first: an error leaves OUT as it was
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        summary = _prepare_into(work, sources, tok, tokenizer_bytes, train_tokenizer_vocab,
+                                val_fraction, text_field, shard_tokens, eos_token, log)
+        _move_into_place(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary["tokenizer"] = str(out / "tokenizer.json")
     for name in ("train", "val"):
-        shutil.rmtree(out / name, ignore_errors=True)
+        if name in summary:
+            summary[name]["path"] = str(out / name)
+    for line in summary.pop("lines"):
+        log(line.replace(str(work), str(out)))
+    return summary
+
+
+def _move_into_place(work: Path, out: Path) -> None:
+    """OUT's train/, val/ and tokenizer.json replaced by ``work``'s (other files kept)."""
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("train", "val", "tokenizer.json"):
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        if (work / name).exists():
+            os.replace(work / name, target)
+
+
+def _prepare_into(out: Path, sources, tok, tokenizer_bytes, train_tokenizer_vocab,
+                  val_fraction, text_field, shard_tokens, eos_token, log) -> dict:
+    """The work of :func:`prepare`, written to ``out`` (a fresh folder); the summary, with the
+    lines to print once the output is in place under "lines"."""
     tok_path = out / "tokenizer.json"
     started = time.perf_counter()
     if tokenizer_bytes is None:
@@ -209,8 +280,17 @@ def prepare(inputs, out_dir, *, tokenizer=None, train_tokenizer_vocab: int | Non
         seconds[name] += time.perf_counter() - t0
 
     skipped: list = []
-    num_docs = 0
-    for i, text in enumerate(iter_documents(sources, text_field, skipped)):
+    num_docs, pieces = 0, 1
+    documents = iter_documents(sources, text_field, skipped)
+    if val_fraction > 0:
+        expected = count_documents(sources)
+        if expected and math.floor(expected * val_fraction) < 1:  # val would get none
+            pieces = math.ceil(1 / (expected * val_fraction))
+            log(f"{expected} document(s) give validation no document at --val-fraction "
+                f"{val_fraction}: each is cut by size into {pieces} pieces")
+            documents = (part for text in documents for part in split_by_size(text, pieces))
+    lines = []
+    for i, text in enumerate(documents):
         val = val_fraction > 0 and math.floor((i + 1) * val_fraction) > math.floor(i * val_fraction)
         num_docs += 1
         name = "val" if val else "train"
@@ -218,22 +298,25 @@ def prepare(inputs, out_dir, *, tokenizer=None, train_tokenizer_vocab: int | Non
         if len(pending[name]) >= BATCH_DOCS:
             flush(name)
     summary = {"tokenizer": str(tok_path), "vocab_size": vocab_size, "eos_id": eos_id,
-               "skipped_files": [str(p) for p in skipped]}
+               "skipped_files": [str(p) for p in skipped], "lines": lines}
     for name in names:
         flush(name)
         meta = writers[name].close()
         if meta["num_docs"] == 0:
+            short = (f"; the documents are too short to cut into {pieces} pieces"
+                     if pieces > 1 else "")
             raise ConfigError(f"the {name} split got no documents (val_fraction={val_fraction} "
-                              f"of {num_docs} documents); use more inputs or "
-                              f"a {'larger' if name == 'val' else 'smaller'} --val-fraction.")
+                              f"of {num_docs} documents{short}); use more inputs or "
+                              f"a {'larger' if name == 'val' else 'smaller'} --val-fraction. "
+                              "Nothing was written.")
         rate = meta["num_tokens"] / max(seconds[name], 1e-9)
         summary[name] = {"path": str(out / name), "documents": meta["num_docs"],
                          "tokens": meta["num_tokens"], "seconds": seconds[name],
                          "tokens_per_s": rate}
-        log(f"{name}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens, "
-            f"{seconds[name]:.1f} s, {rate:,.0f} tokens/s -> {out / name}")
+        lines.append(f"{name}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens, "
+                     f"{seconds[name]:.1f} s, {rate:,.0f} tokens/s -> {out / name}")
     if skipped:
-        log(f"skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]}")
+        lines.append(f"skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]}")
     return summary
 
 

@@ -168,3 +168,44 @@ def test_saved_hf_dataset(tmp_path, monkeypatch):
     assert _documents(tmp_path / "o2" / "train") == TEXTS
     with pytest.raises(ConfigError, match="no column 'body'"):
         prepare([saved], tmp_path / "o3", train_tokenizer_vocab=300, text_field="body")
+
+
+def test_one_large_text_file_is_cut_by_size_for_the_val_split(tmp_path, capsys):
+    """One document cannot feed a val split at any fraction: it failed after writing train/.
+    The document is cut by size (at line ends) into pieces; in order they give the text back."""
+    text = "".join(f"line {i}: {'lorem ipsum ' * (i % 7)}\n" for i in range(200))
+    (tmp_path / "book.txt").write_text(text)
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "book.txt"), "--out", str(out), "--train-tokenizer", "300",
+                 "--val-fraction", "0.1"]) == 0
+    printed = capsys.readouterr().out
+    assert "cut by size into 10 pieces" in printed
+    assert "train: 9 documents" in printed and "val: 1 documents" in printed
+    train, val = _documents(out / "train"), _documents(out / "val")
+    assert "".join(train) + val[0] == text  # the last tenth, cut at line ends
+    assert all(doc.endswith("\n") for doc in train)
+    assert 0.05 < len(val[0]) / len(text) < 0.15
+
+
+def test_an_error_leaves_no_output_behind(tmp_path, capsys):
+    """Errors found while writing (a bad .jsonl line after good ones, a split with no document)
+    left a half-written OUT that the retry had to --overwrite."""
+    (tmp_path / "good.txt").write_text("a first document\n")
+    with open(tmp_path / "bad.jsonl", "w") as f:
+        f.write(json.dumps({"text": "fine"}) + "\n{not json\n")
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "good.txt"), str(tmp_path / "bad.jsonl"), "--out", str(out),
+                 "--train-tokenizer", "280"]) == 2
+    assert "bad.jsonl:2 is not valid JSON" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.txt"]
+    # over an existing output with --overwrite: the old splits stay as they were
+    assert main([str(tmp_path / "good.txt"), "--out", str(out), "--train-tokenizer", "280"]) == 0
+    before = {p.name: p.read_bytes() for p in (out / "train").iterdir()}
+    (tmp_path / "tiny.txt").write_text("x")
+    assert main([str(tmp_path / "tiny.txt"), "--out", str(out), "--train-tokenizer", "280",
+                 "--val-fraction", "0.5", "--overwrite"]) == 2
+    assert "Nothing was written" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (out / "train").iterdir()} == before
+    assert not (out / "val").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.txt", "out",
+                                                          "tiny.txt"]
