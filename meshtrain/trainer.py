@@ -259,7 +259,8 @@ class Trainer:
             elapsed = time.perf_counter() - window.start
             if window.num_steps:  # every rank skips alike, so this agrees
                 metrics["train/loss"] = self.mesh.mean_loss(window.loss / window.num_steps)
-            metrics["train/tokens_per_s"] = window.tokens * self.layout.batch_degree / elapsed
+            unit = self.engine.unit  # tokens for token ids, samples for other inputs
+            metrics[f"train/{unit}_per_s"] = window.tokens * self.layout.batch_degree / elapsed
             metrics["epoch"] = self.current_epoch
             if self.log_grad_norm and self.grad_norm is not None:
                 metrics["train/grad_norm"] = float(self.grad_norm)

@@ -42,8 +42,15 @@ def batch_size(batch) -> int:
     return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
 
 
+def throughput_unit(batch) -> str:
+    """What :func:`count_tokens` counts in ``batch``: "tokens" for integer (token id) inputs,
+    else "samples"."""
+    first = first_tensor(batch)
+    return "tokens" if first is not None and not first.is_floating_point() else "samples"
+
+
 def count_tokens(batch) -> int:
-    """Tokens for integer (token id) inputs, else samples: what tokens/s counts."""
+    """Tokens for integer (token id) inputs, else samples (:func:`throughput_unit`)."""
     first = first_tensor(batch)
     if first is None:
         return 1

@@ -22,7 +22,7 @@ from meshtrain.errors import ConfigError
 
 __all__ = ["ProgressBar", "format_metrics"]
 
-_KNOWN = ("loss", "lr", "tokens_per_s")
+_KNOWN = ("loss", "lr", "tokens_per_s", "samples_per_s")
 
 
 def _num(value: Any) -> float | None:
@@ -57,9 +57,10 @@ def format_metrics(metrics: Mapping[str, Any]) -> str:
     lr = _num(metrics.get("lr"))
     if lr is not None:
         parts.append(f"lr {lr:.2e}")
-    tps = _num(metrics.get("tokens_per_s"))
-    if tps is not None:
-        parts.append(f"{_si(tps)} tok/s")
+    for key, unit in (("tokens_per_s", "tok/s"), ("samples_per_s", "samples/s")):
+        rate = _num(metrics.get(key))
+        if rate is not None:
+            parts.append(f"{_si(rate)} {unit}")
     for name, value in metrics.items():
         if name in _KNOWN:
             continue

@@ -53,7 +53,8 @@ class RunLog:
 
     def progress(self, step: int, metrics: dict) -> None:
         self.bar.update(step, {"loss": metrics.get("train/loss"),
-                               "tokens_per_s": metrics.get("train/tokens_per_s")})
+                               "tokens_per_s": metrics.get("train/tokens_per_s"),
+                               "samples_per_s": metrics.get("train/samples_per_s")})
 
     def stop_progress(self) -> None:
         if self.bar is not None:

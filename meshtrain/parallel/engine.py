@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtrain.data.batch import batch_size, count_tokens, describe, plain, to_device
+from meshtrain.data.batch import (
+    batch_size,
+    count_tokens,
+    describe,
+    plain,
+    throughput_unit,
+    to_device,
+)
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.batch_gather import batch_group
 from meshtrain.parallel.layout import Layout
@@ -163,6 +170,7 @@ class Engine:
         self.layout: Layout = mesh.layout
         self.device, self.precision, self.loss_fn = device, precision, loss_fn
         self.options, self.grad_accum_steps = options, grad_accum_steps
+        self.unit = "tokens"  # what forward_backward counts: "tokens" or "samples"
         self.cp = mesh.axis("cp")
         self.cp_support = None
         if self.cp is not None:
@@ -218,6 +226,7 @@ class Engine:
         accum, total = self.grad_accum_steps, torch.zeros((), device=self.device)
         micro = [to_device(next(batches), self.device) for _ in range(accum)]
         tokens = sum(count_tokens(batch) for batch in micro)
+        self.unit = throughput_unit(micro[0])  # what tokens counts: the progress bar's unit
         if not self._checked_loss:
             self._check_loss(micro[0], accum)
         items = None

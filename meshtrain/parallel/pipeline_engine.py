@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.data.batch import count_tokens, plain, to_device
+from meshtrain.data.batch import count_tokens, plain, throughput_unit, to_device
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.batch_gather import batch_group
 from meshtrain.parallel.engine import Engine
@@ -181,6 +181,7 @@ class PipelineEngine(Engine):
             else:  # None unless this rank has the last stage
                 loss = self.runner.step(inputs, targets)
         loss = loss.detach() if loss is not None else torch.zeros((), device=self.device)
+        self.unit = throughput_unit(inputs)
         return loss, count_tokens(inputs)
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:

@@ -76,3 +76,27 @@ def test_format_metrics_and_bad_total():
     assert format_metrics({"grad_norm": 1.5, "loss": 2.0, "note": "x"}) == "loss 2 | grad_norm 1.5"
     with pytest.raises(ConfigError, match="total_steps"):
         ProgressBar(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_fit_counts_tokens_for_token_ids_and_samples_otherwise(tmp_path, capsys):
+    """Float inputs (no tokens) were shown and logged as tok/s (issue 26 item 10)."""
+    import torch.nn.functional as F
+    from conftest import quiet_trainer
+    from parity import adamw, lm_loss, mlp, regression_data, tiny_gpt, token_data
+
+    from meshtrain.observe.loggers import read_metrics_csv
+
+    for name, model, data, loss, unit, shown in (
+            ("mlp", mlp, regression_data(), F.mse_loss, "samples", "samples/s"),
+            ("gpt", tiny_gpt, token_data(), lm_loss, "tokens", "tok/s")):
+        run_dir = tmp_path / name
+        trainer = quiet_trainer(run_dir, max_steps=2, micro_batch_size=8, progress_bar=True,
+                                loggers=("csv",))
+        trainer.fit(model, data, optimizer=adamw, loss_fn=loss)
+        out = capsys.readouterr().out
+        step_lines = [line for line in out.splitlines() if line.startswith("step 2/2")]
+        assert step_lines and f" {shown} " in step_lines[-1] + " ", out
+        logged = set().union(*(row.keys() for row in read_metrics_csv(run_dir / "metrics.csv")))
+        other = {"samples": "tokens", "tokens": "samples"}[unit]
+        assert f"train/{unit}_per_s" in logged and f"train/{other}_per_s" not in logged
