@@ -10,6 +10,7 @@
     meshtrain run [torchrun flags] script.py [args]          start a script on N processes
     meshtrain slurm --nodes N --gpus-per-node G script.py    write (and submit) an sbatch script
     meshtrain export CHECKPOINT_DIR model.pt                 checkpoint -> one plain state_dict file
+    meshtrain export CHECKPOINT_DIR --hf OUT_DIR             checkpoint -> a Hugging Face model folder
     meshtrain prepare INPUT... --out DIR (--tokenizer tokenizer.json | --train-tokenizer N)
         text / JSON lines -> memory-mapped token shards for the causal_lm recipe
     meshtrain --version

@@ -127,6 +127,9 @@ def test_version_and_help():
     assert out.returncode == 0 and out.stdout.startswith("meshtrain ")
     out = meshtrain("--help", cwd=ROOT)
     assert "train" in out.stdout and "slurm" in out.stdout
+    for command in ("prepare", "parity", "memory", "lr-find", "export", "run"):
+        assert f"meshtrain {command} " in out.stdout, command
+    assert any("export" in line and "--hf" in line for line in out.stdout.splitlines())
 
 
 def test_overrides_are_read_as_toml_values():

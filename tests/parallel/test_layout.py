@@ -170,3 +170,22 @@ def test_sharded_layouts(spec, world, degrees, stage, text):
 def test_sharded_layout_mistakes(spec, expected):
     with pytest.raises(LayoutError, match=expected):
         Layout.parse(spec, 4)
+
+
+def test_the_readmes_refused_combinations_are_refused():
+    """README's list of combinations refused before start: each example must be refused (and
+    the list must not be empty)."""
+    import math
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("These combinations are refused before any process starts")[1]
+    items = re.findall(r"^- .*?\(`([^`]+)`\)", section.split("\n\n")[1], flags=re.M)
+    assert len(items) == 5, items
+    for spec in items:
+        degrees = dict(part.split("=") for part in spec.split(","))
+        world = math.prod(int(v) for k, v in degrees.items() if k != "ps")
+        world += int(degrees.get("ps", 0))
+        with pytest.raises(LayoutError):
+            Layout.parse(spec, world)
