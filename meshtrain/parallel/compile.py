@@ -71,7 +71,7 @@ def check_toolchain(device_type: str) -> None:
     except Exception as error:  # InvalidCxxCompiler, or a search that failed otherwise
         raise ConfigError(
             "compile on CPU needs a C++ compiler (Inductor builds its kernels with it) and none "
-            f"was found ({type(error).__name__}); install g++ (e.g. apt install g++), set CXX, "
+            f"was found ({type(error).__name__}: {error}); install g++ (e.g. apt install g++), set CXX, "
             "or set compile=False") from None
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import struct
 import sys
+import time
 
 import pytest
 import torch
@@ -165,8 +166,16 @@ def _wandb_run(folder):
     """``(history, config)`` of an offline run folder: history {name: [(step, value)]} without
     W&B's own ``_`` entries, config {key: value} from the run record and config updates."""
     (path,) = folder.glob("run-*.wandb")
+    # W&B's service may still be writing after run.finish() returns (on a busy machine the file
+    # was once read with no history yet): read it once it holds the run's exit record
+    deadline = time.monotonic() + 30
+    records = _wandb_records(path)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = _wandb_records(path)
     history, config = {}, {}
-    for record in _wandb_records(path):
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "history":
             for item in record.history.item:

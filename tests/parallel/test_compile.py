@@ -98,12 +98,15 @@ def test_whole_model_compile_with_checkpointing_is_refused(checkpointing):
             tiny_gpt, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
 
 
-def test_missing_cpp_compiler_is_a_config_error(monkeypatch):
+def test_missing_cpp_compiler_is_a_config_error():
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("meshtrain-no-such-compiler++",))
-    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler.*compile=False"):
+    # (config.patch, not monkeypatch.setattr: monkeypatch's undo deleted cpp.cxx from Inductor's
+    # config, and every later compile check in the session failed with an AttributeError)
+    with inductor_config.patch({"cpp.cxx": ("meshtrain-no-such-compiler++",)}), \
+            pytest.raises(ConfigError, match="needs a C\\+\\+ compiler.*compile=False"):
         quiet(compile=True)
+    assert inductor_config.cpp.cxx != ("meshtrain-no-such-compiler++",)
 
 
 @pytest.mark.timeout(240)
