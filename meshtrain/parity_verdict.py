@@ -36,16 +36,21 @@ ZERO_GRADIENT = 1e-6
 
 class GradSizes(Callback):
     """Records each parameter's largest absolute gradient element over the steps (one process:
-    plain tensors, full-model names)."""
+    plain tensors, full-model names); kept on the device, read once (``sizes``) at the end."""
 
     def __init__(self):
-        self.sizes: dict[str, float] = {}
+        self._largest: dict[str, torch.Tensor] = {}
 
     def on_before_optimizer_step(self, trainer):
         for name, param in trainer.model.named_parameters():
-            if param.grad is not None:
-                size = float(param.grad.detach().abs().max()) if param.grad.numel() else 0.0
-                self.sizes[name] = max(size, self.sizes.get(name, 0.0))
+            if param.grad is not None and param.grad.numel():
+                size = param.grad.detach().abs().max()
+                old = self._largest.get(name)
+                self._largest[name] = size if old is None else torch.maximum(old, size)
+
+    @property
+    def sizes(self) -> dict[str, float]:
+        return {name: float(size) for name, size in self._largest.items()}
 
 
 def zero_gradient(sizes: dict[str, float]) -> set[str]:
