@@ -7,7 +7,7 @@ schedule; only the layout and its settings change (gradient clipping is off ever
 parameter servers cannot clip by the global norm). Reported: the validation loss at steps 100,
 200, 300, 400 (10 batches each, as the demo) and its gap to synchronous dp=2.
 
-    python benchmarks/ps_convergence.py            # all variants (~20 min on 2 cores)
+    python benchmarks/ps_convergence.py            # all variants (~35 min on 2 cores)
     python benchmarks/ps_convergence.py --steps 100 --only dp async   # a subset, shorter
     python benchmarks/ps_convergence.py --from-json benchmarks/results/ps_convergence.json
 """
@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, table, write_json  # noqa: E402
 
-# name: (label, overrides)
+# name: (label, overrides[, step multiplier: the run takes that many times the steps, and its
+# validation at step k * multiplier is reported under step k])
 VARIANTS = {
     "dp": ("dp=2 (all-reduce every step)", ["--trainer.layout=dp=2"]),
     "async": ("ps=1,dp=2 async, staleness 1", ["--trainer.layout=ps=1,dp=2",
@@ -39,6 +40,20 @@ VARIANTS = {
                                                          "--parallel.ps_mode=async",
                                                          "--parallel.ps_staleness=1",
                                                          "--optimizer.lr=1.5e-3"]),
+    # what async changes, one thing at a time (see docs/parameter_server.md)
+    "async_s0": ("ps=1,dp=2 async, staleness 0", ["--trainer.layout=ps=1,dp=2",
+                                                   "--trainer.devices=3",
+                                                   "--parallel.ps_mode=async",
+                                                   "--parallel.ps_staleness=0"]),
+    "async_s0_half_lr": ("  same, half the learning rate", ["--trainer.layout=ps=1,dp=2",
+                                                            "--trainer.devices=3",
+                                                            "--parallel.ps_mode=async",
+                                                            "--parallel.ps_staleness=0",
+                                                            "--optimizer.lr=1.5e-3"]),
+    "half_batches": ("one process, batch 16, twice the steps", [
+        "--trainer.layout=dp=1", "--trainer.devices=1", "--trainer.global_batch_size=16"], 2),
+    "dp_double_lr": ("dp=2, twice the learning rate", ["--trainer.layout=dp=2",
+                                                        "--optimizer.lr=6e-3"]),
     "local4": ("local SGD H=4, average", ["--trainer.layout=dp=2", "--parallel.local_sgd_every=4"]),
     "local16": ("local SGD H=16, average", ["--trainer.layout=dp=2",
                                             "--parallel.local_sgd_every=16"]),
@@ -51,7 +66,12 @@ VARIANTS = {
 }
 
 
+def _multiplier(name: str) -> int:
+    return VARIANTS[name][2] if len(VARIANTS[name]) > 2 else 1
+
+
 def run(name: str, steps: int) -> dict:
+    steps *= _multiplier(name)
     with tempfile.TemporaryDirectory() as run_dir:
         argv = [sys.executable, "-m", "meshtrain", "train", "examples/char_gpt.toml",
                 *VARIANTS[name][1], "--trainer.grad_clip_norm=none",
@@ -74,7 +94,8 @@ def run(name: str, steps: int) -> dict:
 
 
 def report(result: dict) -> str:
-    runs = {name: {int(k): v for k, v in r["val_loss"].items()} for name, r in result["runs"].items()}
+    runs = {name: {int(k) // _multiplier(name): v for k, v in r["val_loss"].items()}
+            for name, r in result["runs"].items()}
     base = runs["dp"]
     steps = sorted(base)
     end = steps[-1]
@@ -82,9 +103,10 @@ def report(result: dict) -> str:
     rows = []
     for name, val in runs.items():
         gap = val[end] - base[end]
+        seconds = result["runs"][name]["seconds"]
         rows.append([VARIANTS[name][0], *[f"{val[s]:.4f}" for s in steps],
                      f"{gap:+.4f} ({100 * gap / base[end]:+.1f} %)",
-                     f"{result['runs'][name]['seconds']:.0f}"])
+                     "-" if seconds is None else f"{seconds:.0f}"])
     return table(header, rows)
 
 
