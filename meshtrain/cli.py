@@ -11,6 +11,8 @@
     meshtrain slurm --nodes N --gpus-per-node G script.py    write (and submit) an sbatch script
     meshtrain export CHECKPOINT_DIR model.pt                 checkpoint -> one plain state_dict file
     meshtrain export CHECKPOINT_DIR --hf OUT_DIR             checkpoint -> a Hugging Face model folder
+    meshtrain upgrade-checkpoint CHECKPOINT_DIR --trust      an older meshtrain's checkpoint -> one
+        that loads safely (docs/security.md)
     meshtrain prepare INPUT... --out DIR (--tokenizer tokenizer.json | --train-tokenizer N)
         text / JSON lines -> memory-mapped token shards for the causal_lm recipe
     meshtrain --version
@@ -71,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             from meshtrain.checkpoint.export import export
 
             return export(rest)
+        if command == "upgrade-checkpoint":
+            from meshtrain.checkpoint.upgrade import main as upgrade
+
+            return upgrade(rest)
         if command == "prepare":
             from meshtrain.data.prepare import main as prepare
 
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return slurm(rest)
         raise ConfigError(
             f"unknown command {command!r}; commands: train, lr-find, memory, parity, run, slurm, "
-            "export, prepare (see --help)"
+            "export, upgrade-checkpoint, prepare (see --help)"
         )
     except ConfigError as error:
         print(f"meshtrain: error: {error}", file=sys.stderr)

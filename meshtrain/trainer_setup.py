@@ -15,6 +15,7 @@ from meshtrain import checks
 from meshtrain.checkpoint.hf_weights import load_hf_weights
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.resume import model_shapes, resolve_run_dir, resume_fit
+from meshtrain.checkpoint.safe_load import check_plain
 from meshtrain.data.sampler import train_loaders
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
@@ -53,6 +54,7 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer, loss_fn=Non
             run_dir=t.run_dir, rank=t.rank, world_size=t.world_size,
             device=t.device, grad_scaler=t.precision.scaler is not None,
             gradients_identical=t.engine.gradients_identical)
+        check_plain(t.checkpoint_state()[0], "the trainer state")  # now, not at the first save
         if t._resume_from is not None:
             resume_fit(t, t._resume_from)
     except BaseException as error:

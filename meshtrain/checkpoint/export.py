@@ -4,14 +4,14 @@
 Training checkpoints are torch distributed checkpoints: one file per rank, loadable on any world
 size, and they hold optimizer state too. For inference one usually wants the model's weights
 alone in a ``torch.save`` file that ``model.load_state_dict(torch.load(path))`` reads. This reads
-only the model entries of the checkpoint, in one process, with no process group.
+only the model entries of the checkpoint, in one process, with no process group, and reads
+only plain data (``safe_load.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -23,9 +23,7 @@ def read_model_state(checkpoint_dir: str | os.PathLike,
                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model entries of the checkpoint ``checkpoint_dir`` as full tensors, read in this one
     process (no process group), floating-point ones converted to ``dtype`` when given."""
-    from torch.distributed.checkpoint.state_dict_loader import (
-        _load_state_dict_from_keys,
-    )
+    from meshtrain.checkpoint.safe_load import check_checkpoint_files, load_dcp_keys
 
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / ".metadata").is_file():
@@ -33,9 +31,8 @@ def read_model_state(checkpoint_dir: str | os.PathLike,
             f"{checkpoint_dir} is not a distributed checkpoint (no .metadata file); pass a "
             "checkpoint folder such as runs/<name>/<time>/checkpoints/final"
         )
-    with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
-        warnings.filterwarnings("ignore", message=".*single process")
-        state = _load_state_dict_from_keys("model", checkpoint_id=str(checkpoint_dir))["model"]
+    check_checkpoint_files(checkpoint_dir)  # a poisoned checkpoint is refused, not passed on
+    state = load_dcp_keys(checkpoint_dir, {"model"})["model"]
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     return state

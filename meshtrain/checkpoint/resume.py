@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.checkpoint.manager import latest_complete
+from meshtrain.checkpoint.safe_load import load_plain, read_metadata
 from meshtrain.checkpoint.state import TRAINER_STATE
 from meshtrain.errors import ConfigError
 
@@ -81,9 +82,7 @@ def saved_shapes(path) -> Shapes:
     """The model's names and (global) shapes in checkpoint ``path``, from DCP's metadata: the
     whole model whatever the layout that saved it (pipeline ranks save their stages under the
     whole model's names)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_metadata(path).state_dict_metadata
     return {key[len("model."):]: tuple(item.size) if hasattr(item, "size") else None
             for key, item in metadata.items() if key.startswith("model.")}
 
@@ -127,10 +126,13 @@ def is_finished(path: Path, state: dict) -> bool:
 def _why_not(path: Path, shapes: Shapes | None) -> str | None:
     """Why ``resume="auto"`` must not continue the run of checkpoint ``path`` (None: it may)."""
     try:
-        state = torch.load(path / TRAINER_STATE, weights_only=False)
+        state = load_plain(path / TRAINER_STATE)
         if is_finished(path, state):
             return f"finished at step {state.get('global_step')}"
         differences = model_differences(saved_shapes(path), shapes, few=0) if shapes else ""
+    except ConfigError as error:  # refused as unsafe: the user decides, not "auto"
+        raise ConfigError(f"resume='auto' found {path}: {error}; or start a new run with "
+                          "resume=None") from None
     except Exception as error:  # noqa: BLE001 - a damaged checkpoint is skipped, and said so
         return f"unreadable: {type(error).__name__}"
     return f"another model: {differences}" if differences else None
@@ -248,7 +250,7 @@ def restore(path, model, optimizer, *, identity: dict, seed: int, rank: int,
 
     path = Path(path)
     if (path / TRAINER_STATE).is_file():  # refuse before touching the model
-        check_same_run(torch.load(path / TRAINER_STATE, weights_only=False), identity)
+        check_same_run(load_plain(path / TRAINER_STATE), identity)
         check_same_model(path, shapes)
     state = load_checkpoint(path, model, optimizer)
     if not warn_rng_change(state, identity, has_randomness(model)):
@@ -260,7 +262,7 @@ def resume_fit(trainer, path) -> None:
     """Fit's resume (collective): refuse a checkpoint at or past this fit's stopping point,
     load it (:func:`restore` refuses another model) and say where the run continues."""
     path, total = Path(path), trainer.total_steps()
-    step = torch.load(path / TRAINER_STATE, weights_only=False)["global_step"]
+    step = load_plain(path / TRAINER_STATE)["global_step"]
     if step >= total:
         setting = "max_steps" if trainer.max_steps == total else "max_epochs"
         what = (f"resume='auto' chose {path}, which is" if trainer.resume == "auto" else

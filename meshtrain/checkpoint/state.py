@@ -9,6 +9,8 @@ another. A checkpoint is a folder::
         rng_rank{r}.pt                 each rank's random number generator states
         meshtrain.json                 human-readable summary (step, layout, metrics)
 
+Every file holds plain data only and is read back without running code (``safe_load.py``).
+
 The folder is written under a temporary name and renamed when every rank has finished, so a
 half-written checkpoint is never mistaken for a complete one.
 """
@@ -26,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from meshtrain.checkpoint.safe_load import check_plain, load_dcp, load_plain
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.zero1 import (
     load_zero1_state_dict,
@@ -63,10 +65,17 @@ def _rank() -> int:
 
 
 def rng_state() -> dict:
+    """This process's random number generator states as plain data (tensors, numbers, strings:
+    ``load_plain`` reads them back without unpickling objects)."""
+    version, internal, gauss = random.getstate()
+    numpy = np.random.get_state(legacy=False)
     state = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": {"bit_generator": numpy["bit_generator"],
+                  "key": torch.from_numpy(numpy["state"]["key"].astype(np.int64)),
+                  "pos": int(numpy["state"]["pos"]), "has_gauss": int(numpy["has_gauss"]),
+                  "gauss": float(numpy["gauss"])},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -75,8 +84,13 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy = state["numpy"]
+    np.random.set_state({"bit_generator": numpy["bit_generator"],
+                         "state": {"key": numpy["key"].numpy().astype(np.uint32),
+                                   "pos": numpy["pos"]},
+                         "has_gauss": numpy["has_gauss"], "gauss": numpy["gauss"]})
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -121,7 +135,10 @@ def prepare_tmp(tmp: Path) -> None:
 
 
 def write_extras(tmp: Path, trainer_state: dict, summary: dict) -> None:
-    """This rank's RNG states; on rank 0 also the trainer state and the summary. No collective."""
+    """This rank's RNG states; on rank 0 also the trainer state and the summary. No collective.
+    Refuses (before writing) a trainer state that is more than plain data (:func:`check_plain`)."""
+    if _rank() == 0:
+        check_plain(trainer_state, "the trainer state")
     torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
         torch.save(trainer_state, tmp / TRAINER_STATE)
@@ -181,7 +198,7 @@ def load_checkpoint(
         )
     state = _state(model, optimizer, for_load=True)
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path)
+        load_dcp(state, path)
     servers, optimizer = (optimizer, optimizer.local) if _on_servers(optimizer) else (
         None, optimizer)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -200,8 +217,8 @@ def load_checkpoint(
         servers.restore()
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return torch.load(path / TRAINER_STATE, weights_only=False)
+        set_rng_state(load_plain(rng_file))
+    return load_plain(path / TRAINER_STATE)
 
 
 def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
