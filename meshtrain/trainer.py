@@ -83,7 +83,7 @@ class Trainer:
         self.should_stop, self.callback_metrics = False, {}
         self.run_dir = self._resume_from = self._workers = self._val_data = None
         self.ps_server = self._store = self.ps_stats = None  # ps=S: server index, its counters
-        self.threads_note = ""  # torch threads per process, and why (launch/world.py)
+        self.start_notes = ""  # torch threads and network interface, and why (launch/world.py)
         self._model_shapes = None  # the whole model's state names and shapes (resume.py)
         self.run_log = RunLog(self.rank == 0)
         self.checkpoints: CheckpointManager | None = None  # every save goes through it
@@ -135,7 +135,7 @@ class Trainer:
 
             return serve(self, model)
         self.print(f"run folder: {self.run_dir}")
-        self.print(self.threads_note)
+        self.print(self.start_notes)
         try:
             with collective_checks(self.debug_collectives):
                 self._fit_loop()

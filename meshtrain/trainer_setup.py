@@ -85,7 +85,7 @@ def setup_world(t) -> None:
                         init_timeout_s=t.init_timeout_s, num_servers=t.layout.num_servers,
                         debug_collectives=t.debug_collectives, log=t.print)
     t.rank, t.device, t._env, t._workers = world.rank, world.device, world.env, world.workers
-    t.threads_note = world.threads  # printed by fit below the run folder
+    t.start_notes = world.notes  # threads and network, printed by fit below the run folder
     t.ps_server = world.server
     t._store = world.store
     if t.ps_server is not None:  # a parameter server: in no process group, evaluates alone

@@ -103,8 +103,7 @@ def job_store(env: DistEnv, timeout: timedelta):
     if not host or not port:
         raise ConfigError("MASTER_ADDR/MASTER_PORT are not set: start the script with torchrun, "
                           "`meshtrain run`, or Trainer(devices=N) from a plain script")
-    return dist.TCPStore(host, int(port), env.world_size, is_master=env.rank == 0,
-                         timeout=timeout, multi_tenant=True)
+    return _rank0_store(host, int(port), env, timeout)
 
 
 def _attempt_store(env: DistEnv, timeout: timedelta):
@@ -130,10 +129,7 @@ def _attempt_store(env: DistEnv, timeout: timedelta):
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
         store = dist.TCPStore(host, int(port), env.world_size, is_master=False, timeout=timeout)
     else:
-        store = dist.TCPStore(
-            host, int(port), env.world_size, is_master=env.rank == 0, timeout=timeout,
-            multi_tenant=True,
-        )
+        store = _rank0_store(host, int(port), env, timeout)
     return dist.PrefixStore(f"attempt_{restart_count()}", store)
 
 
@@ -179,11 +175,28 @@ def _shutdown() -> None:
 
 
 def _host_store(world_size: int, timeout: timedelta):
+    """The store of a job on this machine, listening on 127.0.0.1 only (launch/network.py)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
-    )
+    from meshtrain.launch.network import listening_socket
+
+    sock = listening_socket("127.0.0.1")
+    return dist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, is_master=True,
+                         timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+def _rank0_store(host: str, port: int, env: DistEnv, timeout: timedelta):
+    """The job's store at host:port, hosted by rank 0 on ``host``'s own address (not on every
+    interface, as torch would), joined by the others."""
+    import torch.distributed as dist
+
+    if env.rank != 0:
+        return dist.TCPStore(host, port, env.world_size, is_master=False, timeout=timeout)
+    from meshtrain.launch.network import listening_socket
+
+    sock = listening_socket(host, port)
+    return dist.TCPStore(host, port, env.world_size, is_master=True, timeout=timeout,
+                         multi_tenant=True, master_listen_fd=sock.detach())
 
 
 def _worker_environ(rank: int, world_size: int, store_port: int) -> dict[str, str]:

@@ -74,7 +74,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         # Workers that create their group through meshtrain end cleanly (see launch/spawn.py).
         os.environ["MESHTRAIN_LAUNCHER"] = "torchrun"
         try:
-            torchrun(args)
+            with _loopback_rendezvous_store(args):
+                torchrun(args)
         except ChildFailedError as err:
             # torchrun's CLI would print this report as an uncaught exception; keep it.
             print(str(err), file=sys.stderr)
@@ -87,6 +88,39 @@ def run(argv: Sequence[str] | None = None) -> int:
             return 128 + int(exc.sigval)
     _report_restarts(args, attempts_before, failed=False)
     return 0
+
+
+@contextlib.contextmanager
+def _loopback_rendezvous_store(args):
+    """On one node, the two stores torchrun's agent hosts in this process listen on 127.0.0.1
+    only, not on every interface: the rendezvous store's server is started here on a socket
+    bound to it (torchrun's ``TCPStore(..., multi_tenant=True)`` on that port reuses it: torch
+    keeps one server per port in a process), and the workers' bootstrap store, which the
+    rendezvous handler creates on a free port, is made the same way."""
+    host, _, port = (args.rdzv_endpoint or "").rpartition(":")
+    if not (args.rdzv_backend == "c10d" and host == LOCAL_HOST and port.isdigit()):
+        yield
+        return
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from meshtrain.launch.network import listening_socket
+
+    def loopback_store(port: int):
+        sock = listening_socket(LOCAL_HOST, port)
+        return dist.TCPStore(LOCAL_HOST, sock.getsockname()[1], is_master=True,
+                             multi_tenant=True, wait_for_workers=False,
+                             master_listen_fd=sock.detach())
+
+    store = loopback_store(int(port))
+    original = DynamicRendezvousHandler._create_tcp_store_server
+    DynamicRendezvousHandler._create_tcp_store_server = \
+        lambda self, master_addr, master_port: loopback_store(master_port)
+    try:
+        yield
+    finally:
+        DynamicRendezvousHandler._create_tcp_store_server = original
+        del store
 
 
 def restart_notice(max_restarts: int) -> str:
@@ -187,6 +221,7 @@ def _use_local_rendezvous(args: argparse.Namespace) -> None:
     args.rdzv_endpoint = f"{LOCAL_HOST}:{port}"
     args.rdzv_id = str(uuid.uuid4())
     args.master_addr, args.master_port = LOCAL_HOST, port
+    args.local_addr = LOCAL_HOST  # the workers' MASTER_ADDR (else the host name's address)
     if "is_host" not in args.rdzv_conf:
         # Host the store or fail: without this, a port taken after the check makes torchrun
         # connect to whatever holds it as a client and wait there.

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.errors import ConfigError
+from meshtrain.launch.network import choose_interfaces
 from meshtrain.launch.script_workers import ScriptWorkers
 from meshtrain.launch.spawn import DistEnv, init_process_group
 
@@ -24,7 +25,7 @@ class World:
     workers: ScriptWorkers | None  # the processes started from a plain `python script.py`
     server: int | None = None  # ps=S: which parameter server this process is (no group)
     store: object = None  # ps=S: the job's store, which the servers reach too
-    threads: str = ""  # the torch threads this process uses, and why (threads_per_process)
+    notes: str = ""  # printed at start: torch threads and why (threads_per_process), the network
 
 
 def resolve_world_size(devices, env: DistEnv | None, device_type: str) -> int:
@@ -83,17 +84,19 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
     local_rank = env.local_rank if world_size > 1 else 0
     threads, why = threads_per_process(env.local_world_size if env is not None else 1)
     torch.set_num_threads(threads)
-    threads = f"threads: {threads} per process ({why})"
+    notes = f"threads: {threads} per process ({why})"
+    if world_size > 1:  # before any process group or RPC world listens
+        notes += "\n" + choose_interfaces(os.environ.get("MASTER_ADDR") or "127.0.0.1")
     device = torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if world_size == 1:
-        return World(0, device, env, workers, threads=threads)
+        return World(0, device, env, workers, notes=notes)
     if num_servers:
         return _start_ps_world(world_size, num_servers, env, device, workers,
                                timedelta(seconds=init_timeout_s), "nccl" if device_type == "cuda"
-                               else "gloo", threads)
+                               else "gloo", notes)
     if not dist.is_initialized():
         if debug_collectives:
             from meshtrain.fault.desync import enable_collective_checks
@@ -105,11 +108,11 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
         # long enough for start-up and the first step; shortened after it
         init_process_group(env, "nccl" if device_type == "cuda" else "gloo",
                            timedelta(seconds=init_timeout_s))
-    return World(env.rank, device, env, workers, threads=threads)
+    return World(env.rank, device, env, workers, notes=notes)
 
 
 def _start_ps_world(world_size, num_servers, env, device, workers, timeout, backend,
-                    threads: str) -> World:
+                    notes: str) -> World:
     from meshtrain.launch.spawn import job_store, register_shutdown
     from meshtrain.parallel.ps_layout import join_workers
 
@@ -118,13 +121,13 @@ def _start_ps_world(world_size, num_servers, env, device, workers, timeout, back
     if env.rank >= num_workers:  # a server: answers RPCs on the CPU
         register_shutdown()
         return World(env.rank, torch.device("cpu"), env, workers, env.rank - num_workers, store,
-                     threads)
+                     notes)
     if not dist.is_initialized():
         local = min(env.local_world_size, num_workers)
         init_process_group(DistEnv(env.rank, env.local_rank, num_workers, local), backend,
                            timeout, store=dist.PrefixStore("workers", store))
     join_workers(store, env.rank, world_size)
-    return World(env.rank, device, env, workers, None, store, threads)
+    return World(env.rank, device, env, workers, None, store, notes)
 
 
 def collective_checks(enabled: bool):

@@ -36,6 +36,7 @@ import math
 import os
 import threading
 from collections.abc import Callable
+from urllib.parse import urlparse
 
 import torch
 from torch.distributed import rpc
@@ -304,25 +305,45 @@ def _rpc_call(method: str, *args):
 
 
 # ---- process roles ----
-def rpc_options(addr: str, port: int, *, num_threads: int = 16,
+def rpc_options(init_method: str, *, num_threads: int = 16,
                 rpc_timeout: float = 120.0) -> rpc.TensorPipeRpcBackendOptions:
-    """TensorPipe options for a job rendezvousing at tcp://addr:port (rank 0 hosts the store).
+    """TensorPipe options for a job rendezvousing at ``init_method`` (:func:`_on_job_store`).
     ``rpc_timeout`` bounds one call, a sync push included (it waits for the slowest worker)."""
-    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{addr}:{port}",
+    return rpc.TensorPipeRpcBackendOptions(init_method=init_method,
                                            num_worker_threads=max(8, num_threads),
                                            rpc_timeout=rpc_timeout)
 
 
+# init_rpc meets over the job's own store (no second store listening on a port of its own):
+# a rendezvous scheme whose URL names a store lent for the duration of init_rpc.
+_SCHEME = "meshtrain-job-store"
+_LENT: dict[str, object] = {}
+
+
+def _job_store_rendezvous(url: str, **kwargs):
+    import torch.distributed as dist
+
+    parsed = urlparse(url)
+    query = dict(pair.split("=", 1) for pair in parsed.query.split("&") if pair)
+    yield dist.PrefixStore("rpc", _LENT[parsed.netloc]), int(query["rank"]), int(
+        query["world_size"])
+    raise RuntimeError("the RPC world cannot rendezvous again")
+
+
 @contextlib.contextmanager
-def _rank0_hosts_store():
-    """Under torchrun, TORCHELASTIC_USE_AGENT_STORE=True makes every tcp:// rendezvous a client
-    of a store nobody hosts at our port (all processes hang in init_rpc): hide it meanwhile."""
-    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+def _on_job_store(store):
+    """An ``init_method`` URL for ``init_rpc`` that rendezvous over ``store`` (the job's,
+    which listens where the launcher or meshtrain/launch/network.py put it)."""
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    with contextlib.suppress(RuntimeError):  # registered once per process
+        register_rendezvous_handler(_SCHEME, _job_store_rendezvous)
+    key = f"store{id(store)}"
+    _LENT[key] = store
     try:
-        yield
+        yield f"{_SCHEME}://{key}"
     finally:
-        if saved is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+        _LENT.pop(key, None)
 
 
 def ps_role(rank: int, num_servers: int) -> tuple[str, int]:
@@ -330,12 +351,12 @@ def ps_role(rank: int, num_servers: int) -> tuple[str, int]:
     return ("server", rank) if rank < num_servers else ("worker", rank - num_servers)
 
 
-def serve(index: int, rank: int, world_size: int, addr: str, port: int, **options) -> dict:
+def serve(index: int, rank: int, world_size: int, store, **options) -> dict:
     """Be server ``ps{index}`` until every process has called ``rpc.shutdown``; return what it
     held at the end: {"name", "state" (see ParameterServer.state), "stats"} (None if unused)."""
-    with _rank0_hosts_store():
+    with _on_job_store(store) as init_method:
         rpc.init_rpc(server_name(index), rank=rank, world_size=world_size,
-                     rpc_backend_options=rpc_options(addr, port, **options))
+                     rpc_backend_options=rpc_options(init_method, **options))
     rpc.shutdown()  # graceful: waits for all workers' outstanding calls and their shutdown
     with _HOST_LOCK:
         server, _HOST["server"] = _HOST["server"], None
@@ -344,9 +365,8 @@ def serve(index: int, rank: int, world_size: int, addr: str, port: int, **option
             "stats": server and server.stats(), "final": final}
 
 
-def join_as_worker(index: int, rank: int, world_size: int, addr: str, port: int,
-                   **options) -> None:
+def join_as_worker(index: int, rank: int, world_size: int, store, **options) -> None:
     """Join the job as ``worker{index}``; end with ``rpc.shutdown()`` after the last step."""
-    with _rank0_hosts_store():
+    with _on_job_store(store) as init_method:
         rpc.init_rpc(f"worker{index}", rank=rank, world_size=world_size,
-                     rpc_backend_options=rpc_options(addr, port, **options))
+                     rpc_backend_options=rpc_options(init_method, **options))

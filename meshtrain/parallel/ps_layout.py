@@ -31,7 +31,6 @@ from meshtrain.errors import ConfigError
 from meshtrain.parallel import parameter_server as ps
 from meshtrain.parallel.ps_client import PSClient, to_index_keyed
 
-RPC_KEY = "meshtrain/ps_rpc"
 
 
 def check_ps_layout(layout, settings: dict) -> None:
@@ -84,25 +83,10 @@ def check_ps_model(model: torch.nn.Module, num_servers: int, max_imbalance: floa
             f"use ps={best} (or fewer)")
 
 
-def rpc_address(store, rank: int) -> tuple[str, int]:
-    """Where the RPC world meets: rank 0 (worker 0) picks a free port and publishes it in the
-    job's store, which every process (servers too) reaches."""
-    if rank == 0:
-        from meshtrain.launch.ports import find_free_port
-
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        if addr == "localhost":  # torchrun sets it; an IPv4 literal, as our launchers use
-            addr = "127.0.0.1"
-        store.set(RPC_KEY, f"{addr}:{find_free_port()}")
-    addr, port = store.get(RPC_KEY).decode().rsplit(":", 1)
-    return addr, int(port)
-
-
 def serve_job(index: int, rank: int, num_processes: int, store) -> dict:
     """Be server ``ps{index}`` until the workers shut the RPC world down; return what
     :func:`~meshtrain.parallel.parameter_server.serve` returns (``final``: the full model)."""
-    addr, port = rpc_address(store, rank)
-    return ps.serve(index, rank, num_processes, addr, port)
+    return ps.serve(index, rank, num_processes, store)
 
 
 def _make_optimizer(cls, hyper: dict, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -196,8 +180,7 @@ class ServerOptimizer(torch.optim.Optimizer):
 
 def join_workers(store, rank: int, num_processes: int) -> None:
     """Join the RPC world as ``worker{rank}`` (call on every worker after its process group)."""
-    addr, port = rpc_address(store, rank)
-    ps.join_as_worker(rank, rank, num_processes, addr, port)
+    ps.join_as_worker(rank, rank, num_processes, store)
 
 
 def start_servers(model: torch.nn.Module, local: torch.optim.Optimizer, layout, settings: dict,

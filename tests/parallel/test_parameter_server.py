@@ -3,7 +3,7 @@ sync equals one process on the global batch (parameters and the servers' optimiz
 async with a staleness bound keeps the bound and lands near sync; settings and shard plans."""
 
 import functools
-import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -13,8 +13,7 @@ from parity import mlp, regression_data
 from torch.distributed import rpc
 
 from meshtrain.errors import ConfigError
-from meshtrain.launch.ports import find_free_port
-from meshtrain.launch.spawn import run_workers
+from meshtrain.launch.spawn import DistEnv, job_store, run_workers
 from meshtrain.parallel.parameter_server import (
     ParameterServer,
     check_ps_settings,
@@ -28,7 +27,7 @@ from meshtrain.parallel.ps_client import PSClient, to_index_keyed
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
-ADDR, WORKERS, GLOBAL_BATCH = "127.0.0.1", 2, 16
+WORKERS, GLOBAL_BATCH = 2, 16
 SYNC_STEPS, ADAMW_LR = 20, 1e-2
 ASYNC_STEPS, SGD_LR = 40, 0.2  # async: SGD_LR / WORKERS per update, see test_async_...
 
@@ -73,13 +72,16 @@ def full_loss(params: dict) -> float:
     return F.mse_loss(model(x), y).item()
 
 
-def _ps_job(num_servers, port, mode, staleness, steps, optimizer, base_lr):
-    """One process of a PS job: ranks 0..S-1 serve, the rest train on their half batches."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def _ps_job(num_servers, mode, staleness, steps, optimizer, base_lr):
+    """One process of a PS job: ranks 0..S-1 serve, the rest train on their half batches. The
+    RPC world meets over the job's store (run_workers hosts it)."""
+    env = DistEnv.from_environ()
+    rank, world = env.rank, env.world_size
+    store = job_store(env, timedelta(seconds=60))
     role, index = ps_role(rank, num_servers)
     if role == "server":
-        return dict(serve(index, rank, world, ADDR, port, rpc_timeout=60), role="server")
-    join_as_worker(index, rank, world, ADDR, port, rpc_timeout=60)
+        return dict(serve(index, rank, world, store, rpc_timeout=60), role="server")
+    join_as_worker(index, rank, world, store, rpc_timeout=60)
     try:
         model, (x, y) = new_model(), regression_data().tensors
         num_workers = world - num_servers
@@ -116,8 +118,8 @@ def _ps_job(num_servers, port, mode, staleness, steps, optimizer, base_lr):
 def run_ps(num_servers, mode="sync", staleness=None, steps=SYNC_STEPS, optimizer=adamw,
            base_lr=ADAMW_LR):
     results = run_workers(_ps_job, num_servers + WORKERS,
-                          (num_servers, find_free_port(), mode, staleness, steps, optimizer,
-                           base_lr), timeout=110)
+                          (num_servers, mode, staleness, steps, optimizer, base_lr),
+                          timeout=110)
     servers = [r for r in results if r["role"] == "server"]
     workers = [r for r in results if r["role"] == "worker"]
     params = {}
