@@ -139,7 +139,7 @@ def test_model_checkpoint_every_n_steps_and_last(tmp_path):
     assert folders == ["last", "step_00000003", "step_00000006"]
     for name, step in (("step_00000003", 3), ("step_00000006", 6), ("last", 7)):
         state = torch.load(tmp_path / "checkpoints" / name / "trainer_state.pt",
-                           weights_only=False)
+                           weights_only=True)
         assert state["global_step"] == step
     assert checkpoint.last_model_path == tmp_path / "checkpoints" / "last"
     fresh = mlp()

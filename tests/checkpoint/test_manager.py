@@ -75,7 +75,7 @@ def _read(ckpt: Path, tmp: Path):
     """What a checkpoint folder holds, as plain tensors: (params, exp_avg by name)."""
     out = tmp / f"{ckpt.name}.pt"
     dcp_to_torch_save(ckpt, out)
-    sd = torch.load(out, weights_only=False)
+    sd = torch.load(out, weights_only=True)
     return sd["model"], {k: v["exp_avg"] for k, v in sd["optim"]["state"].items()}
 
 
