@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import io
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -56,8 +57,9 @@ def load_plain(file: str | Path):
     try:
         return torch.load(file, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as error:
-        first = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
-        raise _refusal(file, f"it holds more than tensors, numbers and strings ({first})") from None
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))
+        what = found.group(1) if found else str(error).split("error:")[-1].strip().splitlines()[0]
+        raise _refusal(file, f"it holds more than tensors, numbers and strings ({what})") from None
 
 
 def check_plain(value, where: str) -> None:
