@@ -51,12 +51,12 @@ def loopback_interface() -> str:
     return "lo0" if "lo0" in names else "lo"
 
 
-def _interface_of(address: str) -> str | None:
-    """The name of this machine's interface that has IPv4 ``address`` (Linux)."""
+def ipv4_addresses() -> dict[str, str]:
+    """This machine's interfaces that have an IPv4 address: {name: address} (Linux)."""
     import fcntl
     import struct
 
-    siocgifaddr = 0x8915
+    siocgifaddr, found = 0x8915, {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         for _, name in socket.if_nameindex():
             try:
@@ -64,9 +64,13 @@ def _interface_of(address: str) -> str | None:
                                   struct.pack("256s", name.encode()[:15]))
             except OSError:  # no IPv4 address on it
                 continue
-            if socket.inet_ntoa(raw[20:24]) == address:
-                return name
-    return None
+            found[name] = socket.inet_ntoa(raw[20:24])
+    return found
+
+
+def _interface_of(address: str) -> str | None:
+    """The name of this machine's interface that has IPv4 ``address``."""
+    return next((name for name, mine in ipv4_addresses().items() if mine == address), None)
 
 
 def interface_reaching(host: str) -> tuple[str, str]:

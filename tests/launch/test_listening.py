@@ -113,3 +113,19 @@ def test_rank0_hosts_an_env_store_on_master_addr_only(monkeypatch):
     store = job_store(DistEnv(0, 0, 1, 1), timedelta(seconds=10))
     store.set("key", "value")
     assert [address for _, address, p in listening([os.getpid()]) if p == port] == ["127.0.0.1"]
+
+
+def test_the_interface_that_reaches_an_address_is_the_one_that_has_it():
+    """Across machines: gloo/NCCL/TensorPipe use the interface that reaches MASTER_ADDR. Checked
+    on this machine's own addresses (loopback always; every other IPv4 interface it has)."""
+    from meshtrain.launch.network import interface_reaching, ipv4_addresses, loopback_interface
+
+    assert interface_reaching("127.0.0.1") == (loopback_interface(), "127.0.0.1")
+    for name, address in ipv4_addresses().items():
+        if name != loopback_interface():
+            assert interface_reaching(address) == (name, address)
+            environ = {}
+            assert f"network: {name} ({address}, the interface that reaches" in \
+                choose_interfaces(address, environ)
+            assert environ["GLOO_SOCKET_IFNAME"] == name
+
