@@ -13,6 +13,8 @@
     meshtrain export CHECKPOINT_DIR --hf OUT_DIR             checkpoint -> a Hugging Face model folder
     meshtrain upgrade-checkpoint CHECKPOINT_DIR --trust      an older meshtrain's checkpoint -> one
         that loads safely (docs/security.md)
+    meshtrain bench comm --devices N [--json FILE]           collectives' time and bus bandwidth
+        (1 KiB-256 MiB) on N local processes, or on a launcher's world
     meshtrain prepare INPUT... --out DIR (--tokenizer tokenizer.json | --train-tokenizer N)
         text / JSON lines -> memory-mapped token shards for the causal_lm recipe
     meshtrain --version
@@ -77,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
             from meshtrain.checkpoint.upgrade import main as upgrade
 
             return upgrade(rest)
+        if command == "bench":
+            if not rest or rest[0] != "comm":
+                raise ConfigError("meshtrain bench takes one benchmark: meshtrain bench comm "
+                                  "--devices N (see meshtrain bench comm --help)")
+            from meshtrain.plan.bench_comm import main as bench_comm
+
+            return bench_comm(rest[1:])
         if command == "prepare":
             from meshtrain.data.prepare import main as prepare
 
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             return slurm(rest)
         raise ConfigError(
             f"unknown command {command!r}; commands: train, lr-find, memory, parity, run, slurm, "
-            "export, upgrade-checkpoint, prepare (see --help)"
+            "export, upgrade-checkpoint, bench, prepare (see --help)"
         )
     except ConfigError as error:
         print(f"meshtrain: error: {error}", file=sys.stderr)
