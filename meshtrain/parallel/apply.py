@@ -140,12 +140,13 @@ def tp_plan_of(module: torch.nn.Module, options: ParallelOptions) -> dict | None
 
 
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.device,
-                options: ParallelOptions = ParallelOptions()) -> torch.nn.Module:
+                options: ParallelOptions = ParallelOptions(), ddp: bool = True) -> torch.nn.Module:
     """Apply the layout to ``model`` in place; return the module to call for training steps.
 
     The returned module may be a wrapper (DDP) used only inside the Engine; ``model`` itself
     keeps its parameters, so user code reads and saves ``model`` as it is. Under ``pp`` this is
-    called once per pipeline stage.
+    called once per pipeline stage. ``ddp=False`` leaves the DDP wrapper out (a simulated world
+    on the meta device: DDP holds no model state of its own, its gradients are bucket views).
     """
     layout = mesh.layout
     if layout.degree("tp") > 1:
@@ -177,7 +178,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         apply_fsdp(model, mesh.shard, reshard_after_forward=layout.zero_stage == 3,
                    precision=options.precision, offload=options.offload, blocks=blocks or None)
         return model
-    if layout.uses_ddp and options.local_sgd_every is None:  # local SGD: no gradient sync
+    if ddp and layout.uses_ddp and options.local_sgd_every is None:  # local SGD: no sync
         from meshtrain.parallel.data_parallel import apply_ddp
 
         return apply_ddp(model, mesh.mesh, axis="dp", bucket_cap_mb=options.bucket_cap_mb,

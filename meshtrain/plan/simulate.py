@@ -1,0 +1,148 @@
+"""A layout built for real at any world size, in one process and with no memory: torch's fake
+process group, the model on the meta device, and the same code the Trainer applies (pipeline
+split and this rank's stages, tensor and context parallelism, activation checkpointing,
+FSDP2/DDP); then one rank's parameter, gradient and optimizer bytes read from what was built.
+
+    from meshtrain.plan.simulate import simulate
+    state = simulate(lambda: GPT(config), "pp=4,dp_shard=8,tp=8", rank=0)   # 256 ranks
+    state.params, state.grads, state.optimizer, state.total                  # bytes
+
+The fake group answers every collective at once without moving data, so nothing is trained:
+this is for sizes and for checking that a layout can be built (a refusal is the Trainer's).
+It needs a process without a process group (it makes and ends its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.errors import ConfigError
+from meshtrain.observe.zero_formulas import local_tensor
+from meshtrain.parallel.apply import ParallelOptions, parallelize
+from meshtrain.parallel.layout import Layout
+from meshtrain.parallel.mesh import ParallelMesh
+
+
+@dataclasses.dataclass(frozen=True)
+class RankState:
+    """One rank's model state in a simulated world (bytes), and what it took to build."""
+
+    layout: str
+    world_size: int
+    rank: int
+    num_params: int  # the whole model's parameter elements
+    local_params: int  # elements stored on this rank
+    params: int
+    grads: int
+    optimizer: int
+    seconds: float
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """The default process group of a ``world_size``-rank job, seen from ``rank``; no data moves."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ConfigError("simulate builds a world of its own: call it in a process without a "
+                          "process group (not inside a training job)")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is not in a world of {world_size} ranks (0..{world_size - 1})")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
+             world_size: int | None = None, rank: int = 0,
+             options: ParallelOptions | None = None, pipeline=None,
+             optimizer_bytes_per_param: int = 8, optimizer_bytes_per_tensor: int = 4,
+             ) -> RankState:
+    """Build ``layout`` on ``world_size`` ranks (default: the layout's) as rank ``rank`` sees it
+    and return its model-state bytes. ``model``: a factory, called under the meta device.
+    Gradients are counted as the trainable local parameters (FSDP shards them like the
+    parameters); the optimizer as ``optimizer_bytes_per_param`` per trainable local element
+    (AdamW in fp32: 8) plus ``optimizer_bytes_per_tensor`` per trainable parameter tensor
+    (AdamW's ``step`` counter), divided over the ``dp`` ranks under ZeRO-1 (which splits whole
+    parameters, so a rank's real share may differ)."""
+    from meshtrain.parallel.pipeline_engine import PipelineOptions
+
+    start = time.perf_counter()
+    spec = layout
+    layout = Layout.parse(spec, world_size or _world_of(spec))
+    if layout.num_servers:
+        raise ConfigError("simulate builds mesh layouts; parameter servers (ps=S) hold the whole "
+                          "model on each server: size them with the model's own bytes")
+    options = options or ParallelOptions()
+    pipeline = pipeline or PipelineOptions()
+    with fake_world(layout.world_size, rank):
+        mesh = ParallelMesh(layout, "cpu")
+        with torch.device("meta"):
+            whole = model()
+        num_params = sum(p.numel() for p in whole.parameters())
+        modules = _this_ranks_modules(whole, mesh, options, pipeline)
+        params = [p for m in modules for p in m.parameters()]
+    local = [(local_tensor(p).numel(), p.element_size(), p.requires_grad) for p in params]
+    trainable = sum(n for n, _, grad in local if grad)
+    optimizer = (optimizer_bytes_per_param * trainable
+                 + optimizer_bytes_per_tensor * sum(1 for _, _, grad in local if grad))
+    if layout.zero_stage == 1:
+        optimizer = -(-optimizer // layout.degree("dp"))
+    return RankState(str(layout), layout.world_size, rank, num_params,
+                     local_params=sum(n for n, _, _ in local),
+                     params=sum(n * size for n, size, _ in local),
+                     grads=sum(n * size for n, size, grad in local if grad),
+                     optimizer=optimizer, seconds=time.perf_counter() - start)
+
+
+def _world_of(spec) -> int:
+    """The world size a layout string names (the product of its degrees)."""
+    if isinstance(spec, Layout):
+        return spec.world_size
+    size = 1
+    for part in str(spec).split(","):
+        _, _, degree = part.partition("=")
+        if not degree.strip().isdigit():
+            raise ConfigError(f"layout {spec!r}: write axis=degree pairs, e.g. dp_shard=8,tp=8")
+        size *= int(degree)
+    return size
+
+
+def _this_ranks_modules(model, mesh: ParallelMesh, options, pipeline) -> list[torch.nn.Module]:
+    """The module(s) this rank holds once the layout is applied: the model, or its stages."""
+    cpu = torch.device("cpu")
+    if mesh.layout.degree("pp") == 1:
+        parallelize(model, mesh, device=cpu, options=options, ddp=False)
+        return [model]
+    from meshtrain.parallel.partition import partition_blocks
+    from meshtrain.parallel.pipeline import pipeline_blocks, rank_stages, split_model
+    from meshtrain.parallel.pipeline_engine import pipeline_adapter
+
+    if pipeline.balance != "params" and pipeline.split_points is None:
+        raise ConfigError(f"pp_balance={pipeline.balance!r} measures the blocks on real data; "
+                          "simulate a pipeline with pp_balance='params' or split_points")
+    pp = mesh.layout.degree("pp")
+    adapter = pipeline_adapter(model, pipeline)
+    blocks_of = adapter.blocks if adapter is not None else pipeline_blocks
+    split = partition_blocks(blocks_of(model), pp * pipeline.stages_per_rank, balance="params",
+                             split_points=pipeline.split_points)
+    indices = rank_stages(mesh.axis("pp").get_local_rank(), pp, pipeline.stages_per_rank,
+                          pipeline.schedule)
+    stages = [(adapter.split if adapter is not None else split_model)(model, split, i)
+              for i in indices]
+    stage_options = dataclasses.replace(options, blocks=blocks_of)
+    for stage in stages:
+        parallelize(stage, mesh, device=cpu, options=stage_options, ddp=False)
+    return stages
