@@ -85,8 +85,15 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
     if layout.num_servers:
         raise ConfigError("simulate builds mesh layouts; parameter servers (ps=S) hold the whole "
                           "model on each server: size them with the model's own bytes")
-    options = options or ParallelOptions()
-    pipeline = pipeline or PipelineOptions()
+    if options is None:  # as the Trainer makes them (Hugging Face models: their own plans)
+        from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_tp_plans
+
+        options = ParallelOptions(tp_plan=hf_tp_plans(layout.degree("tp"), False, False),
+                                  context_parallel=hf_cp_support, loss_items=hf_loss_items)
+    if pipeline is None:
+        from meshtrain.models.hf import hf_pp_support
+
+        pipeline = PipelineOptions(adapter=hf_pp_support)
     with fake_world(layout.world_size, rank):
         mesh = ParallelMesh(layout, "cpu")
         with torch.device("meta"):

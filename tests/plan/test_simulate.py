@@ -89,3 +89,22 @@ def test_what_cannot_be_simulated_is_refused():
         simulate(_gpt(TINY), "dp=8", rank=8)
     with pytest.raises(ConfigError, match="axis=degree"):
         simulate(_gpt(TINY), "zero3")
+
+
+def test_a_hugging_face_model_follows_its_own_plans():
+    """The Trainer's options by default: a Llama's own tp plan (q/k/v/o, gate/up/down split over
+    tp; norms replicated) and its pipeline declaration."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                         tie_word_embeddings=False)
+    total = simulate(lambda: LlamaForCausalLM(config), "dp=1").local_params
+    norms = 64 * (2 * 4 + 1)  # two RMSNorms per layer and the final one
+    tp = simulate(lambda: LlamaForCausalLM(config), "tp=2", rank=1)
+    assert tp.local_params == (total - norms) // 2 + norms
+    with pytest.raises(ConfigError, match="num_key_value_heads=2 is not divisible by 4"):
+        simulate(lambda: LlamaForCausalLM(config), "tp=4")
+    first, last = (simulate(lambda: LlamaForCausalLM(config), "pp=2", rank=r) for r in (0, 1))
+    assert first.local_params + last.local_params == total
+    assert first.local_params != last.local_params
