@@ -16,9 +16,11 @@ docs/security.md says what each launcher exposes.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
+import warnings
 from pathlib import Path
 
 from meshtrain.errors import ConfigError
@@ -103,7 +105,10 @@ def choose_interfaces(master_addr: str, environ=None) -> str:
     elif is_loopback(master_addr):
         name, why = loopback_interface(), "loopback only: every process is on this machine"
     else:
-        name, address = interface_reaching(master_addr)
+        try:
+            name, address = interface_reaching(master_addr)
+        except ConfigError as error:  # torch's own choice then, said at start
+            return f"network: torch's default interfaces ({error})"
         why = f"{address}, the interface that reaches MASTER_ADDR={master_addr}"
     for var in IFNAME_VARS:
         environ.setdefault(var, name)
@@ -115,20 +120,31 @@ def choose_interfaces(master_addr: str, environ=None) -> str:
 def listening_socket(host: str, port: int = 0) -> socket.socket:
     """A listening TCP socket on ``host``'s own address (127.0.0.1 for a loopback host; else the
     first of its addresses this machine has), for a ``TCPStore`` server
-    (``master_listen_fd=sock.detach()``; the store then owns it)."""
+    (``master_listen_fd=sock.detach()``; the store then owns it). When ``host`` is not an
+    address of this machine (rank 0 behind NAT, reached at another address), every interface,
+    as torch would, with a warning; a port in use is a ConfigError."""
     candidates = ["127.0.0.1"] if is_loopback(host) else addresses(host)
     for address in candidates:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((address, port))
+            return _listen(address, port)
         except OSError as error:
-            sock.close()
-            why = error.strerror
-            continue
-        sock.listen(2048)
-        return sock
-    raise ConfigError(f"cannot listen on {host} ({', '.join(candidates)}) port {port} for the "
-                      f"rendezvous store ({why}): MASTER_ADDR must be an address of rank 0's "
-                      "machine and MASTER_PORT a free port on it")
+            if error.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port {port} on {address} is in use: MASTER_PORT must be a "
+                                  "free port on rank 0's machine") from None
+    warnings.warn(f"MASTER_ADDR={host} ({', '.join(candidates)}) is not an address of this "
+                  f"machine: the rendezvous store listens on every interface (port {port}); "
+                  "see docs/security.md", stacklevel=2)
+    return _listen("", port)
+
+
+def _listen(address: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock

@@ -129,3 +129,32 @@ def test_the_interface_that_reaches_an_address_is_the_one_that_has_it():
                 choose_interfaces(address, environ)
             assert environ["GLOO_SOCKET_IFNAME"] == name
 
+
+
+def test_a_master_addr_of_another_machine_listens_everywhere_with_a_warning():
+    """Rank 0 reached at an address it does not have (NAT): torch's behaviour, said out loud;
+    a port in use is the user's mistake."""
+    from meshtrain.errors import ConfigError
+    from meshtrain.launch.network import listening_socket
+
+    with pytest.warns(UserWarning, match="not an address of this machine"):
+        sock = listening_socket("192.0.2.77")  # TEST-NET-1: nobody's address
+    assert sock.getsockname()[0] in ("0.0.0.0", "::")
+    taken = listening_socket("127.0.0.1")
+    with pytest.raises(ConfigError, match="in use"):
+        listening_socket("127.0.0.1", taken.getsockname()[1])
+    sock.close()
+    taken.close()
+
+
+def test_an_interface_that_cannot_be_told_leaves_torchs_default(monkeypatch):
+    from meshtrain.errors import ConfigError
+    from meshtrain.launch import network
+
+    def no_route(host):
+        raise ConfigError(f"no route from this machine to MASTER_ADDR={host!r}")
+
+    monkeypatch.setattr(network, "interface_reaching", no_route)
+    environ = {}
+    note = choose_interfaces("192.0.2.77", environ)
+    assert environ == {} and note.startswith("network: torch's default interfaces (no route")
