@@ -7,6 +7,8 @@ checks and the world: :func:`serve` keeps them answering the workers until train
 
 from __future__ import annotations
 
+import dataclasses
+
 from datetime import timedelta
 
 import torch
@@ -115,10 +117,13 @@ def check_model_layout(t, model, loss_fn, sample_inputs=None, original=None) -> 
 def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss_fn,
                 sample_inputs) -> None:
     """Build (or take) the model, apply the layout, then create the optimizer."""
-    from meshtrain.parallel.fully_shard import builds_on_meta
+    from meshtrain.parallel.fully_shard import builds_on_meta, initializer_of
 
     torch.manual_seed(t.seed)  # identical initial parameters on every rank
     on_meta = builds_on_meta(t.layout, t.meta_init, model, meta_model)
+    if on_meta and initializer_of(model) is not None:  # the factory fills the shards
+        t.parallel_options = dataclasses.replace(t.parallel_options,
+                                                 initializer=initializer_of(model))
     model = meta_model if on_meta else build(model)
     check_model_layout(t, model, loss_fn)
     t._model_shapes = model_shapes(model)  # before a pipeline keeps only its stages

@@ -49,6 +49,9 @@ class ParallelOptions:
     local_sgd_every: int | None = None  # local SGD (local_sgd.py): average parameters every H
     outer_lr: float | None = None
     outer_momentum: float = 0.9
+    # model -> None: what fills a model built on the meta device once this rank's shards are
+    # allocated (None: the model's own init_weights(); fully_shard.initializer_of)
+    initializer: Callable[[torch.nn.Module], None] | None = None
 
     @classmethod
     def from_settings(cls, s: dict, tp_plan=None, context_parallel=None,
@@ -222,7 +225,7 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
     if on_meta:
         from meshtrain.parallel.fully_shard import materialize
 
-        materialize(engine.model, device)
+        materialize(engine.model, device, options.initializer)
     return engine
 
 

@@ -172,6 +172,8 @@ def supports_meta_init(model_or_factory) -> bool:
     target = model_or_factory
     while isinstance(target, functools.partial):
         target = target.func
+    if _factory_initialises(target):  # a factory object that fills the shards itself
+        return True
     if isinstance(target, nn.Module):
         target = type(target)
     if not inspect.isclass(target):
@@ -183,9 +185,31 @@ def supports_meta_init(model_or_factory) -> bool:
             and getattr(target, "supports_sharded_init", False) is True)
 
 
-def materialize(model: nn.Module, device: torch.device | str) -> None:
+def _factory_initialises(factory) -> bool:
+    """A factory object (not a class) that declares ``supports_sharded_init`` and has its own
+    ``init_weights(model)`` (e.g. meshtrain.models.hf.init.HFCausalLM)."""
+    return (not inspect.isclass(factory) and not isinstance(factory, nn.Module)
+            and getattr(factory, "supports_sharded_init", False) is True
+            and callable(getattr(factory, "init_weights", None)))
+
+
+def initializer_of(factory):
+    """The function that fills a model ``factory`` builds once materialised: the factory's own
+    ``init_weights(model)`` when it has one (:func:`_factory_initialises`), else None (the
+    model's ``init_weights()``)."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return factory.init_weights if _factory_initialises(factory) else None
+
+
+def materialize(model: nn.Module, device: torch.device | str, init=None) -> None:
     """Allocate a meta-built model's storage on ``device`` (after :func:`apply_fsdp`: only this
-    rank's shards) and fill it with ``model.init_weights()``; buffers are that method's job too."""
+    rank's shards) and fill it with ``init(model)``, or else ``model.init_weights()``; buffers are
+    that function's job too."""
+    if init is not None:
+        model.to_empty(device=torch.device(device))
+        init(model)
+        return
     if not callable(getattr(model, "init_weights", None)):
         raise ConfigError(
             f"to build on the meta device a model needs init_weights() to fill its parameters "
@@ -205,7 +229,7 @@ def builds_on_meta(layout, meta_init, model, meta_model) -> bool:
 
     on_meta = (layout.is_sharded and meta_init is not False and layout.degree("pp") == 1
                and not isinstance(model, torch.nn.Module) and meta_model is not None
-               and supports_meta_init(meta_model))
+               and (initializer_of(model) is not None or supports_meta_init(meta_model)))
     if meta_init is True and not on_meta:
         raise ConfigError(
             "meta_init=True needs a sharded layout, a model factory (not a built module) "

@@ -168,10 +168,10 @@ def model_factory(config: dict, cfg, seed: int):
         from meshtrain.models.gpt import GPT
 
         return lambda: GPT(cfg, seed=seed)
-    from meshtrain.models.hf import build_seeded
+    from meshtrain.models.hf.init import HFCausalLM
 
     model_class = getattr(_transformers(), type(cfg).__name__.replace("Config", "ForCausalLM"))
-    return lambda: build_seeded(model_class, cfg, seed)
+    return HFCausalLM(model_class, cfg, seed)  # sharded from the start under zero3 / dp_shard
 
 
 def _tokenizer_vocab(tokenizer_path: Path) -> int:

@@ -1,0 +1,109 @@
+"""Hugging Face causal LMs built sharded from the start: a factory whose model is built on the
+meta device and initialised module by module, each module from its own seed, so that every
+layout (one process, dp, zero3, tp...) gets the same values and a rank fills only its shards.
+
+Transformers initialises a model with one pass over its modules drawing from the global random
+stream, after the modules' own constructors have drawn from it too: a rank holding a shard could
+only reproduce those values by generating the whole model's. Here each module's parameters are
+instead drawn by the model class's own ``_init_weights`` (the same distributions: normal with
+``initializer_range``, zero biases, unit norms, RoPE frequencies) from a generator seeded by
+(seed, the module's name), on a full-size temporary copy of that one module; each rank keeps
+its part. Peak memory: this rank's shards plus one module's full parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn as nn
+
+from meshtrain.errors import ConfigError
+
+WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+class HFCausalLM:
+    """A picklable factory: ``model_class(config)`` on the meta device, then (unless the caller
+    builds on meta) allocated and filled by :func:`seeded_init`. meshtrain builds it sharded
+    from the start under a sharded layout (``supports_sharded_init``)."""
+
+    supports_sharded_init = True
+
+    def __init__(self, model_class, config, seed: int = 0):
+        self.model_class, self.config, self.seed = model_class, config, seed
+
+    def __call__(self) -> nn.Module:
+        config = self.config
+        config._attn_implementation = ("sdpa" if getattr(self.model_class, "_supports_sdpa", True)
+                                       else "eager")  # works on CPU, no flash attention needed
+        with torch.device("meta"):
+            model = self.model_class(config)
+        if torch.get_default_device().type == "meta":  # the caller builds on meta
+            return model
+        model.to_empty(device=torch.get_default_device())
+        self.init_weights(model)
+        return model
+
+    def init_weights(self, model: nn.Module) -> None:
+        """Fill ``model``'s (possibly sharded) parameters and buffers: :func:`seeded_init`."""
+        seeded_init(model, self.seed)
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The seed of module ``name``'s parameters (wrapper segments of the name ignored)."""
+    for part in WRAPPER_PARTS:
+        name = name.replace(part, "")
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**63)
+
+
+@torch.no_grad()
+def seeded_init(model: nn.Module, seed: int) -> None:
+    """Initialise every parameter and buffer of ``model`` (a Hugging Face model, plain or with
+    DTensor shards) module by module from :func:`module_seed`, with the model's own
+    ``_init_weights``. A tensor that ``_init_weights`` leaves untouched is refused by name."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    initialise = getattr(model, "_init_weights", None)
+    if not callable(initialise):
+        raise ConfigError(f"{type(model).__name__} has no _init_weights: it is not a Hugging Face "
+                          "model that HFCausalLM can initialise")
+    for name, module in model.named_modules():
+        own = {**{n: t for n, t in module._parameters.items() if t is not None},
+               **{n: t for n, t in module._buffers.items() if t is not None}}
+        if not own:
+            continue
+        full = {n: _blank(t) for n, t in own.items()}
+        saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
+        try:
+            for n in own:
+                if n in module._parameters:
+                    module._parameters[n] = nn.Parameter(full[n], requires_grad=False)
+                else:
+                    module._buffers[n] = full[n]
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(seed, name))
+                initialise(module)
+        finally:
+            module._parameters.update(saved_params)
+            module._buffers.update(saved_buffers)
+        for n, tensor in own.items():
+            values = full[n]
+            if values.is_floating_point() and torch.isnan(values).any():
+                raise ConfigError(f"{type(model).__name__}._init_weights does not initialise "
+                                  f"{name}.{n}; it cannot be built sharded from the start")
+            if isinstance(tensor, DTensor):
+                part = distribute_tensor(values.to(tensor.device), tensor.device_mesh,
+                                         tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(part.to_local())
+            else:
+                tensor.copy_(values)
+
+
+def _blank(tensor: torch.Tensor) -> torch.Tensor:
+    """A full-size CPU stand-in for ``tensor`` (its global shape if sharded): NaN where it is
+    floating point, so that what no initialiser writes shows; an integer buffer keeps 0."""
+    blank = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+    return blank.fill_(math.nan) if blank.is_floating_point() else blank.zero_()

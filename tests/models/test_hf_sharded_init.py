@@ -1,0 +1,81 @@
+"""Hugging Face models built sharded from the start (meshtrain.models.hf.init.HFCausalLM, what
+the causal_lm recipe builds): under zero3 each rank allocates only its shards, filled with the
+values one process gets, so training matches one process; no rank ever holds the whole model."""
+
+import pytest
+import torch
+import transformers
+from parity import adamw_gpt, assert_parity
+
+from meshtrain import Trainer
+from meshtrain.launch.spawn import run_workers
+from meshtrain.models.hf import random_token_data
+from meshtrain.models.hf.init import HFCausalLM, seeded_init
+from meshtrain.observe.peak_rss import PeakRSS
+
+torch.set_num_threads(1)
+
+TINY = transformers.LlamaConfig(vocab_size=32, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=64, max_position_embeddings=16,
+                                tie_word_embeddings=False)
+TINY_LLAMA = HFCausalLM(transformers.LlamaForCausalLM, TINY, seed=0)
+FNS = dict(model_fn=TINY_LLAMA, data_fn=random_token_data, loss_fn=None, optimizer_fn=adamw_gpt)
+
+
+def test_the_factory_gives_the_same_values_every_time_and_on_meta_nothing():
+    first, second = TINY_LLAMA(), TINY_LLAMA()
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert first.model.layers[0].self_attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.2)
+    assert torch.equal(first.model.norm.weight, torch.ones(32))
+    with torch.device("meta"):
+        assert next(TINY_LLAMA().parameters()).is_meta
+    other = HFCausalLM(transformers.LlamaForCausalLM, TINY, seed=1)()
+    assert not torch.equal(other.lm_head.weight, first.lm_head.weight)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", ["zero3=2", "tp=2"])
+def test_layouts_match_one_process(layout):
+    assert_parity(layout, 2, steps=6, global_batch_size=8, fns=FNS)
+
+
+def test_a_module_its_init_leaves_untouched_is_refused():
+    model = TINY_LLAMA()
+    model.model.extra = torch.nn.Module()
+    model.model.extra.register_parameter("w", torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(Exception, match="does not initialise model.extra.w"):
+        seeded_init(model, 0)
+
+
+# A Llama of 213M parameters (850 MB in fp32) whose layers, not its vocabulary, hold most of it.
+MEDIUM = transformers.LlamaConfig(vocab_size=4096, hidden_size=1024, num_hidden_layers=16,
+                                  num_attention_heads=8, num_key_value_heads=8,
+                                  intermediate_size=2816, max_position_embeddings=16,
+                                  tie_word_embeddings=False)
+
+
+def _setup_peak(layout):
+    from conftest import end_together
+
+    factory = HFCausalLM(transformers.LlamaForCausalLM, MEDIUM, seed=0)
+    options = dict(layout=layout, max_steps=1, global_batch_size=2, loggers=(),
+                   progress_bar=False, save_final_checkpoint=False, resume=None)
+    data = random_token_data(num_samples=4, seq_len=8, vocab_size=4096)
+    # the same set-up on the tiny model first: imports and the process group are not counted
+    Trainer(**options).prepare(TINY_LLAMA, random_token_data(), optimizer=adamw_gpt)
+    trainer = Trainer(**options)
+    with PeakRSS() as peak:
+        trainer.prepare(factory, data, optimizer=adamw_gpt)
+    with torch.device("meta"):
+        whole = sum(p.numel() * 4 for p in factory().parameters())
+    return end_together((peak.bytes, whole))
+
+
+@pytest.mark.timeout(240)
+def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (peak0, whole), (peak1, _) = run_workers(_setup_peak, 2, ("zero3=2",), timeout=200)
+    assert whole > 800e6
+    assert max(peak0, peak1) <= 0.6 * whole, (peak0, peak1, whole)
