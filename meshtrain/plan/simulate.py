@@ -77,23 +77,13 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
     (AdamW in fp32: 8) plus ``optimizer_bytes_per_tensor`` per trainable parameter tensor
     (AdamW's ``step`` counter), divided over the ``dp`` ranks under ZeRO-1 (which splits whole
     parameters, so a rank's real share may differ)."""
-    from meshtrain.parallel.pipeline_engine import PipelineOptions
-
     start = time.perf_counter()
     spec = layout
     layout = Layout.parse(spec, world_size or _world_of(spec))
     if layout.num_servers:
         raise ConfigError("simulate builds mesh layouts; parameter servers (ps=S) hold the whole "
                           "model on each server: size them with the model's own bytes")
-    if options is None:  # as the Trainer makes them (Hugging Face models: their own plans)
-        from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_tp_plans
-
-        options = ParallelOptions(tp_plan=hf_tp_plans(layout.degree("tp"), False, False),
-                                  context_parallel=hf_cp_support, loss_items=hf_loss_items)
-    if pipeline is None:
-        from meshtrain.models.hf import hf_pp_support
-
-        pipeline = PipelineOptions(adapter=hf_pp_support)
+    options, pipeline = _default_options(layout, options, pipeline)
     with fake_world(layout.world_size, rank):
         mesh = ParallelMesh(layout, "cpu")
         with torch.device("meta"):
@@ -112,6 +102,23 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
                      params=sum(n * size for n, size, _ in local),
                      grads=sum(n * size for n, size, grad in local if grad),
                      optimizer=optimizer, seconds=time.perf_counter() - start)
+
+
+def _default_options(layout: Layout, options, pipeline):
+    """``options`` and ``pipeline``, or as the Trainer makes them (Hugging Face models: their
+    own plans)."""
+    from meshtrain.parallel.pipeline_engine import PipelineOptions
+
+    if options is None:
+        from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_tp_plans
+
+        options = ParallelOptions(tp_plan=hf_tp_plans(layout.degree("tp"), False, False),
+                                  context_parallel=hf_cp_support, loss_items=hf_loss_items)
+    if pipeline is None:
+        from meshtrain.models.hf import hf_pp_support
+
+        pipeline = PipelineOptions(adapter=hf_pp_support)
+    return options, pipeline
 
 
 def _world_of(spec) -> int:
