@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from meshtrain.parallel.layout import Layout
-from meshtrain.plan.simulate import RankState, _world_of, fake_world
+from meshtrain.plan.simulate import RankState, world_of, fake_world
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class ModelStateSizes:
 
     def rank(self, layout: str | Layout, rank: int, *, world_size: int | None = None) -> RankState:
         start = time.perf_counter()
-        layout = Layout.parse(layout, world_size or _world_of(layout))
+        layout = Layout.parse(layout, world_size or world_of(layout))
         coords = dict(zip(layout.axis_names, _unravel(rank, layout.mesh_shape)))
         tp = layout.degree("tp")
         tp_dims = self._tp_dims_for(tp) if tp > 1 else {}
@@ -94,7 +94,7 @@ class ModelStateSizes:
         if tp not in self._tp_dims:
             from torch.distributed.tensor import DTensor, Shard
 
-            from meshtrain.plan.simulate import _default_options, _this_ranks_modules
+            from meshtrain.plan.simulate import default_options, this_ranks_modules
 
             layout = Layout.parse(f"tp={tp}", tp)
             with fake_world(tp, 0):
@@ -103,8 +103,8 @@ class ModelStateSizes:
                 mesh = ParallelMesh(layout, "cpu")
                 with torch.device("meta"):
                     model = self.factory()
-                options, pipeline = _default_options(layout, self.options, self.pipeline)
-                (module,) = _this_ranks_modules(model, mesh, options, pipeline)
+                options, pipeline = default_options(layout, self.options, self.pipeline)
+                (module,) = this_ranks_modules(model, mesh, options, pipeline)
                 dims = {}
                 for name, param in module.named_parameters():
                     shard = [pl for pl in param.placements if isinstance(pl, Shard)] \
@@ -118,10 +118,10 @@ class ModelStateSizes:
         from meshtrain.parallel.partition import partition_blocks
         from meshtrain.parallel.pipeline import pipeline_blocks, rank_stages, split_model
         from meshtrain.parallel.pipeline_engine import pipeline_adapter
-        from meshtrain.plan.simulate import _default_options
+        from meshtrain.plan.simulate import default_options
 
         pp = layout.degree("pp")
-        _, pipeline = _default_options(layout, self.options, self.pipeline)
+        _, pipeline = default_options(layout, self.options, self.pipeline)
         key = (pp, pipeline.stages_per_rank, pipeline.schedule, tuple(pipeline.split_points or ()))
         if key not in self._stages:
             num_stages = pp * pipeline.stages_per_rank

@@ -79,17 +79,17 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
     parameters, so a rank's real share may differ)."""
     start = time.perf_counter()
     spec = layout
-    layout = Layout.parse(spec, world_size or _world_of(spec))
+    layout = Layout.parse(spec, world_size or world_of(spec))
     if layout.num_servers:
         raise ConfigError("simulate builds mesh layouts; parameter servers (ps=S) hold the whole "
                           "model on each server: size them with the model's own bytes")
-    options, pipeline = _default_options(layout, options, pipeline)
+    options, pipeline = default_options(layout, options, pipeline)
     with fake_world(layout.world_size, rank):
         mesh = ParallelMesh(layout, "cpu")
         with torch.device("meta"):
             whole = model()
         num_params = sum(p.numel() for p in whole.parameters())
-        modules = _this_ranks_modules(whole, mesh, options, pipeline)
+        modules = this_ranks_modules(whole, mesh, options, pipeline)
         params = [p for m in modules for p in m.parameters()]
     local = [(local_tensor(p).numel(), p.element_size(), p.requires_grad) for p in params]
     trainable = sum(n for n, _, grad in local if grad)
@@ -104,7 +104,7 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
                      optimizer=optimizer, seconds=time.perf_counter() - start)
 
 
-def _default_options(layout: Layout, options, pipeline):
+def default_options(layout: Layout, options, pipeline):
     """``options`` and ``pipeline``, or as the Trainer makes them (Hugging Face models: their
     own plans)."""
     from meshtrain.parallel.pipeline_engine import PipelineOptions
@@ -121,7 +121,7 @@ def _default_options(layout: Layout, options, pipeline):
     return options, pipeline
 
 
-def _world_of(spec) -> int:
+def world_of(spec) -> int:
     """The world size a layout string names (the product of its degrees)."""
     if isinstance(spec, Layout):
         return spec.world_size
@@ -134,7 +134,7 @@ def _world_of(spec) -> int:
     return size
 
 
-def _this_ranks_modules(model, mesh: ParallelMesh, options, pipeline) -> list[torch.nn.Module]:
+def this_ranks_modules(model, mesh: ParallelMesh, options, pipeline) -> list[torch.nn.Module]:
     """The module(s) this rank holds once the layout is applied: the model, or its stages."""
     cpu = torch.device("cpu")
     if mesh.layout.degree("pp") == 1:
