@@ -21,6 +21,8 @@ TINY = transformers.LlamaConfig(vocab_size=32, hidden_size=32, num_hidden_layers
                                 tie_word_embeddings=False)
 TINY_LLAMA = HFCausalLM(transformers.LlamaForCausalLM, TINY, seed=0)
 FNS = dict(model_fn=TINY_LLAMA, data_fn=random_token_data, loss_fn=None, optimizer_fn=adamw_gpt)
+TIED = HFCausalLM(transformers.LlamaForCausalLM, TINY.__class__(**{
+    **TINY.to_dict(), "tie_word_embeddings": True}), seed=0)
 
 
 def test_the_factory_gives_the_same_values_every_time_and_on_meta_nothing():
@@ -39,6 +41,14 @@ def test_the_factory_gives_the_same_values_every_time_and_on_meta_nothing():
 @pytest.mark.parametrize("layout", ["zero3=2", "tp=2"])
 def test_layouts_match_one_process(layout):
     assert_parity(layout, 2, steps=6, global_batch_size=8, fns=FNS)
+
+
+@pytest.mark.timeout(240)
+def test_tied_embeddings_stay_tied_and_match_one_process():
+    model = TIED()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not TIED.supports_sharded_init  # built whole under zero3, with the same values
+    assert_parity("zero3=2", 2, steps=6, global_batch_size=8, fns=dict(FNS, model_fn=TIED))
 
 
 def test_a_module_its_init_leaves_untouched_is_refused():

@@ -29,10 +29,15 @@ class HFCausalLM:
     builds on meta) allocated and filled by :func:`seeded_init`. meshtrain builds it sharded
     from the start under a sharded layout (``supports_sharded_init``)."""
 
-    supports_sharded_init = True
-
     def __init__(self, model_class, config, seed: int = 0):
         self.model_class, self.config, self.seed = model_class, config, seed
+
+    @property
+    def supports_sharded_init(self) -> bool:
+        """Built on meta under a sharded layout? Not with tied embeddings: materialising a
+        sharded model unties them, and re-tying after FSDP would bypass its bookkeeping (such a
+        model is built whole on every rank, with the same values)."""
+        return not getattr(self.config, "tie_word_embeddings", False)
 
     def __call__(self) -> nn.Module:
         config = self.config
@@ -43,6 +48,7 @@ class HFCausalLM:
         if torch.get_default_device().type == "meta":  # the caller builds on meta
             return model
         model.to_empty(device=torch.get_default_device())
+        model.tie_weights()  # to_empty gives tied parameters storage of their own
         self.init_weights(model)
         return model
 
