@@ -163,7 +163,7 @@ class GPT(nn.Module):
         only its own part, so the sharded model equals the unsharded one. On the meta device
         (no storage yet) there is nothing to fill and this returns at once.
         """
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        from meshtrain.parallel.fully_shard import copy_full_into
 
         seed = getattr(self, "_init_seed", 0) if seed is None else seed
         self._init_seed = seed
@@ -182,14 +182,7 @@ class GPT(nn.Module):
                 is_residual = name.endswith(("attn.wo.weight", "mlp.fc_out.weight"))
                 std = residual_std if is_residual else INIT_STD
                 values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-                values = values * std
-                if isinstance(param, DTensor):
-                    # Every rank holds the same full values: split them locally, no comms.
-                    part = distribute_tensor(values.to(param.device), param.device_mesh,
-                                             param.placements, src_data_rank=None)
-                    param.to_local().copy_(part.to_local())
-                else:
-                    param.copy_(values)
+                copy_full_into(param, values * std)  # a shard keeps its part
 
     # -- tensor parallel: the model supplies its own plan (meshtrain/models/gpt_plan.py) --------
     def tp_plan(self, tp_degree: int, *, sequence_parallel: bool = False,

@@ -202,6 +202,20 @@ def initializer_of(factory):
     return factory.init_weights if _factory_initialises(factory) else None
 
 
+@torch.no_grad()
+def copy_full_into(tensor: torch.Tensor, values: torch.Tensor) -> None:
+    """Copy ``values`` (the whole tensor, the same on every rank) into ``tensor``: a DTensor keeps
+    its own part (split locally, no communication), a plain tensor takes them all."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(tensor, DTensor):
+        part = distribute_tensor(values.to(tensor.device), tensor.device_mesh, tensor.placements,
+                                 src_data_rank=None)
+        tensor.to_local().copy_(part.to_local())
+    else:
+        tensor.copy_(values)
+
+
 def materialize(model: nn.Module, device: torch.device | str, init=None) -> None:
     """Allocate a meta-built model's storage on ``device`` (after :func:`apply_fsdp`: only this
     rank's shards) and fill it with ``init(model)``, or else ``model.init_weights()``; buffers are

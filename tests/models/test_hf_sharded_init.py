@@ -89,3 +89,17 @@ def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch):
     (peak0, whole), (peak1, _) = run_workers(_setup_peak, 2, ("zero3=2",), timeout=200)
     assert whole > 800e6
     assert max(peak0, peak1) <= 0.6 * whole, (peak0, peak1, whole)
+
+
+def test_an_init_that_writes_its_submodules_is_kept_but_not_sharded():
+    """GPT-2's attention and MLP rescale their c_proj after it is initialised (1/sqrt(2 n_layer)):
+    kept, children first as Transformers does, on a model built whole; such a model is not
+    built shard by shard."""
+    config = transformers.GPT2Config(vocab_size=32, n_embd=64, n_layer=8, n_head=4, n_positions=16,
+                                     tie_word_embeddings=False)
+    factory = HFCausalLM(transformers.GPT2LMHeadModel, config, seed=0)
+    model = factory()
+    scaled = model.transformer.h[0].attn.c_proj.weight.std().item()
+    plain = model.transformer.h[0].attn.c_attn.weight.std().item()
+    assert scaled == pytest.approx(0.02 / 4, rel=0.2) and plain == pytest.approx(0.02, rel=0.2)
+    assert not factory.supports_sharded_init and TINY_LLAMA.supports_sharded_init

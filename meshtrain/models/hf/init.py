@@ -34,10 +34,16 @@ class HFCausalLM:
 
     @property
     def supports_sharded_init(self) -> bool:
-        """Built on meta under a sharded layout? Not with tied embeddings: materialising a
-        sharded model unties them, and re-tying after FSDP would bypass its bookkeeping (such a
-        model is built whole on every rank, with the same values)."""
-        return not getattr(self.config, "tie_word_embeddings", False)
+        """Built on meta under a sharded layout? Not with tied embeddings (materialising a
+        sharded model unties them, and re-tying after FSDP would bypass its bookkeeping), nor
+        when a module's ``_init_weights`` writes its children's tensors (GPT-2). Such a model
+        is built whole on every rank, with the same values."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            return False
+        if not hasattr(self, "_reaching"):
+            with torch.device("meta"):
+                self._reaching = seeded_init(self(), self.seed, dry_run=True)
+        return not self._reaching
 
     def __call__(self) -> nn.Module:
         config = self.config
@@ -66,22 +72,28 @@ def module_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def seeded_init(model: nn.Module, seed: int) -> None:
+def seeded_init(model: nn.Module, seed: int, *, dry_run: bool = False) -> list[str]:
     """Initialise every parameter and buffer of ``model`` (a Hugging Face model, plain or with
     DTensor shards) module by module from :func:`module_seed`, with the model's own
-    ``_init_weights``. A tensor that ``_init_weights`` leaves untouched is refused by name."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    ``_init_weights``, children before their parent as Transformers does. Returns the modules
+    whose ``_init_weights`` also writes their children's tensors (GPT-2's attention and MLP
+    rescale their ``c_proj``): fine on whole tensors, refused on shards. A tensor that
+    ``_init_weights`` leaves untouched is refused by name. ``dry_run`` (a meta-device model):
+    only find those modules."""
+    from meshtrain.parallel.fully_shard import copy_full_into
 
     initialise = getattr(model, "_init_weights", None)
     if not callable(initialise):
         raise ConfigError(f"{type(model).__name__} has no _init_weights: it is not a Hugging Face "
                           "model that HFCausalLM can initialise")
-    for name, module in model.named_modules():
+    reaching = []
+    for name, module in _children_first(model):
         own = {**{n: t for n, t in module._parameters.items() if t is not None},
                **{n: t for n, t in module._buffers.items() if t is not None}}
-        if not own:
-            continue
-        full = {n: _blank(t) for n, t in own.items()}
+        mine = {id(t) for t in own.values()}
+        others = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in mine]
+        versions = [t._version for t in others]
+        full = {n: _blank(t, meta=dry_run) for n, t in own.items()}
         saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
         try:
             for n in own:
@@ -95,21 +107,39 @@ def seeded_init(model: nn.Module, seed: int) -> None:
         finally:
             module._parameters.update(saved_params)
             module._buffers.update(saved_buffers)
+        if any(t._version != v for t, v in zip(others, versions)):
+            reaching.append(name)
+            if any(_is_sharded(t) for t in others):
+                raise ConfigError(f"{type(model).__name__}._init_weights({name or 'the model'}) "
+                                  "writes its submodules' tensors: it cannot be initialised "
+                                  "shard by shard; build the model whole (meta_init=False)")
+        if dry_run:
+            continue
         for n, tensor in own.items():
-            values = full[n]
-            if values.is_floating_point() and torch.isnan(values).any():
+            if full[n].is_floating_point() and torch.isnan(full[n]).any():
                 raise ConfigError(f"{type(model).__name__}._init_weights does not initialise "
                                   f"{name}.{n}; it cannot be built sharded from the start")
-            if isinstance(tensor, DTensor):
-                part = distribute_tensor(values.to(tensor.device), tensor.device_mesh,
-                                         tensor.placements, src_data_rank=None)
-                tensor.to_local().copy_(part.to_local())
-            else:
-                tensor.copy_(values)
+            copy_full_into(tensor, full[n])
+    return reaching
 
 
-def _blank(tensor: torch.Tensor) -> torch.Tensor:
+def _children_first(module: nn.Module, prefix: str = ""):
+    """(name, module) of ``module``'s tree, each module after its children."""
+    for child_name, child in module.named_children():
+        yield from _children_first(child, f"{prefix}.{child_name}" if prefix else child_name)
+    yield prefix, module
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _blank(tensor: torch.Tensor, meta: bool = False) -> torch.Tensor:
     """A full-size CPU stand-in for ``tensor`` (its global shape if sharded): NaN where it is
     floating point, so that what no initialiser writes shows; an integer buffer keeps 0."""
-    blank = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+    blank = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta" if meta else "cpu")
+    if meta:
+        return blank
     return blank.fill_(math.nan) if blank.is_floating_point() else blank.zero_()
