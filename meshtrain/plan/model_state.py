@@ -81,8 +81,8 @@ class ModelStateSizes:
         optimizer = self.per_param * trainable + self.per_tensor * count_trainable
         if layout.zero_stage == 1:
             optimizer = -(-optimizer // layout.degree("dp"))
-        return RankState(str(layout), layout.world_size, rank, self.num_params,
-                         local_params=sum(n for n, _, _ in local),
+        return RankState(layout=str(layout), world_size=layout.world_size, rank=rank,
+                         num_params=self.num_params, local_params=sum(n for n, _, _ in local),
                          params=sum(n * size for n, size, _ in local),
                          grads=sum(n * size for n, size, t in local if t),
                          optimizer=optimizer, seconds=time.perf_counter() - start)

@@ -23,29 +23,23 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.errors import ConfigError
-from meshtrain.observe.zero_formulas import local_tensor
+from meshtrain.observe.zero_formulas import ModelStateBytes, local_tensor
 from meshtrain.parallel.apply import ParallelOptions, parallelize
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelMesh
 
 
-@dataclasses.dataclass(frozen=True)
-class RankState:
-    """One rank's model state in a simulated world (bytes), and what it took to build."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankState(ModelStateBytes):
+    """One rank's model state in a simulated world (bytes: ``params``, ``grads``, ``optimizer``,
+    ``total``), and what it took to build."""
 
     layout: str
     world_size: int
     rank: int
     num_params: int  # the whole model's parameter elements
     local_params: int  # elements stored on this rank
-    params: int
-    grads: int
-    optimizer: int
     seconds: float
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
 
 
 @contextlib.contextmanager
@@ -97,8 +91,8 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
                  + optimizer_bytes_per_tensor * sum(1 for _, _, grad in local if grad))
     if layout.zero_stage == 1:
         optimizer = -(-optimizer // layout.degree("dp"))
-    return RankState(str(layout), layout.world_size, rank, num_params,
-                     local_params=sum(n for n, _, _ in local),
+    return RankState(layout=str(layout), world_size=layout.world_size, rank=rank,
+                     num_params=num_params, local_params=sum(n for n, _, _ in local),
                      params=sum(n * size for n, size, _ in local),
                      grads=sum(n * size for n, size, grad in local if grad),
                      optimizer=optimizer, seconds=time.perf_counter() - start)
