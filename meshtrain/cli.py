@@ -15,6 +15,8 @@
         that loads safely (docs/security.md)
     meshtrain bench comm --devices N [--json FILE]           collectives' time and bus bandwidth
         (1 KiB-256 MiB) on N local processes, or on a launcher's world
+    meshtrain plan MODEL --cluster 8xH100 --nodes N --global-batch B --seq-len S [--json FILE]
+        every legal layout ranked by estimated step time, with memory; why the others are refused
     meshtrain prepare INPUT... --out DIR (--tokenizer tokenizer.json | --train-tokenizer N)
         text / JSON lines -> memory-mapped token shards for the causal_lm recipe
     meshtrain --version
@@ -86,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             from meshtrain.plan.bench_comm import main as bench_comm
 
             return bench_comm(rest[1:])
+        if command == "plan":
+            from meshtrain.plan.planner import main as plan
+
+            return plan(rest)
         if command == "prepare":
             from meshtrain.data.prepare import main as prepare
 
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             return slurm(rest)
         raise ConfigError(
             f"unknown command {command!r}; commands: train, lr-find, memory, parity, run, slurm, "
-            "export, upgrade-checkpoint, bench, prepare (see --help)"
+            "export, upgrade-checkpoint, bench, plan, prepare (see --help)"
         )
     except ConfigError as error:
         print(f"meshtrain: error: {error}", file=sys.stderr)

@@ -1,2 +1,2 @@
-"""Knowing a job before it runs: measured communication (`meshtrain bench comm`), and next the
-estimates, simulated worlds and planner that read it."""
+"""Knowing a job before it runs: measured communication (`meshtrain bench comm`), simulated
+worlds, per-rank memory and step-time estimates, and the planner (`meshtrain plan`)."""

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from meshtrain.errors import ConfigError
 from meshtrain.parallel.layout import Layout
 from meshtrain.plan.simulate import RankState, world_of, fake_world
 
@@ -55,15 +56,20 @@ class ModelStateSizes:
                        for n, p in whole.named_parameters()]
         self.num_params = sum(math.prod(p.shape) for p in self.params)
         self._tp_dims: dict[int, dict[str, int | None]] = {}
-        self._stages: dict[tuple, list[set[str]]] = {}
+        self._stages: dict[tuple, list[int]] = {}  # split points per pipeline
+        self._roles = None
 
-    def rank(self, layout: str | Layout, rank: int, *, world_size: int | None = None) -> RankState:
+    def rank(self, layout: str | Layout, rank: int, *, world_size: int | None = None,
+             pipeline=None) -> RankState:
+        """``rank``'s model state under ``layout`` (``pipeline``: PipelineOptions, for the
+        schedule and stages per rank; default: the one given at construction)."""
         start = time.perf_counter()
         layout = Layout.parse(layout, world_size or world_of(layout))
         coords = dict(zip(layout.axis_names, _unravel(rank, layout.mesh_shape)))
         tp = layout.degree("tp")
         tp_dims = self._tp_dims_for(tp) if tp > 1 else {}
-        names = self._stage_names(layout, coords.get("pp", 0)) if layout.degree("pp") > 1 else None
+        names = self._stage_names(layout, coords.get("pp", 0), pipeline) \
+            if layout.degree("pp") > 1 else None
         shards, shard_index = self._sharding(layout, coords)
         local, count_trainable = [], 0
         for p in self.params:
@@ -113,32 +119,56 @@ class ModelStateSizes:
             self._tp_dims[tp] = dims
         return self._tp_dims[tp]
 
-    def _stage_names(self, layout: Layout, pp_rank: int) -> set[str]:
-        """The parameter names pipeline rank ``pp_rank``'s stages hold."""
+    def _stage_names(self, layout: Layout, pp_rank: int, pipeline=None) -> set[str]:
+        """The parameter names pipeline rank ``pp_rank``'s stages hold: the blocks of its stages
+        (split as the Trainer splits them), the embedding on the first and the head on the last."""
         from meshtrain.parallel.partition import partition_blocks
-        from meshtrain.parallel.pipeline import pipeline_blocks, rank_stages, split_model
-        from meshtrain.parallel.pipeline_engine import pipeline_adapter
+        from meshtrain.parallel.pipeline import rank_stages
         from meshtrain.plan.simulate import default_options
 
         pp = layout.degree("pp")
-        _, pipeline = default_options(layout, self.options, self.pipeline)
-        key = (pp, pipeline.stages_per_rank, pipeline.schedule, tuple(pipeline.split_points or ()))
+        _, pipeline = default_options(layout, self.options, pipeline or self.pipeline)
+        blocks, block_names, first, last = self._pipeline_roles(pipeline)
+        num_stages = pp * pipeline.stages_per_rank
+        key = (num_stages, tuple(pipeline.split_points or ()))
         if key not in self._stages:
-            num_stages = pp * pipeline.stages_per_rank
-            stages = []
-            for index in range(num_stages):
+            self._stages[key] = partition_blocks(blocks, num_stages, balance="params",
+                                                 split_points=pipeline.split_points)
+        bounds = [0, *self._stages[key], len(blocks)]
+        names: set[str] = set()
+        for i in rank_stages(pp_rank, pp, pipeline.stages_per_rank, pipeline.schedule):
+            names = names.union(*block_names[bounds[i]:bounds[i + 1]])
+            names |= (first if i == 0 else set()) | (last if i == num_stages - 1 else set())
+        return names
+
+    def _pipeline_roles(self, pipeline):
+        """(the whole model's blocks, each block's parameter names, the names only the first
+        stage holds besides its blocks, those only the last holds): from the model's own split
+        into two stages, learned once."""
+        if self._roles is None:
+            from meshtrain.parallel.pipeline import pipeline_blocks, split_model
+            from meshtrain.parallel.pipeline_engine import pipeline_adapter
+
+            def stage(index: int | None):
                 with torch.device("meta"):
                     model = self.factory()
                 adapter = pipeline_adapter(model, pipeline)
-                blocks_of = adapter.blocks if adapter is not None else pipeline_blocks
-                split = partition_blocks(blocks_of(model), num_stages, balance="params",
-                                         split_points=pipeline.split_points)
-                stage = (adapter.split if adapter is not None else split_model)(model, split, index)
-                stages.append({n for n, _ in stage.named_parameters()})
-            self._stages[key] = stages
-        stages = self._stages[key]
-        indices = rank_stages(pp_rank, pp, pipeline.stages_per_rank, pipeline.schedule)
-        return set().union(*(stages[i] for i in indices))
+                blocks = (adapter.blocks if adapter is not None else pipeline_blocks)(model)
+                if index is None:
+                    return model, blocks
+                split = (adapter.split if adapter is not None else split_model)
+                return {n for n, _ in split(model, [len(blocks) // 2], index).named_parameters()}
+
+            whole, blocks = stage(None)
+            if len(blocks) < 2:
+                raise ConfigError(f"the model has {len(blocks)} block(s): a pipeline needs two "
+                                  "or more; drop pp")
+            prefix = {id(m): n for n, m in whole.named_modules()}
+            block_names = [{f"{prefix[id(b)]}.{n}" for n, _ in b.named_parameters()}
+                           for b in blocks]
+            every_block = set().union(*block_names)
+            self._roles = (blocks, block_names, stage(0) - every_block, stage(1) - every_block)
+        return self._roles
 
     @staticmethod
     def _sharding(layout: Layout, coords: dict) -> tuple[int, int]:

@@ -98,7 +98,7 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
                      optimizer=optimizer, seconds=time.perf_counter() - start)
 
 
-def default_options(layout: Layout, options, pipeline):
+def default_options(layout: Layout, options, pipeline, *, sequence_parallel: bool = False):
     """``options`` and ``pipeline``, or as the Trainer makes them (Hugging Face models: their
     own plans)."""
     from meshtrain.parallel.pipeline_engine import PipelineOptions
@@ -106,7 +106,9 @@ def default_options(layout: Layout, options, pipeline):
     if options is None:
         from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_tp_plans
 
-        options = ParallelOptions(tp_plan=hf_tp_plans(layout.degree("tp"), False, False),
+        options = ParallelOptions(tp_plan=hf_tp_plans(layout.degree("tp"), sequence_parallel,
+                                                      False),
+                                  sequence_parallel=sequence_parallel,
                                   context_parallel=hf_cp_support, loss_items=hf_loss_items)
     if pipeline is None:
         from meshtrain.models.hf import hf_pp_support

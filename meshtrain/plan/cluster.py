@@ -1,0 +1,151 @@
+"""The machines a plan is for: devices, their memory and speed, and how fast their links are.
+
+Presets (``Cluster.preset("8xH100", nodes=8)``) state published peaks times a stated efficiency;
+``"this-machine"`` is measured here: a matmul probe for compute and ``meshtrain bench comm``'s
+JSON (``benchmarks/results/bench_comm.json`` or ``--comm FILE``) for communication.
+
+Communication time of a collective on ``n`` ranks moving ``size`` bytes (nccl-tests' sizes) is
+``latency + size * bus_factor(op, n) / bus_bandwidth``: the link's bandwidth for tp/cp inside a
+node, the inter-node one as soon as the group crosses nodes. From a measured table the time is
+read at the measured size instead (interpolated) and scaled by the bus factor to ``n`` ranks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from meshtrain.errors import ConfigError
+from meshtrain.plan.bench_comm import bus_factor
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    name: str
+    nodes: int
+    devices_per_node: int
+    memory: int  # bytes per device
+    flops: float  # achieved FLOP/s per device at training shapes (peak x efficiency)
+    intra_bw: float  # bus bandwidth inside a node, bytes/s
+    inter_bw: float  # bus bandwidth across nodes, bytes/s
+    latency: float  # seconds per collective (intra; inter: 2x)
+    reserved: int  # bytes per device the framework, runtime and allocator take besides tensors
+    overlap: float  # fraction of compute time data-parallel collectives can hide behind
+    memory_bw: float  # device memory bandwidth, bytes/s (the optimizer step)
+    dtype: str = "bf16-mixed"  # the precision jobs on it train in
+    comm_table: dict | None = None  # {op: [(bytes, seconds)]} at table_ranks, measured
+    table_ranks: int = 2
+    peak_note: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def comm_seconds(self, op: str, size: float, ranks: int, *, crosses_nodes: bool) -> float:
+        if ranks <= 1 or size <= 0:
+            return 0.0
+        if self.comm_table and op in self.comm_table:
+            measured = _interpolate(self.comm_table[op], size)
+            return measured * bus_factor(op, ranks) / bus_factor(op, self.table_ranks)
+        bandwidth, latency = (self.inter_bw, 2 * self.latency) if crosses_nodes else \
+            (self.intra_bw, self.latency)
+        return latency + size * bus_factor(op, ranks) / bandwidth
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, *, nodes: int = 1, comm: str | Path | None = None,
+               processes: int | None = None) -> Cluster:
+        name = name.lower()
+        if name not in PRESETS and name != "this-machine":
+            raise ConfigError(f"unknown cluster preset {name!r}; choose one of "
+                              f"{', '.join([*PRESETS, 'this-machine'])}")
+        if nodes < 1:
+            raise ConfigError(f"nodes must be at least 1, got {nodes}")
+        if name == "this-machine":
+            return this_machine(processes or 2, comm)
+        return dataclasses.replace(PRESETS[name], nodes=nodes)
+
+
+def _interpolate(rows: list[tuple[int, float]], size: float) -> float:
+    """Seconds at ``size`` from measured (bytes, seconds) rows: linear between neighbours,
+    linear in size past the largest, the smallest's time below it."""
+    sizes = [b for b, _ in rows]
+    i = bisect.bisect_left(sizes, size)
+    if i == 0:
+        return rows[0][1]
+    if i == len(rows):
+        (b0, t0), (b1, t1) = rows[-2], rows[-1]
+        return t1 + (size - b1) * (t1 - t0) / (b1 - b0)
+    (b0, t0), (b1, t1) = rows[i - 1], rows[i]
+    return t0 + (size - b0) * (t1 - t0) / (b1 - b0)
+
+
+_H100 = dict(devices_per_node=8, flops=989e12 * 0.40, intra_bw=360e9, inter_bw=45e9,
+             latency=15e-6, reserved=4 * GIB, overlap=0.8, memory_bw=3.35e12)
+#: Published peaks: H100 SXM 989 TFLOP/s dense bf16, 80 GB, 3.35 TB/s; H200 141 GB, 4.8 TB/s;
+#: NVLink 4 900 GB/s per GPU (360 GB/s taken as nccl-tests' all-reduce bus bandwidth on 8
+#: GPUs); 8 x 400 Gb/s InfiniBand per node (45 GB/s bus bandwidth per GPU across nodes).
+#: Efficiency 40 % of peak (torchtitan reports 38-43 % MFU for Llama 3 8B-70B on H100s).
+PRESETS = {
+    "8xh100": Cluster("8xH100", 1, memory=80 * 10 ** 9, **_H100,
+                      peak_note="H100 SXM: 989 TFLOP/s bf16 x 40 %, 80 GB"),
+    "8xh200": Cluster("8xH200", 1, memory=141 * 10 ** 9,
+                      **{**_H100, "memory_bw": 4.8e12},
+                      peak_note="H200 SXM: 989 TFLOP/s bf16 x 40 %, 141 GB"),
+}
+
+
+def this_machine(processes: int, comm: str | Path | None = None) -> Cluster:
+    """This machine running ``processes`` CPU processes of one torch thread each: compute from
+    a matmul probe (shared by the processes when they outnumber the cores), communication from
+    a ``meshtrain bench comm`` table."""
+    cores = len(os.sched_getaffinity(0))
+    path = Path(comm) if comm else Path(__file__).parents[2] / "benchmarks/results/bench_comm.json"
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist: measure this machine's collectives first with "
+                          f"`meshtrain bench comm --devices 2 --json {path}`")
+    data = json.loads(path.read_text())
+    table: dict[str, list] = {}
+    for row in data["rows"]:
+        table.setdefault(row["op"], []).append((row["bytes"], row["seconds"]))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    flops = matmul_flops() * min(1.0, cores / processes)
+    return Cluster("this-machine", 1, processes, memory=memory // processes, flops=flops,
+                   intra_bw=1e9, inter_bw=1e9, latency=1e-4, reserved=0, overlap=0.0,
+                   memory_bw=5e9 * min(1.0, cores / processes), dtype="fp32",
+                   comm_table={op: sorted(rows) for op, rows in table.items()},
+                   table_ranks=data["world_size"],
+                   peak_note=f"{cores} cores, fp32 matmul probe, {path.name}")
+
+
+def matmul_flops(size: int = 512, seconds: float = 0.3) -> float:
+    """fp32 FLOP/s of one thread on a ``size`` x ``size`` matmul, measured."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            count += 1
+        return 2 * size ** 3 * count / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def fits(size: int, cluster: Cluster) -> bool:
+    return size + cluster.reserved <= cluster.memory
+
+
+def gib(size: float) -> str:
+    return f"{size / GIB:.1f}" if size < 100 * GIB else f"{math.ceil(size / GIB)}"

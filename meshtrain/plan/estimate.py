@@ -1,0 +1,247 @@
+"""Memory per device and step time of one layout, before anything runs.
+
+Memory (the worst pipeline rank): model state from :class:`ModelStateSizes` (exact per rank);
+activations from the model's own forward probed on meta (:mod:`meshtrain.plan.probe`), times
+the micro-batch and the micro-batches a pipeline schedule keeps in flight (none: 1; GPipe: all;
+1F1B: ``pp - rank``; interleaved: torch's warm-up count of chunks); the buffers FSDP gathers
+(zero3: the block in use and the one prefetched; zero2: the whole stage, kept from forward to
+backward; unsharded gradients while accumulating); the largest transient (the loss's gradient,
+or a block recomputed under checkpointing); and the cluster's ``reserved`` allowance.
+
+Step time: each micro-batch's FLOPs (probed, with the recomputation checkpointing adds) at the
+cluster's achieved FLOP/s plus its tensor/context-parallel collectives (exposed) and pipeline
+sends; a pipeline runs ``m + (pp - 1) / v`` micro-batch slots (the bubble); data-parallel
+collectives hide behind ``overlap`` of the compute; the optimizer step streams its state once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.layout import Layout
+from meshtrain.plan.cluster import Cluster
+from meshtrain.plan.model_state import ModelStateSizes
+from meshtrain.plan.model_spec import ModelSpec
+from meshtrain.plan.probe import Probe, probe_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to run the job: a layout and the settings that change its cost."""
+
+    layout: str
+    micro_batch: int
+    activation_checkpointing: str | None = None
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int = 1
+
+    def __str__(self) -> str:
+        parts = [self.layout, f"mb={self.micro_batch}"]
+        if self.activation_checkpointing:
+            parts.append(f"ac={self.activation_checkpointing}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if "pp=" in self.layout:
+            parts.append(self.pp_schedule + (f"x{self.stages_per_rank}"
+                                             if self.stages_per_rank > 1 else ""))
+        return " ".join(parts)
+
+    def settings(self) -> dict:
+        """The Trainer settings that run this candidate."""
+        out = {"layout": self.layout, "micro_batch_size": self.micro_batch,
+               "activation_checkpointing": self.activation_checkpointing}
+        if self.sequence_parallel:
+            out["sequence_parallel"] = True
+        if "pp=" in self.layout:
+            out.update(pp_schedule=self.pp_schedule, stages_per_rank=self.stages_per_rank)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    global_batch: int  # samples (sequences) per optimizer step
+    seq_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    candidate: Candidate
+    accumulation: int  # micro-batches per rank per step
+    memory: dict  # bytes by part on the worst rank
+    seconds: dict  # step time by part
+    model_state_rank: dict  # pp rank -> model-state bytes (params + grads + optimizer)
+
+    @property
+    def memory_total(self) -> int:
+        return sum(self.memory.values())
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+class Estimator:
+    """Estimates for one model, cluster and job; the model's probes and sizes are cached."""
+
+    def __init__(self, spec: ModelSpec, cluster: Cluster, job: Job,
+                 sizes: ModelStateSizes | None = None):
+        self.spec, self.cluster, self.job = spec, cluster, job
+        self.sizes = sizes or ModelStateSizes(spec.factory())
+        self.dtype = torch.bfloat16 if cluster.dtype == "bf16-mixed" else torch.float32
+        self.gather_factor = 0.5 if cluster.dtype == "bf16-mixed" else 1.0
+        self._state: dict = {}
+
+    def state(self, layout: Layout, pp_rank: int, stages_per_rank: int = 1,
+              schedule: str = "1f1b", *, unsharded: bool = False):
+        """Model-state bytes of the first rank of pipeline rank ``pp_rank`` (``unsharded``: the
+        same stage and tp split without data-parallel sharding, what FSDP gathers)."""
+        if unsharded:
+            layout = Layout.parse(",".join(f"{a}={layout.degree(a)}" for a in ("pp", "tp")
+                                           if layout.degree(a) > 1) or "dp=1",
+                                  layout.degree("pp") * layout.degree("tp"))
+        key = (str(layout), pp_rank, stages_per_rank, schedule)
+        if key not in self._state:
+            stride = layout.world_size // layout.degree("pp")
+            self._state[key] = self.sizes.rank(layout, pp_rank * stride,
+                                               pipeline=self.pipeline(stages_per_rank, schedule))
+        return self._state[key]
+
+    def pipeline(self, stages_per_rank: int, schedule: str):
+        """The PipelineOptions of a candidate (Hugging Face models: their own adapter)."""
+        from meshtrain.models.hf import hf_pp_support
+        from meshtrain.parallel.pipeline_engine import PipelineOptions
+
+        return PipelineOptions(adapter=hf_pp_support, schedule=schedule,
+                               stages_per_rank=stages_per_rank)
+
+    def probe(self, layout: Layout, candidate: Candidate) -> Probe:
+        return probe_model(self.spec, tp=layout.degree("tp"), cp=layout.degree("cp"),
+                           sequence_parallel=candidate.sequence_parallel,
+                           seq_len=self.job.seq_len, dtype=self.dtype)
+
+    def estimate(self, candidate: Candidate) -> Estimate:
+        c, job, cl = candidate, self.job, self.cluster
+        layout = Layout.parse(c.layout, cl.world_size)
+        per_rank, rest = divmod(job.global_batch, layout.batch_degree)
+        if rest or per_rank % c.micro_batch:
+            raise ConfigError(f"global batch {job.global_batch} does not split into "
+                              f"{layout.batch_degree} data-parallel ranks x micro-batches of "
+                              f"{c.micro_batch}")
+        m = per_rank // c.micro_batch
+        probe = self.probe(layout, c)
+        pp, v = layout.degree("pp"), c.stages_per_rank if layout.degree("pp") > 1 else 1
+        blocks = math.ceil(self.spec.num_layers / pp)
+        kept = {None: probe.block.saved, "selective": probe.block.saved_selective,
+                "full": probe.block.inputs}[c.activation_checkpointing]
+        worst_memory, worst_time, states = None, 0.0, {}
+        for r in sorted({0, pp - 1}):
+            first, last = r == 0, r == pp - 1
+            state = self.state(layout, r, v, c.pp_schedule)
+            states[r] = state.total
+            memory = {"params": state.params, "grads": state.grads, "optimizer": state.optimizer,
+                      "gathered": self._gathered(layout, r, blocks, m, v, c.pp_schedule),
+                      "activations": c.micro_batch * self._held(
+                          layout, c, r, m, blocks, kept, probe, first, last),
+                      "transient": c.micro_batch * max(
+                          probe.last.saved if last else 0,
+                          probe.block.saved - kept if c.activation_checkpointing else 0),
+                      "reserved": cl.reserved}
+            if worst_memory is None or sum(memory.values()) > sum(worst_memory.values()):
+                worst_memory = memory
+            flops = blocks * (probe.block.flops + (probe.block.forward_flops if
+                                                   c.activation_checkpointing == "full" else 0))
+            flops += (probe.first.flops if first else 0) + (probe.last.flops if last else 0)
+            worst_time = max(worst_time, c.micro_batch * flops / cl.flops)
+        seconds = self._time(layout, c, probe, m, blocks, worst_time)
+        return Estimate(c, m, worst_memory, seconds, states)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _held(self, layout, c, rank, m, blocks, kept, probe, first, last) -> float:
+        """Activation bytes rank ``rank`` holds at its peak for one sample of micro-batch."""
+        pp = layout.degree("pp")
+        if pp == 1:
+            chunks, per_chunk = 1, blocks
+        elif c.pp_schedule == "gpipe":
+            chunks, per_chunk = m, blocks
+        elif c.stages_per_rank > 1:  # torch's interleaved warm-up, plus the one in flight
+            v = c.stages_per_rank
+            chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
+            per_chunk = blocks / v
+        else:
+            chunks, per_chunk = min(m, pp - rank), blocks
+        micro_batches = chunks / (c.stages_per_rank if pp > 1 else 1)
+        outside = (probe.first.saved if first else 0) + (probe.last.saved if last else 0)
+        return chunks * per_chunk * kept + max(1.0, micro_batches) * outside
+
+    def _gathered(self, layout: Layout, rank: int, blocks: int, m: int, v: int,
+                  schedule: str) -> float:
+        """Bytes FSDP (or autocast) holds beyond the shards: gathered parameters and the
+        unsharded gradients of the block being reduced."""
+        whole = self.state(layout, rank, v, schedule, unsharded=True).params
+        per_block = whole / max(1, blocks)
+        g = self.gather_factor
+        if layout.is_sharded:
+            gathered = (whole if layout.zero_stage == 2 else 2 * per_block) * g + per_block
+            if m > 1:  # no reduce-scatter until the last micro-batch: gradients kept whole
+                gathered += whole * g
+            return gathered
+        return whole * g if g < 1 else 0.0  # autocast's low-precision copies of the weights
+
+    # -- time -----------------------------------------------------------------------------------
+    def _time(self, layout: Layout, c: Candidate, probe: Probe, m: int, blocks: int,
+              compute: float) -> dict:
+        cl = self.cluster
+        dpn = cl.devices_per_node
+        inner = layout.degree("tp") * layout.degree("cp")
+        tp_cp = 0.0
+        for coll in (*probe.block.comm * blocks, *probe.last.comm):
+            tp_cp += cl.comm_seconds(coll.op, coll.bytes * c.micro_batch, coll.ranks,
+                                     crosses_nodes=inner > dpn)
+        pp = layout.degree("pp")
+        p2p = 0.0
+        if pp > 1:
+            width = self.spec.hidden * self.job.seq_len // layout.degree("cp")
+            size = c.micro_batch * width * (2 if self.dtype == torch.bfloat16 else 4)
+            if c.sequence_parallel:
+                size //= layout.degree("tp")
+            p2p = 2 * cl.comm_seconds("send_recv", size, 2,
+                                      crosses_nodes=layout.world_size // pp >= dpn)
+        slot = compute + tp_cp + p2p
+        slots = m + (pp - 1) / c.stages_per_rank if pp > 1 else m
+        state = self.state(layout, 0, c.stages_per_rank, c.pp_schedule)
+        whole = self.state(layout, 0, c.stages_per_rank, c.pp_schedule, unsharded=True)
+        dp_comm = self._dp_comm(layout, state, whole, m)
+        optimizer = 2 * (state.params + state.grads + state.optimizer) / cl.memory_bw
+        return {"compute": m * compute, "bubble": (slots - m) * slot,
+                "tp_cp_comm": m * tp_cp, "pp_p2p": m * p2p,
+                "dp_comm_exposed": max(0.0, dp_comm - cl.overlap * m * compute),
+                "optimizer": optimizer}
+
+    def _dp_comm(self, layout: Layout, state, whole, m: int) -> float:
+        cl, dpn = self.cluster, self.cluster.devices_per_node
+        inner = layout.degree("tp") * layout.degree("cp")
+        seconds = 0.0
+        if layout.is_sharded:
+            shards = layout.degree("dp_shard") * layout.degree("cp")
+            crosses = layout.degree("dp_shard") * inner > dpn
+            gathers = 1 if layout.zero_stage == 2 else 2
+            seconds += m * gathers * cl.comm_seconds(
+                "all_gather", whole.params * self.gather_factor, shards, crosses_nodes=crosses)
+            seconds += cl.comm_seconds("reduce_scatter", whole.grads, shards,
+                                       crosses_nodes=crosses)
+            if layout.degree("dp_replicate") > 1:
+                seconds += cl.comm_seconds("all_reduce", state.grads,
+                                           layout.degree("dp_replicate"), crosses_nodes=True)
+            return seconds
+        ranks = layout.loss_degree
+        crosses = layout.world_size // layout.degree("pp") > dpn
+        seconds += cl.comm_seconds("all_reduce", state.grads, ranks, crosses_nodes=crosses)
+        if layout.zero_stage == 1:
+            seconds += cl.comm_seconds("all_gather", state.params, ranks, crosses_nodes=crosses)
+        return seconds
+

@@ -1,0 +1,98 @@
+"""The planner: probes read from the model's own code, model state equal to a simulated world,
+and clear refusals (meshtrain/plan/)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtrain.cli import main as cli
+from meshtrain.plan.cluster import Cluster
+from meshtrain.plan.estimate import Candidate, Estimator, Job
+from meshtrain.plan.model_spec import ModelSpec
+from meshtrain.plan.planner import plan
+from meshtrain.plan.probe import probe_model
+from meshtrain.plan.simulate import simulate
+
+pytestmark = pytest.mark.timeout(300)
+
+D, S = 256, 128
+GPT = f"gpt:num_layers=4,num_heads=8,d_model={D},vocab_size=512,seq_len={S}"
+LLAMA_1B = ("llama:num_hidden_layers=16,hidden_size=2048,intermediate_size=8192,"
+            "num_attention_heads=32,num_key_value_heads=8,vocab_size=32000,"
+            "max_position_embeddings=4096")
+
+
+def test_block_flops_are_the_matmul_formula():
+    probe = probe_model(ModelSpec.load(GPT), seq_len=S)
+    # forward + backward = 3 x forward; 12 d^2 weights per block, attention 4 s^2 d forward
+    assert probe.block.flops == 3 * (2 * 12 * D * D * S + 4 * S * S * D)
+    assert probe.block.forward_flops * 3 == probe.block.flops
+    assert probe.block.inputs == S * D * 4  # fp32 hidden state: what full checkpointing keeps
+
+
+def test_tensor_parallel_collectives_are_megatrons():
+    spec = ModelSpec.load(GPT)
+    one, tp = probe_model(spec, seq_len=S), probe_model(spec, tp=2, seq_len=S)
+    # two all-reduces of the hidden state forward, two backward, per block
+    assert [(c.op, c.bytes, c.ranks) for c in tp.block.comm] == [("all_reduce", S * D * 4, 2)] * 4
+    assert tp.block.saved < one.block.saved and tp.block.flops * 2 == one.block.flops
+    sp = probe_model(spec, tp=2, sequence_parallel=True, seq_len=S)
+    # the hidden state is gathered and scattered instead (the small all-reduces are the
+    # replicated norm weights' gradients)
+    big = sorted((c.op, c.bytes) for c in sp.block.comm if c.bytes >= S * D)
+    assert big == [("all_gather", S * D * 4)] * 4 + [("reduce_scatter", S * D * 4)] * 4
+    assert sp.block.inputs * 2 == one.block.inputs  # the block input is split over tp
+
+
+def test_activation_checkpointing_keeps_less():
+    probe = probe_model(ModelSpec.load(GPT), seq_len=S)
+    assert probe.block.inputs < probe.block.saved_selective < probe.block.saved
+    job, cluster = Job(8, S), Cluster.preset("8xh100")
+    est = Estimator(ModelSpec.load(GPT), cluster, job)
+    memory = {ac: est.estimate(Candidate("dp=8", 1, ac)).memory["activations"]
+              for ac in (None, "selective", "full")}
+    assert memory["full"] < memory["selective"] < memory[None]
+
+
+@pytest.mark.parametrize("pin", [None, "pp"])
+def test_model_state_of_the_pick_equals_the_simulated_world(pin):
+    """The estimate's model-state bytes are those of the pick built for real at world size 64."""
+    spec = ModelSpec.load(LLAMA_1B)
+    cluster = Cluster.preset("8xH100", nodes=8)
+    job = Job(256, 4096)
+    pins = {"pp": 4} if pin else None
+    estimator = Estimator(spec, cluster, job)
+    pick = plan(spec, cluster, job, pins=pins, estimator=estimator).pick
+    layout = pick.candidate.layout
+    assert ("pp=4" in layout) == bool(pin)
+    pp = 4 if pin else 1
+    for pp_rank, total in pick.model_state_rank.items():
+        built = simulate(spec.factory(), layout, rank=pp_rank * (64 // pp),
+                         pipeline=estimator.pipeline(pick.candidate.stages_per_rank,
+                                                     pick.candidate.pp_schedule))
+        assert built.total == total, (layout, pp_rank)
+
+
+def test_bad_inputs_are_refused_with_the_fix(capsys):
+    assert cli(["plan", GPT, "--cluster", "8xA100", "--global-batch", "8", "--seq-len", "128"]) == 2
+    assert "unknown cluster preset '8xa100'" in capsys.readouterr().err
+    # a model that fits nowhere: exit 1, naming the smallest layout's need
+    assert cli(["plan", "examples/llama3/405b.json", "--global-batch", "8",
+                "--seq-len", "8192"]) == 1
+    err = capsys.readouterr().err
+    assert "no layout fits" in err and "use more devices" in err
+    # a batch that divides no data-parallel degree: every layout but pure tp is refused
+    assert cli(["plan", GPT, "--global-batch", "3", "--seq-len", "128", "--pin", "dp=8"]) == 2
+    assert "does not split over 8 data-parallel ranks" in capsys.readouterr().err
+    assert cli(["plan", GPT, "--global-batch", "8", "--seq-len", "128", "--pin", "tp=3"]) == 2
+    assert "no layout of 8 devices has tp=3" in capsys.readouterr().err
+    assert cli(["plan", GPT, "--global-batch", "8", "--seq-len", "4096"]) == 2
+    assert "above the model's maximum" in capsys.readouterr().err
+
+
+def test_plan_prints_ranked_layouts(capsys):
+    assert cli(["plan", GPT, "--global-batch", "16", "--seq-len", "128", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "  1  " in out and "fit," in out
+    assert torch.distributed.is_initialized() is False
