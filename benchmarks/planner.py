@@ -1,0 +1,136 @@
+"""How good ``meshtrain plan`` is here: every layout of its table for a small GPT on 4 CPU
+processes actually trained for a few steps, measured, and compared with the estimates.
+
+For each distinct layout the planner's own best variant of it (micro-batch, checkpointing,
+schedule) is run through ``Trainer`` on 4 fresh processes (gloo, one torch thread each); every
+rank measures its step time (median of the timed steps) and its peak resident memory during
+``fit`` above its resident size before (``meshtrain.observe.peak_rss.PeakRSS``). The estimate's
+``reserved`` part is this machine's framework allowance, measured first the same way with a
+model of a few thousand parameters (what a run costs beyond its tensors). Reported:
+
+* pick/best: measured step time of the planner's pick over the fastest measured (goal <= 1.10);
+* tau: Kendall's tau between the predicted and the measured order of step times (goal >= 0.7);
+* mem_under_max: the largest amount by which an estimate falls short of the measured peak, in
+  percent of the measured (goal <= 5); mem_err_mean: mean absolute error in percent (<= 10).
+
+    python benchmarks/planner.py [--steps 4] [--out results/planner.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from harness import end_process_group, machine, table, write_json
+
+from meshtrain.launch.spawn import run_workers
+from meshtrain.plan.cluster import Cluster
+from meshtrain.plan.estimate import Candidate, Estimator, Job
+from meshtrain.plan.model_spec import ModelSpec
+from meshtrain.plan.planner import plan
+
+WORLD = 4
+MODEL = "gpt:num_layers=4,num_heads=4,d_model=256,vocab_size=2048,seq_len=128"
+TINY = "gpt:num_layers=2,num_heads=2,d_model=16,vocab_size=64,seq_len=128"
+GLOBAL_BATCH, SEQ = 16, 128
+
+
+def worker(model: str, settings: dict, steps: int) -> dict:
+    from meshtrain import Trainer, losses
+    from meshtrain.callbacks import Callback
+    from meshtrain.observe.peak_rss import PeakRSS
+
+    spec = ModelSpec.load(model)
+
+    class Clock(Callback):
+        def __init__(self):
+            self.ends = []
+
+        def on_train_step_end(self, trainer, metrics):
+            self.ends.append(time.perf_counter())
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (GLOBAL_BATCH * (steps + 1), SEQ + 1), generator=g)
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as run_dir, PeakRSS() as peak:
+        trainer = Trainer(accelerator="cpu", max_steps=steps, global_batch_size=GLOBAL_BATCH,
+                          callbacks=[clock], loggers=(), progress_bar=False,
+                          save_final_checkpoint=False, log_every_n_steps=steps, run_dir=run_dir,
+                          **settings)
+        trainer.fit(lambda: spec.build(), data,
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+                    loss_fn=losses.cross_entropy())
+        end_process_group()
+    gaps = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    return {"step_s": statistics.median(gaps[1:] or gaps), "peak": peak.bytes}
+
+
+def measure(model: str, settings: dict, steps: int) -> dict:
+    ranks = run_workers(worker, WORLD, (model, settings, steps), timeout=600, threads=1)
+    return {"step_s": max(r["step_s"] for r in ranks), "peak": max(r["peak"] for r in ranks),
+            "ranks": ranks}
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    pairs = list(itertools.combinations(range(len(a)), 2))
+    score = sum((1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1)
+                for i, j in pairs if a[i] != a[j] and b[i] != b[j])
+    return score / max(1, len(pairs))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results/planner.json"))
+    parser.add_argument("--limit", type=int, help="run only the first N layouts (smoke)")
+    args = parser.parse_args(argv)
+
+    base = measure(TINY, {"layout": f"dp={WORLD}"}, args.steps)
+    cluster = dataclasses.replace(Cluster.preset("this-machine", processes=WORLD),
+                                  reserved=base["peak"])
+    spec, job = ModelSpec.load(MODEL), Job(GLOBAL_BATCH, SEQ)
+    estimator = Estimator(spec, cluster, job)
+    result = plan(spec, cluster, job, estimator=estimator)
+    best_of_layout: dict[str, object] = {}
+    for row in result.rows:  # fastest first: the first row of each layout is its best variant
+        best_of_layout.setdefault(row.candidate.layout, row)
+    rows = list(best_of_layout.values())[:args.limit]
+    measured = []
+    for e in rows:
+        m = measure(MODEL, e.candidate.settings(), args.steps)
+        measured.append(m)
+        print(f"{str(e.candidate):<44} predicted {e.step_seconds:7.3f} s {e.memory_total / 2**20:7.1f}"
+              f" MiB   measured {m['step_s']:7.3f} s {m['peak'] / 2**20:7.1f} MiB", flush=True)
+    times = [m["step_s"] for m in measured]
+    pick_over_best = times[0] / min(times)
+    tau = kendall_tau([e.step_seconds for e in rows], times)
+    errors = [(e.memory_total - m["peak"]) / m["peak"] * 100 for e, m in zip(rows, measured)]
+    under = max([0.0] + [-x for x in errors])
+    mean_err = statistics.mean(abs(x) for x in errors)
+    print(table(["layout", "pred s", "meas s", "pred MiB", "meas MiB", "err %"],
+                [[str(e.candidate), f"{e.step_seconds:.3f}", f"{m['step_s']:.3f}",
+                  f"{e.memory_total / 2**20:.1f}", f"{m['peak'] / 2**20:.1f}", f"{x:+.1f}"]
+                 for e, m, x in zip(rows, measured, errors)]))
+    write_json(args.out, {"machine": machine(), "model": MODEL, "world": WORLD,
+                          "global_batch": GLOBAL_BATCH, "seq_len": SEQ,
+                          "reserved": base["peak"], "rows": [
+                              {"candidate": str(e.candidate), "predicted_s": e.step_seconds,
+                               "predicted_seconds": e.seconds, "predicted_memory": e.memory,
+                               "measured": m} for e, m in zip(rows, measured)],
+                          "pick_over_best": pick_over_best, "tau": tau,
+                          "mem_under_max": under, "mem_err_mean": mean_err})
+    print(f"planner: pick/best={pick_over_best:.2f} tau={tau:.2f} mem_under_max={under:.1f}% "
+          f"mem_err_mean={mean_err:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
