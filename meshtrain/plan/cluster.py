@@ -143,9 +143,5 @@ def matmul_flops(size: int = 512, seconds: float = 0.3) -> float:
         torch.set_num_threads(threads)
 
 
-def fits(size: int, cluster: Cluster) -> bool:
-    return size + cluster.reserved <= cluster.memory
-
-
 def gib(size: float) -> str:
     return f"{size / GIB:.1f}" if size < 100 * GIB else f"{math.ceil(size / GIB)}"

@@ -69,11 +69,6 @@ class ModelSpec:
         logits = model(tokens)
         return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
 
-    @property
-    def num_params(self) -> int:
-        with torch.device("meta"):
-            return sum(p.numel() for p in self.build().parameters())
-
     # -- reading ----------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config, name: str = "") -> ModelSpec:
@@ -112,10 +107,12 @@ class ModelSpec:
         values = {}
         for pair in filter(None, (p.strip() for p in pairs.split(","))):
             key, eq, value = pair.partition("=")
-            if not eq:
+            if not eq or not value.strip():
                 raise ConfigError(f"model {source!r}: {pair!r} is not key=value")
-            values[key.strip()] = json.loads(value) if value.strip()[0] in "0123456789-[{tf" \
-                else value.strip()
+            try:  # numbers, true/false, lists; anything else is a string (hidden_act=silu)
+                values[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                values[key.strip()] = value.strip()
         if family == "gpt":
             from meshtrain.models.gpt import GPTConfig
 

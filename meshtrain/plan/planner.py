@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.layout import Layout
-from meshtrain.plan.cluster import Cluster, fits, gib
+from meshtrain.plan.cluster import Cluster, gib
 from meshtrain.plan.estimate import Candidate, Estimate, Estimator, Job
 from meshtrain.plan.model_spec import ModelSpec
 
@@ -147,14 +148,14 @@ def plan(spec: ModelSpec, cluster: Cluster, job: Job, *, pins: dict | None = Non
             rejected.append((candidate, reason))
             continue
         estimate = estimator.estimate(candidate)
-        (rows if fits(estimate.memory_total - cluster.reserved, cluster) else too_big).append(
-            estimate)
+        (rows if estimate.memory_total <= cluster.memory else too_big).append(estimate)
     if pins and not rows and not too_big:
-        raise ConfigError(f"no layout of {cluster.world_size} devices has "
-                          f"{','.join(f'{a}={d}' for a, d in pins.items())} for this job ("
-                          + "; ".join(sorted({r for _, r in rejected})[:3] or
-                                      ["the pinned degrees do not divide the world"])
-                          + "); change the pinned degrees or the number of devices")
+        pinned = ",".join(f"{a}={d}" for a, d in pins.items())
+        why = (f"{pinned} does not divide {cluster.world_size} devices"
+               if cluster.world_size % math.prod(pins.values()) else
+               "; ".join(sorted({r for _, r in rejected})[:3]) or "no candidate matched")
+        raise ConfigError(f"no layout of {cluster.world_size} devices has {pinned} for this job "
+                          f"({why}); change the pinned degrees or the number of devices")
     rows.sort(key=lambda e: (e.step_seconds, e.memory_total))
     return Plan(rows, rejected, too_big, time.perf_counter() - start,
                 estimator.sizes.num_params)
@@ -205,15 +206,8 @@ def parse_pins(text: str | None) -> dict:
         if not degree.strip().isdigit():
             raise ConfigError(f"--pin {text!r}: write axis=degree pairs, e.g. tp=8,pp=4")
         pins[axis.strip()] = int(degree)
-    Layout.parse(",".join(f"{a}={d}" for a, d in pins.items()), _product(pins))  # known axes
+    Layout.parse(",".join(f"{a}={d}" for a, d in pins.items()), math.prod(pins.values()))
     return pins
-
-
-def _product(pins: dict) -> int:
-    out = 1
-    for d in pins.values():
-        out *= d
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,6 +72,13 @@ def test_model_state_of_the_pick_equals_the_simulated_world(pin):
                          pipeline=estimator.pipeline(pick.candidate.stages_per_rank,
                                                      pick.candidate.pp_schedule))
         assert built.total == total, (layout, pp_rank)
+    if pin:  # interleaved: two stages per rank, not the consecutive ones
+        interleaved = estimator.estimate(Candidate("pp=4,zero3=16", 1, "full",
+                                                   pp_schedule="interleaved-1f1b",
+                                                   stages_per_rank=2))
+        built = simulate(spec.factory(), "pp=4,zero3=16", rank=64 - 16,
+                         pipeline=estimator.pipeline(2, "interleaved-1f1b"))
+        assert interleaved.model_state_rank[3] == built.total
 
 
 def test_bad_inputs_are_refused_with_the_fix(capsys):
@@ -86,7 +93,8 @@ def test_bad_inputs_are_refused_with_the_fix(capsys):
     assert cli(["plan", GPT, "--global-batch", "3", "--seq-len", "128", "--pin", "dp=8"]) == 2
     assert "does not split over 8 data-parallel ranks" in capsys.readouterr().err
     assert cli(["plan", GPT, "--global-batch", "8", "--seq-len", "128", "--pin", "tp=3"]) == 2
-    assert "no layout of 8 devices has tp=3" in capsys.readouterr().err
+    assert "no layout of 8 devices has tp=3 for this job (tp=3 does not divide 8 devices)" in \
+        capsys.readouterr().err
     assert cli(["plan", GPT, "--global-batch", "8", "--seq-len", "4096"]) == 2
     assert "above the model's maximum" in capsys.readouterr().err
 
@@ -96,3 +104,10 @@ def test_plan_prints_ranked_layouts(capsys):
     out = capsys.readouterr().out
     assert "  1  " in out and "fit," in out
     assert torch.distributed.is_initialized() is False
+
+
+def test_model_strings_take_words():
+    spec = ModelSpec.load("llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,"
+                          "num_attention_heads=4,vocab_size=128,hidden_act=silu,"
+                          "tie_word_embeddings=false")
+    assert spec.config.hidden_act == "silu" and spec.config.tie_word_embeddings is False
