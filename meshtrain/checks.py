@@ -34,14 +34,18 @@ def resolve_device_type(settings: dict) -> str:
     return device_type
 
 
+def check_stop(settings: dict) -> None:
+    if settings["max_steps"] is None and settings["max_epochs"] is None:
+        raise ConfigError("set max_steps or max_epochs (or both) so training knows when to stop")
+
+
 def check_settings_apply(layout, settings: dict) -> None:
     """A setting that would do nothing under ``layout`` (or no way to stop) is an error, not
     silently ignored. ``settings``: the Trainer's, checked one by one already. What each
     setting needs is its definition's ``needs`` (meshtrain/setting_table.py)."""
     from meshtrain.settings import unmet_needs
 
-    if settings["max_steps"] is None and settings["max_epochs"] is None:
-        raise ConfigError("set max_steps or max_epochs (or both) so training knows when to stop")
+    check_stop(settings)
     unmet = [message for _, _, message in unmet_needs(layout, settings)]
     if unmet:  # every one, so that one fix does not just reveal the next
         raise ConfigError("\nalso: ".join(unmet))

@@ -74,7 +74,12 @@ DEFINITIONS = [
     _S("layout", "trainer", None, "layout",
        'The parallel layout over the mesh, e.g. "dp=2", "zero3=4", "pp=2,dp_shard=2,tp=2" (a '
        "string, a table/dict or a Layout; see docs/model_parallel.md); none: data parallel over "
-       "all processes.", none=True),
+       'all processes; "auto" (or "auto,tp=2" to pin axes): the planner picks the layout and the '
+       "settings it plans (docs/planner.md).", none=True),
+    _S("plan_cluster", "trainer", None, "choice",
+       'The machines layout="auto" plans for: "8xH100", "8xH200" or "this-machine"; none: '
+       "this machine measured on CPU, the GPU's preset by its name.",
+       choices=("8xH100", "8xH200", "this-machine"), none=True),
     _S("devices", "trainer", 1, "devices",
        "Processes on this machine when started with plain python; under meshtrain run/torchrun "
        'the launcher decides and this must match or be "auto".',

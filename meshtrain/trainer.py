@@ -40,6 +40,7 @@ from meshtrain.parallel.engine import plan_batches
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.pipeline_engine import PipelineOptions
+from meshtrain.plan.auto import auto_pins
 
 ModelLike = torch.nn.Module | Callable[[], torch.nn.Module]
 DataLike = Dataset | DataLoader
@@ -60,19 +61,15 @@ class Trainer:
         self._settings = s = check(settings)
         self.device_type = checks.resolve_device_type(s)
         self._env = DistEnv.from_environ()
-        self.layout = Layout.parse(s["layout"], resolve_world_size(s["devices"], self._env,
-                                                                   self.device_type))
-        self.world_size = self.layout.world_size  # the mesh's ranks (not ps servers)
-        checks.check_settings_apply(self.layout, s)
-        self.pipeline_options = PipelineOptions.from_settings(s, self.layout, hf_pp_support)
-        self.batch_plan = plan_batches(self.layout, s["global_batch_size"],
-                                       s["micro_batch_size"], s["stages_per_rank"])
-        self.micro_batch_size = self.batch_plan.micro_batch_size
-        self.grad_accum_steps = self.batch_plan.grad_accum_steps
+        checks.check_stop(s)
         check_fault_settings(s)
-        self.parallel_options = ParallelOptions.from_settings(s, hf_tp_plans(
-            self.layout.degree("tp"), s["sequence_parallel"], s["loss_parallel"]), hf_cp_support,
-            hf_loss_items)
+        world_size = resolve_world_size(s["devices"], self._env, self.device_type)
+        self._auto_pins = auto_pins(s["layout"], s["plan_cluster"])
+        if self._auto_pins is None:
+            self._use_layout(s, world_size)
+        else:  # layout="auto": planned by check/fit before any process (meshtrain/plan/auto.py)
+            self.layout = self.batch_plan = self.pipeline_options = self.parallel_options = None
+            self.world_size, self.micro_batch_size, self.grad_accum_steps = world_size, None, None
         self.callbacks, self.precision_name = list(s["callbacks"]), s["precision"]
         self._run_dir_arg = s["run_dir"]
         self.rank = self._env.rank if self._env else 0
@@ -88,6 +85,23 @@ class Trainer:
         self.run_log = RunLog(self.rank == 0)
         self.checkpoints: CheckpointManager | None = None  # every save goes through it
         self._guard: StepGuard | None = None  # NaN/Inf, watchdog, periodic saves (fault/)
+
+    def _use_layout(self, s: dict, world_size: int) -> None:
+        """Take the settings ``s`` with their layout over ``world_size`` processes (raises
+        ConfigError, changing nothing, when a setting does not apply to it)."""
+        layout = Layout.parse(s["layout"], world_size)
+        checks.check_settings_apply(layout, s)
+        pipeline_options = PipelineOptions.from_settings(s, layout, hf_pp_support)
+        batch_plan = plan_batches(layout, s["global_batch_size"], s["micro_batch_size"],
+                                  s["stages_per_rank"])
+        parallel_options = ParallelOptions.from_settings(s, hf_tp_plans(
+            layout.degree("tp"), s["sequence_parallel"], s["loss_parallel"]), hf_cp_support,
+            hf_loss_items)
+        self._settings, self.layout, self.batch_plan = s, layout, batch_plan
+        self.world_size = layout.world_size  # the mesh's ranks (not ps servers)
+        self.micro_batch_size = batch_plan.micro_batch_size
+        self.grad_accum_steps = batch_plan.grad_accum_steps
+        self.pipeline_options, self.parallel_options = pipeline_options, parallel_options
 
     def __getattr__(self, name: str):
         settings = self.__dict__.get("_settings", {})

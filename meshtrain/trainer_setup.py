@@ -75,7 +75,14 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer, loss_f
                                         global_batch_size=t.global_batch_size,
                                         max_steps=t.max_steps)
     meta_model = checks.inspect_model(model)
-    check_model_layout(t, meta_model, loss_fn, checks.first_inputs(train_set, 2), model)
+    sample_inputs = checks.first_inputs(train_set, 2)
+    if t.layout is None:  # layout="auto": the planner's pick that these checks accept
+        from meshtrain.plan.auto import plan_layout
+
+        plan_layout(t, model, meta_model, sample_inputs, lambda t: check_model_layout(
+            t, meta_model, loss_fn, sample_inputs, model))
+    else:
+        check_model_layout(t, meta_model, loss_fn, sample_inputs, model)
     return train_set, meta_model
 
 
@@ -93,6 +100,9 @@ def setup_world(t) -> None:
     if t.ps_server is not None:  # a parameter server: in no process group, evaluates alone
         t.mesh = ParallelMesh(Layout(), t.device_type)
         return
+    from meshtrain.plan.auto import agree
+
+    agree(t)  # layout="auto": rank 0's pick
     t.mesh = ParallelMesh(t.layout, t.device_type)
     if t.world_size > 1:  # the mesh's sub-groups get torch's 30-minute default
         set_collective_timeout(timedelta(seconds=t.init_timeout_s))

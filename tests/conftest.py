@@ -226,3 +226,19 @@ def example_corpus(tmp_path_factory):
     prepare([texts], out, train_tokenizer_vocab=300, val_fraction=0.05, overwrite=True,
             log=lambda *a: None)
     return out
+
+
+def rank_1_plans_backwards():
+    """(A parity ``setup``.) On rank 1, the planner's rows come slowest first, so that rank's
+    own layout="auto" pick differs from rank 0's (tests/plan/test_auto.py)."""
+    import meshtrain.plan.planner as planner
+
+    if os.environ.get("RANK") == "1":
+        plan = planner.plan
+
+        def backwards(*args, **kwargs):
+            result = plan(*args, **kwargs)
+            result.rows.reverse()
+            return result
+
+        planner.plan = backwards

@@ -8,10 +8,11 @@ the micro-batch and the micro-batches a pipeline schedule keeps in flight (none:
 backward; unsharded gradients while accumulating); the largest transient (the loss's gradient,
 or a block recomputed under checkpointing); and the cluster's ``reserved`` allowance.
 
-Step time: each micro-batch's FLOPs (probed, with the recomputation checkpointing adds) at the
+Step time: each micro-batch's FLOPs (probed, with the forward again under full checkpointing) at the
 cluster's achieved FLOP/s plus its tensor/context-parallel collectives (exposed) and pipeline
 sends; a pipeline runs ``m + (pp - 1) / v`` micro-batch slots (the bubble); data-parallel
-collectives hide behind ``overlap`` of the compute; the optimizer step streams its state once.
+collectives hide behind ``overlap`` of the compute; the optimizer step streams its state once;
+the activations checkpointing drops are written again at the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -156,7 +157,11 @@ class Estimator:
             flops = blocks * (probe.block.flops + (probe.block.forward_flops if
                                                    c.activation_checkpointing == "full" else 0))
             flops += (probe.first.flops if first else 0) + (probe.last.flops if last else 0)
-            worst_time = max(worst_time, c.micro_batch * flops / cl.flops)
+            # what checkpointing recomputes besides the matmuls: the dropped activations
+            # written again (memory-bound: read and write)
+            rewritten = blocks * (probe.block.saved - kept) * 2
+            worst_time = max(worst_time, c.micro_batch * (flops / cl.flops
+                                                          + rewritten / cl.memory_bw))
         seconds = self._time(layout, c, probe, m, blocks, worst_time)
         return Estimate(c, m, worst_memory, seconds, states)
 

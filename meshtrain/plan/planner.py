@@ -66,9 +66,13 @@ def _data_axes(degree: int, inner: int, devices_per_node: int) -> list[str]:
     return forms
 
 
-def candidates(spec: ModelSpec, cluster: Cluster, job: Job, pins: dict | None = None):
-    """Yield (Candidate, None) or (description, reason) for every combination considered."""
-    pins = pins or {}
+def candidates(spec: ModelSpec, cluster: Cluster, job: Job, pins: dict | None = None,
+               fixed: dict | None = None):
+    """Yield (Candidate, None) or (description, reason) for every combination considered.
+    ``pins``: axis degrees; ``fixed``: Trainer settings every candidate takes (micro_batch_size,
+    activation_checkpointing, sequence_parallel, pp_schedule, stages_per_rank; a pipeline
+    setting asks for a pipeline)."""
+    pins, fixed = pins or {}, fixed or {}
     world, dpn = cluster.world_size, cluster.devices_per_node
     for tp in divisors(world):
         if tp > 1 and tp > dpn:
@@ -101,10 +105,10 @@ def candidates(spec: ModelSpec, cluster: Cluster, job: Job, pins: dict | None = 
                                                   f"tp={tp}" if tp > 1 else "") if p) or "dp=1"
                     if not _pinned(layout, world, pins):
                         continue
-                    yield from _variants(spec, job, layout, dp, pp, tp)
+                    yield from _variants(spec, job, layout, dp, pp, tp, fixed)
 
 
-def _variants(spec, job, layout, dp, pp, tp):
+def _variants(spec, job, layout, dp, pp, tp, fixed):
     if job.global_batch % dp:
         yield layout, f"global batch {job.global_batch} does not split over {dp} data-parallel ranks"
         return
@@ -112,11 +116,29 @@ def _variants(spec, job, layout, dp, pp, tp):
     schedules = [("1f1b", 1)]
     if pp > 1 and spec.num_layers >= 4 * pp:
         schedules.append(("interleaved-1f1b", 2))
-    for mb in (b for b in (1, 2, 4, 8, 16, 32) if per_rank % b == 0):
-        if pp > 1 and per_rank // mb < pp:
+    if {"pp_schedule", "stages_per_rank"} & set(fixed):
+        if pp == 1:
+            return  # a pipeline setting asks for a pipeline
+        schedules = [(fixed.get("pp_schedule", "1f1b"), fixed.get("stages_per_rank", 1))]
+    batches = (1, 2, 4, 8, 16, 32)
+    if "micro_batch_size" in fixed:
+        batches = (fixed["micro_batch_size"],)
+        if per_rank % batches[0]:
+            yield layout, (f"micro_batch_size={batches[0]} does not divide the {per_rank} "
+                           f"samples per data-parallel rank")
+            return
+    checkpointing = (fixed["activation_checkpointing"],) if "activation_checkpointing" in fixed \
+        else (None, "selective", "full")
+    parallel = (False, True) if tp > 1 and not spec.is_hf else (False,)
+    if "sequence_parallel" in fixed:
+        if fixed["sequence_parallel"] and tp == 1:
+            return  # sequence parallelism asks for tensor parallelism
+        parallel = (fixed["sequence_parallel"],)
+    for mb in (b for b in batches if per_rank % b == 0):
+        if pp > 1 and per_rank // mb < pp and "micro_batch_size" not in fixed:
             continue  # fewer micro-batches than stages: mostly bubble
-        for ac in (None, "selective", "full"):
-            for sp in ((False, True) if tp > 1 and not spec.is_hf else (False,)):
+        for ac in checkpointing:
+            for sp in parallel:
                 for schedule, v in schedules:
                     if v > 1 and (per_rank // mb) % pp:
                         continue
@@ -136,14 +158,14 @@ def _pinned(layout: str, world: int, pins: dict) -> bool:
 
 
 def plan(spec: ModelSpec, cluster: Cluster, job: Job, *, pins: dict | None = None,
-         estimator: Estimator | None = None) -> Plan:
+         fixed: dict | None = None, estimator: Estimator | None = None) -> Plan:
     start = time.perf_counter()
     if job.seq_len > spec.max_seq_len:
         raise ConfigError(f"seq_len {job.seq_len} is above the model's maximum "
                           f"{spec.max_seq_len}; use a shorter sequence")
     estimator = estimator or Estimator(spec, cluster, job)
     rows, rejected, too_big = [], [], []
-    for candidate, reason in candidates(spec, cluster, job, pins):
+    for candidate, reason in candidates(spec, cluster, job, pins, fixed):
         if reason:
             rejected.append((candidate, reason))
             continue
@@ -174,7 +196,7 @@ def table(result: Plan, cluster: Cluster, top: int) -> str:
         by_reason[reason] = by_reason.get(reason, 0) + 1
     lines.append(f"\n{len(result.rows)} fit, {len(result.too_big)} do not fit in "
                  f"{gib(cluster.memory)} GiB per device, {len(result.rejected)} refused "
-                 f"({result.seconds:.1f} s):")
+                 f"({result.seconds:.1f} s)" + (":" if by_reason or result.too_big else ""))
     if result.too_big:
         best = min(result.too_big, key=lambda e: e.step_seconds)
         lines.append(f"  does not fit: e.g. {best.candidate} needs {gib(best.memory_total)} GiB")
