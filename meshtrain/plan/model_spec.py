@@ -45,7 +45,9 @@ class ModelSpec:
             if num_layers is not None:
                 config.num_hidden_layers = num_layers
             config._attn_implementation = "sdpa"
-            return transformers.AutoModelForCausalLM.from_config(config)
+            # fp32 as the Trainer builds it (a config's torch_dtype names its checkpoint's
+            # files; under bf16-mixed the master weights, gradients and AdamW stay fp32)
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         from meshtrain.models.gpt import GPT
 
         if num_layers is not None:

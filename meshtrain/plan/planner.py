@@ -246,11 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pin", help="degrees the layout must have, e.g. tp=8")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--json", help="write the whole plan as JSON to FILE (- for stdout)")
+    parser.add_argument("--build", action="store_true",
+                        help="build the pick for real in this process (a simulated world of "
+                        "its size) and compare each pipeline end's model state with the estimate")
     args = parser.parse_args(argv)
     spec = ModelSpec.load(args.model)
     cluster = Cluster.preset(args.cluster, nodes=args.nodes, comm=args.comm,
                              processes=args.devices)
-    result = plan(spec, cluster, Job(args.global_batch, args.seq_len), pins=parse_pins(args.pin))
+    job = Job(args.global_batch, args.seq_len)
+    estimator = Estimator(spec, cluster, job)
+    result = plan(spec, cluster, job, pins=parse_pins(args.pin), estimator=estimator)
     if args.json == "-":
         json.dump(as_json(result, spec, cluster, Job(args.global_batch, args.seq_len)),
                   sys.stdout, indent=1)
@@ -266,7 +271,29 @@ def main(argv: list[str] | None = None) -> int:
     if not result.rows:
         print(f"error: {result.nothing_fits()}", file=sys.stderr)
         return 1
+    if args.build:
+        print("\n" + "\n".join(build_pick(spec, estimator, result.pick)))
     return 0
+
+
+def build_pick(spec: ModelSpec, estimator: Estimator, pick: Estimate) -> list[str]:
+    """The pick built for real (meshtrain.plan.simulate) on the first rank of its first and
+    last pipeline stage: the model state stored there against the estimate's."""
+    from meshtrain.plan.simulate import simulate
+
+    c = pick.candidate
+    layout = Layout.parse(c.layout, estimator.cluster.world_size)
+    pp = layout.degree("pp")
+    lines = [f"built {c.layout} at world size {layout.world_size} (a simulated world):"]
+    for pp_rank, estimated in sorted(pick.model_state_rank.items()):
+        rank = pp_rank * (layout.world_size // pp)
+        built = simulate(spec.factory(), layout, rank=rank,
+                         pipeline=estimator.pipeline(c.stages_per_rank, c.pp_schedule))
+        verdict = "equal" if built.total == estimated else f"estimate off by {estimated - built.total:+,} B"
+        lines.append(f"  rank {rank}: {built.local_params / 1e6:,.1f}M parameters, model state "
+                     f"{gib(built.total)} GiB (estimated {gib(estimated)} GiB: {verdict}), "
+                     f"built in {built.seconds:.1f} s")
+    return lines
 
 
 if __name__ == "__main__":
