@@ -5,8 +5,11 @@ activations from the model's own forward probed on meta (:mod:`meshtrain.plan.pr
 the micro-batch and the micro-batches a pipeline schedule keeps in flight (none: 1; GPipe: all;
 1F1B: ``pp - rank``; interleaved: torch's warm-up count of chunks); the buffers FSDP gathers
 (zero3: the block in use and the one prefetched; zero2: the whole stage, kept from forward to
-backward; unsharded gradients while accumulating); the largest transient (the loss's gradient,
-or a block recomputed under checkpointing); and the cluster's ``reserved`` allowance.
+backward; unsharded gradients while accumulating) or DDP's gradient buckets; the largest
+transient (the loss's gradient, or a block recomputed under checkpointing); AdamW's step
+temporaries; and the cluster's ``reserved`` allowance. The peak (:attr:`Estimate.memory_total`)
+is not their sum: gradients and activations are live together only while micro-batches
+accumulate (benchmarks/README.md, "The planner against measured runs").
 
 Step time: each micro-batch's FLOPs (probed, with the forward again under full checkpointing) at the
 cluster's achieved FLOP/s plus its tensor/context-parallel collectives (exposed) and pipeline
@@ -76,10 +79,18 @@ class Estimate:
     memory: dict  # bytes by part on the worst rank
     seconds: dict  # step time by part
     model_state_rank: dict  # pp rank -> model-state bytes (params + grads + optimizer)
+    accumulates: bool = False  # gradients held while micro-batches run (accumulation, pipeline)
 
     @property
     def memory_total(self) -> int:
-        return sum(self.memory.values())
+        """The peak: what every moment holds (parameters, optimizer state, FSDP's gathered
+        buffers, the allowance), plus the larger of the backward's start (activations and the
+        loss's gradient; gradients too once a step accumulates several micro-batches) and the
+        optimizer step (every gradient and the step's temporaries)."""
+        m = self.memory
+        backward = m["activations"] + m["transient"] + (m["grads"] if self.accumulates else 0)
+        return (m["params"] + m["optimizer"] + m["gathered"] + m["reserved"]
+                + max(backward, m["grads"] + m["step_temporaries"]))
 
     @property
     def step_seconds(self) -> float:
@@ -96,6 +107,8 @@ class Estimator:
         self.dtype = torch.bfloat16 if cluster.dtype == "bf16-mixed" else torch.float32
         self.gather_factor = 0.5 if cluster.dtype == "bf16-mixed" else 1.0
         self._state: dict = {}
+        self._block_params = sum(math.prod(p.shape) * p.element_size for p in self.sizes.params
+                                 if _in_block(p.name))
 
     def state(self, layout: Layout, pp_rank: int, stages_per_rank: int = 1,
               schedule: str = "1f1b", *, unsharded: bool = False):
@@ -151,7 +164,8 @@ class Estimator:
                       "transient": c.micro_batch * max(
                           probe.last.saved if last else 0,
                           probe.block.saved - kept if c.activation_checkpointing else 0),
-                      "reserved": cl.reserved}
+                      "reserved": cl.reserved,
+                      "step_temporaries": self._step_temporaries(layout, state.params)}
             if worst_memory is None or sum(memory.values()) > sum(worst_memory.values()):
                 worst_memory = memory
             flops = blocks * (probe.block.flops + (probe.block.forward_flops if
@@ -163,7 +177,16 @@ class Estimator:
             worst_time = max(worst_time, c.micro_batch * (flops / cl.flops
                                                           + rewritten / cl.memory_bw))
         seconds = self._time(layout, c, probe, m, blocks, worst_time)
-        return Estimate(c, m, worst_memory, seconds, states)
+        return Estimate(c, m, worst_memory, seconds, states, accumulates=m > 1 or pp > 1)
+
+    def _step_temporaries(self, layout: Layout, params: int) -> float:
+        """AdamW's temporaries in its step: on GPUs (foreach) one tensor the size of all the
+        rank's parameters; on CPU (one parameter at a time) two of the largest one."""
+        if self.cluster.name != "this-machine":
+            return params
+        largest = max(math.prod(p.shape) * p.element_size for p in self.sizes.params)
+        shards = layout.degree("tp") * (layout.degree("dp_shard") if layout.is_sharded else 1)
+        return 2 * largest / shards
 
     # -- memory ---------------------------------------------------------------------------------
     def _held(self, layout, c, rank, m, blocks, kept, probe, first, last) -> float:
@@ -188,8 +211,11 @@ class Estimator:
         """Bytes FSDP (or autocast) holds beyond the shards: gathered parameters and the
         unsharded gradients of the block being reduced."""
         whole = self.state(layout, rank, v, schedule, unsharded=True).params
-        per_block = whole / max(1, blocks)
+        # a block's parameters (the embedding and the head are units of their own)
+        per_block = self._block_params / self.spec.num_layers / layout.degree("tp")
         g = self.gather_factor
+        if layout.uses_ddp:  # DDP's gradient buckets
+            return whole + (whole * g if g < 1 else 0.0)
         if layout.is_sharded:
             gathered = (whole if layout.zero_stage == 2 else 2 * per_block) * g + per_block
             if m > 1:  # no reduce-scatter until the last micro-batch: gradients kept whole
@@ -250,3 +276,9 @@ class Estimator:
             seconds += cl.comm_seconds("all_gather", state.params, ranks, crosses_nodes=crosses)
         return seconds
 
+
+def _in_block(name: str) -> bool:
+    """Whether parameter ``name`` belongs to one of the repeated blocks (GPT's ``layers.N``,
+    Hugging Face's ``model.layers.N``)."""
+    parts = name.split(".")
+    return any(a in ("layers", "h", "blocks") and b.isdigit() for a, b in zip(parts, parts[1:]))
