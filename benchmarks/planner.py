@@ -3,7 +3,8 @@ processes actually trained for a few steps, measured, and compared with the esti
 
 For each distinct layout the planner's own best variant of it (micro-batch, checkpointing,
 schedule) is run through ``Trainer`` on 4 fresh processes (gloo, one torch thread each); every
-rank measures its step time (median of the timed steps) and its peak resident memory during
+rank measures its step time (median of the timed steps; the faster of two passes over all the
+layouts, the slowest rank's) and its peak resident memory during
 ``fit`` above its resident size before (``meshtrain.observe.peak_rss.PeakRSS``); a second run of
 2 steps measures the peak bytes of live tensors (``meshtrain.observe.tensor_peak.TensorPeak``,
 which slows every operator, so not in the timed run): what the estimate counts, with the
@@ -15,7 +16,7 @@ glibc's heap keeps after frees, the libraries' own buffers, gloo's threads). Rep
 * mem_under_max: the largest amount by which an estimate falls short of the measured peak, in
   percent of the measured (goal <= 5); mem_err_mean: mean absolute error in percent (<= 10).
 
-    python benchmarks/planner.py [--steps 4] [--out results/planner.json]
+    python benchmarks/planner.py [--steps 8] [--out results/planner.json]
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results/planner.json"))
     parser.add_argument("--limit", type=int, help="run only the first N layouts (smoke)")
     args = parser.parse_args(argv)
@@ -110,6 +111,11 @@ def main(argv=None) -> int:
         print(f"{str(e.candidate):<44} predicted {e.step_seconds:7.3f} s {e.memory_total / 2**20:7.1f}"
               f" MiB   measured {m['step_s']:7.3f} s {m['peak'] / 2**20:7.1f} MiB (resident "
               f"{m['rss'] / 2**20:.1f})", flush=True)
+    for e, m in zip(rows, measured):  # a second timed pass, in the same order: the faster
+        again = run_workers(worker, WORLD, (MODEL, e.candidate.settings(), args.steps),
+                            timeout=600, threads=1)  # counts (another process's burst, not it)
+        m["step_s_passes"] = [m["step_s"], max(r["step_s"] for r in again)]
+        m["step_s"] = min(m["step_s_passes"])
     times = [m["step_s"] for m in measured]
     pick_over_best = times[0] / min(times)
     tau = kendall_tau([e.step_seconds for e in rows], times)

@@ -139,6 +139,40 @@ def measure(ops=OPS, sizes=None, *, min_seconds: float = 0.05, max_iters: int = 
     return rows
 
 
+def measure_drift(burst_seconds: float = 0.01, bursts: int = 60) -> float:
+    """Seconds a small collective costs between bursts of compute beyond what it costs back to
+    back: the ranks drift apart while they compute (on a machine with fewer cores than
+    processes, by the scheduler's time slices) and the collective waits for the last. Every
+    rank runs the same bursts alone, with a 1 KiB all_reduce after each, and the all_reduces
+    alone; the slowest rank's difference per burst."""
+    import torch
+    import torch.distributed as dist
+
+    a, small = torch.randn(128, 128), torch.zeros(256)
+    start, k = time.perf_counter(), 0
+    while time.perf_counter() - start < burst_seconds * 5:
+        a @ a
+        k += 1
+    per_burst = max(1, k // 5)
+
+    def loop(compute: bool, collective: bool) -> float:
+        dist.barrier()
+        begin = time.perf_counter()
+        for _ in range(bursts):
+            for _ in range(per_burst if compute else 0):
+                a @ a
+            if collective:
+                dist.all_reduce(small)
+        dist.barrier()
+        return (time.perf_counter() - begin) / bursts
+
+    loop(True, True)  # warm-up
+    drifts = sorted(loop(True, True) - loop(True, False) - loop(False, True) for _ in range(3))
+    extra = torch.tensor([drifts[1]])  # the median of three: each is a difference of noisy times
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+    return max(0.0, extra.item())
+
+
 def _iterations(run, sync, dist, min_seconds: float, max_iters: int) -> int:
     """Enough calls to last ``min_seconds`` (from one timed call; the same on every rank)."""
     import torch
@@ -178,9 +212,12 @@ def _job(ops, sizes, json_path):
     if not dist.is_initialized():
         init_process_group(env, backend, timedelta(seconds=300))
     rows = measure(ops, sizes)
-    result = {"world_size": dist.get_world_size(), "backend": backend, "rows": rows}
+    result = {"world_size": dist.get_world_size(), "backend": backend, "rows": rows,
+              "drift_seconds": measure_drift() if backend == "gloo" else 0.0}
     if env.rank == 0:
         print(table(rows, result["world_size"], backend), flush=True)
+        print(f"drift: a collective between 10 ms bursts of compute waits "
+              f"{result['drift_seconds'] * 1e3:.2f} ms more than back to back", flush=True)
         if json_path:
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(json_path).write_text(json.dumps(result, indent=2))

@@ -44,6 +44,8 @@ class Cluster:
     dtype: str = "bf16-mixed"  # the precision jobs on it train in
     comm_table: dict | None = None  # {op: [(bytes, seconds)]} at table_ranks, measured
     table_ranks: int = 2
+    compute_share: float = 1.0  # of a core per process (this machine: cores / processes)
+    drift: float = 0.0  # seconds a collective waits for ranks drifting apart while computing
     peak_note: str = ""
 
     @property
@@ -106,10 +108,17 @@ PRESETS = {
 
 def this_machine(processes: int, comm: str | Path | None = None) -> Cluster:
     """This machine running ``processes`` CPU processes of one torch thread each: compute from
-    a matmul probe (shared by the processes when they outnumber the cores), communication from
-    a ``meshtrain bench comm`` table."""
+    a matmul probe (the estimate replaces it by the job's own model timed,
+    meshtrain.plan.calibrate), shared by the processes when they outnumber the cores;
+    communication from a ``meshtrain bench comm`` table, the one measured at ``processes``
+    (results/bench_comm_<processes>.json) when there is one."""
     cores = len(os.sched_getaffinity(0))
-    path = Path(comm) if comm else Path(__file__).parents[2] / "benchmarks/results/bench_comm.json"
+    results = Path(__file__).parents[2] / "benchmarks/results"
+    # a table measured at this many processes when there is one: on a machine with fewer
+    # cores than processes, a collective waits for every process to be scheduled
+    path = Path(comm) if comm else next(
+        (p for p in (results / f"bench_comm_{processes}.json", results / "bench_comm.json")
+         if p.exists()), results / "bench_comm.json")
     if not path.exists():
         raise ConfigError(f"{path} does not exist: measure this machine's collectives first with "
                           f"`meshtrain bench comm --devices 2 --json {path}`")
@@ -118,8 +127,10 @@ def this_machine(processes: int, comm: str | Path | None = None) -> Cluster:
     for row in data["rows"]:
         table.setdefault(row["op"], []).append((row["bytes"], row["seconds"]))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    flops = matmul_flops() * min(1.0, cores / processes)
+    share = min(1.0, cores / processes)
+    flops = matmul_flops() * share
     return Cluster("this-machine", 1, processes, memory=memory // processes, flops=flops,
+                   compute_share=share, drift=data.get("drift_seconds", 0.0),
                    intra_bw=1e9, inter_bw=1e9, latency=1e-4, reserved=0, overlap=0.0,
                    memory_bw=5e9 * min(1.0, cores / processes), dtype="fp32",
                    comm_table={op: sorted(rows) for op, rows in table.items()},

@@ -4,18 +4,21 @@ Memory (the worst pipeline rank): model state from :class:`ModelStateSizes` (exa
 activations from the model's own forward probed on meta (:mod:`meshtrain.plan.probe`), times
 the micro-batch and the micro-batches a pipeline schedule keeps in flight (none: 1; GPipe: all;
 1F1B: ``pp - rank``; interleaved: torch's warm-up count of chunks); the buffers FSDP gathers
-(zero3: the block in use and the one prefetched; zero2: the whole stage, kept from forward to
-backward; unsharded gradients while accumulating) or DDP's gradient buckets; the largest
-transient (the loss's gradient, or a block recomputed under checkpointing); AdamW's step
-temporaries; and the cluster's ``reserved`` allowance. The peak (:attr:`Estimate.memory_total`)
-is not their sum: gradients and activations are live together only while micro-batches
-accumulate (benchmarks/README.md, "The planner against measured runs").
+(zero3: the root unit, or a block and the one prefetched; zero2: the whole stage, kept from
+forward to backward; unsharded gradients while accumulating) or DDP's gradient buckets; the
+largest transient (the loss's gradients, two fp32 vocabulary-wide tensors per token, or a block
+recomputed under checkpointing); AdamW's step temporaries; and the cluster's ``reserved``
+allowance. The peak (:attr:`Estimate.memory_total`) is not their sum: gradients and
+activations are live together only while micro-batches accumulate (benchmarks/README.md, "The
+planner against measured runs").
 
-Step time: each micro-batch's FLOPs (probed, with the forward again under full checkpointing) at the
-cluster's achieved FLOP/s plus its tensor/context-parallel collectives (exposed) and pipeline
-sends; a pipeline runs ``m + (pp - 1) / v`` micro-batch slots (the bubble); data-parallel
-collectives hide behind ``overlap`` of the compute; the optimizer step streams its state once;
-the activations checkpointing drops are written again at the memory bandwidth.
+Step time: each micro-batch's FLOPs (probed, with the forward again under full checkpointing)
+at the cluster's achieved FLOP/s (this machine: the job's model timed, meshtrain.plan.calibrate)
+plus its tensor/context-parallel collectives (exposed) and pipeline sends; a pipeline runs
+``m + (pp - 1) / v`` micro-batch slots (the bubble; processes sharing a core fill part of it);
+data-parallel collectives, call by call, hide behind ``overlap`` of the compute; each collective
+also waits the cluster's ``drift``; the optimizer step streams its state once; the activations
+checkpointing drops are written again at the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -72,6 +75,13 @@ class Job:
     seq_len: int
 
 
+def peak(m: dict, accumulates: bool) -> float:
+    """The most bytes live at once of the parts ``m`` (see :attr:`Estimate.memory_total`)."""
+    backward = m["activations"] + m["transient"] + (m["grads"] if accumulates else 0)
+    return (m["params"] + m["optimizer"] + m["gathered"] + m["reserved"]
+            + max(backward, m["grads"] + m["step_temporaries"]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     candidate: Candidate
@@ -87,10 +97,7 @@ class Estimate:
         buffers, the allowance), plus the larger of the backward's start (activations and the
         loss's gradient; gradients too once a step accumulates several micro-batches) and the
         optimizer step (every gradient and the step's temporaries)."""
-        m = self.memory
-        backward = m["activations"] + m["transient"] + (m["grads"] if self.accumulates else 0)
-        return (m["params"] + m["optimizer"] + m["gathered"] + m["reserved"]
-                + max(backward, m["grads"] + m["step_temporaries"]))
+        return peak(self.memory, self.accumulates)
 
     @property
     def step_seconds(self) -> float:
@@ -153,6 +160,9 @@ class Estimator:
         kept = {None: probe.block.saved, "selective": probe.block.saved_selective,
                 "full": probe.block.inputs}[c.activation_checkpointing]
         worst_memory, worst_time, states = None, 0.0, {}
+        # the loss's backward starts with two fp32 vocabulary-wide tensors per token: the
+        # gradients of the logits and of their log-softmax
+        logits = self.job.seq_len // layout.degree("cp") * self.spec.vocab_size * 4
         for r in sorted({0, pp - 1}):
             first, last = r == 0, r == pp - 1
             state = self.state(layout, r, v, c.pp_schedule)
@@ -162,22 +172,36 @@ class Estimator:
                       "activations": c.micro_batch * self._held(
                           layout, c, r, m, blocks, kept, probe, first, last),
                       "transient": c.micro_batch * max(
-                          probe.last.saved if last else 0,
+                          max(probe.last.saved, 2 * logits) if last else 0,
                           probe.block.saved - kept if c.activation_checkpointing else 0),
                       "reserved": cl.reserved,
                       "step_temporaries": self._step_temporaries(layout, state.params)}
-            if worst_memory is None or sum(memory.values()) > sum(worst_memory.values()):
-                worst_memory = memory
+            if worst_memory is None or peak(memory, m > 1 or pp > 1) > peak(worst_memory,
+                                                                               m > 1 or pp > 1):
+                worst_memory = memory  # the first stage holds more in flight, the last the loss
             flops = blocks * (probe.block.flops + (probe.block.forward_flops if
                                                    c.activation_checkpointing == "full" else 0))
             flops += (probe.first.flops if first else 0) + (probe.last.flops if last else 0)
             # what checkpointing recomputes besides the matmuls: the dropped activations
             # written again (memory-bound: read and write)
             rewritten = blocks * (probe.block.saved - kept) * 2
-            worst_time = max(worst_time, c.micro_batch * (flops / cl.flops
+            worst_time = max(worst_time, c.micro_batch * (flops / self._rate(layout, c)
                                                           + rewritten / cl.memory_bw))
         seconds = self._time(layout, c, probe, m, blocks, worst_time)
         return Estimate(c, m, worst_memory, seconds, states, accumulates=m > 1 or pp > 1)
+
+    def _rate(self, layout: Layout, c: Candidate) -> float:
+        """Achieved FLOP/s: the preset's, or on this machine the job's own model timed
+        (meshtrain.plan.calibrate) and shared between the processes on each core."""
+        if self.cluster.name == "this-machine":
+            from meshtrain.plan.calibrate import achieved_flops
+
+            measured = achieved_flops(self.spec, tp=layout.degree("tp"), cp=layout.degree("cp"),
+                                      sequence_parallel=c.sequence_parallel,
+                                      seq_len=self.job.seq_len, micro_batch=c.micro_batch)
+            if measured is not None:
+                return measured * self.cluster.compute_share
+        return self.cluster.flops
 
     def _step_temporaries(self, layout: Layout, params: int) -> float:
         """AdamW's temporaries in its step: on GPUs (foreach) one tensor the size of all the
@@ -217,7 +241,11 @@ class Estimator:
         if layout.uses_ddp:  # DDP's gradient buckets
             return whole + (whole * g if g < 1 else 0.0)
         if layout.is_sharded:
-            gathered = (whole if layout.zero_stage == 2 else 2 * per_block) * g + per_block
+            # zero3 at the backward's start: the root unit (embedding, head), or a block and
+            # the next one prefetched; zero2: the whole stage, and a block's unsharded gradient
+            root = max(0.0, whole - per_block * blocks)
+            gathered = max(root, 2 * per_block) * g if layout.zero_stage == 3 else \
+                whole * g + per_block
             if m > 1:  # no reduce-scatter until the last micro-batch: gradients kept whole
                 gathered += whole * g
             return gathered
@@ -231,8 +259,8 @@ class Estimator:
         inner = layout.degree("tp") * layout.degree("cp")
         tp_cp = 0.0
         for coll in (*probe.block.comm * blocks, *probe.last.comm):
-            tp_cp += cl.comm_seconds(coll.op, coll.bytes * c.micro_batch, coll.ranks,
-                                     crosses_nodes=inner > dpn)
+            tp_cp += cl.drift + cl.comm_seconds(coll.op, coll.bytes * c.micro_batch, coll.ranks,
+                                                crosses_nodes=inner > dpn)
         pp = layout.degree("pp")
         p2p = 0.0
         if pp > 1:
@@ -246,14 +274,20 @@ class Estimator:
         slots = m + (pp - 1) / c.stages_per_rank if pp > 1 else m
         state = self.state(layout, 0, c.stages_per_rank, c.pp_schedule)
         whole = self.state(layout, 0, c.stages_per_rank, c.pp_schedule, unsharded=True)
-        dp_comm = self._dp_comm(layout, state, whole, m)
+        dp_comm = self._dp_comm(layout, state, whole, m, blocks)
         optimizer = 2 * (state.params + state.grads + state.optimizer) / cl.memory_bw
-        return {"compute": m * compute, "bubble": (slots - m) * slot,
+        # processes sharing a core (this machine) lend it while one waits in the bubble: the
+        # schedule then takes the longer of its own span at a whole core and all its work shared
+        share = cl.compute_share
+        return {"compute": m * compute, "bubble": max(0.0, slots * share - m) * slot,
                 "tp_cp_comm": m * tp_cp, "pp_p2p": m * p2p,
                 "dp_comm_exposed": max(0.0, dp_comm - cl.overlap * m * compute),
                 "optimizer": optimizer}
 
-    def _dp_comm(self, layout: Layout, state, whole, m: int) -> float:
+    def _dp_comm(self, layout: Layout, state, whole, m: int, blocks: int) -> float:
+        """Data-parallel collectives of one step, call by call (each pays its latency): FSDP
+        gathers and reduces each unit (a block; the rest of the stage is the root unit); DDP
+        all-reduces 25 MiB buckets; ZeRO-1 then broadcasts every parameter from its owner."""
         cl, dpn = self.cluster, self.cluster.devices_per_node
         inner = layout.degree("tp") * layout.degree("cp")
         seconds = 0.0
@@ -261,19 +295,26 @@ class Estimator:
             shards = layout.degree("dp_shard") * layout.degree("cp")
             crosses = layout.degree("dp_shard") * inner > dpn
             gathers = 1 if layout.zero_stage == 2 else 2
-            seconds += m * gathers * cl.comm_seconds(
-                "all_gather", whole.params * self.gather_factor, shards, crosses_nodes=crosses)
-            seconds += cl.comm_seconds("reduce_scatter", whole.grads, shards,
-                                       crosses_nodes=crosses)
+            per_block = self._block_params / self.spec.num_layers / layout.degree("tp")
+            units = [per_block] * blocks + [max(0.0, whole.params - per_block * blocks)]
+            for size in units:
+                seconds += m * gathers * (cl.drift + cl.comm_seconds(
+                    "all_gather", size * self.gather_factor, shards, crosses_nodes=crosses))
+                seconds += cl.drift + cl.comm_seconds("reduce_scatter", size, shards,
+                                                      crosses_nodes=crosses)
             if layout.degree("dp_replicate") > 1:
                 seconds += cl.comm_seconds("all_reduce", state.grads,
                                            layout.degree("dp_replicate"), crosses_nodes=True)
             return seconds
         ranks = layout.loss_degree
         crosses = layout.world_size // layout.degree("pp") > dpn
-        seconds += cl.comm_seconds("all_reduce", state.grads, ranks, crosses_nodes=crosses)
+        buckets = max(1, math.ceil(state.grads / (25 * 2 ** 20)))
+        seconds += buckets * (cl.drift + cl.comm_seconds("all_reduce", state.grads / buckets,
+                                                         ranks, crosses_nodes=crosses))
         if layout.zero_stage == 1:
-            seconds += cl.comm_seconds("all_gather", state.params, ranks, crosses_nodes=crosses)
+            tensors = max(1, round(len(self.sizes.params) / layout.degree("pp")))
+            seconds += tensors * cl.comm_seconds("broadcast", state.params / tensors, ranks,
+                                                 crosses_nodes=crosses)
         return seconds
 
 

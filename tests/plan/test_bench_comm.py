@@ -26,6 +26,11 @@ def test_two_processes_time_every_operation(tmp_path, capfd):
     printed = capfd.readouterr().out
     assert "meshtrain bench comm: 2 processes, gloo" in printed
     assert "all_reduce" in printed and "16 KiB" in printed
+    # the drift each collective adds between bursts of compute, which the planner charges
+    assert saved["drift_seconds"] >= 0 and "drift: a collective between" in printed
+    from meshtrain.plan.cluster import Cluster
+
+    assert Cluster.preset("this-machine", processes=2, comm=out).drift == saved["drift_seconds"]
 
 
 def test_bus_factors_are_nccl_tests():

@@ -116,13 +116,13 @@ def test_model_strings_take_words():
 def test_memory_near_torchtitans_published_figure():
     """torchtitan's docs/performance.md (Table 1): Llama 3.1 8B on 8 H100s, FSDP over 8, local
     batch 2, sequence 8192, selective checkpointing, eager: 82.4 GiB peak reserved. The
-    estimate (69.8 GiB on 2026-11-26: live tensors and a flat 4 GiB, not the allocator's cache)
-    must stay within 20 % under and 10 % over it (docs/planner.md)."""
+    estimate (77.5 GiB on 2026-11-26: live tensors and a flat 4 GiB, not the allocator's cache)
+    must stay within 10 % of it (docs/planner.md)."""
     spec = ModelSpec.load("examples/llama3/8b.json")
     estimate = Estimator(spec, Cluster.preset("8xH100"), Job(16, 8192)).estimate(
         Candidate("zero3=8", 2, "selective"))
     published = 82.4 * 2 ** 30
-    assert -0.20 <= estimate.memory_total / published - 1 <= 0.10, estimate.memory
+    assert -0.10 <= estimate.memory_total / published - 1 <= 0.10, estimate.memory
     # fp32 master weights as the Trainer keeps them, though the config's torch_dtype is bf16
     assert estimate.memory["params"] == 4 * 8_030_261_248 // 8
 
@@ -135,3 +135,24 @@ def test_plan_build_builds_the_pick(capsys):
     assert [line.split(":")[0] for line in built] == ["  rank 0", "  rank 4"]  # both stages
     assert all("equal" in line for line in built), built
     assert torch.distributed.is_initialized() is False
+
+
+def test_processes_sharing_a_core_fill_the_bubble_and_collectives_pay_the_drift():
+    """On a machine with fewer cores than processes a pipeline's idle slots are lent to the
+    other processes (the bubble costs what they cannot fill), and each collective waits for
+    the ranks' drift (meshtrain bench comm measures it) besides moving its bytes."""
+    import dataclasses
+
+    spec, job = ModelSpec.load(GPT), Job(16, S)
+    h100 = Cluster.preset("8xh100")
+    pipeline = Candidate("pp=2,dp=4", 1)  # 2 micro-batches per rank, 3 slots
+    whole = Estimator(spec, h100, job).estimate(pipeline).seconds
+    half = Estimator(spec, dataclasses.replace(h100, compute_share=0.5), job).estimate(
+        pipeline).seconds
+    assert whole["bubble"] > 0 and half["bubble"] == 0  # 3 slots x 0.5 <= 2 micro-batches
+    tp = Candidate("tp=8", 2)
+    plain = Estimator(spec, h100, job).estimate(tp).seconds["tp_cp_comm"]
+    drift = Estimator(spec, dataclasses.replace(h100, drift=0.001), job).estimate(tp)
+    probe = probe_model(spec, tp=8, seq_len=S)
+    calls = len(probe.block.comm) * spec.num_layers + len(probe.last.comm)
+    assert drift.seconds["tp_cp_comm"] - plain == pytest.approx(0.001 * calls * drift.accumulation)

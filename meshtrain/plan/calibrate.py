@@ -1,0 +1,87 @@
+"""This machine's speed on the job's own model: a one-block copy of it run for real (forward and
+backward, one CPU thread) in a simulated tp x cp world and timed, so the estimate's compute
+carries what a matmul probe does not see: the elementwise operators, the loss, and the host
+cost of every operator (DTensor's dispatch under tp, the sequence chunks under cp).
+
+    rate = achieved_flops(spec, tp=2, cp=1, sequence_parallel=False, seq_len=128, micro_batch=4)
+    seconds = flops / (rate * cluster.compute_share)
+
+The simulated world's collectives move nothing: their cost is the communication part of the
+estimate (a ``meshtrain bench comm`` table). Models whose one block is too large to run here
+return None (the estimate then uses the matmul probe).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from meshtrain.parallel.layout import Layout
+from meshtrain.plan.probe import probe_model
+from meshtrain.plan.simulate import default_options, fake_world, this_ranks_modules
+
+#: the largest one-block model run for real (parameters)
+MAX_PARAMS = 50_000_000
+
+
+def achieved_flops(spec, *, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
+                   micro_batch: int) -> float | None:
+    """FLOP/s one thread reaches on a micro-batch of ``spec``'s model (one block, its
+    embedding, head and loss) on one rank of a ``tp`` x ``cp`` group; None if too large to
+    run here. A micro-batch costs a fixed host part plus a part per sample, both measured."""
+    timing = _timing(spec, tp, cp, sequence_parallel, seq_len)
+    if timing is None:
+        return None
+    fixed, per_sample, flops = timing
+    return flops * micro_batch / (fixed + per_sample * micro_batch)
+
+
+@functools.lru_cache(maxsize=64)
+def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
+            seconds: float = 0.1) -> tuple[float, float, int] | None:
+    """(seconds per micro-batch, seconds per sample, FLOPs per sample) from runs at
+    micro-batches of 1 and 16."""
+    with torch.device("meta"):
+        if sum(p.numel() for p in spec.build(1).parameters()) > MAX_PARAMS:
+            return None
+    probe = probe_model(spec, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
+                        seq_len=seq_len)
+    flops = probe.first.flops + probe.block.flops + probe.last.flops
+    world = tp * cp
+    layout = Layout.parse(",".join(f"{a}={d}" for a, d in (("cp", cp), ("tp", tp)) if d > 1)
+                          or "dp=1", world)
+    threads = torch.get_num_threads()
+    torch.set_flush_denormal(True)  # garbage values must not run at denormal speed
+    torch.set_num_threads(1)
+    try:
+        with fake_world(world, 0):  # nothing moves: the values are whatever memory held
+            torch.manual_seed(0)
+            model = spec.build(1)
+            if layout.degrees:
+                from meshtrain.parallel.mesh import ParallelMesh
+
+                options, pipeline = default_options(layout, None, None,
+                                                    sequence_parallel=sequence_parallel)
+                (model,) = this_ranks_modules(model, ParallelMesh(layout, "cpu"), options,
+                                              pipeline)
+            one, many = (_run(spec, model, batch, seq_len // cp, seconds) for batch in (1, 16))
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)
+    per_sample = max(0.0, (many - one) / 15)
+    return max(0.0, one - per_sample), per_sample, flops
+
+
+def _run(spec, model, batch: int, length: int, seconds: float) -> float:
+    """Seconds of one forward and backward at ``batch`` sequences: the fastest of the runs in
+    ``seconds`` (at least 3), as timeit does, so that another process's burst does not count."""
+    tokens = torch.zeros(batch, length, dtype=torch.long)
+    spec.loss(model, tokens).backward()  # warm-up
+    times, start = [], time.perf_counter()
+    while len(times) < 3 or time.perf_counter() - start < seconds:
+        begin = time.perf_counter()
+        spec.loss(model, tokens).backward()
+        times.append(time.perf_counter() - begin)
+    return min(times)
