@@ -161,7 +161,8 @@ class Estimator:
                 "full": probe.block.inputs}[c.activation_checkpointing]
         worst_memory, worst_time, states = None, 0.0, {}
         # the loss's backward starts with two fp32 vocabulary-wide tensors per token: the
-        # gradients of the logits and of their log-softmax
+        # gradients of the logits and of their log-softmax; a pipeline's last stage also keeps
+        # its output, the logits, for the schedule
         logits = self.job.seq_len // layout.degree("cp") * self.spec.vocab_size * 4
         for r in sorted({0, pp - 1}):
             first, last = r == 0, r == pp - 1
@@ -172,7 +173,7 @@ class Estimator:
                       "activations": c.micro_batch * self._held(
                           layout, c, r, m, blocks, kept, probe, first, last),
                       "transient": c.micro_batch * max(
-                          max(probe.last.saved, 2 * logits) if last else 0,
+                          max(probe.last.saved, (2 + (pp > 1)) * logits) if last else 0,
                           probe.block.saved - kept if c.activation_checkpointing else 0),
                       "reserved": cl.reserved,
                       "step_temporaries": self._step_temporaries(layout, state.params)}
