@@ -235,6 +235,10 @@ def _servers(raw: dict, world_size: int, spec) -> int:
 
 
 def _parse_pairs(spec: str) -> dict[str, str]:
+    if spec.strip().partition(",")[0].strip() == "auto":
+        raise LayoutError(f"layout {spec!r} is the Trainer's to plan (docs/planner.md); here give "
+                          "a concrete layout, e.g. the pick that `meshtrain train CONFIG "
+                          "--trainer.layout=auto --dry-run` prints")
     raw: dict[str, str] = {}
     for part in spec.split(","):
         if not part.strip():

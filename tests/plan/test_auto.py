@@ -83,3 +83,11 @@ def test_auto_trains_like_one_process():
     """Each rank plans on this machine's measured speed; rank 1 here ranks the rows backwards,
     so its own pick differs: it takes rank 0's, and every rank matches one process."""
     assert_parity("auto", 2, steps=4, fns=GPT_FNS, setup=rank_1_plans_backwards)
+
+
+def test_auto_outside_the_trainer_names_the_way_to_the_pick():
+    from meshtrain.parallel.layout import Layout, LayoutError
+
+    for spec in ("auto", "auto,tp=2"):
+        with pytest.raises(LayoutError, match="the Trainer's to plan.*--trainer.layout=auto --dry-run"):
+            Layout.parse(spec, 4)
