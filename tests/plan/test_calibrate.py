@@ -61,7 +61,8 @@ def test_a_model_too_large_to_run_here_uses_the_matmul_probe(monkeypatch):
 def test_the_measured_rate_is_real():
     calibrate._timing.cache_clear()
     fixed, per_sample, flops = calibrate._timing(ModelSpec.load(GPT), 2, 1, False, 16)
-    assert per_sample > 0 and fixed >= 0 and flops > 0  # ran, under a simulated tp=2 world
+    # ran, under a simulated tp=2 world (so small a model that only the signs are sure)
+    assert per_sample > 0 and fixed >= 0 and flops > 0
     import torch.distributed as dist
     assert not dist.is_initialized()
     calibrate._timing.cache_clear()
