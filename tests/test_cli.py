@@ -357,3 +357,17 @@ def test_a_recipe_without_check_is_dry_run_on_its_job(tmp_path):
                            "--trainer.devices=2", cwd=tmp_path)
     assert out.returncode == 2 and "config OK" not in out.stdout, out.stdout[-2000:]
     assert "Linear has no tensor-parallel plan" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_run_planned_with_layout_auto_saves_its_pick(tmp_path):
+    """The run folder's config.toml holds the pick, not "auto": it trains the same layout again."""
+    config = ROOT / "examples" / "char_gpt.toml"
+    out = meshtrain("train", str(config), *TINY, "--trainer.max_steps=2", "--trainer.devices=1",
+                    "--trainer.layout=auto", f"--logging.root_dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (picked,) = re.findall(r'layout="auto" picked (\S+) mb=(\d+)', out.stdout)
+    (run_dir,) = (tmp_path / "char_gpt").iterdir()
+    saved = (run_dir / "config.toml").read_text()
+    assert 'layout = "auto"' not in saved
+    assert f'layout = "{picked[0]}"' in saved and f"micro_batch_size = {picked[1]}" in saved

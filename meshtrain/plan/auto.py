@@ -183,3 +183,16 @@ def agree(trainer) -> None:
     dist.broadcast_object_list(shared, src=0)
     if shared[0] != mine:
         t._use_layout({**t._settings, **shared[0]}, t.world_size)
+
+
+def resolved_config(config: dict, trainer) -> dict:
+    """A recipe's ``config`` sections with layout="auto" replaced by the pick and the settings
+    it planned: the run folder's config.toml then trains the same layout again."""
+    if trainer._auto_pins is None:
+        return config
+    from meshtrain.settings import SETTINGS
+
+    out = {section: dict(values) for section, values in config.items()}
+    for name in ("layout", *PLANNED):  # the pick's own layout string ("dp=1", not "single")
+        out.setdefault(SETTINGS[name].section, {})[name] = trainer._settings[name]
+    return out

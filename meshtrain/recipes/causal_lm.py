@@ -28,6 +28,7 @@ from meshtrain.config import dumps_toml
 from meshtrain.errors import ConfigError
 from meshtrain.optim import AdamW
 from meshtrain.parity import whole_state
+from meshtrain.plan.auto import resolved_config
 from meshtrain.recipes.char_lm import cosine_with_warmup
 from meshtrain.trainer import Trainer
 
@@ -216,7 +217,8 @@ class _SaveRun(Callback):
     def on_fit_start(self, trainer) -> None:
         if not trainer.is_global_zero:
             return
-        (trainer.run_dir / "config.toml").write_text(dumps_toml(self.config))
+        config = resolved_config(self.config, trainer)  # layout="auto": the pick
+        (trainer.run_dir / "config.toml").write_text(dumps_toml(config))
         if hasattr(self.cfg, "save_pretrained"):
             self.cfg.save_pretrained(trainer.run_dir / "hf_config")
         (trainer.run_dir / "tokenizer.json").write_bytes(self.tokenizer.read_bytes())

@@ -25,6 +25,7 @@ from meshtrain.data.text import CharChunks, CharTokenizer, split_tokens, stdlib_
 from meshtrain.errors import ConfigError
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parity import whole_state
+from meshtrain.plan.auto import resolved_config
 from meshtrain.trainer import Trainer
 
 # This recipe's own defaults of Trainer settings; every other setting keeps the Trainer's.
@@ -118,7 +119,8 @@ class _SaveConfig(Callback):
 
     def on_fit_start(self, trainer) -> None:
         if trainer.is_global_zero:
-            (trainer.run_dir / "config.toml").write_text(dumps_toml(self.config))
+            config = resolved_config(self.config, trainer)  # layout="auto": the pick
+            (trainer.run_dir / "config.toml").write_text(dumps_toml(config))
             (trainer.run_dir / "tokenizer.json").write_text(json.dumps(self.tokenizer.to_dict()))
 
 
