@@ -56,8 +56,8 @@ def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
     torch.set_flush_denormal(True)  # garbage values must not run at denormal speed
     torch.set_num_threads(1)
     try:
-        with fake_world(world, 0):  # nothing moves: the values are whatever memory held
-            torch.manual_seed(0)
+        with fake_world(world, 0), torch.random.fork_rng(devices=[]):  # the caller's RNG kept
+            torch.manual_seed(0)  # nothing moves in this world: values are whatever memory held
             model = spec.build(1)
             if layout.degrees:
                 from meshtrain.parallel.mesh import ParallelMesh

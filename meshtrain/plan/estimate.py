@@ -114,8 +114,7 @@ class Estimator:
         self.dtype = torch.bfloat16 if cluster.dtype == "bf16-mixed" else torch.float32
         self.gather_factor = 0.5 if cluster.dtype == "bf16-mixed" else 1.0
         self._state: dict = {}
-        self._block_params = sum(math.prod(p.shape) * p.element_size for p in self.sizes.params
-                                 if _in_block(p.name))
+        self._one_block = _block_bytes(spec)  # parameter bytes of one block
 
     def state(self, layout: Layout, pp_rank: int, stages_per_rank: int = 1,
               schedule: str = "1f1b", *, unsharded: bool = False):
@@ -237,7 +236,7 @@ class Estimator:
         unsharded gradients of the block being reduced."""
         whole = self.state(layout, rank, v, schedule, unsharded=True).params
         # a block's parameters (the embedding and the head are units of their own)
-        per_block = self._block_params / self.spec.num_layers / layout.degree("tp")
+        per_block = self._one_block / layout.degree("tp")
         g = self.gather_factor
         if layout.uses_ddp:  # DDP's gradient buckets
             return whole + (whole * g if g < 1 else 0.0)
@@ -296,7 +295,7 @@ class Estimator:
             shards = layout.degree("dp_shard") * layout.degree("cp")
             crosses = layout.degree("dp_shard") * inner > dpn
             gathers = 1 if layout.zero_stage == 2 else 2
-            per_block = self._block_params / self.spec.num_layers / layout.degree("tp")
+            per_block = self._one_block / layout.degree("tp")
             units = [per_block] * blocks + [max(0.0, whole.params - per_block * blocks)]
             for size in units:
                 seconds += m * gathers * (cl.drift + cl.comm_seconds(
@@ -319,8 +318,12 @@ class Estimator:
         return seconds
 
 
-def _in_block(name: str) -> bool:
-    """Whether parameter ``name`` belongs to one of the repeated blocks (GPT's ``layers.N``,
-    Hugging Face's ``model.layers.N``)."""
-    parts = name.split(".")
-    return any(a in ("layers", "h", "blocks") and b.isdigit() for a, b in zip(parts, parts[1:]))
+def _block_bytes(spec: ModelSpec) -> int:
+    """One block's parameter bytes: what a second block adds to the model (built on meta, so
+    whatever the model names its modules)."""
+    sizes = []
+    for layers in (1, 2):
+        with torch.device("meta"):
+            model = spec.build(layers)
+        sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+    return sizes[1] - sizes[0]
