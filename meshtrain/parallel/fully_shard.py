@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.fsdp_comm import use_all_to_all_reduce_scatter
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 OFFLOADS = (None, "cpu")
@@ -147,6 +148,7 @@ def apply_fsdp(
         last = i == len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+    use_all_to_all_reduce_scatter([*blocks, model], mesh.get_group(-1))
     return model
 
 
