@@ -70,8 +70,12 @@ def plan_batches(layout: Layout, global_batch_size: int, micro_batch_size: int |
 
 
 @contextlib.contextmanager
-def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled: bool):
-    """Skip the gradient reduction for micro-steps that only accumulate (DDP or FSDP2)."""
+def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled: bool,
+                  keep_gathered: bool = False):
+    """Skip the gradient reduction for micro-steps that only accumulate (DDP or FSDP2); with
+    ``keep_gathered`` (ZeRO-2, which holds the whole parameters from forward to backward
+    anyway), FSDP2 also keeps them gathered for the next micro-batch instead of resharding and
+    all-gathering them again."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -82,10 +86,14 @@ def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled
             yield
     elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(False)
+        if keep_gathered:
+            model.set_reshard_after_backward(False)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
+            if keep_gathered:
+                model.set_reshard_after_backward(True)
     else:
         yield
 
@@ -235,7 +243,8 @@ class Engine:
         for micro_step, batch in enumerate(micro):
             batch = self.shard(batch)
             last = micro_step == accum - 1
-            with gradient_sync(self.train_module, self.model, enabled=last), self.loss_context():
+            with gradient_sync(self.train_module, self.model, enabled=last,
+                               keep_gathered=self.layout.zero_stage == 2), self.loss_context():
                 with self.precision.autocast(), batch_group(self.batch_pg):
                     loss = compute_loss(self.train_module, batch, self.loss_fn, items is not None)
                     loss = loss / accum if items is None else loss / items.divisor()

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.fsdp_comm import use_all_to_all_reduce_scatter
+from meshtrain.parallel.fsdp_comm import set_prefetch, use_gloo_collectives
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 OFFLOADS = (None, "cpu")
@@ -148,7 +148,8 @@ def apply_fsdp(
         last = i == len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
-    use_all_to_all_reduce_scatter([*blocks, model], mesh.get_group(-1))
+    use_gloo_collectives([*blocks, model], mesh.get_group(-1), hsdp=mesh.ndim == 2)
+    set_prefetch(model, blocks)
     return model
 
 

@@ -43,3 +43,40 @@ def test_all_to_all_reduce_scatter_matches_gloo_and_is_installed():
         assert result["sum"] < 1e-6 and result["avg"] < 1e-6 and result["max"] == 0
         # both Linear blocks; the root holds no parameters of its own, so it has no group
         assert result["installed"] == ["AllToAllReduceScatter"] * 2
+
+
+def _gathers_worker(layout: str):
+    import tempfile
+
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from meshtrain import Trainer
+    from meshtrain.parallel import fsdp_comm
+
+    calls = []
+    original = fsdp_comm.BroadcastAllGather.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    fsdp_comm.BroadcastAllGather.__call__ = counted
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randn(32, 4, generator=gen))
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(layout=layout, accelerator="cpu", max_steps=2, global_batch_size=16,
+                          micro_batch_size=2, loggers=(), progress_bar=False, run_dir=run_dir,
+                          save_final_checkpoint=False)
+        trainer.fit(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+                    data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=F.mse_loss)
+    return end_together(len(calls))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout, per_step", [("zero2=2", 2), ("zero3=2", (4 + 4) + 4)])
+def test_zero2_keeps_parameters_gathered_across_micro_batches(layout, per_step):
+    # 2 steps x 4 micro-batches, 2 blocks (the root has no parameters of its own). zero2
+    # gathers each block once per step; zero3 in each micro-batch's forward and backward,
+    # except the last block, which it keeps from forward to backward: (4 + 4) + 4 per step
+    assert run_workers(_gathers_worker, 2, (layout,), timeout=100) == [2 * per_step] * 2
