@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from harness import WallClock, init_gloo, machine, mean_time, spread, table, write_json
+from harness import WallClock, init_gloo, machine, spread, table, write_json
 
 from meshtrain.checkpoint.manager import CheckpointManager, checkpoint_name, local_all_finite
 from meshtrain.checkpoint.state import load_checkpoint
@@ -52,9 +52,10 @@ from meshtrain.launch.spawn import run_workers
 MIB = 2**20
 MEASURES = [
     ("sync_blocking_s", "sync save"),
-    ("async_blocking_s", "async save, blocking"),
+    ("async_blocking_s", "async save, until save() returns"),
+    ("async_copied_s", "async save, until the copy is made"),
     ("async_total_s", "async save, until committed"),
-    ("async_train_blocking_s", "async + training, blocking"),
+    ("async_train_blocking_s", "async + training, blocking (save + waits)"),
     ("async_train_total_s", "async + training, until committed"),
     ("load_s", "load"),
     ("check_s", "non-finite check"),
@@ -90,7 +91,7 @@ def bench_worker(cfg: dict, base: str) -> dict:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     ckpt_group = dist.new_group(backend="gloo")  # DCP's collectives, apart from training's
-    a, b, buf = torch.randn(512, 512), torch.randn(512, 512), torch.ones(MIB // 4)
+    batch = torch.randn(cfg["batch"], d, generator=torch.Generator().manual_seed(rank))
     warm = nn.Linear(8, 8)  # one-time costs of the first DCP save and load, not timed
     warm_opt = torch.optim.AdamW(warm.parameters())
     for async_save in (False, True):
@@ -98,11 +99,21 @@ def bench_worker(cfg: dict, base: str) -> dict:
                                 process_group=ckpt_group)
         mgr.save(0, warm, warm_opt, {}, {"step": 0})
         load_checkpoint(mgr.wait() or Path(base) / "warmup0" / checkpoint_name(0), warm, warm_opt)
+    # The background saves share one manager, as in a training run: its first save allocates
+    # the host buffers (timed apart), later ones reuse them.
+    amgr = CheckpointManager(Path(base) / "async", async_save=True, process_group=ckpt_group)
+    dist.barrier()
+    amgr.save_to(Path(base) / "first", 0, model, optimizer, {}, {"step": 0}, background=True)
+    first = {"async_first_blocking_s": amgr.last_blocking_s + amgr.before_update()}
+    amgr.wait()
     rows, size = [], None
 
-    def train_step():
-        a @ b
-        dist.all_reduce(buf)
+    def train_step(fences: list[float]):
+        """A real step of the checkpointed model; the wait for a save's copy is recorded."""
+        model(batch).square().mean().backward()
+        fences.append(amgr.before_update())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     def sync_and_load(root, step, row):
         nonlocal size
@@ -122,31 +133,36 @@ def bench_worker(cfg: dict, base: str) -> dict:
         row["check_s"] = time.perf_counter() - start
 
     def async_wait(root, step, row):
-        mgr = CheckpointManager(root / "async", async_save=True, process_group=ckpt_group)
         dist.barrier()
-        mgr.save(step, model, optimizer, {"global_step": step}, {"step": step})
-        row["async_blocking_s"] = mgr.last_blocking_s
-        mgr.wait()
-        row["async_total_s"] = mgr.last_save_s
+        amgr.save_to(root / "async" / checkpoint_name(step), step, model, optimizer,
+                     {"global_step": step}, {"step": step}, background=True)
+        row["async_blocking_s"] = amgr.last_blocking_s
+        row["async_copied_s"] = amgr.last_blocking_s + amgr.before_update()
+        amgr.wait()
+        row["async_total_s"] = amgr.last_save_s
 
     def async_train(root, step, row):
         dist.barrier()
-        row["train_step_alone_ms"] = mean_time(train_step, 50) * 1e3
-        mgr = CheckpointManager(root / "train", async_save=True, process_group=ckpt_group)
+        start = time.perf_counter()
+        for _ in range(cfg["steps_alone"]):
+            train_step([])
+        row["train_step_alone_ms"] = (time.perf_counter() - start) / cfg["steps_alone"] * 1e3
         dist.barrier()
-        mgr.save(step, model, optimizer, {"global_step": step}, {"step": step})
-        row["async_train_blocking_s"] = mgr.last_blocking_s
+        amgr.save_to(root / "train" / checkpoint_name(step), step, model, optimizer,
+                     {"global_step": step}, {"step": step}, background=True)
+        returned, fences = amgr.last_blocking_s, []
         steps, start = 0, time.perf_counter()
         while True:
-            done = torch.tensor([int(mgr.poll())])
+            done = torch.tensor([int(amgr.poll())])
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
             if done.item():
                 break
-            train_step()
+            train_step(fences)
             steps += 1
         row["train_step_during_write_ms"] = (time.perf_counter() - start) / max(steps, 1) * 1e3
-        mgr.commit()
-        row["async_train_total_s"] = mgr.last_save_s
+        amgr.commit()
+        row["async_train_blocking_s"] = returned + sum(fences)
+        row["async_train_total_s"] = amgr.last_save_s
         row["train_steps_during_write"] = steps
 
     phases = [sync_and_load, async_wait, async_train]
@@ -159,7 +175,8 @@ def bench_worker(cfg: dict, base: str) -> dict:
                 shutil.rmtree(root, ignore_errors=True)
         dist.barrier()
         rows.append(row)
-    return {"rank": rank, "rows": rows, "checkpoint_bytes": size, "peak_rss_mib": _peak_rss_mib()}
+    return {"rank": rank, "rows": rows, "checkpoint_bytes": size, "peak_rss_mib": _peak_rss_mib(),
+            **first}
 
 
 def summarize(ranks: list[dict]) -> dict:
@@ -170,6 +187,9 @@ def summarize(ranks: list[dict]) -> dict:
     for key in ("train_steps_during_write", "train_step_alone_ms", "train_step_during_write_ms"):
         out[key] = [row[key] for row in slower]
     out["checkpoint_bytes"] = ranks[0]["checkpoint_bytes"]
+    out["async_first_blocking_s"] = max(r["async_first_blocking_s"] for r in ranks)
+    out["blocking_vs_sync"] = [row["async_train_blocking_s"] / row["sync_blocking_s"]
+                               for row in slower]
     out["peak_rss_mib_per_rank"] = [r["peak_rss_mib"] for r in ranks]
     out["per_repeat"] = slower
     return out
@@ -187,6 +207,11 @@ def format_table(summary: dict) -> str:
     ms = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
     lines.append(f"\ncheckpoint {size_mib:.0f} MiB on disk; peak RSS per rank "
                  f"{', '.join(f'{x:.0f}' for x in summary['peak_rss_mib_per_rank'])} MiB")
+    ratios = sorted(summary["blocking_vs_sync"])
+    lines.append(f"async + training blocking / sync save, paired per repeat: median "
+                 f"{ratios[len(ratios) // 2]:.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f}); "
+                 f"the first async save (allocating the host buffers) blocked "
+                 f"{summary['async_first_blocking_s']:.3f} s until copied")
     lines.append(f"training steps during the async write: {summary['train_steps_during_write']}"
                  f"; ms/step alone {ms(summary['train_step_alone_ms'])}, during the write "
                  f"{ms(summary['train_step_during_write_ms'])} (per repeat)")
@@ -200,6 +225,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="MiB of fp32 parameters (300); the checkpoint is about 3x")
     parser.add_argument("--width", type=int, default=2048, help="d of each Linear(d, d) (2048)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats (3)")
+    parser.add_argument("--batch", type=int, default=8, help="rows per rank per training step (8)")
+    parser.add_argument("--steps-alone", type=int, default=3,
+                        help="training steps timed before each async + training case (3)")
     parser.add_argument("--sharding", choices=["fsdp", "replicated"], default="fsdp")
     parser.add_argument("--dir", default=tempfile.gettempdir(),
                         help="where the temporary checkpoints go (the system temp dir)")
@@ -229,7 +257,7 @@ def main(argv=None) -> int:
               "--params-mb.", file=sys.stderr)
         return 1
     cfg = dict(d=d, layers=layers, sharding=args.sharding, repeats=args.repeats,
-               timeout=args.timeout)
+               timeout=args.timeout, batch=args.batch, steps_alone=args.steps_alone)
     title = (f"{layers} x Linear({d}, {d}) = {params_bytes / MIB:.0f} MiB fp32 params "
              f"({params_bytes // 4 / 1e6:.1f}M), AdamW, {args.sharding}, {args.world_size} ranks "
              "(gloo, CPU, 1 thread per rank)")

@@ -304,6 +304,7 @@ class Trainer:
             self.precision.unscale(self.optimizer)
         self._call("on_before_optimizer_step")
         self.grad_norm = self.engine.clip_grad_norm(self.grad_clip_norm) if measure else None
+        self.checkpoints.before_update()  # a background save's copy of the state is made
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:

@@ -5,9 +5,11 @@ A :class:`CheckpointManager` saves ``<directory>/step_00000012`` every N steps a
 minutes, keeps the last k, and never leaves a half-written folder that looks complete: every
 save goes into ``.tmp-<name>`` and is renamed by rank 0 once all ranks have written.
 
-With ``async_save=True`` the model and optimizer state is copied to CPU memory (DCP's staging,
-during :meth:`CheckpointManager.save`) and written by a background thread while training goes
-on; one save is in flight at most. The caller commits it once every rank's write is done
+With ``async_save=True`` the model and optimizer state is copied into host buffers kept from
+save to save, in a background thread while the next step's forward and backward run
+(``staging.py``; :meth:`CheckpointManager.before_update` waits for the copy and the Trainer
+calls it before each optimizer update), then written by DCP in a background thread while
+training goes on; one save is in flight at most. The caller commits it once every rank's write is done
 (:meth:`~CheckpointManager.poll` on every rank, then :meth:`~CheckpointManager.commit`), or
 blocks for it with :meth:`~CheckpointManager.wait`.
 """
@@ -42,6 +44,7 @@ from meshtrain.checkpoint.state import (
     tmp_path,
     write_extras,
 )
+from meshtrain.checkpoint.staging import HostStager, NonFiniteState
 from meshtrain.errors import ConfigError, MeshtrainError
 
 DCP_METADATA = ".metadata"
@@ -162,7 +165,9 @@ class CheckpointManager:
         every_n_steps: a save is due at steps divisible by this (or None).
         every_n_minutes: a save is due this long after the last one started (or None).
         keep_last_k: after each commit, delete all but the newest k ``step_*`` checkpoints.
-        async_save: write in a background thread (DCP ``async_save``, thread mode).
+        async_save: copy and write in the background (DCP ``async_save`` with
+            :class:`~meshtrain.checkpoint.staging.HostStager`); call :meth:`before_update`
+            before changing the model or optimizer state after a save.
         process_group: the group DCP's own collectives use. With ``async_save`` it should be a
             gloo group of its own so the background write never interleaves with training
             collectives; if None one is created (collectively) at the first save.
@@ -181,6 +186,7 @@ class CheckpointManager:
         self._last_start = _now()
         self._pending: tuple[Future, int, Path, Path, float] | None = None
         self._last_written: tuple[Path, int] | None = None  # (folder, step) of the last save
+        self._stager: HostStager | None = None  # background saves' host copy (staging.py)
 
     @classmethod
     def from_settings(cls, directory, settings: dict) -> CheckpointManager:
@@ -225,7 +231,7 @@ class CheckpointManager:
         self.wait()
         if self._last_written == (path, step):
             return path
-        if not all_finite(model, optimizer):
+        if not background and not all_finite(model, optimizer):  # (background: when staged)
             warnings.warn(f"checkpoint of step {step} not saved to {path}: the model or "
                           "optimizer state holds NaN/Inf values (on at least one rank)",
                           stacklevel=3)
@@ -244,8 +250,10 @@ class CheckpointManager:
             if not background:
                 dcp.save(state, **where)
             else:
+                stager = self._host_stager(model)
                 future = dcp.async_save(
-                    state, async_checkpointer_type=AsyncCheckpointerType.THREAD, **where)
+                    state, async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                    async_stager=stager, **where)
                 future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse
                 self._pending = (future, step, tmp, path, start)
         self._last_written = (path, step)
@@ -259,6 +267,26 @@ class CheckpointManager:
         if not background:
             self.last_save_s = self.last_blocking_s
         return path
+
+    def _host_stager(self, model) -> HostStager:
+        """The stager of background saves (host buffers reused from save to save); the model's
+        buffers are copied at once, everything else while the next step computes."""
+        if self._stager is None:
+            on_gpu = any(_local(p).is_cuda for p in model.parameters())
+            self._stager = HostStager(pin_memory=on_gpu)
+        self._stager.parameters = {_local(p).untyped_storage().data_ptr()
+                                   for p in model.parameters()}
+        self._stager.check, self._stager.check_group = True, self.process_group
+        return self._stager
+
+    def before_update(self) -> float:
+        """Block until an asynchronous save's copy of the state is made (call before anything
+        changes the parameters or optimizer state); seconds blocked, also added to
+        ``last_blocking_s``."""
+        waited = self._stager.wait() if self._stager is not None else 0.0
+        if waited and self.last_blocking_s is not None:
+            self.last_blocking_s += waited
+        return waited
 
     def written_at(self, step: int) -> Path | None:
         """The folder this writer last wrote, if it holds the state of ``step``."""
@@ -287,6 +315,13 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
+        except NonFiniteState as exc:  # refused when staged, as a sync save refuses at once
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._last_written = None
+            warnings.warn(f"checkpoint of step {step} not saved to {final}: {exc}",
+                          stacklevel=2)
+            return None
         except BaseException as exc:
             if _rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
