@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-from torch.distributed._state_dict_utils import _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from meshtrain.errors import MeshtrainError
@@ -67,6 +67,24 @@ def staged_all_finite(state: dict, group) -> bool:
     return finite
 
 
+def _empty_like(state, pin_memory: bool):
+    """``state`` with each tensor replaced by an uninitialised host tensor of its (local)
+    shape; a DTensor by a DTensor of the same placements around one. Nothing is touched, so
+    the pages are only faulted in by the first copy, in the background."""
+    if isinstance(state, torch.Tensor):
+        local = _local(state)
+        buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin_memory)
+        if local is state:
+            return buffer
+        return DTensor.from_local(buffer, state.device_mesh, state.placements, run_check=False,
+                                  shape=state.shape, stride=state.stride())
+    if isinstance(state, dict):
+        return {key: _empty_like(value, pin_memory) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_empty_like(value, pin_memory) for value in state)
+    return state
+
+
 def _with_buffers(state, buffers):
     """``state`` with each tensor replaced by its buffer (other values kept)."""
     if isinstance(state, torch.Tensor):
@@ -89,8 +107,8 @@ class HostStager(AsyncStager):
 
     _synchronize_after_execute = False
 
-    def __init__(self, *, pin_memory: bool = False, share_memory: bool = False):
-        self.pin_memory, self.share_memory = pin_memory, share_memory
+    def __init__(self, *, pin_memory: bool = False):
+        self.pin_memory = pin_memory
         self._buffers: dict | None = None
         self._layout: tuple | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-staging")
@@ -103,8 +121,7 @@ class HostStager(AsyncStager):
         self.wait()
         layout = _layout(state_dict)
         if layout != self._layout:  # first save, or the state changed shape: new buffers
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self.pin_memory,
-                                                   share_memory=self.share_memory)
+            self._buffers = _empty_like(state_dict, self.pin_memory)
             self._layout = layout
         buffers = dict(_tensors(self._buffers))
         pairs = [(_local(buffers[path]), _local(tensor), self._volatile(path, tensor))
