@@ -13,8 +13,10 @@ of one micro-batch, by kind and phase (DTensor's ``CommDebugMode``). Megatron (S
 2019) needs 4 all-reduces per block per micro-batch without sequence parallel (2 forward, after
 wo and fc_out; 2 backward, for the input gradients of q/k/v and fc_in); with it (Korthikanti et
 al. 2022) each becomes a reduce-scatter + an all-gather: 4 all-gathers + 4 reduce-scatters per
-block. The per-block count is measured as the slope (count(L=4) - count(L=1)) / 3; the rest is
-what the embedding, the head and the loss add once per micro-batch.
+block, and the norm weights' partial gradients summed once per optimizer step (Megatron-LM's
+``finalize_model_grads``): meshtrain's ``complete_partial_grads``, counted as "step". The
+per-block count is measured as the slope (count(L=4) - count(L=1)) / 3; the rest is what the
+embedding, the head and the loss add once per micro-batch (and the step once per step).
 
 Step time: forward + backward + AdamW step + zero_grad on the same batch for ``1proc`` (the
 unsplit model on rank 0 alone, while rank 1 waits in a barrier, in the same processes) and for
@@ -98,7 +100,9 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from meshtrain.models.gpt import GPT
-    from meshtrain.parallel.tensor_parallel import apply_tp, loss_parallel_context
+    from meshtrain.parallel.tensor_parallel import (
+        apply_tp, complete_partial_grads, loss_parallel_context,
+    )
     from meshtrain.parallel.tp_debug import comm_counts
 
     mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
@@ -110,27 +114,39 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
     counts = {}
     for layers in cfg.layers:
         for variant, options in VARIANTS.items():
-            model = apply_tp(GPT(cfg.gpt_config(layers), seed=cfg.seed), mesh, **options)
+            # as the Trainer: partial gradients (norms under sp) summed once per step
+            model = apply_tp(GPT(cfg.gpt_config(layers), seed=cfg.seed), mesh, **options,
+                             grads_per_step=True)
             lp = options.get("loss_parallel", False)
-            counts[f"{variant} L={layers}"] = comm_counts(model, (x, y), lm_loss, loss_parallel=lp)
+            count = comm_counts(model, (x, y), lm_loss, loss_parallel=lp)
+            count["step/all_reduce"] = complete_partial_grads(model.parameters())
+            counts[f"{variant} L={layers}"] = count
             model.zero_grad(set_to_none=True)
             models[variant, layers] = model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), lp
         if rank == 0:
             model = GPT(cfg.gpt_config(layers), seed=cfg.seed)
             models["1proc", layers] = model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), False
 
-    # gloo's cost of one all-reduce of an activation (batch x seq x d_model fp32), and of 1 float
+    # gloo's cost of one all-reduce of an activation (batch x seq x d_model fp32), and of 1
+    # float; and of the all-gather and reduce-scatter sequence parallel uses in its place
     latency = {}
     for label, shape in (("activation", (cfg.batch_size, cfg.seq_len, cfg.d_model)),
                          ("1 float", (1,))):
         buf = torch.randn(shape)
         latency[label] = 1e3 * median_time(lambda: dist.all_reduce(buf), before=dist.barrier)
+    act = torch.randn(cfg.batch_size * cfg.seq_len * cfg.d_model)
+    half = torch.empty(act.numel() // TP)
+    latency["activation all-gather"] = 1e3 * median_time(
+        lambda: dist.all_gather_single(act, half), before=dist.barrier)
+    latency["activation reduce-scatter"] = 1e3 * median_time(
+        lambda: dist.reduce_scatter_single(half, act), before=dist.barrier)
 
     opt_s = [0.0]  # time in optimizer.step + zero_grad, summed
 
     def train_step(model, opt, lp):
         with loss_parallel_context(lp):
             lm_loss(model(x), y).backward()
+        complete_partial_grads(model.parameters())
         start = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -237,6 +253,7 @@ def _n(value: float) -> str:
 
 def format_tables(summary: dict) -> str:
     columns = [f"{phase}/{kind}" for kind in KINDS for phase in ("forward", "backward")]
+    columns.append("step/all_reduce")  # once per optimizer step, not per micro-batch
     short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
     header = ["variant", "L", *(f"{c.split('/')[0][:3]} {short[c.split('/')[1]]}" for c in
                                 columns), "total"]
@@ -263,7 +280,8 @@ def format_tables(summary: dict) -> str:
                       for name, row in summary["profile"].items()])
     timing += "\n\nrank 0 under torch.profiler, ms per step by operator self time:\n" + profile
     latency = ", ".join(f"{k} {v:.2f} ms" for k, v in summary["all_reduce_ms"].items())
-    return f"{comm}\n\n{timing}\n\ngloo all-reduce on 2 ranks (median): {latency}"
+    return (f"{comm}\n(\"ste AR\": all-reduces once per optimizer step, whatever the number of "
+            f"micro-batches)\n\n{timing}\n\ngloo on 2 ranks (median): {latency}")
 
 
 # -------------------------------------------------------------------------------------------------

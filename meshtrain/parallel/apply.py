@@ -156,7 +156,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         from meshtrain.parallel.tensor_parallel import apply_tp
 
         apply_tp(model, mesh.axis("tp"), plan=tp_plan_of(model, options),
-                 sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
+                 sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel,
+                 grads_per_step=True)  # summed once per step: Engine.sync_gradients
     if layout.degree("cp") > 1:
         from meshtrain.parallel.context_parallel import apply_cp
 

@@ -292,7 +292,12 @@ class Engine:
     def sync_gradients(self) -> None:
         """Average the gradients that no wrapper averaged (see ``averages_gradients_by_hand``);
         in the first ``tp_check_steps`` steps, check that the tensor-parallel plan left every
-        replicated parameter the same gradient on each tp rank (tp_debug.py)."""
+        replicated parameter the same gradient on each tp rank (tp_debug.py). Partial
+        tensor-parallel gradients (norms under sequence parallel) are summed first, all at once."""
+        if self.layout.degree("tp") > 1:
+            from meshtrain.parallel.tensor_parallel import complete_partial_grads
+
+            complete_partial_grads(self.parameters())
         if self.layout.averages_gradients_by_hand:
             from meshtrain.parallel.data_parallel import allreduce_gradients
 

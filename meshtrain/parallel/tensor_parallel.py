@@ -27,6 +27,7 @@ import fnmatch
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -240,7 +241,8 @@ def check_plan_keys(model: nn.Module, plan: dict) -> None:
 
 # --- Applying ----------------------------------------------------------------------------------
 def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None = None,
-             sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
+             sequence_parallel: bool = False, loss_parallel: bool = False,
+             grads_per_step: bool = False) -> nn.Module:
     """Split ``model`` in place over the 1-D ``tp_mesh`` and return it.
 
     ``plan=None`` takes the model's own (``model.tp_plan``, after its ``check_tp``); a given
@@ -248,6 +250,13 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
     way every parameter the plan leaves out is replicated (see ``replicate_the_rest``). With
     ``loss_parallel`` the model returns vocab-sharded DTensor logits: compute the loss and call
     backward inside ``loss_parallel_context(True)``.
+
+    Replicated parameters used on split activations (the norms under sequence parallel) get a
+    partial gradient on each rank. By default a hook sums each one as soon as it is accumulated
+    (one all-reduce per parameter and backward); ``grads_per_step=True`` leaves them partial
+    through the micro-batches of a step, and the caller sums them all at once with
+    :func:`complete_partial_grads` before using them (the Trainer: one all-reduce per step, as
+    Megatron-LM's ``finalize_model_grads``).
     """
     if tp_mesh.ndim != 1:
         raise ConfigError(
@@ -270,9 +279,10 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
     parallelize_module(model, tp_mesh, plan)
     _tie_again(model, ties)
     _replicate_held_parameters(model, tp_mesh)
-    for param in model.parameters():
-        if isinstance(param, DTensor) and param.requires_grad:
-            param.register_post_accumulate_grad_hook(_complete_grad)
+    if not grads_per_step:
+        for param in model.parameters():
+            if isinstance(param, DTensor) and param.requires_grad:
+                param.register_post_accumulate_grad_hook(_complete_grad)
     return model
 
 
@@ -341,6 +351,39 @@ def _complete_grad(param: DTensor) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def complete_partial_grads(parameters) -> int:
+    """Sum every partial gradient (a replicated parameter's, computed on part of the
+    activations) over its mesh: flattened, one all-reduce per mesh and dtype; how many.
+    Gradients already in their parameter's placements are left alone (under FSDP2 its
+    reduce-scatter has summed them)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    buckets: dict[tuple, list[DTensor]] = {}
+    for param in parameters:
+        grad = param.grad
+        if not (isinstance(param, DTensor) and isinstance(grad, DTensor)):
+            continue
+        if grad.placements == param.placements:
+            continue
+        summable = all(g == p or (isinstance(g, Partial) and g.reduce_op == "sum"
+                                  and isinstance(p, Replicate))
+                       for g, p in zip(grad.placements, param.placements))
+        if not summable:  # not a plain sum: DTensor's own redistribution
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+            continue
+        buckets.setdefault((grad.device_mesh, grad.dtype, grad.placements), []).append(param)
+    for (mesh, _, placements), params in buckets.items():
+        dims = [i for i, g in enumerate(placements) if isinstance(g, Partial)]
+        local = [p.grad.to_local() for p in params]
+        flat = _flatten_dense_tensors(local)
+        for dim in dims:
+            dist.all_reduce(flat, group=mesh.get_group(dim))
+        for param, summed in zip(params, _unflatten_dense_tensors(flat, local)):
+            param.grad = DTensor.from_local(summed, mesh, param.placements, run_check=False)
+    return sum(len([g for g in placements if isinstance(g, Partial)])
+               for (_, _, placements) in buckets)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.fully_shard import materialize
 from meshtrain.parallel.tensor_parallel import (
-    ReplicateParallel, apply_tp, check_tp, full_value, model_tp_plan,
+    ReplicateParallel, apply_tp, check_tp, complete_partial_grads, full_value, model_tp_plan,
     loss_parallel_context, mlp_plan,
 )
 from meshtrain.parallel.tp_debug import comm_counts
@@ -123,10 +123,14 @@ def test_gpt_plan_covers_every_parameter_and_prepares_the_first_block_only():
 # tp=2 on 2 ranks: parity of every variant, local head count, user plans, collective counts
 # ---------------------------------------------------------------------------------------------
 def _count(mesh, num_layers: int, **options) -> dict[str, int]:
-    model = apply_tp(tiny_gpt(num_layers=num_layers), mesh, **options)
+    """One micro-batch's forward + backward, split as the Trainer splits (partial gradients
+    left for the step), then the step's sum of the partial gradients ("step/all_reduce")."""
+    model = apply_tp(tiny_gpt(num_layers=num_layers), mesh, **options, grads_per_step=True)
     x, y = batches(1)
-    return comm_counts(model, (x[0], y[0]), lm_loss,
-                       loss_parallel=options.get("loss_parallel", False))
+    counts = comm_counts(model, (x[0], y[0]), lm_loss,
+                         loss_parallel=options.get("loss_parallel", False))
+    per_step = complete_partial_grads(model.parameters())
+    return counts | ({"step/all_reduce": per_step} if per_step else {})
 
 
 def _tp_rank():
@@ -190,18 +194,19 @@ def test_collective_counts_match_megatron(tp_results):
         assert counts["tp", layers] == {
             "forward/all_reduce": 2 * layers + 1, "backward/all_reduce": 2 * layers + 1,
             "all_reduce": 4 * layers + 2, "forward/all_gather": 1, "all_gather": 1}
-        # With SP each block all-reduce becomes reduce-scatter + all-gather. Forward: the
-        # embedding's all-reduce, 2 all-gathers + 2 reduce-scatters per block, the head's input
-        # all-gather and the logits' all-gather. Backward: the same per block, the head's input
-        # reduce-scatter, the first block's input all-gather, and one all-reduce per norm
-        # parameter (weight, bias of 2L+1 LayerNorms: gradients from sequence shards).
+        # With SP each block all-reduce becomes reduce-scatter + all-gather (Megatron's 8 per
+        # block). Forward: the embedding's all-reduce, 2 all-gathers + 2 reduce-scatters per
+        # block, the head's input all-gather and the logits' all-gather. Backward: the same per
+        # block, the head's input reduce-scatter, the first block's input all-gather. The
+        # weight and bias gradients of the 2L+1 LayerNorms (from sequence shards) stay partial
+        # and are summed once per step, in one all-reduce, as Megatron-LM's
+        # finalize_model_grads does.
         assert counts["tp+sp", layers] == {
             "forward/all_reduce": 1, "forward/all_gather": 2 * layers + 2,
             "forward/reduce_scatter": 2 * layers,
             "backward/all_gather": 2 * layers + 1, "backward/reduce_scatter": 2 * layers + 1,
-            "backward/all_reduce": 2 * (2 * layers + 1),
-            "all_reduce": 4 * layers + 3, "all_gather": 4 * layers + 3,
-            "reduce_scatter": 4 * layers + 1}
+            "all_reduce": 1, "all_gather": 4 * layers + 3,
+            "reduce_scatter": 4 * layers + 1, "step/all_reduce": 1}
         # Loss parallel: no logits all-gather; the sharded cross-entropy all-reduces 3 times
         # (max logit, sum of exponentials, the target's logit).
         assert counts["tp+loss_parallel", layers] == {

@@ -16,6 +16,13 @@ def test_tp2_matches_one_process(options):
 
 
 @pytest.mark.timeout(200)
+def test_sequence_parallel_with_gradient_accumulation_matches_one_process():
+    # the norms' partial gradients stay partial through 4 micro-batches, summed once a step
+    assert_parity("tp=2", 2, steps=5, fns=GPT_FNS, micro_batch_size=4,
+                  parallel_kwargs=dict(sequence_parallel=True))
+
+
+@pytest.mark.timeout(200)
 def test_tp2_with_clipping():
     assert_parity("tp=2", 2, steps=10, fns=GPT_FNS, grad_clip_norm=0.05)
 
