@@ -7,12 +7,19 @@ processes (gloo, CPU, one torch thread per rank):
 * ``dp``: DDP, everything replicated (ZeRO stage 0);
 * ``zero1``: DDP + ``ZeroRedundancyOptimizer``: optimizer state sharded;
 * ``zero2``: FSDP2 with ``reshard_after_forward=False``: gradients and optimizer state sharded;
-* ``zero3``: FSDP2: parameters, gradients and optimizer state sharded.
+* ``zero3``: FSDP2: parameters, gradients and optimizer state sharded;
+
+and, for comparison, the same ZeRO-3 job as a user of a peer would write it (time only,
+``sharding_peers.py``): ``fsdp2-raw`` (a hand-written FSDP2 loop) and ``lightning-fsdp2``
+(Lightning's ``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``).
+Lightning's FSDP1 strategy and Accelerate's FSDP2 plugin do not run on CPU (the reasons are
+printed).
 
 Step time: each run is fresh processes from ``run_workers``; every rank stamps the end of each
 optimizer step, and the step time is (end of the last step - end of the last warm-up step) /
-timed steps, the slower rank's. Repeats are interleaved (dp, zero1, zero2, zero3, dp, ...);
-the table shows medians and ratios to dp (also paired by repeat).
+timed steps, the slower rank's. Repeats are interleaved (dp, zero1, zero2, zero3, the peers,
+dp, ...); the table shows medians and ratios to dp (also paired by repeat) and the paired ratio
+to meshtrain's zero3.
 
 Memory: ``meshtrain.observe.memory.MemoryProbe`` measures what a rank holds right after its
 first optimizer step (before zero_grad); zero2's parameters are measured between forward and
@@ -42,10 +49,13 @@ from harness import (
 )
 from torch.utils.data import TensorDataset
 
+from sharding_peers import NOT_RUN, PEERS, available, peer_worker
+
 from meshtrain.launch.spawn import run_workers
 
 WORLD_SIZE = 2
 LAYOUTS = ("dp", "zero1", "zero2", "zero3")
+ROWS = LAYOUTS + PEERS  # meshtrain's layouts, then the peers' ZeRO-3 (sharding_peers.py)
 MIB = 2**20
 
 
@@ -133,8 +143,14 @@ def layout_worker(layout: str, cfg: Config, hang_s: float) -> dict:
     }
 
 
+def _peer(peer: str, cfg: Config, hang_s: float) -> dict:
+    with hang_guard(hang_s):
+        return peer_worker(peer, cfg, build_model, build_data)
+
+
 def run_layout(layout: str, cfg: Config, timeout: float) -> dict:
-    ranks = run_workers(layout_worker, WORLD_SIZE, (layout, cfg, max(1.0, timeout - 10)),
+    worker = _peer if layout in PEERS else layout_worker
+    ranks = run_workers(worker, WORLD_SIZE, (layout, cfg, max(1.0, timeout - 10)),
                         timeout=timeout, threads=1)
     # Ranks step together (collectives every step): the slower rank's clock is the job's.
     return {"step_s": max(r["step_s"] for r in ranks), "ranks": ranks}
@@ -147,6 +163,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     summary = {}
     for layout, reps in runs.items():
         times = [r["step_s"] for r in reps]
+        if layout in PEERS:  # time only
+            summary[layout] = {**in_ms(times), "measured": None, "measured_total": None}
+            continue
         # Memory is deterministic; show the rank that holds the most (ZeRO-1 may be uneven).
         ranks = reps[0]["ranks"]
         top = max(ranks, key=lambda r: sum(r["measured"].values()))
@@ -160,21 +179,30 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "per_rank_totals": [sum(r["measured"].values()) for r in ranks],
         }
     for row in summary.values():
-        row["ratio_vs_formula"] = row["measured_total"] / row["predicted_total"]
-    add_ratios(summary, "dp", {"time_vs_dp": "median_ms", "paired_time_vs_dp": "repeats_ms",
-                               "memory_vs_dp": "measured_total"})
+        if row["measured"] is not None:
+            row["ratio_vs_formula"] = row["measured_total"] / row["predicted_total"]
+    add_ratios(summary, "dp", {"time_vs_dp": "median_ms", "paired_time_vs_dp": "repeats_ms"})
+    add_ratios(summary, "zero3", {"paired_time_vs_zero3": "repeats_ms"})
+    mem = {name: row for name, row in summary.items() if row["measured"] is not None}
+    add_ratios(mem, "dp", {"memory_vs_dp": "measured_total"})
     return summary
 
 
 def format_table(summary: dict[str, dict]) -> str:
-    header = ("layout", "ms/step", "x dp", "paired", "params", "grads", "optim", "total MiB",
-              "x dp", "predicted", "meas/pred")
+    header = ("layout", "ms/step", "x dp", "paired", "paired x zero3", "params", "grads",
+              "optim", "total MiB", "x dp", "predicted", "meas/pred")
+
+    def memory(row):
+        if row["measured"] is None:  # a peer: time only
+            return ("",) * 7
+        return (*(f"{row['measured'][k] / MIB:.1f}" for k in ("params", "grads", "optimizer")),
+                f"{row['measured_total'] / MIB:.1f}", fmt(row["memory_vs_dp"], ".2f"),
+                f"{row['predicted_total'] / MIB:.1f}", f"{row['ratio_vs_formula']:.3f}")
+
     return table(header, [(
         layout, f"{row['median_ms']:.1f}", fmt(row["time_vs_dp"], ".2f"),
-        fmt(row["paired_time_vs_dp"], ".2f"),
-        *(f"{row['measured'][k] / MIB:.1f}" for k in ("params", "grads", "optimizer")),
-        f"{row['measured_total'] / MIB:.1f}", fmt(row["memory_vs_dp"], ".2f"),
-        f"{row['predicted_total'] / MIB:.1f}", f"{row['ratio_vs_formula']:.3f}",
+        fmt(row["paired_time_vs_dp"], ".2f"), fmt(row.get("paired_time_vs_zero3"), ".2f"),
+        *memory(row),
     ) for layout, row in summary.items()])
 
 
@@ -186,7 +214,7 @@ def plot_memory(summary: dict[str, dict], path: Path, title: str) -> Path:
     fig = Figure(figsize=(7, 4.2), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    names = list(summary)
+    names = [name for name, row in summary.items() if row["measured"] is not None]
     xs = range(len(names))
     bottom = [0.0] * len(names)
     colors = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868"}
@@ -221,8 +249,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (5)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (5)")
     parser.add_argument("--width", type=int, default=1024, help="MLP width (1024: 4.2M params)")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS),
-                        help=f"comma-separated subset of {','.join(LAYOUTS)}")
+    parser.add_argument("--layouts", default=",".join(ROWS),
+                        help=f"comma-separated subset of {','.join(ROWS)} (the last are peers)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 warm-up + 5 timed steps, 1 repeat, width 256")
     parser.add_argument("--timeout", type=float, default=300.0,
@@ -258,10 +286,16 @@ def main(argv=None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"  # one torch thread per rank (the Trainer respects it)
     cfg = Config(steps=args.steps, warmup=args.warmup, width=args.width)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
-    unknown = set(layouts) - set(LAYOUTS)
+    unknown = set(layouts) - set(ROWS)
     if unknown:
-        print(f"unknown layouts {sorted(unknown)}; choose from {', '.join(LAYOUTS)}")
+        print(f"unknown layouts {sorted(unknown)}; choose from {', '.join(ROWS)}")
         return 2
+    for name in list(layouts):
+        if (why := available(name)) is not None:
+            print(f"{name}: skipped ({why})")
+            layouts.remove(name)
+    for name, why in NOT_RUN.items():
+        print(f"{name}: not run ({why}; see sharding_peers.py)")
 
     title = (f"{WORLD_SIZE} ranks (gloo, CPU, 1 thread each), MLP {cfg.depth}x"
              f"Linear({cfg.width},{cfg.width}) = {cfg.num_params / 1e6:.2f}M params, AdamW")
