@@ -226,8 +226,9 @@ DEFINITIONS = [
     _S("keep_last_k", "checkpoint", None, "int",
        "Keep only the newest k periodic checkpoints; none: keep all.", none=True, minimum=1),
     _S("async_checkpoint", "checkpoint", False, "bool",
-       "Write periodic checkpoints in the background (a copy to CPU memory blocks the step, the "
-       "write does not)."),
+       "Write periodic checkpoints in the background: the state is copied to reused host "
+       "buffers while the next step computes (its optimizer update waits for the copy), then "
+       "written."),
     _S("resume", "checkpoint", "auto", "resume",
        '"auto": continue the newest unfinished run of this job and model (root_dir/name), or '
        "run_dir's newest checkpoint; a checkpoint folder; none: start afresh.", none=True,
