@@ -45,11 +45,14 @@ from harness import (
     median_time, paired_ratio, slower_rank, table, write_json,
 )
 
+from pipeline_peers import RawSchedule
+
 from meshtrain.launch.spawn import run_workers
 
 PP = 2
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, stages per rank)
 PLOT_M = 4  # the timelines drawn
+RAW = (("1f1b", 1), ("interleaved-1f1b", 2))  # raw torch.distributed.pipelining, at the largest m
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,14 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
             runner = PipelineRunner(stages, indices, num_stages, group, torch.device("cpu"),
                                     schedule=schedule, num_microbatches=m, loss_fn=lm_loss)
             runners[case_name(schedule, m)] = runner, adamw(runner.parameters())
+    for schedule, v in RAW:  # the peer (pipeline_peers.py), on the same stage modules
+        num_stages, m = PP * v, max(cfg.microbatches)
+        indices = rank_stages(rank, PP, v, schedule)
+        model = GPT(cfg.gpt_config(), seed=cfg.seed)
+        stages = [split_model(model, even_splits(cfg.num_layers, num_stages), i) for i in indices]
+        runner = RawSchedule(stages, indices, num_stages, group, schedule=schedule,
+                             num_microbatches=m, loss_fn=lm_loss)
+        runners[case_name(f"raw-{schedule}", m)] = runner, adamw(runner.parameters())
     if rank == 0:
         reference = GPT(cfg.gpt_config(), seed=cfg.seed)
         ref_opt = adamw(reference.parameters())
@@ -152,21 +163,21 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
 
         out["send_recv_ms"][m] = 1e3 * median_time(ping_pong, before=dist.barrier) / 2
     baselines = {"1proc": 1, **{f"1proc x{m}": m for m in cfg.microbatches}}
+    cases = [case_name(schedule, m) for m in cfg.microbatches for schedule, _ in SCHEDULES]
+    cases += [case_name(f"raw-{schedule}", max(cfg.microbatches)) for schedule, _ in RAW]
     for _ in range(repeats):
-        for m in cfg.microbatches:
-            for schedule, _v in SCHEDULES:
-                name = case_name(schedule, m)
-                runner, opt = runners[name]
-                dist.barrier()
-                mean_time(lambda: pipeline_step(runner, opt), cfg.warmup)
-                dist.barrier()
-                out["step_s"].setdefault(name, []).append(
-                    mean_time(lambda: pipeline_step(runner, opt), cfg.steps))
-                for _ in range(cfg.timelines):
-                    _, events = runner.timed_step(x, y)
-                    out["timelines"].setdefault(name, []).append(
-                        [(e.rank, e.stage, e.microbatch, e.kind, e.start, e.end) for e in events])
-                    opt.zero_grad(set_to_none=True)
+        for name in cases:
+            runner, opt = runners[name]
+            dist.barrier()
+            mean_time(lambda: pipeline_step(runner, opt), cfg.warmup)
+            dist.barrier()
+            out["step_s"].setdefault(name, []).append(
+                mean_time(lambda: pipeline_step(runner, opt), cfg.steps))
+            for _ in range(cfg.timelines):
+                _, events = runner.timed_step(x, y)
+                out["timelines"].setdefault(name, []).append(
+                    [(e.rank, e.stage, e.microbatch, e.kind, e.start, e.end) for e in events])
+                opt.zero_grad(set_to_none=True)
         # The baselines: rank 0 alone; rank 1 waits in the barrier (its CPU time is recorded).
         dist.barrier()
         cpu = time.process_time()
@@ -221,10 +232,12 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
 
     step_s = slower_rank(ranks, "step_s")  # the baselines ran on rank 0 only
     summary: dict[str, dict] = {}
+    top = max(cfg.microbatches)
     for m in cfg.microbatches:
         gpipe = step_s[case_name("gpipe", m)]
         send_ms = ranks[0]["send_recv_ms"][m]
-        for schedule, v in SCHEDULES:
+        raw = [(f"raw-{schedule}", v) for schedule, v in RAW] if m == top else []
+        for schedule, v in [*SCHEDULES, *raw]:
             name = case_name(schedule, m)
             timelines = ranks[0]["timelines"][name]
             bubbles = [bubble_fraction(_events(t)) for t in timelines]
@@ -241,6 +254,9 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 "bubble": median_bubble, "bubbles": bubbles, "formula": formula,
                 **in_ms(times),
                 "x_gpipe": paired_ratio(times, gpipe),
+                # meshtrain's row against the raw schedule's, where one ran
+                "x_raw": (paired_ratio(times, step_s[case_name(f"raw-{schedule}", m)])
+                          if (schedule, v) in RAW and m == top else None),
                 "x_1proc": paired_ratio(times, step_s["1proc"]),
                 "x_1proc_accum": paired_ratio(times, step_s[f"1proc x{m}"]),
                 # with equal stages and no communication: (v*m+p-1)/(p*v*m) of one process
@@ -274,11 +290,12 @@ def format_table(summary: dict) -> str:
          for r in cases])
     rows = [(r["schedule"], str(r["v"]), str(r["m"]), f"{r['median_ms']:.1f}",
              f"{r['x_gpipe']:.3f}", f"{r['x_1proc']:.3f}", f"{r['x_1proc_accum']:.3f}",
-             f"{r['formula_x_1proc_accum']:.3f}") for r in cases]
-    rows += [(name, "-", "-", f"{row['median_ms']:.1f}", "-", "-", "-", "-")
+             f"{r['formula_x_1proc_accum']:.3f}",
+             "-" if r.get("x_raw") is None else f"{r['x_raw']:.3f}") for r in cases]
+    rows += [(name, "-", "-", f"{row['median_ms']:.1f}", "-", "-", "-", "-", "-")
              for name, row in summary.items() if "schedule" not in row]
     times = table(("schedule", "v", "m", "ms/step", "x gpipe", "x 1proc", "x 1proc xm",
-                   "ideal x 1proc xm"), rows)
+                   "ideal x 1proc xm", "x raw"), rows)
     return f"{bubble}\n\n{times}"
 
 
