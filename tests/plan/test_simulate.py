@@ -57,6 +57,7 @@ def _real_world_bytes(layout):
     from meshtrain.parallel.fully_shard import materialize
     from meshtrain.parallel.layout import Layout
     from meshtrain.parallel.mesh import ParallelMesh
+    from meshtrain.parallel.tensor_parallel import complete_partial_grads
 
     torch.set_num_threads(1)
     rank, world = join_gloo()
@@ -69,6 +70,7 @@ def _real_world_bytes(layout):
         materialize(model, "cpu")
     optimizer = torch.optim.AdamW(model.parameters())
     train(torch.randint(0, 64, (2, 16))).float().mean().backward()
+    complete_partial_grads(model.parameters())  # as the Trainer's Engine.sync_gradients
     optimizer.step()
     return end_together(model_state_bytes(model, optimizer))
 
