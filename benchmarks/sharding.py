@@ -67,6 +67,7 @@ class Config:
     warmup: int = 5  # untimed steps before them
     global_batch_size: int = 64
     width: int = 1024  # 4 Linear(width, width): 4.2M parameters at 1024
+    shard_unit_mb: float | None = 4.0  # the Trainer's default: blocks grouped into 4 MiB units
     depth: int = 4
     lr: float = 1e-3
     seed: int = 0
@@ -120,6 +121,7 @@ def layout_worker(layout: str, cfg: Config, hang_s: float) -> dict:
     with hang_guard(hang_s), tempfile.TemporaryDirectory(prefix="meshtrain-sharding-") as run_dir:
         trainer = Trainer(
             layout=f"{layout}={WORLD_SIZE}", accelerator="cpu", max_steps=cfg.total_steps,
+            **({"shard_unit_mb": cfg.shard_unit_mb} if layout in ("zero2", "zero3") else {}),
             global_batch_size=cfg.global_batch_size, seed=cfg.seed, callbacks=[probe],
             loggers=(), progress_bar=False, save_final_checkpoint=False,
             log_every_n_steps=cfg.total_steps, run_dir=run_dir,
@@ -249,6 +251,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (5)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (5)")
     parser.add_argument("--width", type=int, default=1024, help="MLP width (1024: 4.2M params)")
+    parser.add_argument("--shard-unit-mb", default="4",
+                        help="zero2/zero3: the Trainer's shard_unit_mb (4; 'none': a unit per block)")
     parser.add_argument("--layouts", default=",".join(ROWS),
                         help=f"comma-separated subset of {','.join(ROWS)} (the last are peers)")
     parser.add_argument("--quick", action="store_true",
@@ -284,7 +288,8 @@ def main(argv=None) -> int:
         print(f"wrote {replot(Path(args.from_json), Path(args.out_dir))}")
         return 0
     os.environ["OMP_NUM_THREADS"] = "1"  # one torch thread per rank (the Trainer respects it)
-    cfg = Config(steps=args.steps, warmup=args.warmup, width=args.width)
+    cfg = Config(steps=args.steps, warmup=args.warmup, width=args.width,
+                 shard_unit_mb=None if args.shard_unit_mb == "none" else float(args.shard_unit_mb))
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     unknown = set(layouts) - set(ROWS)
     if unknown:

@@ -142,6 +142,10 @@ DEFINITIONS = [
        '"cpu": keep the sharded parameters, gradients and optimizer state in CPU memory (a '
        "sharded layout on GPUs); none: no offload.", choices=OFFLOADS, none=True,
        needs=("sharded",), error="unknown offload {value!r}; choose None (no offload) or 'cpu'"),
+    _S("shard_unit_mb", "parallel", 4.0, "number",
+       "Sharded layouts: consecutive blocks are sharded together until a unit holds this many "
+       "MiB of parameters, so each all-gather and reduce-scatter moves a useful size; none: "
+       "one unit per block.", none=True, needs=("sharded",)),
     _S("activation_checkpointing", "parallel", None, "choice",
        '"full" recomputes each block\'s activations in backward, "selective" only the cheap '
        "element-wise ones (matmul and attention outputs are kept); none: off.",

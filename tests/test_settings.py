@@ -252,6 +252,7 @@ def test_the_args_docstring_has_every_setting():
 # A valid value other than the default for each setting that has needs or is named by one.
 NEEDS_SAMPLES = {
     "bucket_cap_mb": 10, "comm_hook": "fp16", "powersgd_rank": 2, "offload": "cpu",
+    "shard_unit_mb": 16,
     "blocks": lambda model: [], "meta_init": False, "sequence_parallel": True,
     "loss_parallel": True, "local_sgd_every": 4, "outer_lr": 0.7, "outer_momentum": 0.5,
     "ps_mode": "async", "ps_staleness": 1, "tp_plan": {}, "pp_schedule": "gpipe",

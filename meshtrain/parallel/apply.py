@@ -33,6 +33,7 @@ class ParallelOptions:
     powersgd_rank: int = 1
     precision: str = "fp32"
     offload: str | None = None
+    shard_unit_mb: float | None = None  # FSDP units of at least this many MiB (fully_shard.py)
     activation_checkpointing: str | None = None
     compile: str | None = None  # "blocks", "model" or None (compile.py)
     blocks: BlocksFn | None = None
@@ -63,6 +64,7 @@ class ParallelOptions:
         return cls(bucket_cap_mb=25.0 if s["bucket_cap_mb"] is None else s["bucket_cap_mb"],
                    comm_hook=s["comm_hook"], powersgd_rank=s["powersgd_rank"],
                    precision=s["precision"], offload=s["offload"],
+                   shard_unit_mb=s["shard_unit_mb"],
                    activation_checkpointing=s["activation_checkpointing"], blocks=s["blocks"],
                    compile=compile_mode(s["compile"]),
                    sequence_parallel=s["sequence_parallel"], loss_parallel=s["loss_parallel"],
@@ -180,7 +182,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         from meshtrain.parallel.fully_shard import apply_fsdp
 
         apply_fsdp(model, mesh.shard, reshard_after_forward=layout.zero_stage == 3,
-                   precision=options.precision, offload=options.offload, blocks=blocks or None)
+                   precision=options.precision, offload=options.offload, blocks=blocks or None,
+                   unit_mb=options.shard_unit_mb)
         return model
     if ddp and layout.uses_ddp and options.local_sgd_every is None:  # local SGD: no sync
         from meshtrain.parallel.data_parallel import apply_ddp

@@ -113,12 +113,17 @@ def apply_fsdp(
     precision: str = "fp32",
     offload: str | None = None,
     blocks: list[nn.Module] | None = None,
+    unit_mb: float | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 ``fully_shard``: each block, then the root.
 
     ``mesh`` is 1-D (FSDP: ZeRO-3, or ZeRO-2 with ``reshard_after_forward=False``) or 2-D with
     dims ``(replicate, shard)`` (HSDP). ``blocks`` defaults to :func:`find_blocks`; with no blocks
-    only the root is sharded, which is correct but gathers the whole model at once. Gradients are
+    only the root is sharded, which is correct but gathers the whole model at once. With
+    ``unit_mb``, consecutive blocks are sharded together (one FSDP2 unit: one all-gather, one
+    reduce-scatter) until a unit holds that many MiB of parameters (:func:`group_blocks`; the
+    Trainer's ``shard_unit_mb``, 4 by default: on 2 gloo ranks a model of 256 KiB blocks trains
+    1.7x faster under zero3 with them grouped, benchmarks/README.md). Gradients are
     averaged over the ranks, so each rank's loss should be the mean over its own samples.
     Returns ``model`` itself (now also an ``FSDPModule``).
     """
@@ -142,15 +147,36 @@ def apply_fsdp(
             "blocks contains the model itself, which apply_fsdp always shards last as the root; "
             "pass only its submodules (e.g. model.layers), or no blocks to shard the root alone"
         )
-    for i, block in enumerate(blocks):
-        # The last block's parameters are needed again as soon as backward starts, so (as in
+    units = group_blocks(blocks, round((unit_mb or 0) * 2**20))
+    firsts = []
+    for i, unit in enumerate(units):
+        # The last unit's parameters are needed again as soon as backward starts, so (as in
         # torchtitan) it is not resharded: this saves one all-gather and barely changes peak memory.
-        last = i == len(blocks) - 1
-        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **options)
+        last = i == len(units) - 1
+        fully_shard(unit if len(unit) > 1 else unit[0],
+                    reshard_after_forward=reshard_after_forward and not last, **options)
+        firsts.append(unit[0])
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
-    use_gloo_collectives([*blocks, model], mesh.get_group(-1), hsdp=mesh.ndim == 2)
-    set_prefetch(model, blocks)
+    use_gloo_collectives([*firsts, model], mesh.get_group(-1), hsdp=mesh.ndim == 2)
+    set_prefetch(model, firsts)
     return model
+
+
+def group_blocks(blocks: list, min_bytes: int, size=None) -> list[list]:
+    """Consecutive blocks grouped into units of at least ``min_bytes`` of parameters (the last
+    unit may hold less; 0: one unit per block), so that each all-gather and reduce-scatter
+    moves a useful size. ``size(block)``: its bytes (default: its parameters'); the planner
+    groups plain sizes with ``size=lambda b: b``."""
+    size = size or (lambda block: sum(p.numel() * p.element_size() for p in block.parameters()))
+    units: list[list] = []
+    held = min_bytes
+    for block in blocks:
+        if held >= min_bytes:
+            units.append([])
+            held = 0
+        units[-1].append(block)
+        held += size(block)
+    return units
 
 
 # ---------------------------------------------------------------------------------------------

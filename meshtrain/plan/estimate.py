@@ -29,11 +29,13 @@ import math
 import torch
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.fully_shard import group_blocks
 from meshtrain.parallel.layout import Layout
 from meshtrain.plan.cluster import Cluster
 from meshtrain.plan.model_state import ModelStateSizes
 from meshtrain.plan.model_spec import ModelSpec
 from meshtrain.plan.probe import Probe, probe_model
+from meshtrain.settings import SETTINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,8 @@ class Estimator:
         self.gather_factor = 0.5 if cluster.dtype == "bf16-mixed" else 1.0
         self._state: dict = {}
         self._one_block = _block_bytes(spec)  # parameter bytes of one block
+        # FSDP units: blocks grouped as the Trainer groups them (shard_unit_mb's default)
+        self.unit_bytes = round(SETTINGS["shard_unit_mb"].default * 2**20)
 
     def state(self, layout: Layout, pp_rank: int, stages_per_rank: int = 1,
               schedule: str = "1f1b", *, unsharded: bool = False):
@@ -235,15 +239,15 @@ class Estimator:
         """Bytes FSDP (or autocast) holds beyond the shards: gathered parameters and the
         unsharded gradients of the block being reduced."""
         whole = self.state(layout, rank, v, schedule, unsharded=True).params
-        # a block's parameters (the embedding and the head are units of their own)
-        per_block = self._one_block / layout.degree("tp")
+        # a unit's parameters (blocks grouped; the embedding and the head are the root unit)
+        per_block = max(self._units(blocks)) / layout.degree("tp") if blocks else 0.0
         g = self.gather_factor
         if layout.uses_ddp:  # DDP's gradient buckets
             return whole + (whole * g if g < 1 else 0.0)
         if layout.is_sharded:
             # zero3 at the backward's start: the root unit (embedding, head), or a block and
             # the next one prefetched; zero2: the whole stage, and a block's unsharded gradient
-            root = max(0.0, whole - per_block * blocks)
+            root = max(0.0, whole - self._one_block / layout.degree("tp") * blocks)
             gathered = max(root, 2 * per_block) * g if layout.zero_stage == 3 else \
                 whole * g + per_block
             if m > 1:  # no reduce-scatter until the last micro-batch: gradients kept whole
@@ -284,9 +288,15 @@ class Estimator:
                 "dp_comm_exposed": max(0.0, dp_comm - cl.overlap * m * compute),
                 "optimizer": optimizer}
 
+    def _units(self, blocks: int) -> list[int]:
+        """Parameter bytes (whole, before tp) of each FSDP unit of ``blocks`` blocks."""
+        units = group_blocks([self._one_block] * blocks, self.unit_bytes, size=lambda b: b)
+        return [sum(unit) for unit in units]
+
     def _dp_comm(self, layout: Layout, state, whole, m: int, blocks: int) -> float:
         """Data-parallel collectives of one step, call by call (each pays its latency): FSDP
-        gathers and reduces each unit (a block; the rest of the stage is the root unit); DDP
+        gathers and reduces each unit (blocks grouped as fully_shard.group_blocks groups them;
+        the rest of the stage is the root unit); DDP
         all-reduces 25 MiB buckets; ZeRO-1 then broadcasts every parameter from its owner."""
         cl, dpn = self.cluster, self.cluster.devices_per_node
         inner = layout.degree("tp") * layout.degree("cp")
@@ -295,8 +305,9 @@ class Estimator:
             shards = layout.degree("dp_shard") * layout.degree("cp")
             crosses = layout.degree("dp_shard") * inner > dpn
             gathers = 1 if layout.zero_stage == 2 else 2
-            per_block = self._one_block / layout.degree("tp")
-            units = [per_block] * blocks + [max(0.0, whole.params - per_block * blocks)]
+            tp = layout.degree("tp")
+            units = [u / tp for u in self._units(blocks)]
+            units.append(max(0.0, whole.params - sum(units)))  # the root unit
             for size in units:
                 seconds += m * gathers * (cl.drift + cl.comm_seconds(
                     "all_gather", size * self.gather_factor, shards, crosses_nodes=crosses))

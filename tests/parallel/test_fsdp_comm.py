@@ -45,7 +45,7 @@ def test_all_to_all_reduce_scatter_matches_gloo_and_is_installed():
         assert result["installed"] == ["AllToAllReduceScatter"] * 2
 
 
-def _gathers_worker(layout: str):
+def _gathers_worker(layout: str, unit_mb):
     import tempfile
 
     import torch.nn.functional as F
@@ -67,16 +67,29 @@ def _gathers_worker(layout: str):
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(layout=layout, accelerator="cpu", max_steps=2, global_batch_size=16,
                           micro_batch_size=2, loggers=(), progress_bar=False, run_dir=run_dir,
-                          save_final_checkpoint=False)
+                          save_final_checkpoint=False, shard_unit_mb=unit_mb)
         trainer.fit(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
                     data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=F.mse_loss)
     return end_together(len(calls))
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("layout, per_step", [("zero2=2", 2), ("zero3=2", (4 + 4) + 4)])
-def test_zero2_keeps_parameters_gathered_across_micro_batches(layout, per_step):
-    # 2 steps x 4 micro-batches, 2 blocks (the root has no parameters of its own). zero2
-    # gathers each block once per step; zero3 in each micro-batch's forward and backward,
-    # except the last block, which it keeps from forward to backward: (4 + 4) + 4 per step
-    assert run_workers(_gathers_worker, 2, (layout,), timeout=100) == [2 * per_step] * 2
+@pytest.mark.parametrize("layout, unit_mb, per_step", [
+    ("zero2=2", None, 2), ("zero3=2", None, (4 + 4) + 4), ("zero3=2", 4.0, 4)])
+def test_all_gathers_per_step(layout, unit_mb, per_step):
+    # 2 steps x 4 micro-batches, 2 tiny Linear blocks (the root has no parameters of its own).
+    # One unit per block: zero2 gathers each block once per step, keeping it gathered between
+    # the micro-batches; zero3 in each micro-batch's forward and backward, except the last
+    # block, kept from forward to backward: (4 + 4) + 4 per step. Blocks grouped into units
+    # of 4 MiB (the default): both blocks are one unit, the last: 4 per step
+    assert run_workers(_gathers_worker, 2, (layout, unit_mb), timeout=100) == [2 * per_step] * 2
+
+
+def test_blocks_are_grouped_into_units_of_at_least_the_minimum():
+    from meshtrain.parallel.fully_shard import group_blocks
+
+    sizes = [1, 1, 3, 1, 5, 1]
+    assert group_blocks(sizes, 2, size=lambda b: b) == [[1, 1], [3], [1, 5], [1]]
+    assert group_blocks(sizes, 0, size=lambda b: b) == [[b] for b in sizes]
+    blocks = [torch.nn.Linear(4, 4) for _ in range(3)]  # 80 bytes of parameters each
+    assert group_blocks(blocks, 160) == [blocks[:2], blocks[2:]]
