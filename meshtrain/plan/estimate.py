@@ -239,16 +239,18 @@ class Estimator:
         """Bytes FSDP (or autocast) holds beyond the shards: gathered parameters and the
         unsharded gradients of the block being reduced."""
         whole = self.state(layout, rank, v, schedule, unsharded=True).params
-        # a unit's parameters (blocks grouped; the embedding and the head are the root unit)
-        per_block = max(self._units(blocks)) / layout.degree("tp") if blocks else 0.0
+        tp = layout.degree("tp")
+        per_block = self._one_block / tp  # a block's (unsharded gradient, zero2)
+        # zero3: a unit and the next one prefetched (blocks grouped as fully_shard groups them)
+        two_units = sum(sorted(self._units(blocks))[-2:]) / tp
         g = self.gather_factor
         if layout.uses_ddp:  # DDP's gradient buckets
             return whole + (whole * g if g < 1 else 0.0)
         if layout.is_sharded:
             # zero3 at the backward's start: the root unit (embedding, head), or a block and
             # the next one prefetched; zero2: the whole stage, and a block's unsharded gradient
-            root = max(0.0, whole - self._one_block / layout.degree("tp") * blocks)
-            gathered = max(root, 2 * per_block) * g if layout.zero_stage == 3 else \
+            root = max(0.0, whole - per_block * blocks)
+            gathered = max(root, two_units) * g if layout.zero_stage == 3 else \
                 whole * g + per_block
             if m > 1:  # no reduce-scatter until the last micro-batch: gradients kept whole
                 gathered += whole * g
