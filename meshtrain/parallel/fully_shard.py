@@ -157,8 +157,10 @@ def apply_fsdp(
                     reshard_after_forward=reshard_after_forward and not last, **options)
         firsts.append(unit[0])
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
-    use_gloo_collectives([*firsts, model], mesh.get_group(-1), hsdp=mesh.ndim == 2)
-    set_prefetch(model, firsts)
+    # On gloo (CPU: no streams) meshtrain's collectives and explicit prefetch; on GPUs FSDP2's
+    # own, with its stream-based implicit prefetching (not validated on a GPU otherwise)
+    if use_gloo_collectives([*firsts, model], mesh.get_group(-1), hsdp=mesh.ndim == 2):
+        set_prefetch(model, firsts)
     return model
 
 

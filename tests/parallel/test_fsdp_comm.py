@@ -1,5 +1,6 @@
 """FSDP2's tuned collectives (meshtrain/parallel/fsdp_comm.py): the all-to-all reduce-scatter
-gives gloo's own results, and apply_fsdp installs it on every FSDP module of a gloo job."""
+gives gloo's own results, apply_fsdp installs it (and explicit prefetch) on every FSDP module of
+a gloo job, blocks are grouped into units, and zero2 gathers once per step."""
 
 import pytest
 import torch
@@ -30,6 +31,11 @@ def _comm_worker():
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     apply_fsdp(model, mesh)
+    first, second = (module._get_fsdp_state() for module in model)
+    results["prefetch"] = (first._states_to_forward_prefetch == [second],
+                           second._states_to_backward_prefetch == [first],
+                           all(g.unshard_async_op for s in (first, second)
+                               for g in s._fsdp_param_groups))
     results["installed"] = sorted(
         type(group_._reduce_scatter_comm).__name__
         for module in model.modules() if isinstance(module, FSDPModule)
@@ -41,6 +47,8 @@ def _comm_worker():
 def test_all_to_all_reduce_scatter_matches_gloo_and_is_installed():
     for result in run_workers(_comm_worker, 2, timeout=100):
         assert result["sum"] < 1e-6 and result["avg"] < 1e-6 and result["max"] == 0
+        # each block's forward starts the next one's gather, each backward the previous one's
+        assert result["prefetch"] == (True, True, True)
         # both Linear blocks; the root holds no parameters of its own, so it has no group
         assert result["installed"] == ["AllToAllReduceScatter"] * 2
 
