@@ -53,7 +53,6 @@ from sharding_peers import NOT_RUN, PEERS, available, peer_worker
 
 from meshtrain.launch.spawn import run_workers
 
-WORLD_SIZE = 2
 LAYOUTS = ("dp", "zero1", "zero2", "zero3")
 ROWS = LAYOUTS + PEERS  # meshtrain's layouts, then the peers' ZeRO-3 (sharding_peers.py)
 MIB = 2**20
@@ -68,6 +67,7 @@ class Config:
     global_batch_size: int = 64
     width: int = 1024  # 4 Linear(width, width): 4.2M parameters at 1024
     shard_unit_mb: float | None = 4.0  # the Trainer's default: blocks grouped into 4 MiB units
+    world_size: int = 2
     depth: int = 4
     lr: float = 1e-3
     seed: int = 0
@@ -120,7 +120,7 @@ def layout_worker(layout: str, cfg: Config, hang_s: float) -> dict:
     probe = Probe()
     with hang_guard(hang_s), tempfile.TemporaryDirectory(prefix="meshtrain-sharding-") as run_dir:
         trainer = Trainer(
-            layout=f"{layout}={WORLD_SIZE}", accelerator="cpu", max_steps=cfg.total_steps,
+            layout=f"{layout}={cfg.world_size}", accelerator="cpu", max_steps=cfg.total_steps,
             **({"shard_unit_mb": cfg.shard_unit_mb} if layout in ("zero2", "zero3") else {}),
             global_batch_size=cfg.global_batch_size, seed=cfg.seed, callbacks=[probe],
             loggers=(), progress_bar=False, save_final_checkpoint=False,
@@ -152,7 +152,7 @@ def _peer(peer: str, cfg: Config, hang_s: float) -> dict:
 
 def run_layout(layout: str, cfg: Config, timeout: float) -> dict:
     worker = _peer if layout in PEERS else layout_worker
-    ranks = run_workers(worker, WORLD_SIZE, (layout, cfg, max(1.0, timeout - 10)),
+    ranks = run_workers(worker, cfg.world_size, (layout, cfg, max(1.0, timeout - 10)),
                         timeout=timeout, threads=1)
     # Ranks step together (collectives every step): the slower rank's clock is the job's.
     return {"step_s": max(r["step_s"] for r in ranks), "ranks": ranks}
@@ -251,6 +251,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (5)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (5)")
     parser.add_argument("--width", type=int, default=1024, help="MLP width (1024: 4.2M params)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks (2; on a 16-core machine also 4 and 8)")
     parser.add_argument("--shard-unit-mb", default="4",
                         help="zero2/zero3: the Trainer's shard_unit_mb (4; 'none': a unit per block)")
     parser.add_argument("--layouts", default=",".join(ROWS),
@@ -265,8 +267,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats, args.width = 5, 2, 1, 256
-    if min(args.steps, args.warmup, args.repeats) < 1 or args.width % WORLD_SIZE:
-        parser.error("--steps, --warmup, --repeats must be >= 1 and --width a multiple of 2")
+    if (min(args.steps, args.warmup, args.repeats, args.world_size) < 1
+            or args.width % args.world_size or 64 % args.world_size):
+        parser.error("--steps, --warmup, --repeats, --world-size must be >= 1, --width a "
+                     "multiple of the world size, and the world size divide the batch (64)")
     return args
 
 
@@ -289,6 +293,7 @@ def main(argv=None) -> int:
         return 0
     os.environ["OMP_NUM_THREADS"] = "1"  # one torch thread per rank (the Trainer respects it)
     cfg = Config(steps=args.steps, warmup=args.warmup, width=args.width,
+                 world_size=args.world_size,
                  shard_unit_mb=None if args.shard_unit_mb == "none" else float(args.shard_unit_mb))
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     unknown = set(layouts) - set(ROWS)
@@ -302,7 +307,7 @@ def main(argv=None) -> int:
     for name, why in NOT_RUN.items():
         print(f"{name}: not run ({why}; see sharding_peers.py)")
 
-    title = (f"{WORLD_SIZE} ranks (gloo, CPU, 1 thread each), MLP {cfg.depth}x"
+    title = (f"{cfg.world_size} ranks (gloo, CPU, 1 thread each), MLP {cfg.depth}x"
              f"Linear({cfg.width},{cfg.width}) = {cfg.num_params / 1e6:.2f}M params, AdamW")
     print(f"sharding benchmark: {title}, global batch {cfg.global_batch_size}, {cfg.warmup} "
           f"warm-up + {cfg.steps} timed steps, {args.repeats} repeats, torch {torch.__version__}",
@@ -317,7 +322,7 @@ def main(argv=None) -> int:
     png = plot_memory(summary, out_dir / "sharding_memory.png", _chart_title(title))
     result = {
         "title": title,
-        "config": asdict(cfg) | {"num_params": cfg.num_params, "world_size": WORLD_SIZE},
+        "config": asdict(cfg) | {"num_params": cfg.num_params},
         "repeats": args.repeats,
         "machine": machine(),
         "summary": summary,
