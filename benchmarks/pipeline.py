@@ -301,48 +301,10 @@ def format_table(summary: dict) -> str:
 
 def plot_all(summary: dict, out_dir: Path, title: str) -> list[Path]:
     """The timeline of each schedule at m=4 (the median-bubble step) and bubble vs m."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from pipeline_plots import plot_bubble, plot_timelines
 
-    from meshtrain.parallel.pipeline import plot_timeline
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for schedule, v in SCHEDULES:
-        row = summary.get(case_name(schedule, PLOT_M))
-        if row is None:
-            continue
-        path = out_dir / f"pipeline_timeline_{schedule}.png"
-        plot_timeline(_events(row["timeline"]), path,
-                      title=f"{schedule}, p={PP}, m={PLOT_M}, v={v}: measured bubble "
-                            f"{row['bubble']:.2f} (formula {row['formula']:.2f}), "
-                            f"step {row['span_ms']:.0f} ms")
-        paths.append(path)
-
-    fig = Figure(figsize=(6.5, 4), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    colors = {"gpipe": "#4c72b0", "1f1b": "#dd8452", "interleaved-1f1b": "#55a868"}
-    for schedule, v in SCHEDULES:
-        rows = [r for r in summary.values() if r.get("schedule") == schedule]
-        ms = [r["m"] for r in rows]
-        ax.plot(ms, [r["formula"] for r in rows], "--", color=colors[schedule], alpha=0.7)
-        ax.plot(ms, [r["bubble"] for r in rows], "o-", color=colors[schedule],
-                label=f"{schedule} (v={v})")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r["m"] for r in summary.values() if "m" in r}))
-    ax.get_xaxis().set_major_formatter("{x:.0f}")
-    ax.set_xlabel("micro-batches m")
-    ax.set_ylabel("bubble fraction")
-    ax.set_ylim(0, None)
-    ax.set_title("Pipeline bubble, p=2: measured (solid) vs formula (dashed)\n" + title,
-                 fontsize=8)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = out_dir / "pipeline_bubble.png"
-    fig.savefig(path)
-    return [*paths, path]
+    return [*plot_timelines(summary, out_dir, SCHEDULES, PLOT_M, PP, case_name, _events),
+            plot_bubble(summary, out_dir, title, SCHEDULES)]
 
 
 # -------------------------------------------------------------------------------------------------
