@@ -4,7 +4,6 @@ pruning, interrupted saves and the non-finite guard on 2 ranks (gloo)."""
 import json
 import math
 import os
-import threading
 import time
 import warnings
 from datetime import timedelta
@@ -232,56 +231,6 @@ def test_single_process_async_save_writes_values_at_save_time(tmp_path):
     saved = _read(tmp_path / "step_00000001", tmp_path)
     assert _same(saved[0], before[0]) and _same(saved[1], before[1])
     assert not _same(saved[0], _snapshot(model, optimizer)[0])
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP's thread
-def test_async_save_copies_in_the_background_and_buffers_at_once(tmp_path, monkeypatch):
-    # a slow background copy: save() returns before it; before_update() waits for it; a model
-    # buffer (batch norm statistics, which the next forward changes in place) is copied at once
-    from meshtrain.checkpoint import staging
-
-    started, release = threading.Event(), threading.Event()
-    copy = staging.HostStager._copy
-
-    def slow_copy(self, pairs, staged):
-        started.set()
-        assert release.wait(30)
-        return copy(self, pairs, staged)
-
-    monkeypatch.setattr(staging.HostStager, "_copy", slow_copy)
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(8, 4)).sum().backward()
-    optimizer.step()
-    saved_mean, saved_weight = model[1].running_mean.clone(), model[0].weight.detach().clone()
-    mgr = CheckpointManager(tmp_path, async_save=True)
-    assert mgr.save(1, model, optimizer, _trainer_state(1), _summary(1))
-    assert started.wait(30) and mgr.in_flight
-    model(torch.randn(8, 4) + 5)  # the next forward: running_mean changes, parameters do not
-    assert not torch.equal(model[1].running_mean, saved_mean)
-    threading.Timer(0.2, release.set).start()
-    assert mgr.before_update() > 0  # it waited for the copy
-    with torch.no_grad():
-        model[0].weight.add_(1.0)  # the update
-    assert mgr.wait() == tmp_path / "step_00000001"
-    out = tmp_path / "flat.pt"
-    dcp_to_torch_save(tmp_path / "step_00000001", out)
-    saved = torch.load(out, weights_only=True)["model"]
-    assert torch.equal(saved["1.running_mean"], saved_mean)
-    assert torch.equal(saved["0.weight"], saved_weight)
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP's thread
-def test_async_save_of_non_finite_state_is_refused_at_commit(tmp_path):
-    model, optimizer = _model_and_adamw()
-    _step(model, optimizer, 0)
-    with torch.no_grad():
-        model[0].weight[0, 0] = float("nan")
-    mgr = CheckpointManager(tmp_path, async_save=True)
-    assert mgr.save(1, model, optimizer, _trainer_state(1), _summary(1))
-    with pytest.warns(UserWarning, match="NaN/Inf"):
-        assert mgr.wait() is None
-    assert list(tmp_path.iterdir()) == []  # nothing written, nothing half-written
 
 
 # ---------------------------------------------------------------------------------------------
