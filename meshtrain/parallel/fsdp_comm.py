@@ -1,4 +1,4 @@
-"""FSDP2's collectives made fast on gloo, and explicit prefetch: ZeRO-2/3 near DDP's step time.
+"""FSDP2's collectives made faster on gloo, and explicit prefetch (CPU jobs; NCCL keeps FSDP2's).
 
 FSDP2 gathers a block's parameters before its forward (and, for ZeRO-3, again before its
 backward) and reduce-scatters its gradients after its backward. On a GPU the collectives run on
@@ -20,6 +20,9 @@ all-gather and reduce-scatter blocks the training thread, and gloo's own ``all_g
 * **explicit prefetch** (:func:`set_prefetch`): each block's forward starts the next block's
   all-gather without waiting for it (``async_op``), and each block's backward the all-gather of
   the block whose backward comes next.
+
+Together (with ``shard_unit_mb``'s grouping) they took zero2 / zero3 from 1.92 / 2.43 to 1.42 /
+1.65 x DDP's step time on 2 ranks; what is left is FSDP2's own copies on a CPU-bound machine.
 """
 
 from __future__ import annotations
