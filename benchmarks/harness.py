@@ -123,6 +123,25 @@ def init_gloo(timeout_s: float) -> int:
     return dist.get_rank()
 
 
+def lightning_as_torchrun_worker(run_id: str):
+    """Make this run_workers rank look like a torchrun worker, so that Lightning picks
+    TorchElasticEnvironment: it then starts no processes of its own, reads RANK/WORLD_SIZE/
+    LOCAL_RANK, and (as under torchrun) every rank joins the store that run_workers' launching
+    process hosts at MASTER_ADDR:MASTER_PORT. Lightning's warnings (e.g. "the DataLoader does not
+    have many workers"), banners and tips are silenced. Returns the ``lightning`` module."""
+    import logging
+    import warnings
+
+    os.environ.update(TORCHELASTIC_RUN_ID=run_id, GROUP_RANK="0",
+                      ROLE_RANK=os.environ["RANK"], TORCHELASTIC_USE_AGENT_STORE="True")
+    warnings.filterwarnings("ignore")
+    import lightning
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return lightning
+
+
 def drain_collectives() -> None:
     """Let the gloo worker threads retire their finished work before the process group dies.
 

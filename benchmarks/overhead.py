@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from harness import (
-    add_ratios, drain_collectives, end_process_group, fmt, hang_guard, interleaved, machine,
-    spread, table, write_json,
+    add_ratios, drain_collectives, end_process_group, fmt, hang_guard, interleaved,
+    lightning_as_torchrun_worker, machine, spread, table, write_json,
 )
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -223,21 +223,7 @@ def lightning_available() -> bool:
 
 
 def lightning_worker(cfg: Config) -> dict:
-    # Look like a torchrun worker, so Lightning picks TorchElasticEnvironment: it then starts
-    # no processes of its own, reads RANK/WORLD_SIZE/LOCAL_RANK, and (as under torchrun) every
-    # rank joins the store that run_workers' launching process hosts at MASTER_ADDR:MASTER_PORT.
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="meshtrain-overhead-bench", GROUP_RANK="0",
-        ROLE_RANK=os.environ["RANK"], TORCHELASTIC_USE_AGENT_STORE="True",
-    )
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")  # e.g. "the DataLoader does not have many workers"
-    import lightning as L
-
-    for name in ("lightning.pytorch", "lightning.fabric"):  # start-up banners and tips
-        logging.getLogger(name).setLevel(logging.WARNING)
+    L = lightning_as_torchrun_worker("meshtrain-overhead-bench")
 
     class Module(L.LightningModule):
         def __init__(self):

@@ -27,7 +27,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from harness import drain_collectives
+from harness import drain_collectives, lightning_as_torchrun_worker
 from torch.utils.data import DataLoader
 
 PEERS = ("fsdp2-raw", "lightning-fsdp2")
@@ -92,19 +92,8 @@ def fsdp2_raw_worker(cfg, build_model, build_data) -> dict:
 
 
 def lightning_fsdp2_worker(cfg, build_model, build_data) -> dict:
-    # Look like a torchrun worker (as overhead.py's Lightning row): Lightning then starts no
-    # processes of its own and joins run_workers' store.
-    os.environ.update(TORCHELASTIC_RUN_ID="meshtrain-sharding-bench", GROUP_RANK="0",
-                      ROLE_RANK=os.environ["RANK"], TORCHELASTIC_USE_AGENT_STORE="True")
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    import lightning as L
+    L = lightning_as_torchrun_worker("meshtrain-sharding-bench")
     from lightning.pytorch.strategies import ModelParallelStrategy
-
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
 
     class Module(L.LightningModule):
         def __init__(self):
