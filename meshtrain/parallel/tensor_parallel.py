@@ -363,27 +363,25 @@ def complete_partial_grads(parameters) -> int:
     buckets: dict[tuple, list[DTensor]] = {}
     for param in parameters:
         grad = param.grad
-        if not (isinstance(param, DTensor) and isinstance(grad, DTensor)):
+        if not isinstance(grad, DTensor) or grad.placements == param.placements:
             continue
-        if grad.placements == param.placements:
-            continue
-        summable = all(g == p or (isinstance(g, Partial) and g.reduce_op == "sum"
-                                  and isinstance(p, Replicate))
-                       for g, p in zip(grad.placements, param.placements))
-        if not summable:  # not a plain sum: DTensor's own redistribution
+        if all(g == p or (isinstance(g, Partial) and g.reduce_op == "sum"
+                          and isinstance(p, Replicate))
+               for g, p in zip(grad.placements, param.placements)):
+            buckets.setdefault((grad.device_mesh, grad.dtype, grad.placements), []).append(param)
+        else:  # not a plain sum: DTensor's own redistribution
             param.grad = grad.redistribute(param.device_mesh, param.placements)
-            continue
-        buckets.setdefault((grad.device_mesh, grad.dtype, grad.placements), []).append(param)
+    reduces = 0
     for (mesh, _, placements), params in buckets.items():
-        dims = [i for i, g in enumerate(placements) if isinstance(g, Partial)]
         local = [p.grad.to_local() for p in params]
         flat = _flatten_dense_tensors(local)
-        for dim in dims:
-            dist.all_reduce(flat, group=mesh.get_group(dim))
+        for dim, placement in enumerate(placements):
+            if isinstance(placement, Partial):
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+                reduces += 1
         for param, summed in zip(params, _unflatten_dense_tensors(flat, local)):
             param.grad = DTensor.from_local(summed, mesh, param.placements, run_check=False)
-    return sum(len([g for g in placements if isinstance(g, Partial)])
-               for (_, _, placements) in buckets)
+    return reduces
 
 
 @contextlib.contextmanager
