@@ -8,6 +8,7 @@ besides the scheduler and grad scaler. (Each rank's RNG streams are saved beside
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,15 @@ class MetricWindow:
     def reset(self) -> None:
         self.loss.zero_()
         self.num_steps, self.tokens, self.start = 0, 0, time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside does not count towards the window's throughput (validation)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - start
 
 
 @dataclass

@@ -34,7 +34,7 @@ CALLBACK_ARGS: dict[str, dict[str, str]] = {
 _TYPE_TEXT = {
     "number": "number > 0", "bool": "bool", "str": "string", "path": "path",
     "devices": 'integer or "auto"', "layout": "layout string or table",
-    "int_list": "list of integers", "callbacks": "list of Callback", "callable": "function",
+    "int_list": "list of integers", "steps": "list of step numbers", "callbacks": "list of Callback", "callable": "function",
     "tp_plan": "dict (module name -> ParallelStyle)", "resume": '"auto", a path',
     "metrics": "list of metric names",
 }

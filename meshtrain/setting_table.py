@@ -276,6 +276,20 @@ DEFINITIONS = [
        "Biases (run folder's wandb/, offline without WANDB_API_KEY); mlflow and wandb need "
        "pip install 'meshtrain[loggers]'.", choices=LOGGERS, check=_check_loggers),
     _S("progress_bar", "logging", True, "bool", "Show a progress bar on rank 0."),
+    _S("breakdown_every_n_steps", "logging", 1, "int",
+       "Measure where every Nth step's time goes on each rank (data, compute, comm, bubble, "
+       "optimizer, checkpoint, other) for breakdown.csv and the report; on a GPU a measured "
+       "step waits for the device at each part's end; none: off.", minimum=1, none=True),
+    _S("straggler_margin", "logging", 0.2, "number",
+       "Warn when a rank's own work per step (its step minus its waits for the others) stays "
+       "this fraction above the other ranks' median for two logging intervals (measured with "
+       "breakdown_every_n_steps); none: never.", none=True),
+    _S("profile_steps", "logging", (), "steps",
+       "Optimizer steps to trace with the torch profiler (from the first listed to the last): "
+       "a Chrome trace per rank in run_dir/traces/, linked from the report."),
+    _S("peak_tflops", "logging", None, "number",
+       "One device's peak TFLOP/s for MFU; none: a GPU's dense bf16 peak from meshtrain's "
+       "table (H100, H200, B200, ...), on CPU a matmul measured at the start.", none=True),
     _S("root_dir", "logging", "runs", "path",
        "Run folders go to root_dir/name/<time> (unless run_dir is given)."),
     _S("name", "logging", "auto", "str", 'The job\'s name: its runs go to root_dir/name/; "auto": '

@@ -49,6 +49,8 @@ _FITS: dict[str, Callable[[Setting, object], bool]] = {
     "loggers": lambda s, v: True,  # _check_loggers names the bad item
     "int_list": lambda s, v: isinstance(v, (list, tuple)) and all(_is_int(i) and i >= 1 for i in v)
     and all(a < b for a, b in zip(v, v[1:])),
+    "steps": lambda s, v: isinstance(v, (list, tuple)) and all(_is_int(i) and i >= 1 for i in v)
+    and all(a < b for a, b in zip(v, v[1:])),
     "callbacks": lambda s, v: isinstance(v, Iterable) and not isinstance(v, (str, bytes, dict)),
     "callable": lambda s, v: callable(v),
     "metrics": lambda s, v: isinstance(v, (list, tuple)),
@@ -60,6 +62,7 @@ _WHAT = {
     "layout": "a layout string or table", "loggers": "a list of logger names",
     "int_list": "a list of strictly increasing block indices >= 1 (the first block of stages "
                 "1, 2, ...)",
+    "steps": "a list of strictly increasing step numbers >= 1",
     "callbacks": "a list of Callback objects", "callable": "a function",
     "metrics": "a list of metric names or meshtrain.metrics.Metric objects",
     "tp_plan": "a dict (module name -> ParallelStyle)",

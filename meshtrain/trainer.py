@@ -35,6 +35,7 @@ from meshtrain.launch.world import collective_checks, drain_collectives, resolve
 from meshtrain.loop_state import LoopState, MetricWindow
 from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_pp_support, hf_tp_plans
 from meshtrain.observe.run_log import RunLog
+from meshtrain.observe.step_timer import TimedBatches
 from meshtrain.parallel.apply import ParallelOptions
 from meshtrain.parallel.engine import plan_batches
 from meshtrain.parallel.layout import Layout
@@ -85,6 +86,7 @@ class Trainer:
         self.run_log = RunLog(self.rank == 0)
         self.checkpoints: CheckpointManager | None = None  # every save goes through it
         self._guard: StepGuard | None = None  # NaN/Inf, watchdog, periodic saves (fault/)
+        self.monitor = None  # breakdown, MFU, events, traces (meshtrain/observe/monitor.py)
 
     def _use_layout(self, s: dict, world_size: int) -> None:
         """Take the settings ``s`` with their layout over ``world_size`` processes (raises
@@ -154,15 +156,18 @@ class Trainer:
             with collective_checks(self.debug_collectives):
                 self._fit_loop()
             drain_collectives()
+            self.monitor.finish()
         except BaseException as error:
             self._call("on_exception", error)
+            self.monitor.finish(error)  # the report says how far it got
             if self._workers is not None:
                 self._workers.raise_if_failed(error)
             raise
         finally:
             self.run_log.finish()
             release_workers(self.train_loader)  # the DataLoader's worker processes, if any
-        self.print(f"run folder: {self.run_dir}")  # again, below the training output
+            self.print(f"run folder: {self.run_dir}")  # again, below the training output
+            self.run_log.report(self.monitor)  # run_dir/report.html, also after a failure
         return self.model
 
     def lr_find(self, model: ModelLike, train_data: DataLike, *, optimizer: Callable,
@@ -208,6 +213,7 @@ class Trainer:
         self._call("on_fit_start")
         self.run_log.start_progress(total, enabled=self.progress_bar)
         memory = MemoryProbe(self.model, self.optimizer, self.layout) if self.is_global_zero else None
+        timer = self.monitor.timer
         state.window = MetricWindow(torch.zeros((), device=self.device))
         validated_at = None  # the step of the last validation
         guard.start()
@@ -216,20 +222,23 @@ class Trainer:
                 if state.epoch_done():
                     state.next_epoch()
                 self._call("on_train_epoch_start")
-                batches = iter(self.train_loader)
+                batches = TimedBatches(iter(self.train_loader), timer)
                 while state.global_step < total and not self.should_stop:
                     if state.epoch_done():
                         break
                     if guard.skip_bad_batch():  # a batch that a rollback ruled out
-                        batches = iter(self.train_loader)
+                        batches = TimedBatches(iter(self.train_loader), timer)
                         continue
+                    self.monitor.step_begins(state.global_step + 1)
                     self._call("on_train_step_start")
                     guard.step_begins()
                     loss, tokens, outcome = self.train_step(batches)
                     guard.step_ends(outcome)
                     if outcome == "rollback":
                         guard.rollback()
-                        batches = iter(self.train_loader)
+                        self.monitor.event("rollback", "non-finite loss or gradients: rolled "
+                                           "back", state.global_step)
+                        batches = TimedBatches(iter(self.train_loader), timer)
                         state.window.reset()
                         continue
                     state.advance()
@@ -242,9 +251,12 @@ class Trainer:
                     if self._val_data is not None and self.val_every_n_steps and (
                             state.global_step % self.val_every_n_steps == 0
                     ) and state.global_step < total:
-                        self._run_validation()
+                        with timer.paused(), state.window.paused():  # not a training step
+                            self._run_validation()
                         validated_at = state.global_step
-                    guard.after_step(total)
+                    with timer.part("checkpoint"):
+                        guard.after_step(total)
+                    self.monitor.step_ends(state.global_step, gather=self._log_due(total))
                 self._call("on_train_epoch_end")
             self.engine.end_of_training()  # one model on every rank again (local SGD)
             # not again when a validation just stopped training early (same weights)
@@ -269,12 +281,13 @@ class Trainer:
     def _end_step(self, total: int) -> None:
         """Every ``log_every_n_steps``: average the window's loss over ranks and log it."""
         window, step, metrics = self.state.window, self.global_step, {}
-        if step % self.log_every_n_steps == 0 or step == total:
+        if self._log_due(total):
             elapsed = time.perf_counter() - window.start
             if window.num_steps:  # every rank skips alike, so this agrees
                 metrics["train/loss"] = self.mesh.mean_loss(window.loss / window.num_steps)
             unit = self.engine.unit  # tokens for token ids, samples for other inputs
             metrics[f"train/{unit}_per_s"] = window.tokens * self.layout.batch_degree / elapsed
+            metrics.update(self.monitor.interval_metrics(metrics[f"train/{unit}_per_s"], unit))
             metrics["epoch"] = self.current_epoch
             if self.log_grad_norm and self.grad_norm is not None:
                 metrics["train/grad_norm"] = float(self.grad_norm)
@@ -287,28 +300,38 @@ class Trainer:
             self.log_metrics(metrics)
             self.run_log.progress(step, metrics)
 
+    def _log_due(self, total: int) -> bool:
+        return self.global_step % self.log_every_n_steps == 0 or self.global_step == total
+
     def train_step(self, batches) -> tuple[torch.Tensor, int, str]:
         """One optimizer step over this rank's micro-batches (drawn from ``batches``).
 
         Returns (loss here, tokens seen here, outcome): outcome "ok", "skip" (update dropped)
         or "rollback" (nothing changed yet; the caller restores the last checkpoint)."""
-        loss, tokens = self.engine.forward_backward(batches)
-        self.engine.sync_gradients()
-        outcome = self._guard.decide(loss)
+        timer = self.monitor.timer  # where the time goes (meshtrain/observe/step_timer.py)
+        with timer.part("compute"):
+            loss, tokens = self.engine.forward_backward(batches)
+        with timer.part("comm"):
+            self.engine.sync_gradients()
+            outcome = self._guard.decide(loss)
         if outcome != "ok":
             self.optimizer.zero_grad(set_to_none=True)
             self.precision.skip_step()
+            self.monitor.event("skip", "non-finite loss or gradients: update skipped",
+                               self.global_step + 1)
             return loss, tokens, outcome
-        measure = self.grad_clip_norm is not None or self.log_grad_norm
-        if measure:
-            self.precision.unscale(self.optimizer)
-        self._call("on_before_optimizer_step")
-        self.grad_norm = self.engine.clip_grad_norm(self.grad_clip_norm) if measure else None
-        self.checkpoints.before_update()  # a background save's copy of the state is made
-        self.precision.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        with timer.part("optimizer"):
+            measure = self.grad_clip_norm is not None or self.log_grad_norm
+            if measure:
+                self.precision.unscale(self.optimizer)
+            self._call("on_before_optimizer_step")
+            self.grad_norm = self.engine.clip_grad_norm(self.grad_clip_norm) if measure else None
+            with timer.part("checkpoint"):
+                self.checkpoints.before_update()  # a background save's copy of the state
+            self.precision.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         return loss, tokens, "ok"
 
     # -- validation and test ----------------------------------------------------------------------
@@ -353,19 +376,9 @@ class Trainer:
     # -- checkpoints, logging, callbacks ----------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict, dict]:
         """(trainer state, summary) as a checkpoint stores them beside model and optimizer."""
-        state = {**self.state.state_dict(),
-                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-                 "grad_scaler": self.precision.state_dict(), **self._run_identity(),
-                 "finished": self.should_stop or self.global_step >= self.total_steps()}
-        summary = {"step": self.global_step, "epoch": self.current_epoch,
-                   "layout": str(self.layout), "world_size": self.world_size,
-                   "metrics": self.callback_metrics, "hparams": self.hparams()}
-        return state, summary
+        from meshtrain.checkpoint.resume import trainer_state
 
-    def _run_identity(self) -> dict:
-        """What a resumed run is compared against (see checkpoint/resume.py)."""
-        return {"global_batch_size": self.global_batch_size, "seed": self.seed,
-                "shuffle": self.shuffle, "world_size": self.world_size, "layout": str(self.layout)}
+        return trainer_state(self)
 
     def save_checkpoint(self, path: str | os.PathLike) -> Path | None:
         """Save model, optimizer and training position (collective: call on every rank).
@@ -380,14 +393,9 @@ class Trainer:
 
         Works across layouts and world sizes: model and optimizer are resharded by DCP, and the
         data continues at the same sample of the global order."""
-        from meshtrain.checkpoint.resume import restore
+        from meshtrain.checkpoint.resume import restore_trainer
 
-        state = restore(path, self.model, self.optimizer, identity=self._run_identity(),
-                        seed=self.seed, rank=self.rank, shapes=self._model_shapes)
-        self.state.load_state_dict(state)
-        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.precision.load_state_dict(state["grad_scaler"])
+        restore_trainer(self, path)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Send metrics to the loggers (rank zero); values must already agree across ranks."""

@@ -22,6 +22,8 @@ from meshtrain.data.sampler import train_loaders
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.world import start_world
+from meshtrain.observe.flops import flops_per_item
+from meshtrain.observe.monitor import RunMonitor
 from meshtrain.parallel.apply import apply_layout, build_optimizer, check_model
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelMesh
@@ -51,6 +53,8 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer, loss_fn=Non
             **t._loader_options())
         t._val_data = val_data
         t.checkpoints = CheckpointManager.from_settings(t.run_dir / "checkpoints", t._settings)
+        t.checkpoints.on_commit = lambda path, step, seconds: t.monitor.event(
+            "checkpoint", f"saved ({seconds:.2f} s from start to commit)", step, path)
         t._guard = StepGuard(
             t, FaultOptions.from_settings(t), t.checkpoints,
             run_dir=t.run_dir, rank=t.rank, world_size=t.world_size,
@@ -59,6 +63,8 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer, loss_fn=Non
         check_plain(t.checkpoint_state()[0], "the trainer state")  # now, not at the first save
         if t._resume_from is not None:
             resume_fit(t, t._resume_from)
+            t.monitor.event("restart", f"resumed at step {t.global_step}", t.global_step,
+                            t._resume_from)
     except BaseException as error:
         if t._workers is not None:
             t._workers.raise_if_failed(error)
@@ -144,6 +150,7 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
         grad_accum_steps=t.grad_accum_steps, on_meta=on_meta,
         sample_inputs=sample_inputs, log=t.print, run_dir=t.run_dir)
     t.model = t.engine.model
+    start_monitor(t, flops_per_item(model))  # model: whole, before a pipeline split
     if t.init_from is not None:  # pretrained weights: each rank reads its own shards
         load_hf_weights(t.model, t.init_from, partial=t.layout.degree("pp") > 1)
     t.optimizer = build_optimizer(t.model, optimizer_factory, t.mesh)
@@ -155,6 +162,19 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
                                                         t._settings)
     t.lr_scheduler = scheduler_factory(t.optimizer) if scheduler_factory else None
     torch.manual_seed(t.seed + 1 + t.rank)  # dropout: different per rank, reproducible
+
+
+def start_monitor(t, flops: float) -> None:
+    """The run's measurements (meshtrain/observe/monitor.py); the engine gets its clock."""
+    from meshtrain.observe.flops import peak_tflops
+
+    t.monitor = RunMonitor(run_dir=t.run_dir, rank=t.rank, device=torch.device(t.device),
+                           group=t.mesh.everyone(), world_size=t.world_size,
+                           every=t.breakdown_every_n_steps, straggler_margin=t.straggler_margin,
+                           profile_steps=t.profile_steps, log=t.print)
+    t.engine.timer = t.monitor.timer
+    peak = peak_tflops(t.device, t.peak_tflops) if t.rank == 0 else (0.0, "")  # MFU: rank 0
+    t.monitor.start(flops_per_item=flops, peak=peak, layout=str(t.layout))
 
 
 def build(model) -> torch.nn.Module:

@@ -88,6 +88,7 @@ def _bad_values(setting) -> list:
         "layout": [3, 2.5],
         "loggers": [["neptune"], "neptune", 3, None],
         "int_list": [[3, 2], [0, 2], ["1"], 3],
+        "steps": [[3, 2], [0, 2], ["1"], 3],
         "callbacks": [[object()], "callback"],
         "callable": [3],
         "tp_plan": [3],

@@ -187,6 +187,7 @@ class CheckpointManager:
         self._pending: tuple[Future, int, Path, Path, float] | None = None
         self._last_written: tuple[Path, int] | None = None  # (folder, step) of the last save
         self._stager: HostStager | None = None  # background saves' host copy (staging.py)
+        self.on_commit = None  # called with (folder, step, seconds) when a save is in place
 
     @classmethod
     def from_settings(cls, directory, settings: dict) -> CheckpointManager:
@@ -263,6 +264,8 @@ class CheckpointManager:
             commit_tmp(tmp, path)
             self._prune(path)
             _barrier()
+            if self.on_commit is not None:
+                self.on_commit(path, step, _now() - start)
         self.last_blocking_s = _now() - start
         if not background:
             self.last_save_s = self.last_blocking_s
@@ -331,6 +334,8 @@ class CheckpointManager:
         commit_tmp(tmp, final)
         self._prune(final)
         self.last_save_s = _now() - start
+        if self.on_commit is not None:
+            self.on_commit(final, step, self.last_save_s)
         return final
 
     def wait(self) -> Path | None:

@@ -258,6 +258,35 @@ def restore(path, model, optimizer, *, identity: dict, seed: int, rank: int,
     return state
 
 
+def run_identity(t) -> dict:
+    """What a resumed run of Trainer ``t`` is compared against (:func:`check_same_run`)."""
+    return {"global_batch_size": t.global_batch_size, "seed": t.seed, "shuffle": t.shuffle,
+            "world_size": t.world_size, "layout": str(t.layout)}
+
+
+def trainer_state(t) -> tuple[dict, dict]:
+    """(Trainer ``t``'s state, a summary) as a checkpoint stores them beside model and
+    optimizer."""
+    state = {**t.state.state_dict(),
+             "lr_scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler else None,
+             "grad_scaler": t.precision.state_dict(), **run_identity(t),
+             "finished": t.should_stop or t.global_step >= t.total_steps()}
+    summary = {"step": t.global_step, "epoch": t.current_epoch, "layout": str(t.layout),
+               "world_size": t.world_size, "metrics": t.callback_metrics,
+               "hparams": t.hparams()}
+    return state, summary
+
+
+def restore_trainer(t, path) -> None:
+    """Trainer.load_checkpoint: model, optimizer, loop position, scheduler and grad scaler."""
+    state = restore(path, t.model, t.optimizer, identity=run_identity(t), seed=t.seed,
+                    rank=t.rank, shapes=t._model_shapes)
+    t.state.load_state_dict(state)
+    if t.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        t.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    t.precision.load_state_dict(state["grad_scaler"])
+
+
 def resume_fit(trainer, path) -> None:
     """Fit's resume (collective): refuse a checkpoint at or past this fit's stopping point,
     load it (:func:`restore` refuses another model) and say where the run continues."""

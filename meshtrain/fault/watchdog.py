@@ -192,11 +192,15 @@ class StallWatchdog:
             except Exception:
                 pass
         self._wait_for_all_dumps()
-        self._exit(
-            f"meshtrain: step {step} stalled for {stalled_s:.1f} s on rank {self.rank} (limit "
-            f"{self.limit_s:g} s); every rank's Python stack is in {self.stacks_dir}; stopping "
-            "the job"
-        )
+        message = (f"step {step} stalled for {stalled_s:.1f} s on rank {self.rank} (limit "
+                   f"{self.limit_s:g} s); every rank's Python stack is in {self.stacks_dir}")
+        try:  # for the report (meshtrain report): the process ends without a fit's cleanup
+            from meshtrain.observe.run_files import append_event
+
+            append_event(self.stacks_dir.parent, "watchdog", message, step, self.stacks_dir)
+        except Exception:
+            pass
+        self._exit(f"meshtrain: {message}; stopping the job")
 
     def _answer_request(self) -> None:
         try:

@@ -184,6 +184,15 @@ class GPT(nn.Module):
                 values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
                 copy_full_into(param, values * std)  # a shard keeps its part
 
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Model FLOPs per token, forward and backward: 6 per matmul parameter (embeddings are
+        lookups) plus attention's scores and weighted sum, 12·L·d·T (PaLM's MFU count)."""
+        from meshtrain.observe.flops import count_flop_params
+
+        c = self.config
+        return 6.0 * count_flop_params(self) + 12.0 * c.num_layers * c.d_model * (
+            seq_len or c.seq_len)
+
     # -- tensor parallel: the model supplies its own plan (meshtrain/models/gpt_plan.py) --------
     def tp_plan(self, tp_degree: int, *, sequence_parallel: bool = False,
                 loss_parallel: bool = False) -> dict:

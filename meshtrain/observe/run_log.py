@@ -80,3 +80,17 @@ class RunLog:
             from meshtrain.observe.plots import plot_loss_curves
 
             plot_loss_curves(read_metrics_csv(csv), self.run_dir / "loss.png", title=title)
+
+    def report(self, monitor) -> None:
+        """``run_dir/report.html`` from what the run folder holds (rank zero; after a failure
+        too, so a problem in the page must not hide the run's own error)."""
+        if not self.is_zero or self.run_dir is None or monitor is None:
+            return
+        try:
+            from meshtrain.observe.report import write_report
+
+            path = write_report(self.run_dir)
+        except Exception as error:  # noqa: BLE001 - the run's outcome matters more
+            print(f"warning: no report.html: {type(error).__name__}: {error}", flush=True)
+            return
+        self.print(f"report: {path}")

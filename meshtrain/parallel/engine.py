@@ -248,7 +248,11 @@ class Engine:
                 with self.precision.autocast(), batch_group(self.batch_pg):
                     loss = compute_loss(self.train_module, batch, self.loss_fn, items is not None)
                     loss = loss / accum if items is None else loss / items.divisor()
+                if last and self.timer is not None:  # the wait for reductions: exposed comm
+                    self.timer.watch_backward(loss)
                 self.precision.backward(loss)
+                if last and self.timer is not None:
+                    self.timer.backward_returned()
             total += plain(loss.detach())
         return total, tokens
 
@@ -267,6 +271,8 @@ class Engine:
         dist = torch.distributed
         if message and (not dist.is_initialized() or dist.get_rank() == 0):
             warnings.warn(message, stacklevel=2)
+
+    timer = None  # the Trainer's StepTimer (meshtrain/observe/step_timer.py), when measuring
 
     # local SGD (local_sgd.py): parameters averaged after some steps instead; under ps the
     # ServerOptimizer (ps_layout.py), which leaves the servers when training ends

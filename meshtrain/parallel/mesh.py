@@ -42,6 +42,16 @@ class ParallelMesh:
                 shard_axes = ("dp_replicate", *shard_axes)
             self.shard = self.mesh[shard_axes]
 
+    def everyone(self):
+        """The process group of every rank of the mesh (None with one rank)."""
+        if self.mesh is None:
+            return None
+        if self.mesh.ndim == 1:
+            return self.mesh.get_group()
+        if getattr(self, "_everyone", None) is None:
+            self._everyone = self.mesh._flatten("all_ranks").get_group()
+        return self._everyone
+
     def _flat(self, axes: tuple[str, ...], name: str):
         if not axes:
             return None

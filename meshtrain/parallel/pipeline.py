@@ -21,6 +21,7 @@ give rank ``r`` the stages ``r`` and ``2pp - 1 - r``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import types
@@ -247,15 +248,40 @@ class PipelineRunner:
         dist.barrier(group=self.group)
         t0, rank, events = time.perf_counter(), dist.get_rank(self.group), []
 
+        def record(stage, chunk, kind, start, end):
+            events.append(TimelineEvent(rank, stage.stage_index, chunk, kind, start - t0,
+                                        end - t0))
+
+        with self._actions_recorded(record):
+            loss = self.step(inputs, targets)
+        gathered = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, events, group=self.group)
+        return loss, sorted((e for part in gathered for e in part), key=lambda e: e.start)
+
+    def step_compute_time(self, inputs, targets) -> tuple[torch.Tensor | None, float]:
+        """:meth:`step`, and the seconds this rank spent inside its F/B/W actions (no
+        barrier, nothing exchanged: the rest of the step is its bubble)."""
+        total = [0.0]
+
+        def record(stage, chunk, kind, start, end):
+            total[0] += end - start
+
+        with self._actions_recorded(record):
+            loss = self.step(inputs, targets)
+        return loss, total[0]
+
+    @contextlib.contextmanager
+    def _actions_recorded(self, record: Callable):
+        """Inside, every stage's F, B (I: input-only backward) and W action calls
+        ``record(stage, microbatch, kind, start, end)`` (perf_counter times)."""
         def timed(stage, name, kind):
             run = getattr(stage, name)
 
             def wrapper(chunk, *args, **kwargs):
-                start = time.perf_counter() - t0
+                start = time.perf_counter()
                 out = run(chunk, *args, **kwargs)
                 k = "I" if kind == "B" and not kwargs.get("full_backward", True) else kind
-                events.append(TimelineEvent(rank, stage.stage_index, chunk, k, start,
-                                            time.perf_counter() - t0))
+                record(stage, chunk, k, start, time.perf_counter())
                 return out
             setattr(stage, name, wrapper)  # instance attribute shadows the method
 
@@ -265,14 +291,11 @@ class PipelineRunner:
             for name, kind in methods:
                 timed(stage, name, kind)
         try:
-            loss = self.step(inputs, targets)
+            yield
         finally:
             for stage in self.stages:
                 for name, _ in methods:
                     del stage.__dict__[name]
-        gathered = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, events, group=self.group)
-        return loss, sorted((e for part in gathered for e in part), key=lambda e: e.start)
 
     @torch.no_grad()
     def eval_loss(self, inputs, targets) -> torch.Tensor | None:

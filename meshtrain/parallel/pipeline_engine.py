@@ -5,12 +5,15 @@
 memory), keeps this rank's, applies the rest of the layout to each stage and returns a
 :class:`PipelineEngine`, whose ``forward_backward`` hands the whole step's batch to the schedule
 (:class:`~meshtrain.parallel.pipeline.PipelineRunner`), which runs the micro-batches. On the
-second step it records the timeline and reports the measured bubble beside the formula.
+third to fifth steps (after two warm-up steps, as benchmarks/pipeline.py) it records the
+timeline and reports the measured bubble (their median) beside the formula.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,11 +165,12 @@ class PipelineEngine(Engine):
 
     runner = pipeline = split_points = log = run_dir = adapter = None
     num_microbatches, _num_calls = 1, 0
+    RECORDED = (3, 4, 5)  # the steps whose timeline is recorded (1-based calls)
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, int]:
         inputs, targets = self._split(to_device(next(batches), self.device))
-        record = self._num_calls == 1  # the second step: past one-time start-up costs
         self._num_calls += 1
+        record = self._num_calls in self.RECORDED  # past one-time start-up costs
         self.runner.scale_loss = self.precision.scale_loss  # the schedule runs the backward
         if not self._checked_loss:
             self._check_loss((inputs, targets), self.num_microbatches)
@@ -176,8 +180,17 @@ class PipelineEngine(Engine):
             self.runner.num_items = lambda: items.divisor() / self.num_microbatches
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             if record:  # collective: every rank records the same step
+                start = time.perf_counter()
                 loss, events = self.runner.timed_step(inputs, targets)
+                if self.timer is not None:
+                    me = torch.distributed.get_rank(self.runner.group)
+                    busy = sum(e.end - e.start for e in events if e.rank == me)
+                    self.timer.move(time.perf_counter() - start - busy, "compute", "bubble")
                 self._report_timeline(events)
+            elif self.timer is not None and self.timer.active:  # the rest is its bubble
+                start = time.perf_counter()
+                loss, busy = self.runner.step_compute_time(inputs, targets)
+                self.timer.move(time.perf_counter() - start - busy, "compute", "bubble")
             else:  # None unless this rank has the last stage
                 loss = self.runner.step(inputs, targets)
         loss = loss.detach() if loss is not None else torch.zeros((), device=self.device)
@@ -203,6 +216,7 @@ class PipelineEngine(Engine):
 
     def _report_timeline(self, events) -> None:
         """The pipeline diagram of one step, and its measured bubble beside the formula."""
+        from meshtrain.observe.run_files import PIPELINE, write_json
         from meshtrain.parallel.pipeline import (
             bubble_fraction, ideal_bubble_fraction, plot_timeline,
         )
@@ -211,12 +225,20 @@ class PipelineEngine(Engine):
             return
         pp, m = self.layout.degree("pp"), self.num_microbatches
         ideal = ideal_bubble_fraction(pp, m, self.pipeline.stages_per_rank)
-        measured = bubble_fraction(events)
+        self._bubbles = [*getattr(self, "_bubbles", []), bubble_fraction(events)]
+        measured = statistics.median(self._bubbles)  # (a step killed early keeps what it has)
         path = self.run_dir / "pipeline_timeline.png"
-        plot_timeline(events, path, title=f"{self.pipeline.schedule}, p={pp}, m={m}: bubble "
-                      f"{measured:.2f} (formula {ideal:.2f})")
-        self.log(f"pipeline step {self._num_calls}: measured bubble {measured:.2f}, formula "
-                 f"(p-1)/(v*m+p-1) = {ideal:.2f}; timeline: {path}")
+        plot_timeline(events, path, title=f"{self.pipeline.schedule}, p={pp}, m={m}, step "
+                      f"{self._num_calls}: bubble {self._bubbles[-1]:.2f} (formula {ideal:.2f})")
+        write_json(self.run_dir / PIPELINE, {
+            "schedule": self.pipeline.schedule, "pp": pp, "microbatches": m,
+            "stages_per_rank": self.pipeline.stages_per_rank, "step": self._num_calls,
+            "measured_bubble": measured, "bubbles": self._bubbles, "formula_bubble": ideal,
+            "events": [[e.rank, e.stage, e.microbatch, e.kind, e.start, e.end] for e in events]})
+        if self._num_calls == self.RECORDED[-1]:
+            self.log(f"pipeline steps {self.RECORDED[0]}-{self._num_calls}: measured bubble "
+                     f"{measured:.2f} (median), formula (p-1)/(v*m+p-1) = {ideal:.2f}; "
+                     f"timeline: {path}")
 
 
 def merge_stages(stages: list[torch.nn.Module]) -> torch.nn.Module:

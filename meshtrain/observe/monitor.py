@@ -1,0 +1,196 @@
+"""What a fit measures on every rank and rank zero writes to the run folder for
+``meshtrain report``: the step-time breakdown (meshtrain/observe/step_timer.py) gathered from
+all ranks at each logging interval, model TFLOP/s and MFU, peak memory per rank, straggler
+warnings, profiler traces of the ``profile_steps``, the run's events and its environment
+(file formats: meshtrain/observe/run_files.py).
+
+Nothing here synchronises a step: the breakdown is gathered in one small all-gather per
+logging interval, when the loss is averaged anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import socket
+import statistics
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.observe import run_files
+from meshtrain.observe.run_files import PARTS
+from meshtrain.observe.step_timer import StepTimer
+
+STRAGGLER_PATIENCE = 2  # logging intervals in a row before a rank is called a straggler
+STRAGGLER_MIN_S = 0.002  # and at least this much slower per step (timer noise on tiny steps)
+WAITS = ("comm", "bubble")  # parts where a rank waits for the others
+
+
+def memory_peak_and_limit(device: torch.device) -> tuple[int, int]:
+    """(this process's peak memory, the device's) in bytes: the allocator's peak and the
+    GPU's memory on CUDA; on CPU the process's peak resident size and the machine's memory."""
+    if device.type == "cuda":
+        return (torch.cuda.max_memory_allocated(device),
+                torch.cuda.get_device_properties(device).total_memory)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return peak, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class RunMonitor:
+    def __init__(self, *, run_dir: Path, rank: int, device: torch.device, group, world_size: int,
+                 every: int | None, straggler_margin: float | None, profile_steps=None,
+                 log=print):
+        self.run_dir, self.rank, self.device, self.group = Path(run_dir), rank, device, group
+        self.world_size, self.margin, self.log = world_size, straggler_margin, log
+        self.timer = StepTimer(every, device)
+        self.flops_per_item = self.peak = None
+        self.peak_source = ""
+        self._slow_intervals = [0] * world_size
+        self._profile_steps = sorted(profile_steps or ())
+        self._profiler = None
+
+    @property
+    def is_zero(self) -> bool:
+        return self.rank == 0
+
+    # -- the run --------------------------------------------------------------------------------
+    def start(self, *, flops_per_item: float, peak: tuple[float, str], layout: str,
+              unit: str | None = None) -> None:
+        self.flops_per_item, (self.peak, self.peak_source) = flops_per_item, peak
+        if not self.is_zero:
+            return
+        device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                       else platform.processor() or platform.machine())
+        run_files.update_environment(
+            self.run_dir, torch=torch.__version__, python=platform.python_version(),
+            platform=platform.platform(), hostname=socket.gethostname(),
+            device_type=self.device.type, device_name=device_name, world_size=self.world_size,
+            layout=layout, unit=unit, flops_per_item=flops_per_item, peak_tflops=self.peak,
+            peak_source=self.peak_source, started=run_files.now(), finished=None,
+            status="running", error=None)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """The run ended (``error``: how it failed); stops a profiler still running."""
+        self._stop_profiler()
+        if self.is_zero and (self.run_dir / run_files.ENVIRONMENT).exists():
+            run_files.update_environment(
+                self.run_dir, finished=run_files.now(),
+                status="failed" if error is not None else "finished",
+                error=None if error is None else f"{type(error).__name__}: {error}")
+            if error is not None:  # a desync: ranks called different collectives
+                kind = "desync" if type(error).__name__ == "CollectiveMismatch" else "failure"
+                self.event(kind, f"{type(error).__name__}: {error}")
+
+    def event(self, kind: str, message: str, step: int | None = None, path=None) -> None:
+        """One line in the run's events (rank zero)."""
+        if self.is_zero:
+            run_files.append_event(self.run_dir, kind, message, step, path)
+
+    # -- each step ------------------------------------------------------------------------------
+    def step_begins(self, step: int) -> None:
+        """Optimizer step ``step`` (1-based) starts."""
+        if self._profile_steps and step == self._profile_steps[0] and self._profiler is None:
+            self._start_profiler()
+        self.timer.begin(step)
+
+    def step_ends(self, step: int, gather: bool) -> None:
+        """Step ``step`` ended; ``gather`` (every rank alike, at each logging interval): the
+        breakdown of the interval's steps goes to breakdown.csv."""
+        self.timer.end()
+        if self._profiler is not None and step >= self._profile_steps[-1]:
+            self._stop_profiler()
+        if gather:
+            self.gather_breakdown(step)
+
+    def interval_metrics(self, items_per_s: float, unit: str) -> dict[str, float]:
+        """Model TFLOP/s per rank and MFU over a logging interval."""
+        from meshtrain.observe.flops import mfu
+
+        if not self.flops_per_item or unit not in ("tokens", "samples"):
+            return {}
+        achieved, fraction = mfu(self.flops_per_item, items_per_s, self.world_size, self.peak)
+        return {"train/tflops": achieved, "train/mfu": fraction}
+
+    def gather_breakdown(self, step: int) -> list[dict] | None:
+        """(Every rank, at a logging interval.) Each rank's mean breakdown since the last
+        interval, gathered; rank zero writes it to breakdown.csv and looks for a straggler.
+        Returns the rows on rank zero."""
+        values = self.timer.take_window()
+        peak, limit = memory_peak_and_limit(self.device)
+        mine = torch.tensor([1.0 if values else 0.0, *(values or [0.0] * (2 + len(PARTS))),
+                             float(peak), float(limit)], dtype=torch.float64)
+        if self.group is not None and self.world_size > 1:
+            mine = mine.to(self.device)
+            gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(gathered, mine, group=self.group)
+        else:
+            gathered = [mine]
+        if not self.is_zero:
+            return None
+        rows = []
+        for rank, row in enumerate(t.tolist() for t in gathered):
+            if not row[0]:
+                continue
+            seconds = dict(zip(("wall_s", "step_s", *(f"{p}_s" for p in PARTS)),
+                               row[1:3 + len(PARTS)]))
+            rows.append({"step": step, "rank": rank, **seconds,
+                         "mem_peak_bytes": int(row[-2]), "mem_limit_bytes": int(row[-1])})
+        if rows:
+            run_files.append_breakdown(self.run_dir, rows)
+            self._look_for_straggler(step, rows)
+        return rows
+
+    def _look_for_straggler(self, step: int, rows: list[dict]) -> None:
+        """A rank whose own work (its step minus its waits for the others) stays above the
+        other ranks' median by more than ``straggler_margin``, ``STRAGGLER_PATIENCE``
+        intervals in a row: named, with the part where it spends the most beyond them. (In
+        synchronous training every rank's step lasts as long as the slowest's: the others
+        spend the difference waiting in collectives, so the waits are left out.)"""
+        if self.margin is None or len(rows) < 2:
+            return
+        busy = {r["rank"]: r["step_s"] - sum(r[f"{w}_s"] for w in WAITS) for r in rows}
+        by_rank = {r["rank"]: r for r in rows}
+        for rank, mine in busy.items():
+            others = statistics.median(v for r, v in busy.items() if r != rank)
+            if mine <= others * (1 + self.margin) or mine - others < STRAGGLER_MIN_S:
+                self._slow_intervals[rank] = 0
+                continue
+            self._slow_intervals[rank] += 1
+            if self._slow_intervals[rank] != STRAGGLER_PATIENCE:
+                continue
+            excess = {p: by_rank[rank][f"{p}_s"] - statistics.median(
+                by_rank[r][f"{p}_s"] for r in busy if r != rank)
+                for p in PARTS if p not in WAITS}
+            part = max(excess, key=excess.get)
+            message = (f"rank {rank} is a straggler: its own work takes {mine * 1e3:.1f} ms per "
+                       f"step against {others * 1e3:.1f} ms on the other ranks (median), "
+                       f"{mine / max(others, 1e-12):.2f}x; the slow part is {part} "
+                       f"(+{excess[part] * 1e3:.1f} ms per step; the others wait for it in "
+                       "their comm/bubble)")
+            self.log(f"warning: step {step}: {message}")
+            self.event("straggler", message, step)
+
+    # -- profiler -------------------------------------------------------------------------------
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=activities)
+        self._profiler.__enter__()
+
+    def _stop_profiler(self) -> None:
+        if self._profiler is None:
+            return
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        path = self.run_dir / "traces" / f"rank{self.rank}.json"
+        path.parent.mkdir(exist_ok=True)
+        profiler.export_chrome_trace(str(path))
+        first, last = self._profile_steps[0], self._profile_steps[-1]
+        self.event("profile", f"torch profiler trace of steps {first}-{last} on every rank "
+                   "(open in https://ui.perfetto.dev)", last, path.parent)
