@@ -19,6 +19,8 @@
         every legal layout ranked by estimated step time, with memory; why the others are refused
     meshtrain prepare INPUT... --out DIR (--tokenizer tokenizer.json | --train-tokenizer N)
         text / JSON lines -> memory-mapped token shards for the causal_lm recipe
+    meshtrain report RUN_DIR                                 RUN_DIR/report.html: one page of
+        a run (loss, throughput and MFU, step-time breakdown and memory per rank, events)
     meshtrain --version
 """
 
@@ -96,13 +98,17 @@ def main(argv: list[str] | None = None) -> int:
             from meshtrain.data.prepare import main as prepare
 
             return prepare(rest)
+        if command == "report":
+            from meshtrain.observe.report.render import main as report
+
+            return report(rest)
         if command == "slurm":
             from meshtrain.launch.slurm import slurm
 
             return slurm(rest)
         raise ConfigError(
             f"unknown command {command!r}; commands: train, lr-find, memory, parity, run, slurm, "
-            "export, upgrade-checkpoint, bench, plan, prepare (see --help)"
+            "export, upgrade-checkpoint, bench, plan, prepare, report (see --help)"
         )
     except ConfigError as error:
         print(f"meshtrain: error: {error}", file=sys.stderr)
