@@ -26,6 +26,7 @@ less than wall-clock time.
     python benchmarks/overhead.py --quick           # smoke run (one short run of each variant)
     python benchmarks/overhead.py --raw-bucket-view # raw DDP with meshtrain's DDP setting
     python benchmarks/overhead.py --variants raw,meshtrain,meshtrain-global-mean
+    python benchmarks/overhead.py --variants raw,meshtrain,meshtrain-unmeasured  # measurements
     python benchmarks/overhead.py --out overhead.json
 """
 
@@ -54,7 +55,9 @@ from meshtrain.launch.spawn import run_workers
 WORLD_SIZE = 2
 # meshtrain-global-mean: meshtrain with loss_fn=meshtrain.losses.cross_entropy() (the items of
 # the step counted over the ranks: one more all-reduce of a number per step)
-VARIANTS = ("raw", "meshtrain", "meshtrain-global-mean", "lightning")
+# meshtrain-unmeasured: meshtrain without its default measurements (breakdown_every_n_steps
+# and straggler_margin None): what the step-time breakdown costs
+VARIANTS = ("raw", "meshtrain", "meshtrain-global-mean", "meshtrain-unmeasured", "lightning")
 DEFAULT_VARIANTS = ("raw", "meshtrain", "lightning")
 
 
@@ -181,7 +184,8 @@ def raw_worker(cfg: Config) -> dict:
 # ---------------------------------------------------------------------------------------------
 # (b) meshtrain
 # ---------------------------------------------------------------------------------------------
-def meshtrain_worker(cfg: Config, log_every_n_steps: int, global_mean: bool = False) -> dict:
+def meshtrain_worker(cfg: Config, log_every_n_steps: int, global_mean: bool = False,
+                     measured: bool = True) -> dict:
     from meshtrain import Trainer, losses
     from meshtrain.callbacks import Callback
 
@@ -201,6 +205,7 @@ def meshtrain_worker(cfg: Config, log_every_n_steps: int, global_mean: bool = Fa
             callbacks=[Clock(clock)], loggers=(), progress_bar=False,
             save_final_checkpoint=False, log_every_n_steps=log_every_n_steps, run_dir=run_dir,
             nan_policy=None if cfg.nan_policy == "none" else cfg.nan_policy, resume=None,
+            **({} if measured else {"breakdown_every_n_steps": None, "straggler_margin": None}),
         )
         trainer.fit(
             lambda: build_model(cfg), build_data(cfg),
@@ -208,7 +213,8 @@ def meshtrain_worker(cfg: Config, log_every_n_steps: int, global_mean: bool = Fa
             loss_fn=losses.cross_entropy() if global_mean else F.cross_entropy,
         )
         end_process_group()  # while the trainer (and its DDP wrapper) is still alive
-    return clock.result("meshtrain-global-mean" if global_mean else "meshtrain")
+    return clock.result("meshtrain-global-mean" if global_mean else (
+        "meshtrain" if measured else "meshtrain-unmeasured"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,7 +276,8 @@ def bench_worker(variant: str, cfg: Config, log_every_n_steps: int, hang_s: floa
         if variant == "raw":
             return raw_worker(cfg)
         if variant.startswith("meshtrain"):
-            return meshtrain_worker(cfg, log_every_n_steps, variant == "meshtrain-global-mean")
+            return meshtrain_worker(cfg, log_every_n_steps, variant == "meshtrain-global-mean",
+                                    variant != "meshtrain-unmeasured")
         return lightning_worker(cfg)
 
 
@@ -368,6 +375,13 @@ def main(argv=None) -> int:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print()
     print(format_table(summary))
+    if "meshtrain" in runs and "meshtrain-unmeasured" in runs:  # paired, repeat by repeat
+        ratios = [a["mean_step_s"] / b["mean_step_s"]
+                  for a, b in zip(runs["meshtrain"], runs["meshtrain-unmeasured"])]
+        summary["measurement_cost_paired"] = statistics.median(ratios)
+        print(f"the default measurements (step-time breakdown, straggler check): meshtrain / "
+              f"meshtrain-unmeasured = {statistics.median(ratios):.4f} paired "
+              f"(repeats: {', '.join(f'{r:.3f}' for r in ratios)})")
     if load is not None:
         # Other jobs on the machine show up in the wall-clock columns (not much in cpu ms/step).
         print(f"load average at the end (1/5/15 min): {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
