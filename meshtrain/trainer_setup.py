@@ -174,7 +174,7 @@ def start_monitor(t, flops: float) -> None:
                            profile_steps=t.profile_steps, log=t.print)
     t.engine.timer = t.monitor.timer
     peak = peak_tflops(t.device, t.peak_tflops) if t.rank == 0 else (0.0, "")  # MFU: rank 0
-    t.monitor.start(flops_per_item=flops, peak=peak, layout=str(t.layout))
+    t.monitor.start(flops_per_item=flops, peak=peak, layout=str(t.layout), settings=t.hparams())
 
 
 def build(model) -> torch.nn.Module:

@@ -51,6 +51,7 @@ class RunMonitor:
         self._slow_intervals = [0] * world_size
         self._profile_steps = sorted(profile_steps or ())
         self._profiler = None
+        self._unit = None
 
     @property
     def is_zero(self) -> bool:
@@ -58,7 +59,7 @@ class RunMonitor:
 
     # -- the run --------------------------------------------------------------------------------
     def start(self, *, flops_per_item: float, peak: tuple[float, str], layout: str,
-              unit: str | None = None) -> None:
+              settings: dict | None = None) -> None:
         self.flops_per_item, (self.peak, self.peak_source) = flops_per_item, peak
         if not self.is_zero:
             return
@@ -68,9 +69,9 @@ class RunMonitor:
             self.run_dir, torch=torch.__version__, python=platform.python_version(),
             platform=platform.platform(), hostname=socket.gethostname(),
             device_type=self.device.type, device_name=device_name, world_size=self.world_size,
-            layout=layout, unit=unit, flops_per_item=flops_per_item, peak_tflops=self.peak,
+            layout=layout, flops_per_item=flops_per_item, peak_tflops=self.peak,
             peak_source=self.peak_source, started=run_files.now(), finished=None,
-            status="running", error=None)
+            status="running", error=None, settings=settings)
 
     def finish(self, error: BaseException | None = None) -> None:
         """The run ended (``error``: how it failed); stops a profiler still running."""
@@ -109,6 +110,9 @@ class RunMonitor:
         """Model TFLOP/s per rank and MFU over a logging interval."""
         from meshtrain.observe.flops import mfu
 
+        if self.is_zero and unit != self._unit:  # known from the first batch on
+            self._unit = unit
+            run_files.update_environment(self.run_dir, unit=unit)
         if not self.flops_per_item or unit not in ("tokens", "samples"):
             return {}
         achieved, fraction = mfu(self.flops_per_item, items_per_s, self.world_size, self.peak)

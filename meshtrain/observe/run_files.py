@@ -9,7 +9,8 @@ files.
   ``world_size``, ``layout``, ``unit`` ("tokens" or "samples"), ``flops_per_item`` (model
   FLOPs per token or sample, forward and backward), ``peak_tflops`` and ``peak_source`` (the
   peak MFU is measured against, per rank), ``started``/``finished`` (ISO times),
-  ``status`` ("running", "finished" or "failed") and ``error`` (the exception, or null).
+  ``status`` ("running", "finished" or "failed"), ``error`` (the exception, or null) and
+  ``settings`` (the Trainer's settings, shown when there is no ``config.toml``).
 * ``breakdown.csv``: one row per rank per logging interval: ``step``, ``rank``, then seconds
   per optimizer step averaged over the interval: ``wall_s`` (the loop's own clock: the
   interval's wall time, validation excepted, over its steps), ``step_s`` (the measured steps)

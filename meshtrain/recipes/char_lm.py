@@ -203,4 +203,6 @@ def run(config: dict, mode: str = "train"):
         print("--- sample ---------------------------------------------------------")
         print(tokenizer.decode([i for i in ids[0].tolist() if i < tokenizer.vocab_size]))
         print("--------------------------------------------------------------------")
+        print(f"report: {trainer.run_dir / 'report.html'} (loss, throughput and MFU, where "
+              "each rank's step time and memory went; open it in a browser)")
     return {"val_loss": val_loss, "baseline": baseline, "run_dir": trainer.run_dir}

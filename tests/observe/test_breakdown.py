@@ -150,10 +150,11 @@ def test_parts_add_up_to_the_measured_step_time_and_mfu_is_logged(tmp_path):
     for r in rows:
         if r["step"] > 5:  # the profiled steps 3-4 hold the trace's export
             assert r["step_s"] == pytest.approx(r["wall_s"], rel=0.05), r
-    for rank in (0, 1):  # and the throughput's clock (samples/s over each interval)
+    for rank in (0, 1):  # and the throughput's clock (samples/s over each interval), which
+        # leaves out the logging step's loss all-reduce: a looser bound
         parts = statistics.median(r["step_s"] for r in rows if r["rank"] == rank)
         wall = statistics.median(16 / m["train/samples_per_s"] for m in metrics)
-        assert parts == pytest.approx(wall, rel=0.05), (rank, parts, wall)
+        assert parts == pytest.approx(wall, rel=0.1), (rank, parts, wall)
     env = json.loads((run_dir / run_files.ENVIRONMENT).read_text())
     assert env["status"] == "finished" and env["peak_tflops"] > 0
     assert env["flops_per_item"] == flops_per_item(MLP()) == 6 * (16 * 32 + 32 + 32 * 1 + 1)

@@ -50,8 +50,8 @@ def collect(run_dir) -> Run:
     path = Path(run_dir)
     _check_run_dir(path)
     missing: list[str] = []
-    config, settings = _read_config(path, missing)
     environment = _read_environment(path, missing)
+    config, settings = _read_config(path, missing, environment.get("settings"))
     status, error = _status(environment, missing)
     run = Run(
         path=path,
@@ -101,8 +101,21 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _read_config(path: Path, missing: list[str]) -> tuple[dict, list[tuple[str, str, str]]]:
+def _read_config(path: Path, missing: list[str],
+                 recorded: dict | None = None) -> tuple[dict, list[tuple[str, str, str]]]:
+    """config.toml (``meshtrain train``), else the settings the Trainer recorded in
+    environment.json (a Trainer used from Python), by section."""
     text = _read_text(path / "config.toml")
+    if text is None and isinstance(recorded, dict):
+        from meshtrain.config import toml_value
+        from meshtrain.settings import SETTINGS
+
+        config: dict = {}
+        for key, value in recorded.items():
+            section = SETTINGS[key].section if key in SETTINGS else "run"
+            config.setdefault(section, {})[key] = value
+        return config, [(section, key, "none" if value is None else toml_value(value))
+                        for section, values in config.items() for key, value in values.items()]
     if text is None:
         missing.append("no config.toml: the settings were not saved (a recipe run by "
                        "`meshtrain train` writes them; a Trainer used from Python does not)")

@@ -51,7 +51,8 @@ def _template():
 def context(run: Run) -> dict:
     """What the template shows, every number already written out."""
     return {"run": run, "sections": SECTIONS, "summary": _summary(run),
-            "environment": [(k, _text(v)) for k, v in run.environment.items()],
+            "environment": [(k, _text(v)) for k, v in run.environment.items()
+                            if k != "settings"],  # (shown under config)
             "loss": figures.loss_figure(run.metrics), "throughput": _throughput(run),
             "breakdown": _breakdown(run.breakdown), "memory": _memory(run.breakdown),
             "pipeline": _pipeline(run), "events": _events(run),

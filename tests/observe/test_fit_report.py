@@ -1,0 +1,73 @@
+"""The report a fit leaves (meshtrain/observe/report/): written at the end of fit, and after a
+failure with what the run had, through the Trainer as a user calls it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import quiet_trainer
+from torch.utils.data import TensorDataset
+
+from meshtrain.observe import run_files
+from meshtrain.observe.report.collect import collect
+
+SECTIONS = ("summary", "config", "environment", "loss", "throughput", "breakdown", "memory",
+            "pipeline", "events", "traces", "missing")
+
+
+class FailsAt(torch.nn.Module):
+    """A regression model whose forward raises at call ``fail_at`` (None: never)."""
+
+    def __init__(self, fail_at=None):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+        self.calls, self.fail_at = 0, fail_at
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("the data went bad at this batch")
+        return self.net(x)
+
+
+def _data():
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    return TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def _sections(html: str) -> dict[str, str]:
+    return dict(re.findall(r'<section id="([a-z]+)"[^>]*>(.*?)</section>', html, re.S))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fit_writes_the_report_with_every_section(tmp_path, capsys):
+    trainer = quiet_trainer(tmp_path, max_steps=8, log_every_n_steps=2, loggers=("csv",))
+    trainer.fit(FailsAt(), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+                loss_fn=F.mse_loss)
+    page = tmp_path / "report.html"
+    found = _sections(page.read_text())
+    assert set(SECTIONS) <= set(found)
+    # a Trainer used from Python has no config.toml: the settings it recorded are shown
+    assert "<td>max_steps</td><td><code>8</code></td>" in found["config"]
+    run = collect(tmp_path)
+    assert run.status == "finished" and [r["step"] for r in run.breakdown] == [2, 4, 6, 8]
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == f"report: {page}"  # the last line fit prints
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_failed_fit_leaves_a_partial_report_with_its_error(tmp_path):
+    trainer = quiet_trainer(tmp_path, max_steps=8, log_every_n_steps=2, loggers=("csv",))
+    with pytest.raises(RuntimeError, match="went bad"):
+        trainer.fit(FailsAt(fail_at=5), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+                    loss_fn=F.mse_loss)
+    run = collect(tmp_path)
+    assert run.status == "failed" and "the data went bad" in run.error
+    assert [r["step"] for r in run.breakdown] == [2, 4]  # what it had measured
+    kinds = [e["kind"] for e in run_files.read_events(tmp_path)]
+    assert kinds == ["failure"]
+    found = _sections((tmp_path / "report.html").read_text())
+    assert "failed" in found["summary"] and "the data went bad" in found["summary"]
