@@ -276,6 +276,10 @@ DEFINITIONS = [
        "Biases (run folder's wandb/, offline without WANDB_API_KEY); mlflow and wandb need "
        "pip install 'meshtrain[loggers]'.", choices=LOGGERS, check=_check_loggers),
     _S("progress_bar", "logging", True, "bool", "Show a progress bar on rank 0."),
+    _S("report", "logging", True, "bool",
+       "Write run_dir/report.html at the end of fit (also after a failure): loss, throughput "
+       "and MFU, each rank's step-time breakdown and memory, events; `meshtrain report "
+       "RUN_DIR` writes it at any time."),
     _S("breakdown_every_n_steps", "logging", 1, "int",
        "Measure where every Nth step's time goes on each rank (data, compute, comm, bubble, "
        "optimizer, checkpoint, other) for breakdown.csv and the report; on a GPU a measured "

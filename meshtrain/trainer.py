@@ -167,7 +167,8 @@ class Trainer:
             self.run_log.finish()
             release_workers(self.train_loader)  # the DataLoader's worker processes, if any
             self.print(f"run folder: {self.run_dir}")  # again, below the training output
-            self.run_log.report(self.monitor)  # run_dir/report.html, also after a failure
+            if self.report:  # run_dir/report.html, also after a failure
+                self.run_log.report(self.monitor)
         return self.model
 
     def lr_find(self, model: ModelLike, train_data: DataLike, *, optimizer: Callable,

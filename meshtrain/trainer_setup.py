@@ -166,15 +166,13 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
 
 def start_monitor(t, flops: float) -> None:
     """The run's measurements (meshtrain/observe/monitor.py); the engine gets its clock."""
-    from meshtrain.observe.flops import peak_tflops
-
     t.monitor = RunMonitor(run_dir=t.run_dir, rank=t.rank, device=torch.device(t.device),
                            group=t.mesh.everyone(), world_size=t.world_size,
                            every=t.breakdown_every_n_steps, straggler_margin=t.straggler_margin,
                            profile_steps=t.profile_steps, log=t.print)
     t.engine.timer = t.monitor.timer
-    peak = peak_tflops(t.device, t.peak_tflops) if t.rank == 0 else (0.0, "")  # MFU: rank 0
-    t.monitor.start(flops_per_item=flops, peak=peak, layout=str(t.layout), settings=t.hparams())
+    t.monitor.start(flops_per_item=flops, peak_setting=t.peak_tflops, layout=str(t.layout),
+                    settings=t.hparams())
 
 
 def build(model) -> torch.nn.Module:

@@ -2,8 +2,8 @@
 imports them with ``from conftest import ...``; the fixtures need no import.
 
 * ``one_thread``, ``one_thread_per_module``: one torch thread while a test (module) runs.
-* ``quiet_trainer`` / ``trainer_kwargs``: a CPU Trainer without loggers, progress bar or final
-  checkpoint; ``LossRecorder``, ``RecordingDataset``, ``state_of``, ``full_loss``,
+* ``quiet_trainer`` / ``trainer_kwargs``: a CPU Trainer without loggers, progress bar, report
+  or final checkpoint; ``LossRecorder``, ``RecordingDataset``, ``state_of``, ``full_loss``,
   ``sgd_momentum``: what the Trainer tests record and compare.
 * ``join_gloo``, ``gloo_mesh``, ``end_together``: the start and end of a worker started by
   ``run_workers``; ``max_diff``, ``assert_matches_one_process``: its parameters against one
@@ -74,10 +74,10 @@ def one_thread_per_module():
 # ---- a quiet Trainer and what the Trainer tests record --------------------------------------------
 def trainer_kwargs(run_dir, **settings) -> dict:
     """A quiet CPU Trainer's settings, writing into ``run_dir``: no loggers, no progress bar, no
-    final checkpoint, seed 0, global batch 16; ``settings`` add to or replace them."""
+    report, no final checkpoint, seed 0, global batch 16; ``settings`` add to or replace them."""
     return {"loggers": (), "progress_bar": False, "save_final_checkpoint": False,
-            "run_dir": run_dir, "seed": 0, "global_batch_size": 16, "accelerator": "cpu",
-            **settings}
+            "report": False, "run_dir": run_dir, "seed": 0, "global_batch_size": 16,
+            "accelerator": "cpu", **settings}
 
 
 def quiet_trainer(run_dir, **settings):

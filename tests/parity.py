@@ -66,7 +66,7 @@ def train_state(trainer_kwargs: dict, model_fn=mlp, data_fn=regression_data,
     extra = list(setup() or ()) if setup is not None else []
     with tempfile.TemporaryDirectory() as run_dir:
         kwargs = dict(loggers=(), progress_bar=False, save_final_checkpoint=False,
-                      run_dir=run_dir, seed=0, log_every_n_steps=1)
+                      report=False, run_dir=run_dir, seed=0, log_every_n_steps=1)
         kwargs.update(trainer_kwargs)
         kwargs["callbacks"] = [curve, *extra, *kwargs.get("callbacks", ())]
         trainer = Trainer(**kwargs)

@@ -146,3 +146,25 @@ def test_memory_report_shows_the_cuda_allocator():
     state_total = float(text.splitlines()[3].split()[4])  # the table row's total (MiB)
     assert 0 < state_total <= allocated <= peak <= reserved
 
+
+
+# -- the step-time breakdown and MFU (meshtrain/observe/) ---------------------------------------
+def test_breakdown_on_cuda_adds_up_and_mfu_uses_the_device_peak():
+    """A measured step waits for the device at each part's end: the parts still add up to the
+    loop's clock; the peak is the data sheet's for a known GPU."""
+    from meshtrain.observe import run_files
+    from meshtrain.observe.flops import GPU_PEAK_TFLOPS
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        train_state(dict(COMMON, accelerator="cuda", max_steps=30, log_every_n_steps=10,
+                         run_dir=run_dir, loggers=("csv",)), **GPT4_FNS)
+        rows = run_files.read_breakdown(run_dir)
+        env = run_files.read_json(f"{run_dir}/{run_files.ENVIRONMENT}")
+    assert [r["step"] for r in rows] == [10, 20, 30]
+    for row in rows[1:]:
+        assert row["step_s"] == pytest.approx(row["wall_s"], rel=0.05), row
+        assert row["compute_s"] > 0 and row["mem_peak_bytes"] > 0
+    name = torch.cuda.get_device_name(0)
+    known = [peak for key, peak in GPU_PEAK_TFLOPS if key in name]
+    if known:
+        assert env["peak_tflops"] == known[0] and name in env["peak_source"]

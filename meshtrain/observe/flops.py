@@ -13,6 +13,7 @@ utilisation (MFU) = achieved model FLOP/s per rank / that peak.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -44,8 +45,10 @@ def flops_per_item(model: torch.nn.Module, seq_len: int | None = None) -> float:
     return 6.0 * count_flop_params(model)
 
 
-def measured_cpu_peak(seconds: float = 0.25, size: int = 512) -> float:
-    """TFLOP/s of float32 ``size`` × ``size`` matmuls on this process's threads."""
+@functools.cache
+def measured_cpu_peak(threads: int, seconds: float = 0.1, size: int = 512) -> float:
+    """TFLOP/s of float32 ``size`` × ``size`` matmuls on this process's ``threads`` (the
+    current count; measured once per process and count)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     out = torch.empty(size, size)
     torch.mm(a, b, out=out)  # warm
@@ -69,7 +72,7 @@ def peak_tflops(device: torch.device | str, override: float | None) -> tuple[flo
         peak = measured_gpu_peak(device)
         return peak, f"{name}: not in the table; a bf16 matmul measured at the start"
     threads = torch.get_num_threads()
-    return measured_cpu_peak(), (f"CPU: a float32 matmul measured at the start on "
+    return measured_cpu_peak(threads), (f"CPU: a float32 matmul measured at the start on "
                                  f"{threads} thread{'s' * (threads > 1)} per rank")
 
 

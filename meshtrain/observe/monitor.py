@@ -58,9 +58,11 @@ class RunMonitor:
         return self.rank == 0
 
     # -- the run --------------------------------------------------------------------------------
-    def start(self, *, flops_per_item: float, peak: tuple[float, str], layout: str,
+    def start(self, *, flops_per_item: float, peak_setting: float | None, layout: str,
               settings: dict | None = None) -> None:
-        self.flops_per_item, (self.peak, self.peak_source) = flops_per_item, peak
+        """Record the environment (rank zero). The peak MFU is measured against is found at
+        the first logging interval (a CPU's is measured then: rank zero alone computes MFU)."""
+        self.flops_per_item, self._peak_setting = flops_per_item, peak_setting
         if not self.is_zero:
             return
         device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
@@ -69,8 +71,7 @@ class RunMonitor:
             self.run_dir, torch=torch.__version__, python=platform.python_version(),
             platform=platform.platform(), hostname=socket.gethostname(),
             device_type=self.device.type, device_name=device_name, world_size=self.world_size,
-            layout=layout, flops_per_item=flops_per_item, peak_tflops=self.peak,
-            peak_source=self.peak_source, started=run_files.now(), finished=None,
+            layout=layout, flops_per_item=flops_per_item, started=run_files.now(), finished=None,
             status="running", error=None, settings=settings)
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -113,8 +114,14 @@ class RunMonitor:
         if self.is_zero and unit != self._unit:  # known from the first batch on
             self._unit = unit
             run_files.update_environment(self.run_dir, unit=unit)
-        if not self.flops_per_item or unit not in ("tokens", "samples"):
+        if not self.is_zero or not self.flops_per_item or unit not in ("tokens", "samples"):
             return {}
+        if self.peak is None:
+            from meshtrain.observe.flops import peak_tflops
+
+            self.peak, self.peak_source = peak_tflops(self.device, self._peak_setting)
+            run_files.update_environment(self.run_dir, peak_tflops=self.peak,
+                                         peak_source=self.peak_source)
         achieved, fraction = mfu(self.flops_per_item, items_per_s, self.world_size, self.peak)
         return {"train/tflops": achieved, "train/mfu": fraction}
 

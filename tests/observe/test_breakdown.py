@@ -63,7 +63,7 @@ class MLP(torch.nn.Module):
 
 def _fit_rank(run_dir, model_kwargs, data_kwargs, settings):
     kwargs = dict(layout="dp=2", max_steps=12, global_batch_size=16, log_every_n_steps=3,
-                  loggers=("csv",), shuffle=False)
+                  loggers=("csv",), shuffle=False, report=True)
     trainer = quiet_trainer(run_dir, **{**kwargs, **settings})
     trainer.fit(lambda: MLP(**model_kwargs), Regression(**data_kwargs),
                 optimizer=lambda p: torch.optim.SGD(p, lr=0.01), loss_fn=F.mse_loss)

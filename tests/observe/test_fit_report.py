@@ -44,7 +44,8 @@ def _sections(html: str) -> dict[str, str]:
 
 @pytest.mark.usefixtures("one_thread")
 def test_fit_writes_the_report_with_every_section(tmp_path, capsys):
-    trainer = quiet_trainer(tmp_path, max_steps=8, log_every_n_steps=2, loggers=("csv",))
+    trainer = quiet_trainer(tmp_path, max_steps=8, log_every_n_steps=2, loggers=("csv",),
+                            report=True)
     trainer.fit(FailsAt(), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
                 loss_fn=F.mse_loss)
     page = tmp_path / "report.html"
@@ -60,7 +61,8 @@ def test_fit_writes_the_report_with_every_section(tmp_path, capsys):
 
 @pytest.mark.usefixtures("one_thread")
 def test_a_failed_fit_leaves_a_partial_report_with_its_error(tmp_path):
-    trainer = quiet_trainer(tmp_path, max_steps=8, log_every_n_steps=2, loggers=("csv",))
+    trainer = quiet_trainer(tmp_path, max_steps=8, log_every_n_steps=2, loggers=("csv",),
+                            report=True)
     with pytest.raises(RuntimeError, match="went bad"):
         trainer.fit(FailsAt(fail_at=5), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
                     loss_fn=F.mse_loss)
