@@ -293,7 +293,7 @@ DEFINITIONS = [
        "a Chrome trace per rank in run_dir/traces/, linked from the report."),
     _S("peak_tflops", "logging", None, "number",
        "One device's peak TFLOP/s for MFU; none: a GPU's dense bf16 peak from meshtrain's "
-       "table (H100, H200, B200, ...), on CPU a matmul measured at the start.", none=True),
+       "table (H100, H200, B200, ...), on CPU a matmul measured on rank 0.", none=True),
     _S("root_dir", "logging", "runs", "path",
        "Run folders go to root_dir/name/<time> (unless run_dir is given)."),
     _S("name", "logging", "auto", "str", 'The job\'s name: its runs go to root_dir/name/; "auto": '

@@ -7,8 +7,8 @@ utilisation (MFU) = achieved model FLOP/s per rank / that peak.
   For inputs that are not token ids the same count is per sample. These are the model's
   FLOPs: recomputation (activation checkpointing) and padding do not count, as in PaLM's MFU.
 * The peak per device: the ``peak_tflops`` setting; else a GPU's dense bf16 peak from
-  :data:`GPU_PEAK_TFLOPS`; else (CPU) a float32 matmul measured at the start on this process
-  with its threads (what a rank can reach here, not a data-sheet number).
+  :data:`GPU_PEAK_TFLOPS`; else (CPU) a float32 matmul measured once in the process with its
+  threads (what a rank can reach here, not a data-sheet number).
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ def peak_tflops(device: torch.device | str, override: float | None) -> tuple[flo
             if key in name:
                 return value, f"{name}: dense bf16 peak from the data sheet"
         peak = measured_gpu_peak(device)
-        return peak, f"{name}: not in the table; a bf16 matmul measured at the start"
+        return peak, f"{name}: not in the table; a bf16 matmul measured on rank 0"
     threads = torch.get_num_threads()
-    return measured_cpu_peak(threads), (f"CPU: a float32 matmul measured at the start on "
-                                 f"{threads} thread{'s' * (threads > 1)} per rank")
+    return measured_cpu_peak(threads), (f"CPU: a float32 matmul measured on rank 0 with its "
+                                 f"{threads} thread{'s' * (threads > 1)} (each rank has as many)")
 
 
 def measured_gpu_peak(device: torch.device, size: int = 4096, repeats: int = 20) -> float:

@@ -135,7 +135,8 @@ def test_the_straggler_rank_is_named_in_the_breakdown(tmp_path, straggler):
 
 def test_ranks_equally_fast_name_no_straggler(tmp_path):
     breakdown = sections(write_report(make_run(tmp_path, straggler=-1)).read_text())["breakdown"]
-    assert "All 4 ranks: 0.61 s per step at step 30." in text(breakdown)
+    assert ("All 4 ranks: 0.61 s per step at step 30; their own work (step minus comm and "
+            "bubble) within 20% of the median (0.46-0.46 s): no straggler.") in text(breakdown)
     assert "slowest" not in breakdown
 
 

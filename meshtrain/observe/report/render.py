@@ -54,7 +54,7 @@ def context(run: Run) -> dict:
             "environment": [(k, _text(v)) for k, v in run.environment.items()
                             if k != "settings"],  # (shown under config)
             "loss": figures.loss_figure(run.metrics), "throughput": _throughput(run),
-            "breakdown": _breakdown(run.breakdown), "memory": _memory(run.breakdown),
+            "breakdown": _breakdown(run.breakdown, _margin(run)), "memory": _memory(run.breakdown),
             "pipeline": _pipeline(run), "events": _events(run),
             "part_docs": [(p, figures.PART_COLORS[p], run_files.PART_DOCS[p])
                           for p in run_files.PARTS]}
@@ -121,9 +121,20 @@ def _per_rank(rows: Sequence[dict]) -> dict[int, list[dict]]:
     return dict(sorted(ranks.items()))
 
 
-def _breakdown(rows: Sequence[dict]) -> dict | None:
-    """The latest interval of each rank (table and bars), the mean over the run, the slowest
-    rank against the median."""
+def _margin(run: Run) -> float:
+    """The run's straggler_margin (0.2 when not recorded or off)."""
+    for section, key, value in run.settings:
+        if key == "straggler_margin":
+            try:
+                return float(value)
+            except ValueError:
+                break
+    return 0.2
+
+
+def _breakdown(rows: Sequence[dict], margin: float = 0.2) -> dict | None:
+    """The latest interval of each rank (table and bars), the mean over the run, and a rank
+    whose own work is more than ``margin`` above the ranks' median (marked as the slowest)."""
     ranks = _per_rank(rows)
     if not ranks:
         return None
@@ -137,7 +148,7 @@ def _breakdown(rows: Sequence[dict]) -> dict | None:
     busy = {row["rank"]: row["step_s"] - row["comm_s"] - row["bubble_s"] for row in latest}
     slowest = max(latest, key=lambda row: busy[row["rank"]])
     median = statistics.median(busy.values())
-    slow_rank = slowest["rank"] if busy[slowest["rank"]] > median else None
+    slow_rank = slowest["rank"] if busy[slowest["rank"]] > median * (1 + margin) else None
     if slow_rank is not None:
         above = 100 * (busy[slow_rank] / median - 1) if median > 0 else 0.0
         verdict = (f"Slowest rank at step {slowest['step']}: rank {slow_rank}, its own work "
@@ -145,8 +156,12 @@ def _breakdown(rows: Sequence[dict]) -> dict | None:
                    f"{busy[slow_rank]:.3g} s per step, {above:.0f}% above the median "
                    f"({median:.3g} s).")
     else:
-        who = f"All {len(latest)} ranks" if len(latest) > 1 else "One rank"
-        verdict = f"{who}: {slowest['step_s']:.3g} s per step at step {slowest['step']}."
+        verdict = f"One rank: {slowest['step_s']:.3g} s per step at step {slowest['step']}."
+        if len(latest) > 1:
+            verdict = (f"All {len(latest)} ranks: {slowest['step_s']:.3g} s per step at step "
+                       f"{slowest['step']}; their own work (step minus comm and bubble) within "
+                       f"{margin:.0%} of the median ({min(busy.values()):.3g}-"
+                       f"{max(busy.values()):.3g} s): no straggler.")
     table = [{"rank": row["rank"], "step": row["step"], "step_s": f"{row['step_s']:.4g}",
               "wall_s": _num(row.get("wall_s")), "slowest": row["rank"] == slow_rank,
               "parts": [f"{row[f'{p}_s']:.3g} s" + (
