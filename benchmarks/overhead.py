@@ -376,12 +376,15 @@ def main(argv=None) -> int:
     print()
     print(format_table(summary))
     if "meshtrain" in runs and "meshtrain-unmeasured" in runs:  # paired, repeat by repeat
-        ratios = [a["mean_step_s"] / b["mean_step_s"]
-                  for a, b in zip(runs["meshtrain"], runs["meshtrain-unmeasured"])]
+        pairs = list(zip(runs["meshtrain"], runs["meshtrain-unmeasured"]))
+        ratios = [a["mean_step_s"] / b["mean_step_s"] for a, b in pairs]
+        cpu = [a["cpu_step_s"] / b["cpu_step_s"] for a, b in pairs]
         summary["measurement_cost_paired"] = statistics.median(ratios)
+        summary["measurement_cost_cpu_paired"] = statistics.median(cpu)
         print(f"the default measurements (step-time breakdown, straggler check): meshtrain / "
-              f"meshtrain-unmeasured = {statistics.median(ratios):.4f} paired "
-              f"(repeats: {', '.join(f'{r:.3f}' for r in ratios)})")
+              f"meshtrain-unmeasured = {statistics.median(ratios):.4f} paired, cpu "
+              f"{statistics.median(cpu):.4f} (repeats: {', '.join(f'{r:.3f}' for r in ratios)}; "
+              f"cpu {', '.join(f'{r:.3f}' for r in cpu)})")
     if load is not None:
         # Other jobs on the machine show up in the wall-clock columns (not much in cpu ms/step).
         print(f"load average at the end (1/5/15 min): {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
