@@ -5,8 +5,8 @@ For each distinct layout the planner's own best variant of it (micro-batch, chec
 schedule) is run through ``Trainer`` on 4 fresh processes (gloo, one torch thread each); every
 rank measures its step time (median of the timed steps; the faster of two passes over all the
 layouts, the slowest rank's) and its peak resident memory during
-``fit`` above its resident size before (``meshtrain.observe.peak_rss.PeakRSS``); a second run of
-2 steps measures the peak bytes of live tensors (``meshtrain.observe.tensor_peak.TensorPeak``,
+``fit`` above its resident size before (``meshtrain.observe.memory.peak_rss.PeakRSS``); a second run of
+2 steps measures the peak bytes of live tensors (``meshtrain.observe.memory.tensor_peak.TensorPeak``,
 which slows every operator, so not in the timed run): what the estimate counts, with the
 cluster's ``reserved`` allowance at 0. The resident peak is reported beside it (it adds what
 glibc's heap keeps after frees, the libraries' own buffers, gloo's threads). Reported:
@@ -46,8 +46,8 @@ GLOBAL_BATCH, SEQ = 16, 128
 def worker(model: str, settings: dict, steps: int, tensors: bool = False) -> dict:
     from meshtrain import Trainer, losses
     from meshtrain.callbacks import Callback
-    from meshtrain.observe.peak_rss import PeakRSS
-    from meshtrain.observe.tensor_peak import TensorPeak
+    from meshtrain.observe.memory.peak_rss import PeakRSS
+    from meshtrain.observe.memory.tensor_peak import TensorPeak
 
     spec = ModelSpec.load(model)
 

@@ -21,7 +21,7 @@ timed steps, the slower rank's. Repeats are interleaved (dp, zero1, zero2, zero3
 dp, ...); the table shows medians and ratios to dp (also paired by repeat) and the paired ratio
 to meshtrain's zero3.
 
-Memory: ``meshtrain.observe.memory.MemoryProbe`` measures what a rank holds right after its
+Memory: ``meshtrain.observe.memory.probe.MemoryProbe`` measures what a rank holds right after its
 first optimizer step (before zero_grad); zero2's parameters are measured between forward and
 backward, where FSDP2 holds them whole (the ZeRO formula's full Ψ; after backward it reshards
 them, see "params at rest" in the JSON). Predicted = the ZeRO paper's per-rank formula.
@@ -102,7 +102,7 @@ def layout_worker(layout: str, cfg: Config, hang_s: float) -> dict:
     """Train ``layout`` for ``cfg.total_steps`` steps; return this rank's timing and memory."""
     from meshtrain import Trainer
     from meshtrain.callbacks import Callback
-    from meshtrain.observe.memory import MemoryProbe, model_state_bytes
+    from meshtrain.observe.memory.probe import MemoryProbe, model_state_bytes
 
     class Probe(Callback):
         def __init__(self):

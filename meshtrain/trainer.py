@@ -206,7 +206,7 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _fit_loop(self) -> None:
-        from meshtrain.observe.memory import MemoryProbe
+        from meshtrain.observe.memory.probe import MemoryProbe
 
         state, guard = self.state, self._guard
         total = self.total_steps()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.errors import ConfigError
-from meshtrain.observe.zero_formulas import ModelStateBytes, local_tensor
+from meshtrain.observe.memory.zero_formulas import ModelStateBytes, local_tensor
 from meshtrain.parallel.apply import ParallelOptions, parallelize
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelMesh

@@ -11,7 +11,7 @@ from meshtrain import Trainer
 from meshtrain.launch.spawn import run_workers
 from meshtrain.models.hf import random_token_data
 from meshtrain.models.hf.init import HFCausalLM, seeded_init
-from meshtrain.observe.peak_rss import PeakRSS
+from meshtrain.observe.memory.peak_rss import PeakRSS
 
 torch.set_num_threads(1)
 

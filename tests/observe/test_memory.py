@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from meshtrain.launch.spawn import run_workers
-from meshtrain.observe.memory import (
+from meshtrain.observe.memory.probe import (
     ForwardParamBytes,
     MemoryProbe,
     MemoryRow,
@@ -334,7 +334,7 @@ def _tp_row(n: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     from meshtrain.launch.spawn import DistEnv, init_process_group
-    from meshtrain.observe.memory import memory_row
+    from meshtrain.observe.memory.probe import memory_row
     from meshtrain.parallel.tensor_parallel import apply_tp
     from parity import tiny_gpt
 

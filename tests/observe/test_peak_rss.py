@@ -2,7 +2,7 @@
 
 import torch
 
-from meshtrain.observe.peak_rss import PeakRSS, resident_bytes
+from meshtrain.observe.memory.peak_rss import PeakRSS, resident_bytes
 
 MIB = 2**20
 

@@ -1,11 +1,11 @@
-"""TensorPeak: the peak bytes of live tensors in a block, on CPU (meshtrain/observe/tensor_peak.py):
+"""TensorPeak: the peak bytes of live tensors in a block, on CPU (meshtrain/observe/memory/tensor_peak.py):
 what benchmarks/planner.py checks the planner's memory estimates against."""
 
 from __future__ import annotations
 
 import torch
 
-from meshtrain.observe.tensor_peak import TensorPeak
+from meshtrain.observe.memory.tensor_peak import TensorPeak
 
 
 def test_counts_live_storages_once_until_freed():

@@ -9,7 +9,7 @@ from conftest import end_together, join_gloo
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.observe.zero_formulas import predicted_bytes
+from meshtrain.observe.memory.zero_formulas import predicted_bytes
 from meshtrain.plan.simulate import simulate
 
 BILLION = GPTConfig(vocab_size=32000, seq_len=2048, num_layers=16, num_heads=16, d_model=2048)
@@ -52,7 +52,7 @@ def test_tensor_pipeline_and_data_sharding_at_256_ranks():
 
 def _real_world_bytes(layout):
     """A real world: the same model built on meta, the layout applied, one AdamW step."""
-    from meshtrain.observe.memory import model_state_bytes
+    from meshtrain.observe.memory.probe import model_state_bytes
     from meshtrain.parallel.apply import ParallelOptions, parallelize
     from meshtrain.parallel.fully_shard import materialize
     from meshtrain.parallel.layout import Layout

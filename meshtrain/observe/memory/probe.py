@@ -1,7 +1,7 @@
 """Per-rank model-state memory: what this rank holds, and what the ZeRO formulas predict.
 
 The formulas per ZeRO stage, and how FSDP2 realises each stage:
-:mod:`meshtrain.observe.zero_formulas`.
+:mod:`meshtrain.observe.memory.zero_formulas`.
 
 Measurement points: gradients are read from ``p.grad``, which exists from backward until
 ``zero_grad(set_to_none=True)`` (DDP keeps its gradient bucket allocated even then, but it is no
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtrain.observe.zero_formulas import (
+from meshtrain.observe.memory.zero_formulas import (
     ModelStateBytes,
     local_tensor as _local,
     optimizer_bytes_per_param,
