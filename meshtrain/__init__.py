@@ -6,12 +6,14 @@ from meshtrain.callbacks import Callback, EarlyStopping, LearningRateMonitor, Mo
 from meshtrain.errors import ConfigError, LayoutError, MeshtrainError, WorkerFailed
 from meshtrain import losses
 from meshtrain.losses import GlobalMeanLoss
+from meshtrain.module import TrainingModule
 from meshtrain.parallel.batch_gather import gather_batch
 from meshtrain.parallel.layout import Layout
 from meshtrain.trainer import Trainer
 
 __all__ = [
     "Callback", "ConfigError", "EarlyStopping", "GlobalMeanLoss", "Layout", "LayoutError",
-    "LearningRateMonitor", "MeshtrainError", "ModelCheckpoint", "Trainer", "WorkerFailed",
+    "LearningRateMonitor", "MeshtrainError", "ModelCheckpoint", "Trainer", "TrainingModule",
+    "WorkerFailed",
     "__version__", "gather_batch", "losses",
 ]

@@ -153,9 +153,10 @@ def check_fit_inputs(model, train_data, val_data, *, optimizer, lr_scheduler,
                      global_batch_size: int, max_steps: int | None = None) -> Dataset:
     """``fit``'s arguments, before any process starts; returns the training dataset."""
     check_model(model)
-    check_factory("optimizer", optimizer, required=True)
+    check_factory("optimizer", optimizer, required=False)  # or the model's configure_optimizers
     check_factory("lr_scheduler", lr_scheduler, required=False)
-    check_optimizer_factory(optimizer)
+    if optimizer is not None:
+        check_optimizer_factory(optimizer)
     train_set = dataset_of(train_data, "train_data")
     if val_data is not None:
         dataset_of(val_data, "val_data")

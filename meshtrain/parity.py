@@ -39,7 +39,7 @@ __all__ = ["HEADER", "Row", "Source", "compare", "parity", "table", "train"]
 TOLERANCE = {"fp32": 1e-5}
 
 #: settings every parity run uses, whatever the job says: nothing but training
-QUIET = dict(loggers=(), progress_bar=False, save_final_checkpoint=False, resume=None,
+QUIET = dict(loggers=(), progress_bar=False, report=False, save_final_checkpoint=False, resume=None,
              checkpoint_every_n_steps=None, checkpoint_every_n_minutes=None,
              val_every_n_steps=None, log_every_n_steps=1, log_grad_norm=True, max_epochs=None)
 

@@ -27,12 +27,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from meshtrain import checks
 from meshtrain.checkpoint.manager import CheckpointManager
-from meshtrain.data.sampler import eval_loader, release_workers
+from meshtrain.data.sampler import release_workers
 from meshtrain.errors import ConfigError
 from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
 from meshtrain.launch.world import collective_checks, drain_collectives, resolve_world_size
 from meshtrain.loop_state import LoopState, MetricWindow
+from meshtrain.module.log_buffer import LogBuffer
 from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_pp_support, hf_tp_plans
 from meshtrain.observe.run_log import RunLog
 from meshtrain.observe.step_timer import TimedBatches
@@ -87,6 +88,7 @@ class Trainer:
         self.checkpoints: CheckpointManager | None = None  # every save goes through it
         self._guard: StepGuard | None = None  # NaN/Inf, watchdog, periodic saves (fault/)
         self.monitor = None  # breakdown, MFU, events, traces (meshtrain/observe/monitor.py)
+        self._logs = LogBuffer()  # what trainer.log / a module's self.log collected
 
     def _use_layout(self, s: dict, world_size: int) -> None:
         """Take the settings ``s`` with their layout over ``world_size`` processes (raises
@@ -135,13 +137,15 @@ class Trainer:
 
     # -- fit ------------------------------------------------------------------------------------
     def fit(self, model: ModelLike, train_data: DataLike, val_data: DataLike | None = None, *,
-            optimizer: Callable, loss_fn: Callable | None = None,
+            optimizer: Callable | None = None, loss_fn: Callable | None = None,
             lr_scheduler: Callable | None = None) -> torch.nn.Module:
         """Train ``model`` and return it (the same module object the user passed or built).
 
-        ``optimizer``: a factory ``params -> Optimizer``; ``lr_scheduler``: ``optimizer ->
-        LRScheduler``, stepped every optimizer step. With ``loss_fn`` each batch is ``(inputs,
-        targets)``; without it the model returns the loss. Where it resumes from is the
+        ``optimizer``: a factory ``params -> Optimizer`` (or the model's
+        ``configure_optimizers()``); ``lr_scheduler``: ``optimizer -> LRScheduler``, stepped
+        every optimizer step. With ``loss_fn`` each batch is ``(inputs, targets)``; without it
+        the model returns the loss, or its ``training_step(batch, batch_idx)`` does
+        (meshtrain.TrainingModule). Where it resumes from is the
         ``resume`` setting ("auto": this job's newest checkpoint; a folder; None).
         """
         self.prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
@@ -181,7 +185,7 @@ class Trainer:
                        min_lr=min_lr, max_lr=max_lr, num_steps=num_steps)
 
     def check(self, model: ModelLike, train_data: DataLike, val_data: DataLike | None = None,
-              *, optimizer: Callable, loss_fn: Callable | None = None,
+              *, optimizer: Callable | None = None, loss_fn: Callable | None = None,
               lr_scheduler: Callable | None = None) -> None:
         """Every check ``fit`` makes before any process starts, and nothing else: the inputs,
         and the model against the layout on a meta-device copy (no weights, no processes).
@@ -191,7 +195,7 @@ class Trainer:
         check_before_start(self, model, train_data, val_data, optimizer=optimizer,
                            loss_fn=loss_fn, lr_scheduler=lr_scheduler)
 
-    def prepare(self, model, train_data, val_data=None, *, optimizer, loss_fn=None,
+    def prepare(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None,
                 lr_scheduler=None) -> None:
         """Check the inputs, then create processes, model, optimizer and data loaders, and
         resume when a checkpoint is due (what ``fit`` does before its loop; trainer_setup.py)."""
@@ -258,7 +262,7 @@ class Trainer:
                     with timer.part("checkpoint"):
                         guard.after_step(total)
                     self.monitor.step_ends(state.global_step, gather=self._log_due(total))
-                self._call("on_train_epoch_end")
+                self._end_epoch()
             self.engine.end_of_training()  # one model on every rank again (local SGD)
             # not again when a validation just stopped training early (same weights)
             if self._val_data is not None and validated_at != state.global_step:
@@ -290,6 +294,7 @@ class Trainer:
             metrics[f"train/{unit}_per_s"] = window.tokens * self.layout.batch_degree / elapsed
             metrics.update(self.monitor.interval_metrics(metrics[f"train/{unit}_per_s"], unit))
             metrics["epoch"] = self.current_epoch
+            metrics.update(self._logs.take("window", self.mesh.loss_group(), self.device))
             if self.log_grad_norm and self.grad_norm is not None:
                 metrics["train/grad_norm"] = float(self.grad_norm)
             if self.num_skipped_steps:
@@ -299,7 +304,15 @@ class Trainer:
         if metrics:
             self.callback_metrics.update(metrics)
             self.log_metrics(metrics)
-            self.run_log.progress(step, metrics)
+            self.run_log.progress(step, metrics, self._logs.prog_bar)
+
+    def _end_epoch(self) -> None:
+        """Values logged with ``on_epoch`` go out (every rank takes part), then the hook."""
+        if epoch := self._logs.take("epoch", self.mesh.loss_group(), self.device):
+            self.callback_metrics.update(epoch)
+            self.log_metrics(epoch)
+        self.engine.batch_idx = 0
+        self._call("on_train_epoch_end")
 
     def _log_due(self, total: int) -> bool:
         return self.global_step % self.log_every_n_steps == 0 or self.global_step == total
@@ -337,42 +350,23 @@ class Trainer:
 
     # -- validation and test ----------------------------------------------------------------------
     def _run_validation(self) -> dict[str, float]:
-        self._call("on_validation_start")
-        metrics = self._evaluate(self._val_data, prefix="val")
-        self.callback_metrics.update(metrics)
-        self.log_metrics(metrics)
-        self._call("on_validation_end", metrics)
-        self.print(f"step {self.global_step}: " + ", ".join(
-            f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
+        from meshtrain.evaluation import run_validation
+
+        return run_validation(self)
 
     def validate(self, val_data: DataLike | None = None) -> dict[str, float]:
         """Loss and metrics over ``val_data`` (default: the fit's validation data), logged at
         the current step."""
-        data = val_data if val_data is not None else self._val_data
-        if self.model is None or data is None:
-            raise ConfigError("call fit(...) first, and pass val_data here or to fit")
-        metrics = self._evaluate(data, prefix="val")
-        self.log_metrics(metrics)
-        return metrics
+        from meshtrain.evaluation import evaluate_and_log
+
+        return evaluate_and_log(self, val_data if val_data is not None else self._val_data,
+                                "val")
 
     def test(self, test_data: DataLike) -> dict[str, float]:
         """Loss and metrics over all of ``test_data`` (``limit_val_batches`` is for validation)."""
-        if self.model is None:
-            raise ConfigError("call fit(...) before test(...)")
-        metrics = self._evaluate(test_data, prefix="test")
-        self.log_metrics(metrics)
-        return metrics
+        from meshtrain.evaluation import evaluate_and_log
 
-    def _evaluate(self, data: DataLike, prefix: str) -> dict[str, float]:
-        """Mean loss and ``metrics``; every sample is seen exactly once over all ranks (in
-        validation, only the first ``limit_val_batches`` micro-batches per rank)."""
-        limit = self.limit_val_batches if prefix == "val" else None
-        loader = eval_loader(checks.dataset_of(data, prefix), data,
-                             micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
-                             dp_degree=self.mesh.layout.batch_degree, **self._loader_options())
-        values = self.engine.evaluate(loader, limit, self.metrics)
-        return {f"{prefix}/{k}": v for k, v in values.items()}
+        return evaluate_and_log(self, test_data, "test")
 
     # -- checkpoints, logging, callbacks ----------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict, dict]:
@@ -397,6 +391,13 @@ class Trainer:
         from meshtrain.checkpoint.resume import restore_trainer
 
         restore_trainer(self, path)
+
+    def log(self, name: str, value, *, reduce: str = "mean", prog_bar: bool = False,
+            on_step: bool = True, on_epoch: bool = False) -> None:
+        """Log ``value`` from a step or callback, reduced over the data-parallel ranks and the
+        logging interval (or evaluation, or epoch): meshtrain/module/log_buffer.py."""
+        self._logs.add(name, value, reduce=reduce, prog_bar=prog_bar, on_step=on_step,
+                       on_epoch=on_epoch)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Send metrics to the loggers (rank zero); values must already agree across ranks."""

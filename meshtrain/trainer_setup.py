@@ -22,6 +22,7 @@ from meshtrain.data.sampler import train_loaders
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.world import start_world
+from meshtrain.module.core import attach, check_module, configured_optimizers
 from meshtrain.observe.flops import flops_per_item
 from meshtrain.observe.monitor import RunMonitor
 from meshtrain.parallel.apply import apply_layout, build_optimizer, check_model
@@ -30,7 +31,7 @@ from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.precision import Precision
 
 
-def prepare(trainer, model, train_data, val_data=None, *, optimizer, loss_fn=None,
+def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_fn=None,
             lr_scheduler=None) -> None:
     """Everything ``fit`` needs before its loop (see the module's docstring)."""
     t = trainer
@@ -44,6 +45,7 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer, loss_fn=Non
         return
     try:
         setup_run_dir(t)
+        t._val_data = val_data
         setup_model(t, model, meta_model, optimizer, lr_scheduler, loss_fn,
                     checks.first_inputs(train_set, t.micro_batch_size))
         t.state.sampler, t.train_loader = train_loaders(
@@ -51,7 +53,6 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer, loss_fn=Non
             micro_batch_size=t.batch_plan.loader_batch_size, dp_rank=t.dp_rank,
             dp_degree=t.layout.batch_degree, shuffle=t.shuffle, seed=t.seed,
             **t._loader_options())
-        t._val_data = val_data
         t.checkpoints = CheckpointManager.from_settings(t.run_dir / "checkpoints", t._settings)
         t.checkpoints.on_commit = lambda path, step, seconds: t.monitor.event(
             "checkpoint", f"saved ({seconds:.2f} s from start to commit)", step, path)
@@ -71,7 +72,7 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer, loss_fn=Non
         raise
 
 
-def check_before_start(t, model, train_data, val_data=None, *, optimizer, loss_fn=None,
+def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, loss_fn=None,
                        lr_scheduler=None):
     """Every check ``fit`` makes before any process starts (``Trainer.check``; ``--dry-run``):
     the inputs, then the model against the layout on a meta-device copy of a factory's model
@@ -81,6 +82,10 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer, loss_f
                                         global_batch_size=t.global_batch_size,
                                         max_steps=t.max_steps)
     meta_model = checks.inspect_model(model)
+    layout = t.layout or Layout()  # (layout="auto": checked again once planned)
+    check_module(meta_model, optimizer=optimizer, loss_fn=loss_fn, val_data=val_data,
+                 pp=layout.degree("pp"), metrics=t.metrics,
+                 zero1=layout.zero_stage == 1 and layout.degree("dp") > 1)
     sample_inputs = checks.first_inputs(train_set, 2)
     if t.layout is None:  # layout="auto": the planner's pick that these checks accept
         from meshtrain.plan.auto import plan_layout
@@ -141,6 +146,8 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
         t.parallel_options = dataclasses.replace(t.parallel_options,
                                                  initializer=initializer_of(model))
     model = meta_model if on_meta else build(model)
+    check_module(model, optimizer=optimizer_factory, loss_fn=loss_fn, val_data=t._val_data,
+                 pp=t.layout.degree("pp"), metrics=t.metrics)  # a factory built for real
     check_model_layout(t, model, loss_fn)
     t._model_shapes = model_shapes(model)  # before a pipeline keeps only its stages
     t.precision = Precision(t.precision_name, t.device_type)
@@ -153,6 +160,11 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
     start_monitor(t, flops_per_item(model))  # model: whole, before a pipeline split
     if t.init_from is not None:  # pretrained weights: each rank reads its own shards
         load_hf_weights(t.model, t.init_from, partial=t.layout.degree("pp") > 1)
+    attach(t.model, t)  # its self.log and self.trainer
+    if optimizer_factory is None:  # the model's own, on the parameters as laid out
+        optimizer_factory, own_scheduler = configured_optimizers(
+            t.model, zero1=t.layout.zero_stage == 1 and t.layout.degree("dp") > 1)
+        scheduler_factory = scheduler_factory or own_scheduler
     t.optimizer = build_optimizer(t.model, optimizer_factory, t.mesh)
     checks.check_optimizer(t.optimizer)
     if t.layout.num_servers:  # the optimizer runs on the servers

@@ -51,10 +51,13 @@ class RunLog:
         self.bar = ProgressBar(total, enabled=enabled and self.is_zero)
         self.bar.start()
 
-    def progress(self, step: int, metrics: dict) -> None:
+    def progress(self, step: int, metrics: dict, shown=()) -> None:
+        """The bar's loss and throughput, and the metrics named in ``shown`` (logged with
+        ``prog_bar=True``)."""
         self.bar.update(step, {"loss": metrics.get("train/loss"),
                                "tokens_per_s": metrics.get("train/tokens_per_s"),
-                               "samples_per_s": metrics.get("train/samples_per_s")})
+                               "samples_per_s": metrics.get("train/samples_per_s"),
+                               **{name: metrics[name] for name in shown if name in metrics}})
 
     def stop_progress(self) -> None:
         if self.bar is not None:

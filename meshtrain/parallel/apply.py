@@ -44,7 +44,7 @@ class ParallelOptions:
     tp_check_steps: int = 1  # steps whose replicated gradients are compared (tp_debug.py)
     # module -> what makes it context parallel, or None: the module itself (context_parallel.py)
     context_parallel: Callable[[torch.nn.Module], object | None] | None = None
-    # module -> how to count its own loss's items (engine.loss_counter), or None
+    # module -> how to count its own loss's items (step_loss.loss_counter), or None
     loss_items: Callable[[torch.nn.Module], Callable | None] | None = None
     sync_batchnorm: bool = True
     local_sgd_every: int | None = None  # local SGD (local_sgd.py): average parameters every H
@@ -188,7 +188,10 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
     if ddp and layout.uses_ddp and options.local_sgd_every is None:  # local SGD: no sync
         from meshtrain.parallel.data_parallel import apply_ddp
 
-        return apply_ddp(model, mesh.mesh, axis="dp", bucket_cap_mb=options.bucket_cap_mb,
+        from meshtrain.module.core import TrainingStep, has_steps
+
+        wrapped = TrainingStep(model) if has_steps(model) else model  # DDP runs the step
+        return apply_ddp(wrapped, mesh.mesh, axis="dp", bucket_cap_mb=options.bucket_cap_mb,
                          comm_hook=options.comm_hook, powersgd_rank=options.powersgd_rank,
                          device=device)
     return model

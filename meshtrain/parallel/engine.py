@@ -17,7 +17,6 @@ where a schedule runs the micro-batches.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,14 +24,15 @@ import torch
 from meshtrain.data.batch import (
     batch_size,
     count_tokens,
-    describe,
     plain,
     throughput_unit,
     to_device,
 )
 from meshtrain.errors import ConfigError
+from meshtrain.module.core import has_steps, step_loss
 from meshtrain.parallel.batch_gather import batch_group
 from meshtrain.parallel.layout import Layout
+from meshtrain.parallel.step_loss import compute_loss, loss_counter
 
 
 @dataclass(frozen=True)
@@ -98,74 +98,6 @@ def gradient_sync(train_module: torch.nn.Module, model: torch.nn.Module, enabled
         yield
 
 
-def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None,
-                 summed: bool = False, with_output: bool = False):
-    """``loss_fn(module(inputs), targets)``, or the loss the module returns itself. ``summed``
-    (a global-mean loss, meshtrain.losses): the micro-batch's sum (``loss_fn``'s, or the
-    model's own with ``num_items_in_batch=1``); ``with_output``: (loss, the model's output). An
-    error at this boundary keeps torch's message and gains a note of what meshtrain fed and
-    expected."""
-    if loss_fn is not None:
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ConfigError(
-                "with loss_fn set, each batch must be (inputs, targets); got "
-                f"{type(batch).__name__}. Return such pairs from the dataset, or drop "
-                "loss_fn and let the model compute the loss")
-        inputs, targets = batch
-        with _noted(lambda: f"meshtrain called model(inputs) with inputs {describe(inputs)} "
-                    "(the first element of each (inputs, targets) sample, batched)"):
-            output = module(inputs)
-        with _noted(lambda: f"meshtrain called loss_fn(output, targets) with output "
-                    f"{describe(output)} and targets {describe(targets)}"):
-            loss = loss_fn(output, targets)
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise ConfigError(
-                f"loss_fn returned {describe(loss)}, but meshtrain needs one number per "
-                "micro-batch (a scalar tensor: the mean loss over its samples); reduce it, e.g. "
-                "reduction='mean' or loss.mean()")
-        return (loss, output) if with_output else loss
-    extra = {"num_items_in_batch": 1} if summed else {}
-    with _noted(lambda: "without loss_fn meshtrain calls the model with the whole batch "
-                f"{describe(batch)} (model(*batch), or model(**batch) for a dict) and expects "
-                "the loss back; if the model returns predictions, pass loss_fn="):
-        out = module(**{**batch, **extra}) if isinstance(batch, dict) else (
-            module(*batch, **extra) if isinstance(batch, (tuple, list)) else module(batch, **extra))
-    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
-    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-        got = describe(loss) if isinstance(loss, torch.Tensor) else type(out).__name__
-        raise ConfigError(
-            "without loss_fn the model must return the loss (a scalar tensor, or an object "
-            f"with .loss / ['loss']); it returned {got}. Pass loss_fn=")
-    return (loss, out) if with_output else loss
-
-
-def loss_counter(model: torch.nn.Module, loss_fn, adapt: Callable | None = None):
-    """How to count a micro-batch's loss items before its forward (meshtrain.losses), or None
-    for a mean loss: ``loss_fn.count(targets)`` for a GlobalMeanLoss; for a model returning its
-    own loss, ``model.count_loss_items(batch)``, or what ``adapt(model)`` gives (a Hugging
-    Face causal LM)."""
-    from meshtrain.losses import is_global_mean
-
-    if loss_fn is not None:
-        return (lambda batch: loss_fn.count(batch[1])) if is_global_mean(loss_fn) else None
-    own = getattr(model, "count_loss_items", None)
-    if callable(own):
-        return own
-    return adapt(model) if adapt is not None else None
-
-
-@contextlib.contextmanager
-def _noted(note: Callable[[], str]):
-    """Add ``note()`` to a TypeError/ValueError/IndexError/RuntimeError raised inside (its type
-    and torch's message unchanged: fault handling still sees what happened). A function, so
-    that the text is built only on an error, not every micro-batch."""
-    try:
-        yield
-    except (TypeError, ValueError, IndexError, RuntimeError) as error:
-        error.add_note(f"meshtrain: {note()}.")
-        raise
-
-
 class Engine:
     """One rank's share of a training step under a layout without ``pp``.
 
@@ -185,7 +117,13 @@ class Engine:
             from meshtrain.parallel.context_parallel import cp_support
 
             self.cp_support = cp_support(model, options.context_parallel)
-        self.counter = loss_counter(model, loss_fn, options.loss_items)
+        # a research module (meshtrain/module/): its training_step gives each micro-batch's
+        # loss, called through DDP when DDP wraps it
+        self.step_call = None
+        if has_steps(model):
+            self.step_call = train_module if train_module is not model else model.training_step
+        self.batch_idx = 0  # this rank's micro-batches in the epoch (the Trainer resets it)
+        self.counter = None if self.step_call else loss_counter(model, loss_fn, options.loss_items)
         # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
         self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
         self._steps_synced = 0
@@ -246,7 +184,12 @@ class Engine:
             with gradient_sync(self.train_module, self.model, enabled=last,
                                keep_gathered=self.layout.zero_stage == 2), self.loss_context():
                 with self.precision.autocast(), batch_group(self.batch_pg):
-                    loss = compute_loss(self.train_module, batch, self.loss_fn, items is not None)
+                    if self.step_call is not None:
+                        loss = step_loss(self.step_call(batch, self.batch_idx), "training_step")
+                        self.batch_idx += 1
+                    else:
+                        loss = compute_loss(self.train_module, batch, self.loss_fn,
+                                            items is not None)
                     loss = loss / accum if items is None else loss / items.divisor()
                 if last and self.timer is not None:  # the wait for reductions: exposed comm
                     self.timer.watch_backward(loss)
@@ -326,6 +269,8 @@ class Engine:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         return plain(norm).detach()
 
+    eval_step = "validation_step"  # what a research module evaluates with (or "test_step")
+    eval_idx = 0  # its batch_idx: the batches of this evaluation so far
     @torch.no_grad()
     def evaluate(self, batches, limit: int | None = None, metrics=()) -> dict[str, float]:
         """``{"loss": ..., <metric>: ...}`` over ``batches`` (at most ``limit`` of them here),
@@ -337,6 +282,7 @@ class Engine:
         metrics = resolve(metrics)
         was_training = self.model.training
         self.model.eval()
+        self.eval_idx = 0
         sizes = [m.num_sums for m in metrics]
         # loss sum, weight, then every metric's sums: one all-reduce for all of them
         totals = torch.zeros(2 + sum(sizes), dtype=torch.float64, device=self.device)
@@ -359,6 +305,8 @@ class Engine:
                 metric.update(part, *self.eval_seen)
         self.model.train(was_training)
         self.mesh.sum_over_loss_ranks(totals)
+        if self.step_call is not None and not totals[1]:  # steps that only log
+            return {}
         loss = float(totals[0] / totals[1].clamp(min=1))
         return {"loss": loss, **{m.name: m.compute(part, loss) for m, part in zip(metrics, sums)}}
 
@@ -368,6 +316,13 @@ class Engine:
         that do not compute it). ``with_output``: (output, batch as the model saw it) kept in
         ``eval_seen`` for metrics."""
         batch = self.shard(batch)
+        if self.step_call is not None:  # its validation_step / test_step (None: logs only)
+            with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
+                loss = step_loss(getattr(self.model, self.eval_step)(batch, self.eval_idx),
+                                 self.eval_step)
+            self.eval_idx += 1
+            self.eval_seen = None
+            return plain(loss) if loss is not None else None
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             loss, output = compute_loss(self.model, batch, self.loss_fn,
                                         self.counter is not None, with_output=True)

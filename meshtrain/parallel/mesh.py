@@ -42,15 +42,20 @@ class ParallelMesh:
                 shard_axes = ("dp_replicate", *shard_axes)
             self.shard = self.mesh[shard_axes]
 
+    def loss_group(self):
+        """The process group of the ranks whose losses are averaged (batch axes and cp), or
+        None with one such rank: what logged values are reduced over."""
+        return self.loss.get_group() if self.loss is not None else None
+
     def everyone(self):
-        """The process group of every rank of the mesh (None with one rank)."""
+        """The process group of every rank of the mesh (None with one rank): the default
+        group, unless parameter servers stand outside the mesh (a ps layout's mesh is 1-D)."""
         if self.mesh is None:
             return None
         if self.mesh.ndim == 1:
             return self.mesh.get_group()
-        if getattr(self, "_everyone", None) is None:
-            self._everyone = self.mesh._flatten("all_ranks").get_group()
-        return self._everyone
+        assert not self.layout.num_servers, "a ps layout's mesh is 1-D"
+        return dist.group.WORLD
 
     def _flat(self, axes: tuple[str, ...], name: str):
         if not axes:

@@ -1,0 +1,151 @@
+"""A model that carries its own training logic.
+
+Any ``nn.Module`` with a ``training_step(batch, batch_idx)`` method is trained through it: the
+step returns the micro-batch's loss (a scalar tensor), or a dict with ``"loss"``. The optional
+``validation_step`` / ``test_step`` return a loss the same way (or None, when they only log),
+and ``configure_optimizers()`` returns the optimizer, ``(optimizer, scheduler)`` or
+``{"optimizer": ..., "lr_scheduler": ...}``; it is called after the layout is applied, so the
+parameters it sees are the ones that train (sharded under zero2/zero3, DTensors under tp).
+:class:`TrainingModule` adds ``self.log`` and ``self.trainer``; a plain module with these
+methods works too (``trainer.log`` logs from it).
+
+The step runs inside meshtrain's engine: under DDP it is called through the DDP wrapper
+(:class:`TrainingStep`), so gradients are reduced as for ``model(inputs)``; FSDP2, tensor and
+context parallel hook the model's own ``forward``, which the step calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtrain.errors import ConfigError
+
+STEP_OF = {"train": "training_step", "val": "validation_step", "test": "test_step"}
+
+
+def has_steps(model) -> bool:
+    """Does ``model`` train through its own ``training_step``?"""
+    return callable(getattr(model, "training_step", None))
+
+
+class TrainingModule(torch.nn.Module):
+    """Base class for a model with its research code (see the module's docstring)."""
+
+    def training_step(self, batch, batch_idx: int):
+        raise NotImplementedError(f"{type(self).__name__} needs a training_step(batch, batch_idx)"
+                                  " that returns the loss")
+
+    @property
+    def trainer(self):
+        """The Trainer fitting this module (None outside fit)."""
+        return self.__dict__.get("_meshtrain_trainer")
+
+    def log(self, name: str, value, *, reduce: str = "mean", prog_bar: bool = False,
+            on_step: bool = True, on_epoch: bool = False) -> None:
+        """Log ``value`` (a number or one-element tensor) under ``name``: see
+        :meth:`meshtrain.Trainer.log`."""
+        if self.trainer is None:
+            raise ConfigError(f"{type(self).__name__}.log({name!r}, ...) was called outside "
+                              "fit/validate/test; log from training_step, validation_step or "
+                              "a callback")
+        self.trainer.log(name, value, reduce=reduce, prog_bar=prog_bar, on_step=on_step,
+                         on_epoch=on_epoch)
+
+
+class TrainingStep(torch.nn.Module):
+    """What DDP wraps for a model with ``training_step``: its forward is the step, so DDP's
+    forward and backward hooks run around it (internal to the Engine)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch, batch_idx: int):
+        return self.model.training_step(batch, batch_idx)
+
+
+def step_loss(output, step: str) -> torch.Tensor | None:
+    """The loss in what a step returned (a scalar tensor, a dict with "loss", or None)."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if loss is None and step != "training_step":
+        return None
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise ConfigError(
+            f"{step} must return the loss (a scalar tensor) or a dict with 'loss'; it returned "
+            f"{type(output).__name__}" + (" (a dict without 'loss')" if isinstance(output, dict)
+                                          else ""))
+    return loss
+
+
+def attach(model: torch.nn.Module, trainer) -> None:
+    """``model.trainer`` is ``trainer`` (not a submodule: nothing changes in its state)."""
+    model.__dict__["_meshtrain_trainer"] = trainer
+
+
+def configured_optimizers(model: torch.nn.Module, zero1: bool):
+    """(optimizer factory, scheduler factory or None) from ``model.configure_optimizers()``.
+
+    Under ZeRO-1 the optimizer's state is sharded by a wrapper built from a factory: the
+    returned optimizer's class and defaults make it (one parameter group only)."""
+    made = model.configure_optimizers()
+    scheduler = None
+    if isinstance(made, dict):
+        optimizer, scheduler = made.get("optimizer"), made.get("lr_scheduler")
+    elif isinstance(made, (tuple, list)):
+        if len(made) != 2 or isinstance(made[1], torch.optim.Optimizer):
+            raise ConfigError(
+                "configure_optimizers returned several optimizers: meshtrain steps one optimizer "
+                "per step; return one optimizer (and optionally its scheduler)")
+        optimizer, scheduler = made
+    else:
+        optimizer = made
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"configure_optimizers must return a torch.optim.Optimizer (or "
+                          f"(optimizer, scheduler)), got {type(optimizer).__name__}")
+    if isinstance(scheduler, dict):  # Lightning's {"scheduler": ..., "interval": "step"}
+        scheduler = scheduler.get("scheduler")
+    if not zero1:
+        return (lambda params: optimizer), (
+            (lambda opt: scheduler) if scheduler is not None else None)
+    if len(optimizer.param_groups) != 1 or scheduler is not None:
+        raise ConfigError(
+            "under zero1 meshtrain builds the sharded optimizer itself from a factory: "
+            "configure_optimizers must return one optimizer with one parameter group and no "
+            "scheduler there; pass optimizer=lambda params: ... (and lr_scheduler=) to fit "
+            "instead, or use zero2")
+    kind, defaults = type(optimizer), dict(optimizer.defaults)
+    return (lambda params: kind(params, **defaults)), None
+
+
+def check_module(model, *, optimizer, loss_fn, val_data, pp: int, metrics,
+                 zero1: bool = False) -> None:
+    """Before any process starts (``model``: the user's module or a meta-device copy; None
+    when a factory cannot build on meta, and this runs again on the built model): what a
+    research module needs from ``fit``'s other arguments and the layout."""
+    if model is None:
+        return
+    if optimizer is None and not callable(getattr(model, "configure_optimizers", None)):
+        raise ConfigError("fit needs an optimizer: pass optimizer=lambda params: "
+                          "torch.optim.AdamW(params, lr=1e-3), or define configure_optimizers() "
+                          f"on {type(model).__name__}")
+    if optimizer is None:  # what configure_optimizers returns is usable (a throw-away)
+        configured_optimizers(model, zero1=zero1)
+    if not has_steps(model):
+        return
+    name = type(model).__name__
+    if pp > 1:
+        raise ConfigError(
+            f"{name} trains through training_step, but under pp the pipeline schedule runs the "
+            "forward and backward of each micro-batch itself and computes the loss on the last "
+            "stage from loss_fn: pass loss_fn= (and let the model return its output), or use a "
+            "layout without pp")
+    if loss_fn is not None:
+        raise ConfigError(f"{name}.training_step computes the loss: drop loss_fn (it would not "
+                          "be used)")
+    if val_data is not None and not callable(getattr(model, "validation_step", None)):
+        raise ConfigError(f"{name} trains through training_step; to validate on val_data it "
+                          "needs a validation_step(batch, batch_idx) (or drop val_data)")
+    if metrics:
+        raise ConfigError(f"the metrics setting reads the model's outputs, which {name}'s steps "
+                          "keep to themselves: compute them in validation_step and "
+                          "self.log(...) them")

@@ -1,0 +1,233 @@
+"""Research code on the model (meshtrain.TrainingModule): the seed notes' MNIST-style module
+with training_step / validation_step / configure_optimizers, trained under dp, zero3 and tp like
+one process; self.log reduced over the ranks as a hand computation over the global
+batch; EarlyStopping on a logged metric; what cannot work refused before any process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import quiet_trainer, state_of
+from torch.utils.data import TensorDataset
+
+import meshtrain
+from meshtrain import ConfigError, EarlyStopping
+from meshtrain.launch.spawn import run_workers
+
+STEPS, BATCH = 6, 16
+
+
+class MNISTLike(meshtrain.TrainingModule):
+    """The seed notes' LitMNIST on 8x8 synthetic 'images': a 2-layer MLP, cross-entropy,
+    accuracy logged, SGD with momentum from configure_optimizers."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 32), torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("train_acc", (logits.argmax(1) == y).float().mean(), prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean())
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+    def tp_plan(self, tp_degree, *, sequence_parallel=False, loss_parallel=False):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
+
+def images(n=256, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 1, 8, 8, generator=gen)
+    return TensorDataset(x, (x.flatten(1)[:, :10] * 3).argmax(1))
+
+
+def _model():
+    torch.manual_seed(0)
+    return MNISTLike()
+
+
+def _fit(run_dir, layout=None, **settings):
+    kwargs = dict(max_steps=STEPS, global_batch_size=BATCH, log_every_n_steps=1,
+                  val_every_n_steps=3, limit_val_batches=None, shuffle=False)
+    trainer = quiet_trainer(run_dir, **({"layout": layout} if layout else {}),
+                            **{**kwargs, **settings})
+    model = trainer.fit(_model, images(), images(64, seed=1))
+    return trainer, model
+
+
+def _rank(run_dir, layout):
+    torch.set_num_threads(1)
+    trainer, model = _fit(run_dir, layout)
+    if layout.startswith("tp"):
+        from torch.distributed.tensor import DTensor
+
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                 for k, v in model.state_dict().items()}
+    elif layout.startswith("zero3"):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    else:
+        state = state_of(model)
+    metrics = dict(trainer.callback_metrics)
+    return ({k: v.detach().cpu().clone() for k, v in state.items()}, metrics) \
+        if int(os.environ["RANK"]) == 0 else None
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    torch.set_num_threads(1)
+    trainer, model = _fit(tmp_path_factory.mktemp("one"))
+    return state_of(model), dict(trainer.callback_metrics)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", ["dp=2", "zero3=2", "tp=2"])
+def test_the_module_trains_like_one_process(tmp_path, one_process, layout):
+    state, metrics = run_workers(_rank, 2, (str(tmp_path), layout), timeout=150)[0]
+    reference, reference_metrics = one_process
+    assert set(state) == set(reference)
+    for name, value in reference.items():
+        assert torch.allclose(state[name], value, atol=1e-5, rtol=0), name
+    # the logged accuracy and the validation step's loss and accuracy agree too
+    for name in ("train_acc", "val/loss", "val_acc", "train/loss"):
+        assert metrics[name] == pytest.approx(reference_metrics[name], abs=1e-5), name
+
+
+# -- self.log --------------------------------------------------------------------------------
+class Logged(MNISTLike):
+    """Logs, per micro-batch, the mean, sum and max of the targets it got."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("y_mean", y.float().mean())
+        self.log("y_sum", y.float().sum(), reduce="sum")
+        self.log("y_max", y.float().max(), reduce="max", on_epoch=True)
+        self.trainer.log("items", len(y), reduce="sum", on_step=False, on_epoch=True)
+        return F.cross_entropy(self(x), y)
+
+
+def _logged_rank(run_dir):
+    torch.set_num_threads(1)
+    trainer = quiet_trainer(run_dir, layout="dp=2", max_steps=4, global_batch_size=BATCH,
+                            micro_batch_size=4, log_every_n_steps=2, shuffle=False,
+                            loggers=("csv",))
+    trainer.fit(Logged, images(64))  # one epoch of 4 steps
+    return str(trainer.run_dir)
+
+
+@pytest.mark.timeout(150)
+def test_logged_values_are_reduced_over_the_global_batch(tmp_path):
+    from meshtrain.observe.loggers import read_metrics_csv
+
+    run_dir = run_workers(_logged_rank, 2, (str(tmp_path),), timeout=120)[0]
+    rows = {}  # the step's row and, at step 4, the epoch's (merged)
+    for row in read_metrics_csv(f"{run_dir}/metrics.csv"):
+        rows.setdefault(row["step"], {}).update({k: v for k, v in row.items() if v is not None})
+    y = images(64).tensors[1].float()
+    for step in (2, 4):  # each logging interval: two steps of 16 samples, in order
+        seen = y[(step - 2) * BATCH: step * BATCH]
+        assert rows[step]["y_mean"] == pytest.approx(float(seen.mean()), abs=1e-6)
+        assert rows[step]["y_sum"] == float(seen.sum())
+        assert rows[step]["y_max"] == float(seen.max())
+    assert rows[4]["items"] == 64 and rows[4]["y_max_epoch"] == float(y.max())
+    assert "items" not in rows[2]  # on_epoch only: logged once, at the epoch's end
+
+
+class ScriptedScore(MNISTLike):
+    """Logs a validation score that gets worse after the second validation."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("score", [0.5, 0.4, 0.6, 0.7, 0.8][self.trainer.global_step // 2 - 1])
+        return None
+
+
+def test_early_stopping_on_a_logged_metric(tmp_path):
+    stop = EarlyStopping(monitor="score", patience=2, mode="min")
+    trainer = quiet_trainer(tmp_path, max_steps=10, global_batch_size=BATCH,
+                            val_every_n_steps=2, callbacks=[stop])
+    trainer.fit(ScriptedScore, images(), images(32, seed=1))
+    # best 0.4 at step 4; 0.6 (step 6) and 0.7 (step 8) do not improve: stop at step 8
+    assert trainer.global_step == 8 and stop.best == 0.4
+    assert "val/loss" not in trainer.callback_metrics  # its validation_step returns nothing
+
+
+# -- refused before any process --------------------------------------------------------------
+def test_what_a_module_cannot_do_is_refused_before_any_process(tmp_path):
+    data = images()
+    with pytest.raises(ConfigError, match="under pp the pipeline schedule runs"):
+        quiet_trainer(tmp_path, layout="pp=2", devices=2, max_steps=2).check(MNISTLike, data)
+    with pytest.raises(ConfigError, match="computes the loss: drop loss_fn"):
+        quiet_trainer(tmp_path, max_steps=2).check(MNISTLike, data, loss_fn=F.cross_entropy)
+    with pytest.raises(ConfigError, match="needs a validation_step"):
+        quiet_trainer(tmp_path, max_steps=2).check(Plain, data, images(32))
+    with pytest.raises(ConfigError, match="fit needs an optimizer"):
+        quiet_trainer(tmp_path, max_steps=2).check(lambda: torch.nn.Linear(64, 10), data,
+                                                   loss_fn=F.cross_entropy)
+    with pytest.raises(ConfigError, match="self.log"):
+        quiet_trainer(tmp_path, max_steps=2, metrics=["token_accuracy"]).check(MNISTLike, data)
+    with pytest.raises(ConfigError, match="under zero1 meshtrain builds the sharded optimizer"):
+        quiet_trainer(tmp_path, layout="zero1=2", devices=2, max_steps=2).check(MNISTLike, data)
+    with pytest.raises(ConfigError, match="several optimizers"):
+        quiet_trainer(tmp_path, max_steps=2).check(TwoOptimizers, data)
+    with pytest.raises(ConfigError, match="outside fit"):
+        MNISTLike().log("x", 1.0)
+
+
+class TwoOptimizers(MNISTLike):
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.fc1.parameters(), lr=0.1),
+                torch.optim.SGD(self.fc2.parameters(), lr=0.1))
+
+
+class Plain(torch.nn.Module):
+    """No TrainingModule base: a plain module with the methods works (trainer.log logs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return {"loss": F.cross_entropy(self.fc(x.flatten(1)), y)}
+
+    def configure_optimizers(self):
+        return {"optimizer": torch.optim.SGD(self.parameters(), lr=0.1)}
+
+
+def test_a_plain_module_with_a_training_step_matches_a_hand_written_loop(tmp_path):
+    torch.manual_seed(0)
+    model = Plain()
+    reference = Plain()
+    reference.load_state_dict(model.state_dict())
+    quiet_trainer(tmp_path, max_steps=4, global_batch_size=BATCH, shuffle=False).fit(
+        model, images())
+    x, y = images().tensors
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        optimizer.zero_grad()
+        reference.training_step((x[step * BATCH:(step + 1) * BATCH],
+                                 y[step * BATCH:(step + 1) * BATCH]), step)["loss"].backward()
+        optimizer.step()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(model.state_dict()[name], value, atol=1e-6), name
