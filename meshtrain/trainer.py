@@ -368,6 +368,13 @@ class Trainer:
 
         return evaluate_and_log(self, test_data, "test")
 
+    def predict(self, data: DataLike):
+        """The model's outputs for every sample of ``data``, in its order, on global rank 0
+        (None on the others): meshtrain/prediction.py."""
+        from meshtrain.prediction import predict
+
+        return predict(self, data)
+
     # -- checkpoints, logging, callbacks ----------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict, dict]:
         """(trainer state, summary) as a checkpoint stores them beside model and optimizer."""

@@ -330,6 +330,23 @@ class Engine:
         return plain(loss)
 
 
+    @torch.no_grad()
+    def predict_batch(self, batch, batch_idx: int):
+        """The model's outputs for one batch: its ``predict_step(batch, batch_idx)``, else
+        ``model(inputs)`` (None on a rank that holds no outputs: a pipeline's early stages)."""
+        predict_step = getattr(self.model, "predict_step", None)
+        with self.precision.autocast(), batch_group(self.batch_pg):
+            if callable(predict_step):
+                return predict_step(batch, batch_idx)
+            return self.model(prediction_inputs(batch))
+
+
+def prediction_inputs(batch):
+    """What the model is called with to predict: the first element of an ``(inputs, targets)``
+    pair (or of an ``(inputs,)`` sample of a one-tensor TensorDataset), else the batch."""
+    return batch[0] if isinstance(batch, (tuple, list)) and len(batch) in (1, 2) else batch
+
+
 class StepItems:
     """A step's item count being summed over the batch ranks (an all-reduce in flight)."""
 

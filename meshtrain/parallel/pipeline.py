@@ -299,11 +299,21 @@ class PipelineRunner:
 
     @torch.no_grad()
     def eval_loss(self, inputs, targets) -> torch.Tensor | None:
-        """Forward only, stage after stage on the whole batch; the loss on the last stage.
-        (Its own sends and receives: any batch shape, and the schedule's buffers stay as
-        they are.)"""
+        """The loss of :meth:`forward_only`'s output on the rank with the last stage (its
+        output kept in ``eval_output`` for validation metrics); None on the others."""
+        out = self.forward_only(inputs)
+        if out is None:
+            return None
+        self.eval_output = out
+        return self.loss_fn(out, targets).detach()
+
+    @torch.no_grad()
+    def forward_only(self, inputs) -> torch.Tensor | None:
+        """Forward only, stage after stage on the whole batch, in eval mode; the last stage's
+        output on its rank, None on the others. (Its own sends and receives: any batch shape,
+        and the schedule's buffers stay as they are.)"""
         modes = [m.training for m in self.modules]
-        out, loss, device = None, None, self.stages[0].device
+        out, last, device = None, None, self.stages[0].device
         try:
             for index, module in zip(self.indices, self.modules):
                 module.eval()
@@ -318,8 +328,7 @@ class PipelineRunner:
                 out = module(out)
                 dst = self.stage_rank.get(index + 1)
                 if index == self.num_stages - 1:
-                    loss = self.loss_fn(out, targets).detach()
-                    self.eval_output = out  # for validation metrics
+                    last = out
                 elif dst != here:
                     out = out.contiguous()
                     dist.send_object_list([out.shape, out.dtype], group=self.group,
@@ -328,7 +337,7 @@ class PipelineRunner:
         finally:
             for m, mode in zip(self.modules, modes):
                 m.train(mode)
-        return loss
+        return last
 
 
 def clip_grad_norm_(parameters, max_norm: float | None, pp_group) -> torch.Tensor:

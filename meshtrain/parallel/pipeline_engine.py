@@ -210,6 +210,16 @@ class PipelineEngine(Engine):
         self.eval_seen = (self.runner.eval_output, batch) if with_output else None
         return loss
 
+    @torch.no_grad()
+    def predict_batch(self, batch, batch_idx: int):
+        """The last stage's outputs (on its rank; None on the others), stage after stage."""
+        from meshtrain.parallel.engine import prediction_inputs
+
+        inputs = (self.adapter.split_batch(batch)[0] if self.adapter is not None
+                  else prediction_inputs(batch))
+        with self.precision.autocast(), batch_group(self.batch_pg):
+            return self.runner.forward_only(inputs)
+
     def _split(self, batch):
         """(inputs, targets) of a batch: the adapter's split (a dict batch), else the pair."""
         return self.adapter.split_batch(batch) if self.adapter is not None else batch
