@@ -156,11 +156,13 @@ class Trainer:
             return serve(self, model)
         self.print(f"run folder: {self.run_dir}")
         self.print(self.start_notes)
+        start = time.perf_counter()
         try:
             with collective_checks(self.debug_collectives):
                 self._fit_loop()
             drain_collectives()
             self.monitor.finish()
+            self.print(self.monitor.summary(self, time.perf_counter() - start))
         except BaseException as error:
             self._call("on_exception", error)
             self.monitor.finish(error)  # the report says how far it got
@@ -292,7 +294,8 @@ class Trainer:
                 metrics["train/loss"] = self.mesh.mean_loss(window.loss / window.num_steps)
             unit = self.engine.unit  # tokens for token ids, samples for other inputs
             metrics[f"train/{unit}_per_s"] = window.tokens * self.layout.batch_degree / elapsed
-            metrics.update(self.monitor.interval_metrics(metrics[f"train/{unit}_per_s"], unit))
+            items = window.tokens * self.layout.batch_degree
+            metrics.update(self.monitor.interval_metrics(items / elapsed, unit, items, elapsed))
             metrics["epoch"] = self.current_epoch
             metrics.update(self._logs.take("window", self.mesh.loss_group(), self.device))
             if self.log_grad_norm and self.grad_norm is not None:

@@ -52,6 +52,7 @@ class RunMonitor:
         self._profile_steps = sorted(profile_steps or ())
         self._profiler = None
         self._unit = None
+        self.items = self.train_s = 0.0  # the fit's items (tokens or samples), over the ranks
 
     @property
     def is_zero(self) -> bool:
@@ -107,10 +108,13 @@ class RunMonitor:
         if gather:
             self.gather_breakdown(step)
 
-    def interval_metrics(self, items_per_s: float, unit: str) -> dict[str, float]:
-        """Model TFLOP/s per rank and MFU over a logging interval."""
+    def interval_metrics(self, items_per_s: float, unit: str, items: float = 0.0,
+                         seconds: float = 0.0) -> dict[str, float]:
+        """Model TFLOP/s per rank and MFU over a logging interval (of ``items`` over all ranks
+        in ``seconds``, counted for the run's summary)."""
         from meshtrain.observe.flops import mfu
 
+        self.items, self.train_s = self.items + items, self.train_s + seconds
         if self.is_zero and unit != self._unit:  # known from the first batch on
             self._unit = unit
             run_files.update_environment(self.run_dir, unit=unit)
@@ -183,6 +187,27 @@ class RunMonitor:
                        "their comm/bubble)")
             self.log(f"warning: step {step}: {message}")
             self.event("straggler", message, step)
+
+    def summary(self, t, wall_s: float) -> str:
+        """The lines ``fit`` ends with on rank zero: time, steps, mean throughput, the best
+        checkpoint and its metric, the final metrics."""
+        from meshtrain.callbacks import ModelCheckpoint
+
+        unit = self._unit or "samples"
+        lines = [f"fit: {t.global_step} steps in {wall_s:.1f} s ({t.global_step / max(wall_s, 1e-9):.2f}"
+                 f" steps/s; {self.items / max(self.train_s, 1e-9):,.0f} {unit}/s over the "
+                 f"training steps)" + (f", {t.num_skipped_steps} skipped" if t.num_skipped_steps
+                                       else "")]
+        final = {k: v for k, v in t.callback_metrics.items()
+                 if k in ("train/loss", "val/loss") or not k.startswith(("train/", "epoch"))}
+        if final:
+            lines.append("final: " + ", ".join(f"{k} {v:.4g}" for k, v in final.items()))
+        for cb in t.callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.best_model_path is not None:
+                score = cb.best_k.get(cb.best_model_path)
+                lines.append(f"best checkpoint: {cb.best_model_path}" + (
+                    f" ({cb.monitor} {score:.4g})" if score is not None else ""))
+        return "\n".join(lines)
 
     # -- profiler -------------------------------------------------------------------------------
     def _start_profiler(self) -> None:

@@ -57,6 +57,11 @@ def test_fit_writes_the_report_with_every_section(tmp_path, capsys):
     assert run.status == "finished" and [r["step"] for r in run.breakdown] == [2, 4, 6, 8]
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"report: {page}"  # the last line fit prints
+    # the run's summary before it: steps, throughput, the final metrics
+    summary = next(i for i, line in enumerate(out) if line.startswith("fit: 8 steps in "))
+    assert "samples/s over the training steps" in out[summary]
+    loss = trainer.callback_metrics["train/loss"]
+    assert out[summary + 1].startswith(f"final: train/loss {loss:.4g}")
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -73,3 +78,16 @@ def test_a_failed_fit_leaves_a_partial_report_with_its_error(tmp_path):
     assert kinds == ["failure"]
     found = _sections((tmp_path / "report.html").read_text())
     assert "failed" in found["summary"] and "the data went bad" in found["summary"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_summary_names_the_best_checkpoint(tmp_path, capsys):
+    from meshtrain import ModelCheckpoint
+
+    best = ModelCheckpoint(monitor="val/loss", save_last=False)
+    trainer = quiet_trainer(tmp_path, max_steps=6, val_every_n_steps=2, callbacks=[best])
+    trainer.fit(FailsAt(), _data(), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+                loss_fn=F.mse_loss)
+    score = best.best_k[best.best_model_path]
+    assert f"best checkpoint: {best.best_model_path} (val/loss {score:.4g})" in \
+        capsys.readouterr().out
