@@ -223,6 +223,9 @@ DEFINITIONS = [
     _S("checkpoint_every_n_steps", "checkpoint", None, "int",
        "Save a checkpoint every N optimizer steps into run_dir/checkpoints/step_*; none: no "
        "periodic checkpoints.", none=True, minimum=1),
+    _S("checkpoint_every_n_epochs", "checkpoint", None, "int",
+       "Save a checkpoint at the end of every Nth epoch (run_dir/checkpoints/step_*, where a "
+       "resumed run starts the next epoch); none: off.", none=True, minimum=1),
     _S("checkpoint_every_n_minutes", "checkpoint", None, "number",
        "Save a checkpoint when this many minutes have passed since the last one; none: off.",
        none=True,

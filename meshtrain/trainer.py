@@ -315,6 +315,10 @@ class Trainer:
             self.callback_metrics.update(epoch)
             self.log_metrics(epoch)
         self.engine.batch_idx = 0
+        every = self.checkpoint_every_n_epochs
+        if every and (self.current_epoch + 1) % every == 0:  # a snapshot (collective)
+            self.checkpoints.save(self.global_step, self.model, self.optimizer,
+                                  *self.checkpoint_state())
         self._call("on_train_epoch_end")
 
     def _log_due(self, total: int) -> bool:

@@ -231,3 +231,20 @@ def test_a_plain_module_with_a_training_step_matches_a_hand_written_loop(tmp_pat
         optimizer.step()
     for name, value in reference.state_dict().items():
         assert torch.allclose(model.state_dict()[name], value, atol=1e-6), name
+
+
+# -- snapshots every N epochs ------------------------------------------------------------------
+def test_a_snapshot_at_each_epoch_end_resumes_the_next_epoch_exactly(tmp_path):
+    """4 steps per epoch of 64 samples: snapshots at steps 4, 8, 12; the run resumed from
+    the first trains to the same weights as the uninterrupted one."""
+    common = dict(max_epochs=3, max_steps=None, global_batch_size=BATCH, seed=3)
+    full = quiet_trainer(tmp_path / "full", checkpoint_every_n_epochs=1, **common)
+    weights = state_of(full.fit(Plain, images(64)))
+    folders = sorted(p.name for p in (tmp_path / "full" / "checkpoints").glob("step_*"))
+    assert folders == ["step_00000004", "step_00000008", "step_00000012"]
+    resumed = quiet_trainer(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoints"
+                                                              / "step_00000004"), **common)
+    again = state_of(resumed.fit(Plain, images(64)))
+    assert resumed.global_step == 12
+    for name, value in weights.items():
+        assert torch.equal(again[name], value), name
