@@ -63,7 +63,8 @@ def test_sections_hold_every_config_setting_and_python_only_ones_are_marked():
     assert sections["logging"]["loggers"] == ["csv", "tensorboard"]  # TOML has arrays, not tuples
     expected = {
         "pipeline": {"pp_schedule", "stages_per_rank", "pp_balance", "split_points"},
-        "checkpoint": {"checkpoint_every_n_steps", "checkpoint_every_n_minutes", "keep_last_k",
+        "checkpoint": {"checkpoint_every_n_steps", "checkpoint_every_n_epochs",
+                       "checkpoint_every_n_minutes", "keep_last_k",
                        "async_checkpoint", "resume", "init_from", "save_final_checkpoint"},
         "fault": {"nan_policy", "collective_timeout_s", "init_timeout_s", "stall_timeout_s",
                   "debug_collectives", "mtbf_hours"},
