@@ -92,6 +92,10 @@ DEFINITIONS = [
        none=True, minimum=1),
     _S("max_epochs", "trainer", None, "int",
        "Stop after this many passes over the training data.", none=True, minimum=1),
+    _S("max_time_minutes", "trainer", None, "number",
+       "Stop at the first logging interval past this much training time (rank 0's clock), "
+       "with a checkpoint from which running the job again continues; none: no limit.",
+       none=True),
     _S("global_batch_size", "trainer", 32, "int",
        "Samples per optimizer step over all ranks (= dp x micro_batch_size x accumulation).",
        minimum=1),

@@ -80,6 +80,7 @@ class Trainer:
         self.state = LoopState()
         self.grad_norm: torch.Tensor | None = None  # the last step's, before clipping
         self.should_stop, self.callback_metrics = False, {}
+        self.stop_reason = None  # "max_time": stopped by the clock, to be continued
         self.run_dir = self._resume_from = self._workers = self._val_data = None
         self.ps_server = self._store = self.ps_stats = None  # ps=S: server index, its counters
         self.start_notes = ""  # torch threads and network interface, and why (launch/world.py)
@@ -270,7 +271,7 @@ class Trainer:
             if self._val_data is not None and validated_at != state.global_step:
                 self._run_validation()
             self.checkpoints.wait()
-            if self.save_final_checkpoint:
+            if self.save_final_checkpoint or self.stop_reason == "max_time":  # resumable
                 self.save_checkpoint(self.run_dir / "checkpoints" / "final")
             self._call("on_fit_end")
         finally:
@@ -286,40 +287,14 @@ class Trainer:
         return int(min(self.max_steps or float("inf"), by_epochs))
 
     def _end_step(self, total: int) -> None:
-        """Every ``log_every_n_steps``: average the window's loss over ranks and log it."""
-        window, step, metrics = self.state.window, self.global_step, {}
-        if self._log_due(total):
-            elapsed = time.perf_counter() - window.start
-            if window.num_steps:  # every rank skips alike, so this agrees
-                metrics["train/loss"] = self.mesh.mean_loss(window.loss / window.num_steps)
-            unit = self.engine.unit  # tokens for token ids, samples for other inputs
-            metrics[f"train/{unit}_per_s"] = window.tokens * self.layout.batch_degree / elapsed
-            items = window.tokens * self.layout.batch_degree
-            metrics.update(self.monitor.interval_metrics(items / elapsed, unit, items, elapsed))
-            metrics["epoch"] = self.current_epoch
-            metrics.update(self._logs.take("window", self.mesh.loss_group(), self.device))
-            if self.log_grad_norm and self.grad_norm is not None:
-                metrics["train/grad_norm"] = float(self.grad_norm)
-            if self.num_skipped_steps:
-                metrics["train/skipped_steps"] = self.num_skipped_steps
-            window.reset()
-        self._call("on_train_step_end", metrics)
-        if metrics:
-            self.callback_metrics.update(metrics)
-            self.log_metrics(metrics)
-            self.run_log.progress(step, metrics, self._logs.prog_bar)
+        from meshtrain.step_end import end_step
+
+        end_step(self, total)
 
     def _end_epoch(self) -> None:
-        """Values logged with ``on_epoch`` go out (every rank takes part), then the hook."""
-        if epoch := self._logs.take("epoch", self.mesh.loss_group(), self.device):
-            self.callback_metrics.update(epoch)
-            self.log_metrics(epoch)
-        self.engine.batch_idx = 0
-        every = self.checkpoint_every_n_epochs
-        if every and (self.current_epoch + 1) % every == 0:  # a snapshot (collective)
-            self.checkpoints.save(self.global_step, self.model, self.optimizer,
-                                  *self.checkpoint_state())
-        self._call("on_train_epoch_end")
+        from meshtrain.step_end import end_epoch
+
+        end_epoch(self)
 
     def _log_due(self, total: int) -> bool:
         return self.global_step % self.log_every_n_steps == 0 or self.global_step == total

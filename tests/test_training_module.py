@@ -248,3 +248,22 @@ def test_a_snapshot_at_each_epoch_end_resumes_the_next_epoch_exactly(tmp_path):
     assert resumed.global_step == 12
     for name, value in weights.items():
         assert torch.equal(again[name], value), name
+
+
+# -- the time limit ---------------------------------------------------------------------------
+def test_max_time_stops_with_a_checkpoint_from_which_the_job_continues_exactly(tmp_path):
+    """A limit already passed at the first logging interval (step 2) stops there; running the
+    job again resumes that run and ends with the uninterrupted run's weights."""
+    common = dict(max_steps=6, global_batch_size=BATCH, log_every_n_steps=2, seed=3,
+                  root_dir=str(tmp_path), name="timed", resume="auto",
+                  save_final_checkpoint=False)
+    full = state_of(quiet_trainer(None, **{**common, "root_dir": str(tmp_path / "full")}).fit(
+        Plain, images(64)))
+    first = quiet_trainer(None, max_time_minutes=1e-9, **common)
+    first.fit(Plain, images(64))
+    assert first.global_step == 2 and first.stop_reason == "max_time"
+    again = quiet_trainer(None, **common)
+    weights = state_of(again.fit(Plain, images(64)))
+    assert again.run_dir == first.run_dir and again.global_step == 6  # the same run, continued
+    for name, value in full.items():
+        assert torch.equal(weights[name], value), name

@@ -270,7 +270,8 @@ def trainer_state(t) -> tuple[dict, dict]:
     state = {**t.state.state_dict(),
              "lr_scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler else None,
              "grad_scaler": t.precision.state_dict(), **run_identity(t),
-             "finished": t.should_stop or t.global_step >= t.total_steps()}
+             "finished": (t.should_stop and t.stop_reason != "max_time")
+             or t.global_step >= t.total_steps()}
     summary = {"step": t.global_step, "epoch": t.current_epoch, "layout": str(t.layout),
                "world_size": t.world_size, "metrics": t.callback_metrics,
                "hparams": t.hparams()}

@@ -15,6 +15,7 @@ import platform
 import resource
 import socket
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +54,7 @@ class RunMonitor:
         self._profiler = None
         self._unit = None
         self.items = self.train_s = 0.0  # the fit's items (tokens or samples), over the ranks
+        self._loop_start = None
 
     @property
     def is_zero(self) -> bool:
@@ -95,6 +97,8 @@ class RunMonitor:
     # -- each step ------------------------------------------------------------------------------
     def step_begins(self, step: int) -> None:
         """Optimizer step ``step`` (1-based) starts."""
+        if self._loop_start is None:
+            self._loop_start = time.perf_counter()
         if self._profile_steps and step == self._profile_steps[0] and self._profiler is None:
             self._start_profiler()
         self.timer.begin(step)
@@ -107,6 +111,15 @@ class RunMonitor:
             self._stop_profiler()
         if gather:
             self.gather_breakdown(step)
+
+    def time_up(self, limit_minutes: float) -> bool:
+        """(Every rank, at a logging interval.) Has rank zero's clock passed ``limit_minutes``
+        since the first step? The same answer on every rank (one broadcast)."""
+        late = time.perf_counter() - self._loop_start > 60 * limit_minutes
+        flag = torch.tensor([float(late)], device=self.device)
+        if self.group is not None and self.world_size > 1:
+            dist.broadcast(flag, group=self.group, group_src=0)
+        return bool(flag.item())
 
     def interval_metrics(self, items_per_s: float, unit: str, items: float = 0.0,
                          seconds: float = 0.0) -> dict[str, float]:
