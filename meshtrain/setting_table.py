@@ -283,6 +283,9 @@ DEFINITIONS = [
        "Biases (run folder's wandb/, offline without WANDB_API_KEY); mlflow and wandb need "
        "pip install 'meshtrain[loggers]'.", choices=LOGGERS, check=_check_loggers),
     _S("progress_bar", "logging", True, "bool", "Show a progress bar on rank 0."),
+    _S("model_summary", "logging", True, "bool",
+       "Print each top-level module's parameters at the start of fit, and how many each rank "
+       "holds under the layout."),
     _S("report", "logging", True, "bool",
        "Write run_dir/report.html at the end of fit (also after a failure): loss, throughput "
        "and MFU, each rank's step-time breakdown and memory, events; `meshtrain report "

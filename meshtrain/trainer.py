@@ -157,6 +157,10 @@ class Trainer:
             return serve(self, model)
         self.print(f"run folder: {self.run_dir}")
         self.print(self.start_notes)
+        if self.model_summary:  # collective: every rank's count
+            from meshtrain.observe.model_summary import model_summary
+
+            self.print(model_summary(self.model, self.mesh.everyone(), self.world_size))
         start = time.perf_counter()
         try:
             with collective_checks(self.debug_collectives):

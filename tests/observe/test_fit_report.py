@@ -91,3 +91,28 @@ def test_the_summary_names_the_best_checkpoint(tmp_path, capsys):
     score = best.best_k[best.best_model_path]
     assert f"best checkpoint: {best.best_model_path} (val/loss {score:.4g})" in \
         capsys.readouterr().out
+
+
+def _pp_summary_rank(run_dir):
+    from parity import GPT4_FNS
+
+    torch.set_num_threads(1)
+    trainer = quiet_trainer(run_dir, layout="pp=2", max_steps=1, micro_batch_size=4,
+                            model_summary=True)
+    trainer.fit(GPT4_FNS["model_fn"], GPT4_FNS["data_fn"](), optimizer=GPT4_FNS["optimizer_fn"],
+                loss_fn=GPT4_FNS["loss_fn"])
+
+
+@pytest.mark.timeout(120)
+def test_the_model_summary_counts_what_each_rank_holds(tmp_path, capfd):
+    from parity import GPT4_FNS
+
+    from meshtrain.launch.spawn import run_workers
+
+    run_workers(_pp_summary_rank, 2, (str(tmp_path),), timeout=100)
+    out = capfd.readouterr().out
+    total = sum(p.numel() for p in GPT4_FNS["model_fn"]().parameters())
+    found = re.search(r"held per rank under the layout: rank 0: ([\d,]+), rank 1: ([\d,]+)", out)
+    assert found, out
+    first, second = (int(g.replace(",", "")) for g in found.groups())
+    assert first + second == total and first != second  # two pipeline stages, each its own
