@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from meshtrain.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from meshtrain.callbacks import EMA, Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from meshtrain.errors import ConfigError, LayoutError, MeshtrainError, WorkerFailed
 from meshtrain import losses
 from meshtrain.losses import GlobalMeanLoss
@@ -12,7 +12,7 @@ from meshtrain.parallel.layout import Layout
 from meshtrain.trainer import Trainer
 
 __all__ = [
-    "Callback", "ConfigError", "EarlyStopping", "GlobalMeanLoss", "Layout", "LayoutError",
+    "EMA", "Callback", "ConfigError", "EarlyStopping", "GlobalMeanLoss", "Layout", "LayoutError",
     "LearningRateMonitor", "MeshtrainError", "ModelCheckpoint", "Trainer", "TrainingModule",
     "WorkerFailed",
     "__version__", "gather_batch", "losses",

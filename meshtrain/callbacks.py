@@ -13,6 +13,8 @@ import math
 import shutil
 from pathlib import Path
 
+import torch
+
 from meshtrain.errors import ConfigError
 
 
@@ -180,3 +182,50 @@ class LearningRateMonitor(Callback):
         else:
             for i, lr in enumerate(self._lrs):
                 metrics[f"lr/group{i}"] = lr
+
+
+class EMA(Callback):
+    """An exponential moving average of the weights: after every optimizer step
+    ``ema = decay * ema + (1 - decay) * param``, for every parameter as each rank holds it
+    (a shard under zero2/zero3/HSDP, a DTensor under tp, its stages under pp): no gather, the
+    same memory as the parameters. ``use_for_validation``: validation inside fit runs with the
+    averaged weights (swapped in and back). ``weights()``: the averages by parameter name.
+    The average is not saved in checkpoints yet: a resumed run starts it from the loaded
+    weights."""
+
+    def __init__(self, decay: float = 0.999, use_for_validation: bool = False):
+        if not 0.0 < decay < 1.0:
+            raise ConfigError(f"EMA decay must be between 0 and 1 (exclusive), got {decay}")
+        self.decay, self.use_for_validation = decay, use_for_validation
+        self.shadow: dict[str, torch.Tensor] = {}
+        self._saved: dict[str, torch.Tensor] | None = None
+
+    def _params(self, trainer):
+        return [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def on_fit_start(self, trainer) -> None:
+        self.shadow = {n: p.detach().clone() for n, p in self._params(trainer)}
+
+    @torch.no_grad()
+    def on_train_step_end(self, trainer, metrics: dict) -> None:
+        for name, p in self._params(trainer):
+            self.shadow[name].lerp_(p.detach(), 1.0 - self.decay)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    @torch.no_grad()
+    def on_validation_start(self, trainer) -> None:
+        if self.use_for_validation and self.shadow:
+            self._saved = {}
+            for name, p in self._params(trainer):
+                self._saved[name] = p.detach().clone()
+                p.copy_(self.shadow[name])
+
+    @torch.no_grad()
+    def on_validation_end(self, trainer, metrics: dict) -> None:
+        if self._saved is not None:
+            for name, p in self._params(trainer):
+                p.copy_(self._saved[name])
+            self._saved = None

@@ -267,3 +267,61 @@ def test_max_time_stops_with_a_checkpoint_from_which_the_job_continues_exactly(t
     assert again.run_dir == first.run_dir and again.global_step == 6  # the same run, continued
     for name, value in full.items():
         assert torch.equal(weights[name], value), name
+
+
+# -- EMA of the weights -----------------------------------------------------------------------
+class ParamsAfterEachStep(meshtrain.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_train_step_end(self, trainer, metrics):
+        self.steps.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+
+
+def _ema_rank(run_dir, layout, decay):
+    torch.set_num_threads(1)
+    ema = meshtrain.EMA(decay=decay)
+    trainer = quiet_trainer(run_dir, **({"layout": layout} if layout else {}), max_steps=5,
+                            global_batch_size=BATCH, shuffle=False, callbacks=[ema])
+    trainer.fit(_model, images())
+    from torch.distributed.tensor import DTensor
+
+    whole = {n: (v.full_tensor() if isinstance(v, DTensor) else v).cpu()
+             for n, v in ema.weights().items()}
+    return whole if int(os.environ.get("RANK", 0)) == 0 else None
+
+
+@pytest.mark.timeout(150)
+def test_ema_under_zero3_equals_a_hand_computed_ema(tmp_path):
+    decay = 0.8
+    torch.set_num_threads(1)
+    record = ParamsAfterEachStep()
+    trainer = quiet_trainer(tmp_path / "one", max_steps=5, global_batch_size=BATCH,
+                            shuffle=False, callbacks=[record])
+    model = _model()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.fit(model, images())
+    hand = start
+    for after in record.steps:  # ema = decay * ema + (1 - decay) * param, step by step
+        hand = {n: decay * hand[n] + (1 - decay) * after[n] for n in hand}
+    ema = run_workers(_ema_rank, 2, (str(tmp_path / "z3"), "zero3=2", decay), timeout=120)[0]
+    assert set(ema) == set(hand)
+    for name, value in hand.items():
+        assert torch.allclose(ema[name], value, atol=1e-5, rtol=0), name
+    assert not torch.allclose(hand["fc1.weight"], record.steps[-1]["fc1.weight"], atol=1e-3)
+
+
+def test_ema_weights_validate_when_asked_and_training_weights_come_back(tmp_path):
+    ema = meshtrain.EMA(decay=0.5, use_for_validation=True)
+    trainer = quiet_trainer(tmp_path, max_steps=4, global_batch_size=BATCH, callbacks=[ema],
+                            limit_val_batches=None)
+    val = images(32, seed=1)
+    model = trainer.fit(_model, images(), val)
+    averaged = MNISTLike()
+    averaged.load_state_dict(ema.weights())
+    x, y = val.tensors
+    with torch.no_grad():
+        expected = float(F.cross_entropy(averaged(x), y))
+        trained = float(F.cross_entropy(model(x), y))
+    assert trainer.callback_metrics["val/loss"] == pytest.approx(expected, abs=1e-6)
+    assert abs(trained - expected) > 1e-4  # the model returned holds its own weights again
