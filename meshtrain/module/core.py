@@ -4,7 +4,8 @@ Any ``nn.Module`` with a ``training_step(batch, batch_idx)`` method is trained t
 step returns the micro-batch's loss (a scalar tensor), or a dict with ``"loss"``. The optional
 ``validation_step`` / ``test_step`` return a loss the same way (or None, when they only log),
 and ``configure_optimizers()`` returns the optimizer, ``(optimizer, scheduler)`` or
-``{"optimizer": ..., "lr_scheduler": ...}``; it is called after the layout is applied, so the
+``{"optimizer": ..., "lr_scheduler": ...}`` (the scheduler is stepped after every optimizer
+step, Lightning's ``"interval": "step"``); it is called after the layout is applied, so the
 parameters it sees are the ones that train (sharded under zero2/zero3, DTensors under tp).
 :class:`TrainingModule` adds ``self.log`` and ``self.trainer``; a plain module with these
 methods works too (``trainer.log`` logs from it).
@@ -103,6 +104,11 @@ def configured_optimizers(model: torch.nn.Module, zero1: bool):
         raise ConfigError(f"configure_optimizers must return a torch.optim.Optimizer (or "
                           f"(optimizer, scheduler)), got {type(optimizer).__name__}")
     if isinstance(scheduler, dict):  # Lightning's {"scheduler": ..., "interval": "step"}
+        if scheduler.get("interval", "epoch") != "step":
+            raise ConfigError(
+                "configure_optimizers: meshtrain steps the scheduler after every optimizer "
+                "step; say so with {'scheduler': ..., 'interval': 'step'} (an 'epoch' interval "
+                "is not supported: scale the schedule to steps)")
         scheduler = scheduler.get("scheduler")
     if not zero1:
         return (lambda params: optimizer), (

@@ -1,0 +1,75 @@
+"""The same research code trained by Lightning 2.6 and by meshtrain in one process: one class
+holds training_step and configure_optimizers, mixed into a LightningModule and into a
+meshtrain.TrainingModule; the final weights agree (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import quiet_trainer, state_of
+from torch.utils.data import DataLoader, TensorDataset
+
+import meshtrain
+
+lightning = pytest.importorskip("lightning", reason="pip install -e '.[test]' installs it")
+
+STEPS, BATCH = 8, 16
+
+
+class Research:
+    """The seed notes' LitMNIST, written once."""
+
+    def build(self):
+        self.fc1, self.fc2 = torch.nn.Linear(64, 32), torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("train_acc", (logits.argmax(1) == y).float().mean(), prog_bar=True)
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler,
+                                                          "interval": "step"}}
+
+
+class MeshModel(Research, meshtrain.TrainingModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.build()
+
+
+class LitModel(Research, lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.build()
+
+
+def images(n=256):
+    x = torch.rand(n, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    return TensorDataset(x, (x.flatten(1)[:, :10] * 3).argmax(1))
+
+
+@pytest.mark.timeout(120)
+def test_lightning_and_meshtrain_train_the_same_module_to_the_same_weights(tmp_path):
+    torch.set_num_threads(1)
+    ours = quiet_trainer(tmp_path / "meshtrain", max_steps=STEPS, global_batch_size=BATCH,
+                         shuffle=False).fit(MeshModel(), images())
+    theirs = LitModel()
+    lightning.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path / "lightning",
+                      ).fit(theirs, DataLoader(images(), batch_size=BATCH, shuffle=False))
+    mine, reference = state_of(ours), state_of(theirs)
+    assert set(mine) == set(reference)
+    for name, value in reference.items():
+        assert torch.allclose(mine[name], value, atol=1e-5, rtol=0), name
+    assert not torch.allclose(mine["fc1.weight"], state_of(MeshModel())["fc1.weight"])
