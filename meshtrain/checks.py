@@ -149,17 +149,30 @@ def first_inputs(dataset, count: int):
     return inputs
 
 
+def is_data_factory(data) -> bool:
+    """A function that builds the dataset (after ``prepare_data``), not a dataset itself."""
+    return callable(data) and not isinstance(data, (Dataset, DataLoader))
+
+
 def check_fit_inputs(model, train_data, val_data, *, optimizer, lr_scheduler,
-                     global_batch_size: int, max_steps: int | None = None) -> Dataset:
-    """``fit``'s arguments, before any process starts; returns the training dataset."""
+                     global_batch_size: int, max_steps: int | None = None) -> Dataset | None:
+    """``fit``'s arguments, before any process starts; returns the training dataset (None
+    when a function builds it: :func:`check_data` checks it once built)."""
     check_model(model)
     check_factory("optimizer", optimizer, required=False)  # or the model's configure_optimizers
     check_factory("lr_scheduler", lr_scheduler, required=False)
     if optimizer is not None:
         check_optimizer_factory(optimizer)
-    train_set = dataset_of(train_data, "train_data")
-    if val_data is not None:
+    if val_data is not None and not is_data_factory(val_data):
         dataset_of(val_data, "val_data")
+    if is_data_factory(train_data):
+        return None
+    return check_data(train_data, global_batch_size, max_steps)
+
+
+def check_data(train_data, global_batch_size: int, max_steps: int | None) -> Dataset:
+    """The training data against the global batch; returns its dataset."""
+    train_set = dataset_of(train_data, "train_data")
     if isinstance(train_set, IterableDataset):
         check_stream(train_set, global_batch_size, max_steps)
     elif len(train_set) < global_batch_size:

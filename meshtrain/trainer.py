@@ -146,7 +146,8 @@ class Trainer:
         ``configure_optimizers()``); ``lr_scheduler``: ``optimizer -> LRScheduler``, stepped
         every optimizer step. With ``loss_fn`` each batch is ``(inputs, targets)``; without it
         the model returns the loss, or its ``training_step(batch, batch_idx)`` does
-        (meshtrain.TrainingModule). Where it resumes from is the
+        (meshtrain.TrainingModule). Data may be a function that builds the dataset (after the
+        model's ``prepare_data()``). Where it resumes from is the
         ``resume`` setting ("auto": this job's newest checkpoint; a folder; None).
         """
         self.prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,

@@ -45,6 +45,13 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
         return
     try:
         setup_run_dir(t)
+        prepare_data(t, meta_model if meta_model is not None else model)
+        if checks.is_data_factory(train_data):  # built now that the data is there
+            train_data = train_data()
+            train_set = checks.check_data(train_data, t.global_batch_size, t.max_steps)
+        if checks.is_data_factory(val_data):
+            val_data = val_data()
+            checks.dataset_of(val_data, "val_data")
         t._val_data = val_data
         setup_model(t, model, meta_model, optimizer, lr_scheduler, loss_fn,
                     checks.first_inputs(train_set, t.micro_batch_size))
@@ -86,7 +93,7 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
     check_module(meta_model, optimizer=optimizer, loss_fn=loss_fn, val_data=val_data,
                  pp=layout.degree("pp"), metrics=t.metrics,
                  zero1=layout.zero_stage == 1 and layout.degree("dp") > 1)
-    sample_inputs = checks.first_inputs(train_set, 2)
+    sample_inputs = checks.first_inputs(train_set, 2) if train_set is not None else None
     if t.layout is None:  # layout="auto": the planner's pick that these checks accept
         from meshtrain.plan.auto import plan_layout
 
@@ -95,6 +102,19 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
     else:
         check_model_layout(t, meta_model, loss_fn, sample_inputs, model)
     return train_set, meta_model
+
+
+def prepare_data(t, model) -> None:
+    """The model's ``prepare_data()`` (download, unpack, tokenize: once per job) on global rank
+    0 while the other ranks wait in a barrier; then every rank reads the data."""
+    hook = getattr(model, "prepare_data", None) if isinstance(model, torch.nn.Module) else None
+    if not callable(hook):
+        return
+    if t.rank == 0:
+        hook()
+    group = t.mesh.everyone()
+    if group is not None:
+        torch.distributed.barrier(group=group)
 
 
 def setup_world(t) -> None:

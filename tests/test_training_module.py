@@ -6,6 +6,7 @@ batch; EarlyStopping on a logged metric; what cannot work refused before any pro
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -325,3 +326,36 @@ def test_ema_weights_validate_when_asked_and_training_weights_come_back(tmp_path
         trained = float(F.cross_entropy(model(x), y))
     assert trainer.callback_metrics["val/loss"] == pytest.approx(expected, abs=1e-6)
     assert abs(trained - expected) > 1e-4  # the model returned holds its own weights again
+
+
+# -- prepare_data and data built after it -------------------------------------------------------
+class Downloads(MNISTLike):
+    """Its prepare_data 'downloads' the data set into a folder (and counts its calls)."""
+
+    folder = None
+
+    def prepare_data(self):
+        with open(f"{self.folder}/calls.txt", "a") as f:
+            f.write(f"rank {os.environ.get('RANK', 0)}\n")
+        time.sleep(0.5)  # a slow download: a rank that did not wait finds no file
+        torch.save(images().tensors, f"{self.folder}/data.pt")
+
+
+def _prepare_rank(folder):
+    torch.set_num_threads(1)
+    Downloads.folder = folder
+
+    def read():  # built after prepare_data, on every rank (the file must exist by then)
+        return TensorDataset(*torch.load(f"{folder}/data.pt"))
+
+    trainer = quiet_trainer(f"{folder}/run", layout="dp=2", max_steps=3,
+                            global_batch_size=BATCH)
+    trainer.fit(Downloads, read)
+    return trainer.global_step
+
+
+@pytest.mark.timeout(120)
+def test_prepare_data_runs_once_and_the_other_rank_reads_after_it(tmp_path):
+    steps = run_workers(_prepare_rank, 2, (str(tmp_path),), timeout=100)
+    assert steps == [3, 3]
+    assert (tmp_path / "calls.txt").read_text() == "rank 0\n"

@@ -7,6 +7,8 @@ and ``configure_optimizers()`` returns the optimizer, ``(optimizer, scheduler)``
 ``{"optimizer": ..., "lr_scheduler": ...}`` (the scheduler is stepped after every optimizer
 step, Lightning's ``"interval": "step"``); it is called after the layout is applied, so the
 parameters it sees are the ones that train (sharded under zero2/zero3, DTensors under tp).
+``prepare_data()`` (download, unpack: once per job) runs on global rank 0 while the others wait,
+before the data is read: pass ``fit`` a function that builds the dataset from what it left.
 :class:`TrainingModule` adds ``self.log`` and ``self.trainer``; a plain module with these
 methods works too (``trainer.log`` logs from it).
 
