@@ -312,6 +312,8 @@ class Trainer:
         timer = self.monitor.timer  # where the time goes (meshtrain/observe/step_timer.py)
         with timer.part("compute"):
             loss, tokens = self.engine.forward_backward(batches)
+        if self.engine.manual:  # the module stepped its optimizers itself
+            return loss, tokens, "ok"
         with timer.part("comm"):
             self.engine.sync_gradients()
             outcome = self._guard.decide(loss)

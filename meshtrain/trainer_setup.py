@@ -22,7 +22,7 @@ from meshtrain.data.sampler import train_loaders
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.world import start_world
-from meshtrain.module.core import attach, check_module, configured_optimizers
+from meshtrain.module.core import attach, check_module, configured_optimizers, is_manual
 from meshtrain.observe.flops import flops_per_item
 from meshtrain.observe.monitor import RunMonitor
 from meshtrain.parallel.apply import apply_layout, build_optimizer, check_model
@@ -92,7 +92,8 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
     layout = t.layout or Layout()  # (layout="auto": checked again once planned)
     check_module(meta_model, optimizer=optimizer, loss_fn=loss_fn, val_data=val_data,
                  pp=layout.degree("pp"), metrics=t.metrics,
-                 zero1=layout.zero_stage == 1 and layout.degree("dp") > 1)
+                 zero1=layout.zero_stage == 1 and layout.degree("dp") > 1,
+                 layout=t.layout, settings={**t._settings, "grad_accum_steps": t.grad_accum_steps})
     sample_inputs = checks.first_inputs(train_set, 2) if train_set is not None else None
     if t.layout is None:  # layout="auto": the planner's pick that these checks accept
         from meshtrain.plan.auto import plan_layout
@@ -185,8 +186,11 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
         optimizer_factory, own_scheduler = configured_optimizers(
             t.model, zero1=t.layout.zero_stage == 1 and t.layout.degree("dp") > 1)
         scheduler_factory = scheduler_factory or own_scheduler
-    t.optimizer = build_optimizer(t.model, optimizer_factory, t.mesh)
-    checks.check_optimizer(t.optimizer)
+    if is_manual(t.model):  # its own optimizers, several, stepped by its training_step
+        t.optimizer = optimizer_factory(None)
+    else:
+        t.optimizer = build_optimizer(t.model, optimizer_factory, t.mesh)
+        checks.check_optimizer(t.optimizer)
     if t.layout.num_servers:  # the optimizer runs on the servers
         from meshtrain.parallel.ps_layout import start_servers
 

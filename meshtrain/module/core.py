@@ -31,12 +31,73 @@ def has_steps(model) -> bool:
     return callable(getattr(model, "training_step", None))
 
 
+def is_manual(model) -> bool:
+    """Does ``model``'s step drive its optimizers itself (``automatic_optimization = False``)?"""
+    return has_steps(model) and not getattr(model, "automatic_optimization", True)
+
+
+class Optimizers(list):
+    """A manual module's optimizers, in order: what checkpoints save and load (DCP takes a list)
+    and the memory table reads (their state together)."""
+
+    @property
+    def state(self) -> dict:
+        return {p: s for optimizer in self for p, s in optimizer.state.items()}
+
+    @property
+    def param_groups(self) -> list:
+        return [g for optimizer in self for g in optimizer.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def register_step_post_hook(self, hook):
+        """``hook(self, args, kwargs)`` after each step once every optimizer has stepped (the
+        memory table: all their state exists then); returns a handle with ``remove()``."""
+        stepped: set[int] = set()
+
+        def each(optimizer, args, kwargs):
+            stepped.add(id(optimizer))
+            if len(stepped) == len(self):
+                hook(self, args, kwargs)
+
+        handles = [optimizer.register_step_post_hook(each) for optimizer in self]
+        return _Handles(handles)
+
+
+class _Handles:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 class TrainingModule(torch.nn.Module):
-    """Base class for a model with its research code (see the module's docstring)."""
+    """Base class for a model with its research code (see the module's docstring).
+
+    ``automatic_optimization = False``: the step drives its optimizers itself (a GAN):
+    ``configure_optimizers`` returns several, ``self.optimizers()`` gives them in that order,
+    ``self.manual_backward(loss)`` replaces ``loss.backward()`` (gradients are averaged over
+    the data-parallel ranks there), and the step calls ``step()``/``zero_grad()`` when it
+    wants; what it returns is only logged."""
+
+    automatic_optimization = True
 
     def training_step(self, batch, batch_idx: int):
         raise NotImplementedError(f"{type(self).__name__} needs a training_step(batch, batch_idx)"
                                   " that returns the loss")
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """(manual optimisation) The optimizers ``configure_optimizers`` returned, in order."""
+        return list(self.trainer.optimizer)
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """(manual optimisation) ``loss.backward()``, then the gradients averaged over the
+        data-parallel ranks (FSDP2 reduce-scatters them inside backward)."""
+        self.trainer.engine.manual_backward(loss)
 
     @property
     def trainer(self):
@@ -91,14 +152,22 @@ def configured_optimizers(model: torch.nn.Module, zero1: bool):
     Under ZeRO-1 the optimizer's state is sharded by a wrapper built from a factory: the
     returned optimizer's class and defaults make it (one parameter group only)."""
     made = model.configure_optimizers()
+    if is_manual(model):  # several optimizers, stepped by the module itself
+        made = list(made) if isinstance(made, (tuple, list)) else [made]
+        if not made or not all(isinstance(o, torch.optim.Optimizer) for o in made):
+            raise ConfigError("configure_optimizers of a module with automatic_optimization = "
+                              "False must return optimizers (a list or tuple of them; "
+                              "schedulers: step them in the training_step)")
+        return (lambda params: Optimizers(made)), None
     scheduler = None
     if isinstance(made, dict):
         optimizer, scheduler = made.get("optimizer"), made.get("lr_scheduler")
     elif isinstance(made, (tuple, list)):
         if len(made) != 2 or isinstance(made[1], torch.optim.Optimizer):
             raise ConfigError(
-                "configure_optimizers returned several optimizers: meshtrain steps one optimizer "
-                "per step; return one optimizer (and optionally its scheduler)")
+                "configure_optimizers returned several optimizers: with automatic optimisation "
+                "meshtrain steps one; return one (and optionally its scheduler), or set "
+                "automatic_optimization = False and step them in training_step")
         optimizer, scheduler = made
     else:
         optimizer = made
@@ -126,7 +195,7 @@ def configured_optimizers(model: torch.nn.Module, zero1: bool):
 
 
 def check_module(model, *, optimizer, loss_fn, val_data, pp: int, metrics,
-                 zero1: bool = False) -> None:
+                 zero1: bool = False, layout=None, settings=None) -> None:
     """Before any process starts (``model``: the user's module or a meta-device copy; None
     when a factory cannot build on meta, and this runs again on the built model): what a
     research module needs from ``fit``'s other arguments and the layout."""
@@ -157,3 +226,25 @@ def check_module(model, *, optimizer, loss_fn, val_data, pp: int, metrics,
         raise ConfigError(f"the metrics setting reads the model's outputs, which {name}'s steps "
                           "keep to themselves: compute them in validation_step and "
                           "self.log(...) them")
+    if is_manual(model) and layout is not None:
+        check_manual(name, layout, settings or {})
+
+
+def check_manual(name: str, layout, settings: dict) -> None:
+    """Manual optimisation (several optimizers, stepped by the module) needs one micro-batch
+    per step, plain data parallel, and none of the settings that act on one optimizer."""
+    if not (layout.world_size == 1 or layout.uses_ddp) or layout.zero_stage == 1:
+        raise ConfigError(
+            f"{name} steps its optimizers itself (automatic_optimization = False): meshtrain "
+            "supports that in one process and under dp (gradients averaged in "
+            f"manual_backward), not under {layout}" + (
+                " (FSDP2 gathers the parameters in the model's own forward, which a step that "
+                "calls its submodules never runs: 'FSDP requires a single root module')"
+                if layout.is_sharded else "") + "; use dp=N")
+    for setting, default, fix in (
+            ("grad_clip_norm", None, "leave it unset and clip in the step"),
+            ("precision", "fp32", "use fp32"),
+            ("grad_accum_steps", 1, "one micro-batch per step: leave micro_batch_size unset")):
+        if settings.get(setting, default) != default:
+            raise ConfigError(f"{name} steps its optimizers itself (automatic_optimization = "
+                              f"False): {setting} is not applied for it; {fix}")

@@ -188,8 +188,10 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
     if ddp and layout.uses_ddp and options.local_sgd_every is None:  # local SGD: no sync
         from meshtrain.parallel.data_parallel import apply_ddp
 
-        from meshtrain.module.core import TrainingStep, has_steps
+        from meshtrain.module.core import TrainingStep, has_steps, is_manual
 
+        if is_manual(model):  # several backward passes per step: manual_backward averages
+            return model
         wrapped = TrainingStep(model) if has_steps(model) else model  # DDP runs the step
         return apply_ddp(wrapped, mesh.mesh, axis="dp", bucket_cap_mb=options.bucket_cap_mb,
                          comm_hook=options.comm_hook, powersgd_rank=options.powersgd_rank,

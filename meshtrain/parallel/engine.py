@@ -29,7 +29,7 @@ from meshtrain.data.batch import (
     to_device,
 )
 from meshtrain.errors import ConfigError
-from meshtrain.module.core import has_steps, step_loss
+from meshtrain.module.core import has_steps, is_manual, step_loss
 from meshtrain.parallel.batch_gather import batch_group
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.step_loss import compute_loss, loss_counter
@@ -123,6 +123,7 @@ class Engine:
         if has_steps(model):
             self.step_call = train_module if train_module is not model else model.training_step
         self.batch_idx = 0  # this rank's micro-batches in the epoch (the Trainer resets it)
+        self.manual = is_manual(model)  # the step drives its optimizers: see manual_backward
         self.counter = None if self.step_call else loss_counter(model, loss_fn, options.loss_items)
         # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
         self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
@@ -185,8 +186,13 @@ class Engine:
                                keep_gathered=self.layout.zero_stage == 2), self.loss_context():
                 with self.precision.autocast(), batch_group(self.batch_pg):
                     if self.step_call is not None:
-                        loss = step_loss(self.step_call(batch, self.batch_idx), "training_step")
+                        out = self.step_call(batch, self.batch_idx)
                         self.batch_idx += 1
+                        if self.manual:  # its backward passes and updates are done
+                            loss = step_loss(out, "a manual training_step")
+                            total += 0 if loss is None else plain(loss.detach())
+                            continue
+                        loss = step_loss(out, "training_step")
                     else:
                         loss = compute_loss(self.train_module, batch, self.loss_fn,
                                             items is not None)
@@ -214,6 +220,16 @@ class Engine:
         dist = torch.distributed
         if message and (not dist.is_initialized() or dist.get_rank() == 0):
             warnings.warn(message, stacklevel=2)
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """A manual module's backward: the gradients so far averaged over the loss ranks (the
+        sum of what earlier passes averaged and this pass adds stays an average: averaging
+        is linear and the earlier part is the same everywhere)."""
+        self.precision.backward(loss)
+        if self.layout.uses_ddp:
+            from meshtrain.parallel.data_parallel import allreduce_gradients
+
+            allreduce_gradients(self.parameters(), self.mesh.loss.get_group())
 
     timer = None  # the Trainer's StepTimer (meshtrain/observe/step_timer.py), when measuring
 
