@@ -32,7 +32,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
 from meshtrain.launch.world import collective_checks, drain_collectives, resolve_world_size
-from meshtrain.loop_state import LoopState, MetricWindow
+from meshtrain.loop.state import LoopState, MetricWindow
 from meshtrain.module.log_buffer import LogBuffer
 from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_pp_support, hf_tp_plans
 from meshtrain.observe.run_log import RunLog
@@ -153,7 +153,7 @@ class Trainer:
         self.prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
                      lr_scheduler=lr_scheduler)
         if self.ps_server is not None:  # a parameter server: serves until training ends
-            from meshtrain.trainer_setup import serve
+            from meshtrain.loop.setup import serve
 
             return serve(self, model)
         self.print(f"run folder: {self.run_dir}")
@@ -198,7 +198,7 @@ class Trainer:
         """Every check ``fit`` makes before any process starts, and nothing else: the inputs,
         and the model against the layout on a meta-device copy (no weights, no processes).
         Raises ConfigError naming the setting and the fix (``meshtrain train --dry-run``)."""
-        from meshtrain.trainer_setup import check_before_start
+        from meshtrain.loop.setup import check_before_start
 
         check_before_start(self, model, train_data, val_data, optimizer=optimizer,
                            loss_fn=loss_fn, lr_scheduler=lr_scheduler)
@@ -206,8 +206,8 @@ class Trainer:
     def prepare(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None,
                 lr_scheduler=None) -> None:
         """Check the inputs, then create processes, model, optimizer and data loaders, and
-        resume when a checkpoint is due (what ``fit`` does before its loop; trainer_setup.py)."""
-        from meshtrain.trainer_setup import prepare
+        resume when a checkpoint is due (what ``fit`` does before its loop; loop/setup.py)."""
+        from meshtrain.loop.setup import prepare
 
         prepare(self, model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
                 lr_scheduler=lr_scheduler)
@@ -292,12 +292,12 @@ class Trainer:
         return int(min(self.max_steps or float("inf"), by_epochs))
 
     def _end_step(self, total: int) -> None:
-        from meshtrain.step_end import end_step
+        from meshtrain.loop.step_end import end_step
 
         end_step(self, total)
 
     def _end_epoch(self) -> None:
-        from meshtrain.step_end import end_epoch
+        from meshtrain.loop.step_end import end_epoch
 
         end_epoch(self)
 
@@ -339,28 +339,28 @@ class Trainer:
 
     # -- validation and test ----------------------------------------------------------------------
     def _run_validation(self) -> dict[str, float]:
-        from meshtrain.evaluation import run_validation
+        from meshtrain.loop.evaluation import run_validation
 
         return run_validation(self)
 
     def validate(self, val_data: DataLike | None = None) -> dict[str, float]:
         """Loss and metrics over ``val_data`` (default: the fit's validation data), logged at
         the current step."""
-        from meshtrain.evaluation import evaluate_and_log
+        from meshtrain.loop.evaluation import evaluate_and_log
 
         return evaluate_and_log(self, val_data if val_data is not None else self._val_data,
                                 "val")
 
     def test(self, test_data: DataLike) -> dict[str, float]:
         """Loss and metrics over all of ``test_data`` (``limit_val_batches`` is for validation)."""
-        from meshtrain.evaluation import evaluate_and_log
+        from meshtrain.loop.evaluation import evaluate_and_log
 
         return evaluate_and_log(self, test_data, "test")
 
     def predict(self, data: DataLike):
         """The model's outputs for every sample of ``data``, in its order, on global rank 0
-        (None on the others): meshtrain/prediction.py."""
-        from meshtrain.prediction import predict
+        (None on the others): meshtrain/loop/prediction.py."""
+        from meshtrain.loop.prediction import predict
 
         return predict(self, data)
 

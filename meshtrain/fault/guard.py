@@ -32,7 +32,7 @@ MAX_ROLLBACKS = 10  # nan_policy="rollback" gives up after this many in one fit
 class Loop(Protocol):
     """What the guard needs of the training loop (the Trainer is one)."""
 
-    state: object  # meshtrain.loop_state.LoopState: step, epoch, data position, counters
+    state: object  # meshtrain.loop.state.LoopState: step, epoch, data position, counters
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
 

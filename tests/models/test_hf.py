@@ -220,7 +220,7 @@ def test_what_a_path_does_not_implement_is_refused_before_any_process(tmp_path, 
     def no_world(*args, **kwargs):
         raise AssertionError("refused too late: the processes would start")
 
-    monkeypatch.setattr("meshtrain.trainer_setup.start_world", no_world)
+    monkeypatch.setattr("meshtrain.loop.setup.start_world", no_world)
     model = {"tp=2": tiny_qwen3_moe, "tp=4": tiny_qwen3, "cp=2": tiny_gemma2_softcap}[layout]
     trainer = Trainer(**trainer_kwargs(tmp_path / "run", layout=layout, devices=devices,
                                        max_steps=1, global_batch_size=8))

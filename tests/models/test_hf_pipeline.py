@@ -92,7 +92,7 @@ def test_tied_llama_is_refused_before_any_process(tmp_path, monkeypatch):
     def no_world(*args, **kwargs):
         raise AssertionError("the pipeline check let the model through: processes would start")
 
-    monkeypatch.setattr("meshtrain.trainer_setup.start_world", no_world)
+    monkeypatch.setattr("meshtrain.loop.setup.start_world", no_world)
     trainer = Trainer(**trainer_kwargs(tmp_path / "run", layout="pp=2", devices=2, max_steps=1,
                                        global_batch_size=8))
     with pytest.raises(ConfigError, match="shared across stages"):
@@ -156,7 +156,7 @@ def test_the_check_runs_on_training_samples_as_long_as_the_sequence(tmp_path, mo
         finally:
             model.config.sliding_window = window
 
-    monkeypatch.setattr("meshtrain.trainer_setup.start_world", no_world)
+    monkeypatch.setattr("meshtrain.loop.setup.start_world", no_world)
     monkeypatch.setattr(hf_pipeline, "run_stage", without_window)
     monkeypatch.setattr(hf_pipeline.HFPipeline, "example_inputs",  # too short to show it
                         lambda self, model: torch.zeros(2, 8, dtype=torch.long))

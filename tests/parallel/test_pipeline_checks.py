@@ -92,7 +92,7 @@ def rank_0_of_two(monkeypatch):
     def no_world(*args, **kwargs):
         raise _WorldStarted("the pipeline check let the model through: processes would start")
 
-    monkeypatch.setattr("meshtrain.trainer_setup.start_world", no_world)
+    monkeypatch.setattr("meshtrain.loop.setup.start_world", no_world)
     yield
     assert not dist.is_initialized()
 
