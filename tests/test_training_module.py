@@ -435,3 +435,17 @@ def test_a_gan_with_two_optimizers_under_dp_equals_the_manual_loop_in_one_proces
     for name, value in state_of(reference).items():
         assert torch.allclose(state[name], value, atol=1e-5, rtol=0), name
     assert not torch.allclose(state["generator.0.weight"], state_of(GAN())["generator.0.weight"])
+
+
+def test_a_gan_resumes_both_optimizers_exactly(tmp_path):
+    """Both optimizers' state (Adam's moments, SGD's momentum) go into the checkpoint: the run
+    resumed from step 3 ends where the uninterrupted one does."""
+    common = dict(max_steps=6, global_batch_size=BATCH, shuffle=False)
+    full = quiet_trainer(tmp_path / "full", checkpoint_every_n_steps=3, **common)
+    weights = state_of(full.fit(GAN, gan_data()))
+    resumed = quiet_trainer(tmp_path / "resumed",
+                            resume=str(tmp_path / "full" / "checkpoints" / "step_00000003"),
+                            **common)
+    again = state_of(resumed.fit(GAN, gan_data()))
+    for name, value in weights.items():
+        assert torch.equal(again[name], value), name
