@@ -2,7 +2,9 @@
 
 __version__ = "0.1.0"
 
-from meshtrain.callbacks import EMA, Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from meshtrain.callbacks import (
+    EMA, SWA, Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint,
+)
 from meshtrain.errors import ConfigError, LayoutError, MeshtrainError, WorkerFailed
 from meshtrain import losses
 from meshtrain.losses import GlobalMeanLoss
@@ -13,7 +15,8 @@ from meshtrain.trainer import Trainer
 
 __all__ = [
     "EMA", "Callback", "ConfigError", "EarlyStopping", "GlobalMeanLoss", "Layout", "LayoutError",
-    "LearningRateMonitor", "MeshtrainError", "ModelCheckpoint", "Trainer", "TrainingModule",
+    "LearningRateMonitor", "MeshtrainError", "ModelCheckpoint", "SWA", "Trainer",
+    "TrainingModule",
     "WorkerFailed",
     "__version__", "gather_batch", "losses",
 ]

@@ -229,3 +229,53 @@ class EMA(Callback):
             for name, p in self._params(trainer):
                 p.copy_(self._saved[name])
             self._saved = None
+
+
+class SWA(Callback):
+    """Stochastic weight averaging (Izmailov et al. 2018): from optimizer step ``start_step`` on,
+    an equal-weight average of the weights after every step, updated with
+    ``torch.optim.swa_utils.get_swa_avg_fn()`` on each parameter as its rank holds it (a shard
+    under zero2/zero3, a DTensor under tp, its stages under pp; ``AveragedModel`` itself
+    deep-copies the model, which FSDP2 refuses). ``swap_at_end``: the model ``fit`` returns
+    holds the average (its final checkpoint, written before, the last weights). Models with
+    BatchNorm need their statistics recomputed for the averaged weights
+    (``torch.optim.swa_utils.update_bn``): they are refused."""
+
+    def __init__(self, start_step: int = 1, swap_at_end: bool = True):
+        if not isinstance(start_step, int) or start_step < 1:
+            raise ConfigError(f"SWA start_step must be an integer >= 1, got {start_step!r}")
+        self.start_step, self.swap_at_end = start_step, swap_at_end
+        self.averaged: dict[str, torch.Tensor] = {}
+        self.num_averaged = 0
+
+    def on_fit_start(self, trainer) -> None:
+        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+               for m in trainer.model.modules()):
+            raise ConfigError("SWA: the model has BatchNorm layers, whose running statistics "
+                              "do not match averaged weights; recompute them with "
+                              "torch.optim.swa_utils.update_bn after fit, without this callback")
+
+    @torch.no_grad()
+    def on_train_step_end(self, trainer, metrics: dict) -> None:
+        if trainer.global_step < self.start_step:
+            return
+        from torch.optim.swa_utils import get_swa_avg_fn
+
+        average = get_swa_avg_fn()
+        count = torch.tensor(self.num_averaged)
+        for name, p in trainer.model.named_parameters():
+            if name not in self.averaged:
+                self.averaged[name] = p.detach().clone()
+            else:
+                self.averaged[name].copy_(average(self.averaged[name], p.detach(), count))
+        self.num_averaged += 1
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The averaged parameters by name (empty before ``start_step``)."""
+        return dict(self.averaged)
+
+    @torch.no_grad()
+    def on_fit_end(self, trainer) -> None:
+        if self.swap_at_end and self.averaged:
+            for name, p in trainer.model.named_parameters():
+                p.copy_(self.averaged[name])

@@ -14,6 +14,10 @@ from meshtrain.settings import SECTIONS, SETTINGS, Setting
 # The public callbacks' arguments, one line each; defaults and types come from the signatures
 # (tests/test_settings.py fails when a parameter has no line here, or a line no parameter).
 CALLBACK_ARGS: dict[str, dict[str, str]] = {
+    "SWA": {
+        "start_step": "The first optimizer step whose weights join the average.",
+        "swap_at_end": "The model fit returns holds the average.",
+    },
     "EMA": {
         "decay": "The weight of the old average at each step (between 0 and 1).",
         "use_for_validation": "Validate inside fit with the averaged weights.",

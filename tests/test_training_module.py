@@ -449,3 +449,33 @@ def test_a_gan_resumes_both_optimizers_exactly(tmp_path):
     again = state_of(resumed.fit(GAN, gan_data()))
     for name, value in weights.items():
         assert torch.equal(again[name], value), name
+
+
+def _swa_rank(run_dir, layout):
+    torch.set_num_threads(1)
+    swa = meshtrain.SWA(start_step=3)
+    trainer = quiet_trainer(run_dir, **({"layout": layout} if layout else {}), max_steps=6,
+                            global_batch_size=BATCH, shuffle=False, callbacks=[swa])
+    model = trainer.fit(_model, images())
+    from torch.distributed.tensor import DTensor
+
+    whole = {n: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+             for n, v in model.named_parameters()}
+    return whole if int(os.environ.get("RANK", 0)) == 0 else None
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout", ["dp=2", "zero3=2"])
+def test_swa_averages_the_weights_of_the_steps_from_its_start(tmp_path, layout):
+    """The model fit returns holds the mean of the weights after steps 3, 4, 5 and 6, as a
+    one-process run recorded them."""
+    torch.set_num_threads(1)
+    record = ParamsAfterEachStep()
+    quiet_trainer(tmp_path / "one", max_steps=6, global_batch_size=BATCH, shuffle=False,
+                  callbacks=[record]).fit(_model, images())
+    hand = {n: torch.stack([step[n] for step in record.steps[2:]]).mean(0)
+            for n in record.steps[0]}
+    swa = run_workers(_swa_rank, 2, (str(tmp_path / "two"), layout), timeout=120)[0]
+    for name, value in hand.items():
+        assert torch.allclose(swa[name], value, atol=1e-5, rtol=0), name
+    assert not torch.allclose(hand["fc1.weight"], record.steps[-1]["fc1.weight"], atol=1e-4)
