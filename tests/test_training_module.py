@@ -479,3 +479,63 @@ def test_swa_averages_the_weights_of_the_steps_from_its_start(tmp_path, layout):
     for name, value in hand.items():
         assert torch.allclose(swa[name], value, atol=1e-5, rtol=0), name
     assert not torch.allclose(hand["fc1.weight"], record.steps[-1]["fc1.weight"], atol=1e-4)
+
+
+# -- a loss over the whole global batch's items, from inside the step ---------------------------
+class TokenSum(torch.nn.Module):
+    """Next-token logits over a tiny vocabulary; targets -100 are padding. Its steps return
+    the micro-batch's summed loss; count_loss_items says over how many tokens."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten(), ignore_index=-100,
+                               reduction="sum")
+
+    def count_loss_items(self, batch):
+        return (batch[1] != -100).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def padded_tokens(n=64, seq=6):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 11, (n, seq), generator=gen)
+    y = torch.randint(0, 11, (n, seq), generator=gen)
+    lengths = torch.randint(1, seq + 1, (n,), generator=gen)  # uneven padding per sample
+    y[torch.arange(seq)[None, :] >= lengths[:, None]] = -100
+    return TensorDataset(x, y)
+
+
+def _token_rank(run_dir):
+    torch.set_num_threads(1)
+    trainer = quiet_trainer(run_dir, layout="dp=2", max_steps=4, global_batch_size=BATCH,
+                            micro_batch_size=4, shuffle=False)
+    model = trainer.fit(TokenSum, padded_tokens())
+    return state_of(model) if int(os.environ["RANK"]) == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_a_step_returning_sums_gets_the_global_batch_mean_over_ranks_and_micro_batches(tmp_path):
+    """Ranks and micro-batches hold different numbers of real tokens: each step's gradient is
+    the mean over every real token of the global batch, as one process computes it by hand."""
+    reference = TokenSum()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    x, y = padded_tokens().tensors
+    for step in range(4):
+        batch = slice(step * BATCH, (step + 1) * BATCH)
+        optimizer.zero_grad()
+        F.cross_entropy(reference(x[batch]).flatten(0, 1), y[batch].flatten(),
+                        ignore_index=-100).backward()  # the mean over the step's real tokens
+        optimizer.step()
+    state = run_workers(_token_rank, 2, (str(tmp_path),), timeout=100)[0]
+    for name, value in state_of(reference).items():
+        assert torch.allclose(state[name], value, atol=1e-5, rtol=0), name

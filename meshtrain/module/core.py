@@ -10,7 +10,10 @@ parameters it sees are the ones that train (sharded under zero2/zero3, DTensors 
 ``prepare_data()`` (download, unpack: once per job) runs on global rank 0 while the others wait,
 before the data is read: pass ``fit`` a function that builds the dataset from what it left.
 :class:`TrainingModule` adds ``self.log`` and ``self.trainer``; a plain module with these
-methods works too (``trainer.log`` logs from it).
+methods works too (``trainer.log`` logs from it). A loss averaged over the items of the whole
+global batch (tokens, with padding and accumulation; meshtrain.losses): define
+``count_loss_items(batch)`` and let the steps return the micro-batch's *sum*; meshtrain divides
+by the step's items over every rank.
 
 The step runs inside meshtrain's engine: under DDP it is called through the DDP wrapper
 (:class:`TrainingStep`), so gradients are reduced as for ``model(inputs)``; FSDP2, tensor and

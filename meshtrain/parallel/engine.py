@@ -124,7 +124,9 @@ class Engine:
             self.step_call = train_module if train_module is not model else model.training_step
         self.batch_idx = 0  # this rank's micro-batches in the epoch (the Trainer resets it)
         self.manual = is_manual(model)  # the step drives its optimizers: see manual_backward
-        self.counter = None if self.step_call else loss_counter(model, loss_fn, options.loss_items)
+        # a global-mean loss: the step's items counted first (a module's steps then return sums)
+        self.counter = (getattr(model, "count_loss_items", None) if self.step_call
+                        else loss_counter(model, loss_fn, options.loss_items))
         # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
         self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
         self._steps_synced = 0
