@@ -36,10 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # run_workers' processes fork from one server: import what nearly every worker needs there once
-# (transformers: the Hugging Face tests' workers; the report page: rank 0 of a fit that writes one;
-# a missing module is skipped by the server)
-spawn.FORKSERVER_PRELOAD += ["meshtrain", "meshtrain.trainer", "parity", "transformers",
-                             "jinja2", "matplotlib.figure", "matplotlib.backends.backend_agg"]
+# (transformers: the Hugging Face tests' workers; a missing module is skipped by the server)
+spawn.FORKSERVER_PRELOAD += ["meshtrain", "meshtrain.trainer", "parity", "transformers"]
 
 
 # ---- one torch thread ---------------------------------------------------------------------------
