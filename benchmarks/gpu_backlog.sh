@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU backlog (../shared/notes/gpu-backlog.md) as one time-boxed script for a lent GPU machine.
+#
+#   OUT=/some/folder bash benchmarks/gpu_backlog.sh
+#
+# Writes at most 8 files to $OUT: env.txt, gpu-tests.log, mfu.log, mfu_<dev>.json,
+# mfu_<dev>_eager.json, overhead.log, overhead_gpu_<dev>.json, cpu-suite.log. Each step has its
+# own time limit (seconds, below) so that one slow step cannot eat the whole lease; the CPU-only
+# multi-rank tests run on cores 8-15 beside the GPU steps, which are pinned to cores 0-7.
+set -u
+OUT=${OUT:?set OUT to a folder for the logs}
+DEV=${DEV:-gpu}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+T_TESTS=${T_TESTS:-170} T_MFU=${T_MFU:-170} T_EAGER=${T_EAGER:-80} T_OVER=${T_OVER:-90} T_CPU=${T_CPU:-480}
+t0=$(date +%s)
+command -v taskset >/dev/null || taskset() { shift; "$@"; }  # no util-linux: run unpinned
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+
+{
+  stamp "install"
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3 \
+    || echo "pip install failed; using PYTHONPATH"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, sys; print(sys.version); print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+  python3 -c "import meshtrain, transformers, lightning; print('meshtrain at', meshtrain.__file__, 'transformers', transformers.__version__, 'lightning', lightning.__version__)"
+  nproc
+} >"$OUT/env.txt" 2>&1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+(
+  s=$(date +%s)
+  CUDA_VISIBLE_DEVICES= timeout "$T_CPU" taskset -c 8-15 python3 -m pytest -q -n 6 --timeout 300 \
+    -p no:cacheprovider tests/parallel tests/models >"$OUT/cpu-suite.log" 2>&1
+  echo "rc=$? wall=$(( $(date +%s) - s )) s (pytest -n 6 on cores 8-15, beside the GPU steps)" >>"$OUT/cpu-suite.log"
+) &
+
+run_step() {  # name limit log cmd...
+  local name=$1 limit=$2 log=$3; shift 3
+  local s; s=$(date +%s)
+  stamp "$name: $*" >>"$log"
+  timeout "$limit" taskset -c 0-7 "$@" >>"$log" 2>&1
+  echo "[$name] rc=$? wall=$(( $(date +%s) - s )) s" >>"$log"
+}
+
+run_step gpu-tests "$T_TESTS" "$OUT/gpu-tests.log" python3 -m pytest -m gpu -q -n 3 --timeout 150 -p no:cacheprovider tests
+run_step mfu "$T_MFU" "$OUT/mfu.log" python3 benchmarks/mfu.py --steps 300 --out "$OUT/mfu_${DEV}.json"
+run_step mfu-eager "$T_EAGER" "$OUT/mfu.log" python3 benchmarks/mfu.py --steps 60 --compile false --out "$OUT/mfu_${DEV}_eager.json"
+run_step overhead "$T_OVER" "$OUT/overhead.log" python3 benchmarks/overhead_gpu.py --repeats 3 --out "$OUT/overhead_gpu_${DEV}.json"
+stamp "GPU steps done; waiting for the CPU suite" >>"$OUT/env.txt"
+wait
+stamp "all done" >>"$OUT/env.txt"
