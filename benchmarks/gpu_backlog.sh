@@ -13,7 +13,8 @@ DEV=${DEV:-gpu}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 T_TESTS=${T_TESTS:-170} T_MFU=${T_MFU:-170} T_EAGER=${T_EAGER:-80} T_OVER=${T_OVER:-90} T_CPU=${T_CPU:-480}
 t0=$(date +%s)
-command -v taskset >/dev/null || taskset() { shift; "$@"; }  # no util-linux: run unpinned
+PIN_GPU=(taskset -c 0-7) PIN_CPU=(taskset -c 8-15)
+command -v taskset >/dev/null || PIN_GPU=() PIN_CPU=()  # no util-linux: run unpinned
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
 {
@@ -29,7 +30,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 (
   s=$(date +%s)
-  CUDA_VISIBLE_DEVICES= timeout "$T_CPU" taskset -c 8-15 python3 -m pytest -q -n 6 --timeout 300 \
+  CUDA_VISIBLE_DEVICES= timeout "$T_CPU" "${PIN_CPU[@]}" python3 -m pytest -q -n 6 --timeout 300 \
     -p no:cacheprovider tests/parallel tests/models >"$OUT/cpu-suite.log" 2>&1
   echo "rc=$? wall=$(( $(date +%s) - s )) s (pytest -n 6 on cores 8-15, beside the GPU steps)" >>"$OUT/cpu-suite.log"
 ) &
@@ -38,7 +39,7 @@ run_step() {  # name limit log cmd...
   local name=$1 limit=$2 log=$3; shift 3
   local s; s=$(date +%s)
   stamp "$name: $*" >>"$log"
-  timeout "$limit" taskset -c 0-7 "$@" >>"$log" 2>&1
+  timeout "$limit" "${PIN_GPU[@]}" "$@" >>"$log" 2>&1
   echo "[$name] rc=$? wall=$(( $(date +%s) - s )) s" >>"$log"
 }
 
