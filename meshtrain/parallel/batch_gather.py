@@ -22,7 +22,12 @@ from contextvars import ContextVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_single
+try:
+    from torch.distributed._functional_collectives import all_gather_single
+except ImportError:  # torch < 2.13 (e.g. the 2.11 of the GPU image): the same autograd-aware gather
+    from torch.distributed._functional_collectives import (
+        all_gather_tensor_autograd as all_gather_single,
+    )
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.mesh import as_process_group

@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_single
+try:
+    from torch.distributed._functional_collectives import all_gather_single
+except ImportError:  # torch < 2.13 (e.g. the 2.11 of the GPU image): the same autograd-aware gather
+    from torch.distributed._functional_collectives import (
+        all_gather_tensor_autograd as all_gather_single,
+    )
 
 from meshtrain.errors import ConfigError
 
