@@ -5,7 +5,10 @@ and the allocator's figures in the memory report.
 ``pytest -m gpu`` on a GPU machine; without a visible CUDA device every test here is skipped with
 that reason (CI has none). fp32 runs turn TF32 off, so CPU and GPU differ by kernel rounding only.
 The mixed-precision limits are tests/test_mixed_precision.py's (fractions of the format's unit
-roundoff, measured on CPU); the GPU's half-precision kernels round like the CPU's to within them.
+roundoff u, measured on CPU) except the loss's: on an H200 (torch 2.11, 2026-11-26) the 8-step
+run's losses landed 0.149 u (bf16) and 0.190 u (fp16) from fp32 where the CPU's land within
+0.023 u, with parameters (0.0093 u) and gradient norms (0.044 u) inside the CPU's limits; cuBLAS's
+reduced-precision reductions made no difference. The loss limit here is u/2.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from parity import GPT4_FNS, GPT_FNS, GRAD_NORMS, compare_ranks, mlp, regression
     train_state
 from test_gpu import no_tf32  # noqa: F401  (autouse: TF32 off in every test here)
 from test_mixed_precision import FNS as MP_FNS
-from test_mixed_precision import _InjectInf, assert_within, limits
+from test_mixed_precision import UNIT_ROUNDOFF, _InjectInf, assert_within, limits
 
 from meshtrain.launch.spawn import run_workers
 
@@ -101,7 +104,8 @@ def test_mixed_precision_on_cuda_within_the_formats_limits(precision):
     fp32 = train_state(dict(COMMON, accelerator="cpu"), **MP_FNS)
     half = train_state(dict(COMMON, accelerator="cuda", precision=precision), **MP_FNS)
     assert half[GRAD_NORMS].isfinite().all(), "an fp16 step was skipped (inf gradient norm)"
-    assert_within([half], fp32, limits(precision), f"{precision} on cuda vs fp32 on cpu")
+    limit = dict(limits(precision), loss=UNIT_ROUNDOFF[precision] / 2)
+    assert_within([half], fp32, limit, f"{precision} on cuda vs fp32 on cpu")
 
 
 def test_fp16_overflow_on_cuda_skips_the_step_and_halves_the_scale():
@@ -150,8 +154,8 @@ def test_memory_report_shows_the_cuda_allocator():
 
 # -- the step-time breakdown and MFU (meshtrain/observe/) ---------------------------------------
 def test_breakdown_on_cuda_adds_up_and_mfu_uses_the_device_peak():
-    """A measured step waits for the device at each part's end: the parts still add up to the
-    loop's clock; the peak is the data sheet's for a known GPU."""
+    """The parts, from CUDA events replayed at each logging interval (no sync per step), add up
+    to the loop's clock on the device; the peak is the data sheet's for a known GPU."""
     from meshtrain.observe import run_files
     from meshtrain.observe.flops import GPU_PEAK_TFLOPS
 

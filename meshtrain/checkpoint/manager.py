@@ -141,9 +141,12 @@ def local_all_finite(model: torch.nn.Module, optimizer) -> bool:
         inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
         for state in inner.state.values():
             tensors += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
-    extremes = [r for t in tensors if t.is_floating_point() and t.numel()
-                for r in (t.amax(), t.amin())]  # NaN propagates through amax/amin
-    return bool(torch.isfinite(torch.stack(extremes)).all()) if extremes else True
+    by_device: dict[torch.device, list[torch.Tensor]] = {}  # Adam's `step` stays on the CPU
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            by_device.setdefault(t.device, []).extend((t.amax(), t.amin()))  # NaN propagates
+    return all(bool(torch.isfinite(torch.stack(extremes)).all())
+               for extremes in by_device.values())
 
 
 def all_finite(model: torch.nn.Module, optimizer) -> bool:
