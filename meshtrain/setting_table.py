@@ -292,8 +292,8 @@ DEFINITIONS = [
        "RUN_DIR` writes it at any time."),
     _S("breakdown_every_n_steps", "logging", 1, "int",
        "Measure where every Nth step's time goes on each rank (data, compute, comm, bubble, "
-       "optimizer, checkpoint, other) for breakdown.csv and the report; on a GPU a measured "
-       "step waits for the device at each part's end; none: off.", minimum=1, none=True),
+       "optimizer, checkpoint, other) for breakdown.csv and the report (on a GPU from CUDA "
+       "events, without waiting for the device); none: off.", minimum=1, none=True),
     _S("straggler_margin", "logging", 0.2, "number",
        "Warn when a rank's own work per step (its step minus its waits for the others) stays "
        "this fraction above the other ranks' median for two logging intervals (measured with "

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from meshtrain.observe import run_files
 from meshtrain.observe.run_files import PARTS
-from meshtrain.observe.step_timer import StepTimer
+from meshtrain.observe.step_timer import make_step_timer
 
 STRAGGLER_PATIENCE = 2  # logging intervals in a row before a rank is called a straggler
 STRAGGLER_MIN_S = 0.002  # and at least this much slower per step (timer noise on tiny steps)
@@ -46,7 +46,7 @@ class RunMonitor:
                  log=print):
         self.run_dir, self.rank, self.device, self.group = Path(run_dir), rank, device, group
         self.world_size, self.margin, self.log = world_size, straggler_margin, log
-        self.timer = StepTimer(every, device)
+        self.timer = make_step_timer(every, device)
         self.flops_per_item = self.peak = None
         self.peak_source = ""
         self._slow_intervals = [0] * world_size

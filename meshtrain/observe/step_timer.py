@@ -8,9 +8,11 @@ exposed communication (the end of backward, from when the last gradient was comp
 DDP/FSDP finished reducing; :meth:`backward_compute_done` marks the first) and a pipeline's
 bubble (its step minus this rank's F/B actions).
 
-Only every ``every``-th step is measured. On a GPU a measured step waits for the device at each
-part boundary (the host clock then sees the device's work); on a CPU nothing waits, so timing
-every step costs a few clock reads.
+Only every ``every``-th step is measured. On a CPU the clock is the host's, and timing every
+step costs a few clock reads. On a GPU (:class:`DeviceStepTimer`) nothing waits for the device:
+each boundary records a CUDA event on the current stream, and at the end of a logging interval the
+calls are replayed on a :class:`StepTimer` whose clock reads the events' times. The parts are then
+the device's timeline: a host-side wait (for data, say) counts only where the device ran dry.
 """
 
 from __future__ import annotations
@@ -23,10 +25,17 @@ import torch
 from meshtrain.observe.run_files import PARTS
 
 
+def make_step_timer(every: int | None, device: torch.device | str = "cpu"):
+    """The step timer for ``device``: events on a CUDA device, the host clock elsewhere."""
+    if torch.device(device).type == "cuda":
+        return DeviceStepTimer(every)
+    return StepTimer(every)
+
+
 class StepTimer:
-    def __init__(self, every: int | None, device: torch.device | str = "cpu"):
+    def __init__(self, every: int | None, clock=time.perf_counter):
         self.every = every
-        self.cuda = torch.device(device).type == "cuda"
+        self._clock = clock
         self.active = False  # this step is measured
         self._parts = dict.fromkeys(PARTS, 0.0)
         self._stack: list[str] = []
@@ -37,12 +46,11 @@ class StepTimer:
         self.window_steps = 0
         # the loop's own clock over the window: every step, measured or not, and what lies
         # between steps, less validation (what the parts are checked against)
-        self._wall_start, self._wall_paused, self._wall_steps = time.perf_counter(), 0.0, 0
+        self._wall_start: float | None = None  # the first step's start
+        self._wall_paused, self._wall_steps = 0.0, 0
 
     def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return self._clock()
 
     def _switch(self) -> float:
         now = self._now()
@@ -56,6 +64,8 @@ class StepTimer:
         gather, an epoch's new loader) counts as this step's "other"."""
         self._step = step
         self.active = bool(self.every) and step % self.every == 0
+        if self._wall_start is None:
+            self._wall_start = self._now()
         self._wall_steps += 1
         if self.active:
             self._parts = dict.fromkeys(PARTS, 0.0)
@@ -83,30 +93,43 @@ class StepTimer:
         if not self.active:
             yield
             return
-        assert name in PARTS, name
-        self._switch()
-        self._stack.append(name)
+        self.enter(name)
         try:
             yield
         finally:
-            if self.active:
-                self._switch()
-                self._stack.pop()
+            self.leave()
+
+    def enter(self, name: str) -> None:
+        if self.active:
+            assert name in PARTS, name
+            self._switch()
+            self._stack.append(name)
+
+    def leave(self) -> None:
+        if self.active:
+            self._switch()
+            self._stack.pop()
 
     @contextlib.contextmanager
     def paused(self):
         """Time inside belongs to no step (validation between two steps)."""
-        start = time.perf_counter()
-        if self.active:
-            self._switch()
+        self.pause()
         try:
             yield
         finally:
-            if self.active:
-                now = self._now()
-                self._start += now - self._last
-                self._last = now
-            self._wall_paused += time.perf_counter() - start
+            self.unpause()
+
+    def pause(self) -> None:
+        self._paused_at = self._now()
+        if self.active:
+            self._switch()
+
+    def unpause(self) -> None:
+        now = self._now()
+        if self.active:
+            self._start += now - self._last
+            self._last = now
+        self._wall_paused += now - self._paused_at
 
     def move(self, seconds: float, source: str, target: str) -> None:
         """Reassign ``seconds`` already counted in ``source`` to ``target`` (at most what
@@ -148,8 +171,9 @@ class StepTimer:
         """Mean seconds per measured step since the last call: [wall, step, *PARTS], where
         wall is the loop's clock per step (every step, and what lies between them); None when
         no step was measured. Resets the window."""
-        now = time.perf_counter()
-        wall = (now - self._wall_start - self._wall_paused) / max(self._wall_steps, 1)
+        now = self._now()
+        start = now if self._wall_start is None else self._wall_start
+        wall = (now - start - self._wall_paused) / max(self._wall_steps, 1)
         self._wall_start, self._wall_paused, self._wall_steps = now, 0.0, 0
         if not self.window_steps:
             return None
@@ -158,6 +182,102 @@ class StepTimer:
         self.window = dict.fromkeys(self.window, 0.0)
         self.window_steps = 0
         return values
+
+
+class DeviceStepTimer:
+    """:class:`StepTimer` on a CUDA device without a host sync: every call that reads the clock
+    records an event on the current stream instead, and :meth:`take_window` (at a logging
+    interval) waits for the last one and replays the calls on a host :class:`StepTimer` whose
+    clock gives each event's time. One event per boundary, no sync per step."""
+
+    def __init__(self, every: int | None, event=None):
+        self.every = every
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.active = False
+        self._time = 0.0  # the replay's clock: the time of the call being replayed
+        self._replay = StepTimer(every, clock=lambda: self._time)
+        self._calls: list[tuple[str, tuple, torch.cuda.Event]] = []
+        self._origin: tuple[torch.cuda.Event, float] | None = None  # (event, its time)
+        self._mark_pending = False
+
+    def _record(self, method: str, *args) -> None:
+        event = self._event()
+        event.record()
+        self._calls.append((method, args, event))
+
+    def begin(self, step: int) -> None:
+        if not self.every:
+            return
+        self.active = step % self.every == 0
+        self._record("begin", step)
+
+    def end(self) -> None:
+        if self.active:
+            self._record("end")
+            self.active = False
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        if not self.active:
+            yield
+            return
+        self.enter(name)
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def enter(self, name: str) -> None:
+        if self.active:
+            assert name in PARTS, name
+            self._record("enter", name)
+
+    def leave(self) -> None:
+        if self.active:
+            self._record("leave")
+
+    @contextlib.contextmanager
+    def paused(self):
+        if self.every:
+            self._record("pause")
+        try:
+            yield
+        finally:
+            if self.every:
+                self._record("unpause")
+
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """(Host seconds: a pipeline's bubble, measured by the schedule.)"""
+        if self.active:
+            self._record("move", seconds, source, target)
+
+    def watch_backward(self, loss: torch.Tensor) -> None:
+        StepTimer.watch_backward(self, loss)
+
+    def backward_compute_done(self) -> None:
+        """The event follows the last gradient's kernels on the stream backward runs on."""
+        if self.active:
+            self._record("backward_compute_done")
+            self._mark_pending = True
+
+    def backward_returned(self) -> None:
+        if self.active and self._mark_pending:
+            self._record("backward_returned")
+            self._mark_pending = False
+
+    def take_window(self) -> list[float] | None:
+        """As :meth:`StepTimer.take_window`, on the device's clock (waits for the last event
+        recorded, once per logging interval)."""
+        if self._calls:
+            last = self._calls[-1][2]
+            last.synchronize()
+            origin, at = self._origin or (self._calls[0][2], 0.0)
+            for method, args, event in self._calls:
+                # elapsed_time is float milliseconds: measured from the last window's end
+                self._time = at + origin.elapsed_time(event) / 1000
+                getattr(self._replay, method)(*args)
+            self._origin, self._calls = (last, self._time), []
+        return self._replay.take_window()
 
 
 class TimedBatches:

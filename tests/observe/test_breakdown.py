@@ -19,7 +19,7 @@ from meshtrain.launch.spawn import run_workers
 from meshtrain.observe import run_files
 from meshtrain.observe.flops import flops_per_item, mfu
 from meshtrain.observe.loggers import read_metrics_csv
-from meshtrain.observe.step_timer import StepTimer, TimedBatches
+from meshtrain.observe.step_timer import DeviceStepTimer, StepTimer, TimedBatches
 
 SLOW_S = 0.03  # what the slowed rank sleeps per micro-batch
 
@@ -78,8 +78,23 @@ def _fit(tmp_path, model_kwargs=None, data_kwargs=None, **settings) -> Path:
 
 
 # -- the clock alone ---------------------------------------------------------------------------
-def test_parts_nest_and_add_up_to_the_step():
-    timer = StepTimer(every=1)
+class HostEvent:
+    """A CUDA event's interface on the host clock: DeviceStepTimer's replay, tested here; the
+    real events in tests/test_gpu_path.py."""
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return (other.at - self.at) * 1000
+
+
+@pytest.mark.parametrize("timer_class", ["host", "device"])
+def test_parts_nest_and_add_up_to_the_step(timer_class):
+    timer = StepTimer(every=1) if timer_class == "host" else DeviceStepTimer(1, event=HostEvent)
     timer.begin(1)
     with timer.part("compute"):
         time.sleep(0.02)
@@ -110,6 +125,33 @@ def test_only_every_nth_step_is_measured():
         timer.end()
     assert timer.window_steps == 2  # steps 3 and 6
     assert StepTimer(every=None).every is None
+
+
+def test_device_timer_replays_across_windows_and_backward_marks():
+    """Two windows of steps with the end-of-backward marks: each window the same as the host
+    clock's (the replay continues from the last window's end)."""
+    host, device = StepTimer(every=1), DeviceStepTimer(1, event=HostEvent)
+    windows = []
+    for window in range(2):
+        for step in (2 * window + 1, 2 * window + 2):
+            for timer in (host, device):
+                timer.begin(step)
+                timer.enter("compute")
+            time.sleep(0.002)
+            for timer in (host, device):
+                timer.backward_compute_done()
+            time.sleep(0.01)  # between the two marks: the wait for reductions
+            for timer in (host, device):
+                timer.backward_returned()
+                timer.leave()
+                timer.end()
+        windows.append((host.take_window(), device.take_window()))
+    comm = 2 + run_files.PARTS.index("comm")
+    for h, d in windows:
+        assert h[comm] == pytest.approx(0.01, abs=0.004)
+        assert d[comm] == pytest.approx(h[comm], abs=0.002)
+        assert d[1] == pytest.approx(h[1], abs=0.004) and h[1] > 0.012
+        assert d[0] == pytest.approx(h[0], abs=0.004)  # the loop's clock per step
 
 
 # -- a real fit ----------------------------------------------------------------------------------
