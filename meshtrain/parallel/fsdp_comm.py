@@ -35,6 +35,8 @@ try:  # FSDP2's comm interface (public methods, private module in torch 2.13)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover - an older or newer torch: keep FSDP2's own
     AllGather = ReduceScatter = None
+# torch 2.13's name; older ones (the GPU image's 2.11) have reduce_scatter_tensor alone
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _AllOf(dist.Work):
@@ -126,8 +128,8 @@ if ReduceScatter is not None:
             if self.in_flight is not None:
                 self.in_flight.finish()  # collectives and sums stay in issue order
             if async_op or not (average or op == dist.ReduceOp.SUM):
-                return dist.reduce_scatter_single(output=output_tensor, input=input_tensor,
-                                                  group=group, op=op, async_op=async_op)
+                return _REDUCE_SCATTER(output=output_tensor, input=input_tensor,
+                                       group=group, op=op, async_op=async_op)
             defer = self._can_defer(op, output_tensor)
             work, then = _reduce_scatter(output_tensor, input_tensor, group, average, defer)
             if defer:  # the work keeps input_tensor alive until it is waited for
@@ -154,7 +156,11 @@ if ReduceScatter is not None:
 
 def _managed_params(module: nn.Module) -> list[torch.Tensor]:
     """The sharded parameters ``module``'s own FSDP2 group manages (not its sub-units')."""
-    return [fsdp_param.sharded_param for param_group in module._get_fsdp_state()._fsdp_param_groups
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch < 2.13: one group or None
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return [fsdp_param.sharded_param for param_group in groups
             for fsdp_param in param_group.fsdp_params]
 
 
