@@ -271,6 +271,7 @@ class Trainer:
                         guard.after_step(total)
                     self.monitor.step_ends(state.global_step, gather=self._log_due(total))
                 self._end_epoch()
+            guard.settle()  # the last step's deferred NaN check (nan_policy="error" on a GPU)
             self.engine.end_of_training()  # one model on every rank again (local SGD)
             # not again when a validation just stopped training early (same weights)
             if self._val_data is not None and validated_at != state.global_step:

@@ -90,6 +90,10 @@ class StepGuard:
         self.loop, self.options, self.checkpoints = loop, options, checkpoints
         self.gradients_identical = gradients_identical and not grad_scaler
         self.grad_scaler = grad_scaler
+        # on a GPU, nan_policy="error" reads a step's flag during the next step (the device
+        # is not drained every step); a checkpoint or the end of fit reads it at once
+        self.defer = device.type == "cuda"
+        self.pending: tuple[torch.Tensor, str] | None = None  # (flag, "step N (epoch E)")
         if rank == 0:
             checkpoints.cleanup_partial()
         self.flags = StepFlags(rank, world_size, device)
@@ -133,36 +137,50 @@ class StepGuard:
     # -- NaN/Inf --------------------------------------------------------------------------------
     def decide(self, loss: torch.Tensor) -> str:
         """"ok", "skip" or "rollback" for this step, the same on every rank."""
-        from meshtrain.fault.nonfinite import NonFiniteError, describe, nonfinite_flag
+        from meshtrain.fault.nonfinite import describe, nonfinite_flag
 
         policy, manager, state = self.options.nan_policy, self.checkpoints, self.loop.state
         need_flags = bool(self.options.checkpoint_every_n_minutes or manager.in_flight)
+        self.settle()
         if not (policy or need_flags):
             return "ok"
         flag = None
+        what = f"step {state.global_step + 1} (epoch {state.current_epoch})"
         if policy is not None:
             # under fp16 the grad scaler itself skips steps with inf gradients: check the loss
             flag = nonfinite_flag(loss, self.loop.model.parameters(),
                                   check_grads=not self.grad_scaler)
-            if not need_flags and self.gradients_identical and not flag.item() & 2:
+            if not need_flags and self.gradients_identical:
                 # every rank holds the same averaged gradients, so this local check is already
-                # everyone's answer: no all-reduce (a NaN found here is exchanged below, by all)
-                return "ok"
+                # everyone's answer: no all-reduce (a NaN found here is exchanged, by all)
+                if policy == "error" and self.defer:
+                    self.pending = (flag, what)
+                    return "ok"
+                if not flag.item() & 2:
+                    return "ok"
         bad_ranks, self.time_due, self.write_pending = self.flags.exchange(
             flag, manager.due_by_time(), not manager.poll())
         if not bad_ranks:
             return "ok"
-        what = (f"step {state.global_step + 1} (epoch {state.current_epoch}): "
-                f"{describe(bad_ranks)}")
         if policy == "error":
-            raise NonFiniteError(
-                f"{what}. Lower the learning rate, clip gradients (grad_clip_norm=1.0), check "
-                "the data of this step, or set nan_policy='skip' or 'rollback'")
+            _raise_nonfinite(what, bad_ranks)
         if policy == "skip":
             state.num_skipped_steps += 1
-            self.loop.print(f"{what}; update skipped on every rank (nan_policy='skip')")
+            self.loop.print(f"{what}: {describe(bad_ranks)}; update skipped on every rank "
+                            "(nan_policy='skip')")
             return "skip"
         return "rollback"
+
+    def settle(self) -> None:
+        """Read the flag that ``decide`` left pending (nan_policy="error" on a GPU): by now the
+        device has usually finished that step, so this rarely waits."""
+        if self.pending is None:
+            return
+        flag, what = self.pending
+        self.pending = None
+        if flag.item() & 2:  # identical gradients: every rank sees this alike and exchanges
+            bad_ranks, _, _ = self.flags.exchange(flag, False, False)
+            _raise_nonfinite(what, bad_ranks)
 
     def rollback(self) -> None:
         """nan_policy='rollback': restore the last checkpoint; the offending batch is skipped."""
@@ -208,6 +226,7 @@ class StepGuard:
         self.time_due = False
         if not due or (step == total and self.options.save_final_checkpoint):
             return
+        self.settle()  # no checkpoint of a step that is about to fail
         start = time.perf_counter()
         saved = manager.save(step, self.loop.model, self.loop.optimizer,
                              *self.loop.checkpoint_state())
@@ -226,3 +245,12 @@ class StepGuard:
             f"failure every {mtbf_hours:g} h on average (mtbf_hours), the Young/Daly interval "
             f"sqrt(2 x save cost x MTBF) is {interval / 60:.1f} min; a failure loses the steps "
             "since the last checkpoint")
+
+
+def _raise_nonfinite(what: str, bad_ranks: dict[int, int]):
+    from meshtrain.fault.nonfinite import NonFiniteError, describe
+
+    raise NonFiniteError(
+        f"{what}: {describe(bad_ranks)}. Lower the learning rate, clip gradients "
+        "(grad_clip_norm=1.0), check the data of this step, or set nan_policy='skip' or "
+        "'rollback'")

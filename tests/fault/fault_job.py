@@ -103,6 +103,8 @@ class Faults(Callback):
         (folder / f"rank{rank()}_attempt{attempt()}").write_text(str(trainer.global_step))
         (trainer.run_dir / "samples").mkdir(exist_ok=True)
         self.dataset.fetched.clear()
+        if self.args.defer_nan_check:  # what nan_policy="error" does on a GPU, here on the CPU
+            trainer._guard.defer = True
         if self.args.save_loaded:  # the weights as loaded, before the first step
             trainer.save_checkpoint(trainer.run_dir / "checkpoints" / "loaded")
 
@@ -167,6 +169,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default="auto")
     p.add_argument("--nan-index", type=int, default=None)
     p.add_argument("--nan-policy", default="error")
+    p.add_argument("--defer-nan-check", action="store_true")
     p.add_argument("--fault", choices=("kill", "stall", "desync", "kill-in-save"), default=None)
     p.add_argument("--fault-step", type=int, default=None)
     p.add_argument("--fault-rank", type=int, default=1)

@@ -36,15 +36,18 @@ def _job(run_dir, policy, *extra, layout="dp=2"):
 
 
 # dp: gradients are identical after the sync, so each rank decides alone; zero3: each rank
-# holds other gradient shards, so the ranks exchange flags every step
+# holds other gradient shards, so the ranks exchange flags every step. "dp=2 deferred": what
+# a GPU does under dp (the step's flag read during the next step, or before a checkpoint)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("layout", ["dp=2", "zero3=2"])
+@pytest.mark.parametrize("layout", ["dp=2", "zero3=2", "dp=2 deferred"])
 def test_error_names_the_step_and_rank_and_writes_no_bad_checkpoint(tmp_path, layout):
     step, dp_rank = where_is(NAN_INDEX)[0]
     assert 2 < step < 6, "pick NAN_INDEX so that the NaN comes after a checkpoint"
+    layout, *deferred = layout.split()
+    extra = ["--defer-nan-check"] if deferred else []
     with pytest.raises(WorkerFailed) as failure:
-        run_workers(train, DP, (_job(tmp_path, "error", "--ckpt-every", "2", layout=layout),),
-                    timeout=100)
+        run_workers(train, DP, (_job(tmp_path, "error", "--ckpt-every", "2", *extra,
+                                     layout=layout),), timeout=100)
     text = str(failure.value)
     assert "NonFiniteError" in text
     assert f"step {step} (epoch 0): non-finite loss on rank(s) [{dp_rank}]" in text
