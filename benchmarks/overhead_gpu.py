@@ -48,6 +48,7 @@ class Config:
     warmup: int = 20
     steps: int = 200
     nan_policy: str = "error"
+    breakdown: str = "1"  # breakdown_every_n_steps ("none": off)
 
 
 def build_model(cfg: Config):
@@ -121,7 +122,9 @@ def meshtrain(cfg: Config) -> float:
                           global_batch_size=cfg.batch, seed=0, callbacks=[Clock()], loggers=(),
                           progress_bar=False, save_final_checkpoint=False, run_dir=run_dir,
                           resume=None, log_every_n_steps=50,
-                          nan_policy=None if cfg.nan_policy == "none" else cfg.nan_policy)
+                          nan_policy=None if cfg.nan_policy == "none" else cfg.nan_policy,
+                          breakdown_every_n_steps=None if cfg.breakdown == "none"
+                          else int(cfg.breakdown))
         trainer.fit(lambda: build_model(cfg), build_data(cfg),
                     optimizer=lambda params: make_optimizer(params, cfg.device), loss_fn=lm_loss)
     return window.step_s()
@@ -140,16 +143,19 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--nan-policy", choices=("error", "none"), default="error")
+    parser.add_argument("--breakdown-every", default="1",
+                        help="the Trainer's breakdown_every_n_steps (none: off)")
     parser.add_argument("--tiny", action="store_true", help="2 small layers, 3 + 10 steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device is visible; use --device cpu (with --tiny for a smoke run)")
     cfg = Config(device=args.device, steps=args.steps, warmup=args.warmup,
-                 nan_policy=args.nan_policy)
+                 nan_policy=args.nan_policy, breakdown=args.breakdown_every)
     if args.tiny:
         cfg = Config(device=args.device, layers=2, d_model=64, heads=4, seq_len=64, vocab=256,
-                     batch=8, warmup=3, steps=10, nan_policy=args.nan_policy)
+                     batch=8, warmup=3, steps=10, nan_policy=args.nan_policy,
+                     breakdown=args.breakdown_every)
         args.repeats = 1
     runs = interleaved(["raw", "meshtrain"], args.repeats,
                        lambda v: run_workers(worker, 1, (v, cfg), timeout=900)[0],
