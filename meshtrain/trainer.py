@@ -311,10 +311,13 @@ class Trainer:
         Returns (loss here, tokens seen here, outcome): outcome "ok", "skip" (update dropped)
         or "rollback" (nothing changed yet; the caller restores the last checkpoint)."""
         timer = self.monitor.timer  # where the time goes (meshtrain/observe/step_timer.py)
+        if self.engine.manual:  # the module steps its optimizers itself, inside its step
+            with timer.part("checkpoint"):
+                self.checkpoints.before_update()
         with timer.part("compute"):
             loss, tokens = self.engine.forward_backward(batches)
-        if self.engine.manual:  # the module stepped its optimizers itself
-            return loss, tokens, "ok"
+        if self.engine.manual:  # "error" or "rollback" (the updates are made: no "skip")
+            return loss, tokens, self._guard.decide(loss)
         with timer.part("comm"):
             self.engine.sync_gradients()
             outcome = self._guard.decide(loss)

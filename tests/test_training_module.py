@@ -191,10 +191,6 @@ def test_what_a_module_cannot_do_is_refused_before_any_process(tmp_path):
         quiet_trainer(tmp_path, layout="zero1=2", devices=2, max_steps=2).check(MNISTLike, data)
     with pytest.raises(ConfigError, match="several optimizers"):
         quiet_trainer(tmp_path, max_steps=2).check(TwoOptimizers, data)
-    with pytest.raises(ConfigError, match="FSDP requires a single root module"):
-        quiet_trainer(tmp_path, layout="zero3=2", devices=2, max_steps=2).check(GAN, gan_data())
-    with pytest.raises(ConfigError, match="precision is not applied for it; use fp32"):
-        quiet_trainer(tmp_path, max_steps=2, precision="bf16-mixed").check(GAN, gan_data())
     with pytest.raises(ConfigError, match="outside fit"):
         MNISTLike().log("x", 1.0)
 
@@ -363,92 +359,6 @@ def test_prepare_data_runs_once_and_the_other_rank_reads_after_it(tmp_path):
     steps = run_workers(_prepare_rank, 2, (str(tmp_path),), timeout=100)
     assert steps == [3, 3]
     assert (tmp_path / "calls.txt").read_text() == "rank 0\n"
-
-
-# -- several optimizers: a GAN -----------------------------------------------------------------
-class GAN(meshtrain.TrainingModule):
-    """A 1-D GAN: each sample carries the noise its generator turns into a fake. The
-    discriminator steps first, then the generator, each with its own optimizer."""
-
-    automatic_optimization = False
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.generator = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(),
-                                             torch.nn.Linear(16, 8))
-        self.discriminator = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                                 torch.nn.Linear(16, 1))
-
-    def configure_optimizers(self):
-        return (torch.optim.Adam(self.generator.parameters(), lr=1e-2),
-                torch.optim.SGD(self.discriminator.parameters(), lr=0.1, momentum=0.5))
-
-    def training_step(self, batch, batch_idx):
-        real, noise = batch
-        opt_g, opt_d = self.optimizers()
-        fake = self.generator(noise)
-        real_score, fake_score = self.discriminator(real), self.discriminator(fake.detach())
-        loss_d = (F.softplus(-real_score) + F.softplus(fake_score)).mean()
-        opt_d.zero_grad()
-        self.manual_backward(loss_d)
-        opt_d.step()
-        loss_g = F.softplus(-self.discriminator(fake)).mean()
-        opt_g.zero_grad()
-        self.manual_backward(loss_g)
-        opt_g.step()
-        self.log("loss_d", loss_d)
-        return {"loss": loss_g}
-
-
-def gan_data(n=128):
-    gen = torch.Generator().manual_seed(2)
-    return TensorDataset(torch.randn(n, 8, generator=gen) * 0.5 + 1.0,
-                         torch.randn(n, 4, generator=gen))
-
-
-def _gan_rank(run_dir, layout):
-    torch.set_num_threads(1)
-    trainer = quiet_trainer(run_dir, layout=layout, max_steps=5, global_batch_size=BATCH,
-                            shuffle=False)
-    model = trainer.fit(GAN, gan_data())
-    return state_of(model) if int(os.environ["RANK"]) == 0 else None
-
-
-@pytest.mark.timeout(150)
-def test_a_gan_with_two_optimizers_under_dp_equals_the_manual_loop_in_one_process(tmp_path):
-    reference = GAN()
-    opt_g, opt_d = reference.configure_optimizers()
-    real, noise = gan_data().tensors
-    for step in range(5):  # the same step, by hand, on the whole global batch
-        batch = slice(step * BATCH, (step + 1) * BATCH)
-        fake = reference.generator(noise[batch])
-        loss_d = (F.softplus(-reference.discriminator(real[batch]))
-                  + F.softplus(reference.discriminator(fake.detach()))).mean()
-        opt_d.zero_grad()
-        loss_d.backward()
-        opt_d.step()
-        opt_g.zero_grad()
-        F.softplus(-reference.discriminator(fake)).mean().backward()
-        opt_g.step()
-    state = run_workers(_gan_rank, 2, (str(tmp_path), "dp=2"), timeout=120)[0]
-    for name, value in state_of(reference).items():
-        assert torch.allclose(state[name], value, atol=1e-5, rtol=0), name
-    assert not torch.allclose(state["generator.0.weight"], state_of(GAN())["generator.0.weight"])
-
-
-def test_a_gan_resumes_both_optimizers_exactly(tmp_path):
-    """Both optimizers' state (Adam's moments, SGD's momentum) go into the checkpoint: the run
-    resumed from step 3 ends where the uninterrupted one does."""
-    common = dict(max_steps=6, global_batch_size=BATCH, shuffle=False)
-    full = quiet_trainer(tmp_path / "full", checkpoint_every_n_steps=3, **common)
-    weights = state_of(full.fit(GAN, gan_data()))
-    resumed = quiet_trainer(tmp_path / "resumed",
-                            resume=str(tmp_path / "full" / "checkpoints" / "step_00000003"),
-                            **common)
-    again = state_of(resumed.fit(GAN, gan_data()))
-    for name, value in weights.items():
-        assert torch.equal(again[name], value), name
 
 
 def _swa_rank(run_dir, layout):

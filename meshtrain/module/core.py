@@ -41,7 +41,16 @@ def is_manual(model) -> bool:
 
 class Optimizers(list):
     """A manual module's optimizers, in order: what checkpoints save and load (DCP takes a list)
-    and the memory table reads (their state together)."""
+    and the memory table reads (their state together).
+
+    After each optimizer's step autocast's cache of low-precision weight copies is cleared: the
+    step runs in one autocast region, and a later forward in it (the generator's loss through
+    the discriminator just stepped) must see the new weights, not the copies cast before."""
+
+    def __init__(self, optimizers):
+        super().__init__(optimizers)
+        for optimizer in self:
+            optimizer.register_step_post_hook(lambda *_: torch.clear_autocast_cache())
 
     @property
     def state(self) -> dict:
@@ -101,6 +110,13 @@ class TrainingModule(torch.nn.Module):
         """(manual optimisation) ``loss.backward()``, then the gradients averaged over the
         data-parallel ranks (FSDP2 reduce-scatters them inside backward)."""
         self.trainer.engine.manual_backward(loss)
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """(manual optimisation) Clip the gradients of ``optimizer``'s parameters to the global
+        L2 norm ``max_norm`` (over every rank's shards); returns their norm before clipping.
+        Call it after ``manual_backward`` and before ``optimizer.step()``."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return self.trainer.engine.clip_grad_norm(max_norm, params)
 
     @property
     def trainer(self):
@@ -231,23 +247,37 @@ def check_module(model, *, optimizer, loss_fn, val_data, pp: int, metrics,
                           "self.log(...) them")
     if is_manual(model) and layout is not None:
         check_manual(name, layout, settings or {})
+        if layout.is_sharded and any(True for _ in model.parameters(recurse=False)):
+            raise ConfigError(
+                f"{name} steps its optimizers itself and holds parameters of its own; under "
+                f"{layout} each submodule is sharded on its own (the step calls them, not "
+                f"{name}'s forward): move those parameters into a submodule")
 
 
 def check_manual(name: str, layout, settings: dict) -> None:
     """Manual optimisation (several optimizers, stepped by the module) needs one micro-batch
-    per step, plain data parallel, and none of the settings that act on one optimizer."""
-    if not (layout.world_size == 1 or layout.uses_ddp) or layout.zero_stage == 1:
+    per step, dp or FSDP (zero2/zero3/HSDP), and none of the settings that act on one
+    optimizer (clipping is per optimizer, in the step; fp16's scaler; skipping an update)."""
+    if not (layout.world_size == 1 or layout.uses_ddp or layout.is_sharded) or (
+            layout.zero_stage == 1):
         raise ConfigError(
             f"{name} steps its optimizers itself (automatic_optimization = False): meshtrain "
-            "supports that in one process and under dp (gradients averaged in "
-            f"manual_backward), not under {layout}" + (
-                " (FSDP2 gathers the parameters in the model's own forward, which a step that "
-                "calls its submodules never runs: 'FSDP requires a single root module')"
-                if layout.is_sharded else "") + "; use dp=N")
-    for setting, default, fix in (
-            ("grad_clip_norm", None, "leave it unset and clip in the step"),
-            ("precision", "fp32", "use fp32"),
-            ("grad_accum_steps", 1, "one micro-batch per step: leave micro_batch_size unset")):
-        if settings.get(setting, default) != default:
+            "supports that in one process, under dp (gradients averaged in manual_backward) "
+            f"and under zero2/zero3/HSDP (each submodule sharded on its own), not under {layout}"
+            + (" (zero1 shards the state of the one optimizer meshtrain builds)"
+               if layout.zero_stage == 1 else "") + "; use dp=N or zero3=N")
+    for setting, bad, fix in (
+            ("grad_clip_norm", lambda v: v is not None,
+             "call self.clip_gradients(optimizer, max_norm) in the step, per optimizer"),
+            ("precision", lambda v: v == "fp16-mixed",
+             "use bf16-mixed (no loss scaling) or fp32: one grad scaler cannot serve optimizers "
+             "that the step steps in its own order"),
+            ("nan_policy", lambda v: v == "skip",
+             "use 'error' or 'rollback': the step has made its updates when meshtrain sees its "
+             "loss, so only a rollback can drop them"),
+            ("grad_accum_steps", lambda v: v not in (None, 1),
+             "one micro-batch per step: leave micro_batch_size unset")):
+        if setting in settings and bad(settings[setting]):
             raise ConfigError(f"{name} steps its optimizers itself (automatic_optimization = "
-                              f"False): {setting} is not applied for it; {fix}")
+                              f"False): {setting}={settings[setting]!r} is not applied for it; "
+                              f"{fix}")

@@ -179,11 +179,18 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
 
         apply_compile(model, options.compile, blocks, tensor_parallel=layout.degree("tp") > 1)
     if layout.is_sharded:  # 1-D: FSDP; 2-D (replicate, shard): HSDP
+        from meshtrain.module.core import is_manual
         from meshtrain.parallel.fully_shard import apply_fsdp
 
-        apply_fsdp(model, mesh.shard, reshard_after_forward=layout.zero_stage == 3,
-                   precision=options.precision, offload=options.offload, blocks=blocks or None,
-                   unit_mb=options.shard_unit_mb)
+        # a manual module's step calls its submodules (generator, discriminator), never its
+        # own forward: each submodule with parameters is then an FSDP root of its own
+        roots = ([child for child in model.children() if any(True for _ in child.parameters())]
+                 if is_manual(model) else [model])
+        for root in roots:
+            inside = [b for b in blocks if b is not root and any(b is m for m in root.modules())]
+            apply_fsdp(root, mesh.shard, reshard_after_forward=layout.zero_stage == 3,
+                       precision=options.precision, offload=options.offload,
+                       blocks=inside or None, unit_mb=options.shard_unit_mb)
         return model
     if ddp and layout.uses_ddp and options.local_sgd_every is None:  # local SGD: no sync
         from meshtrain.parallel.data_parallel import apply_ddp

@@ -226,8 +226,10 @@ class Engine:
     def manual_backward(self, loss: torch.Tensor) -> None:
         """A manual module's backward: the gradients so far averaged over the loss ranks (the
         sum of what earlier passes averaged and this pass adds stays an average: averaging
-        is linear and the earlier part is the same everywhere)."""
-        self.precision.backward(loss)
+        is linear and the earlier part is the same everywhere). Autocast is off inside, as
+        around an automatic step's backward (the step runs under it)."""
+        with torch.autocast(self.device.type, enabled=False):
+            self.precision.backward(loss)
         if self.layout.uses_ddp:
             from meshtrain.parallel.data_parallel import allreduce_gradients
 
@@ -277,10 +279,11 @@ class Engine:
             check_replicated_grads(self.model, self.mesh.axis("tp").get_group(),
                                    step=self._steps_synced)
 
-    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float | None, params=None) -> torch.Tensor:
         """The gradients' global L2 norm before clipping (over every shard and stage, the same
-        on every rank); clips them to ``max_norm`` unless it is None."""
-        params = list(self.parameters())
+        on every rank); clips them to ``max_norm`` unless it is None. ``params``: only these
+        (one optimizer's, under manual optimisation)."""
+        params = list(self.parameters() if params is None else params)
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
