@@ -174,13 +174,13 @@ def test_what_manual_optimisation_cannot_do_is_refused(tmp_path):
             quiet_trainer(tmp_path, max_steps=2, **settings).check(GAN, gan_data())
 
 
-def _gan_resume_rank(folder, layout):
+def _gan_resume_rank(folder, layout, async_checkpoint=False):
     """Six steps with a checkpoint at step 3, then a run resumed from it: both final states."""
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
 
     common = dict(max_steps=6, global_batch_size=BATCH, shuffle=False,
-                  **({"layout": layout} if layout else {}))
+                  async_checkpoint=async_checkpoint, **({"layout": layout} if layout else {}))
     class Count(meshtrain.Callback):
         steps = 0
 
@@ -199,12 +199,14 @@ def _gan_resume_rank(folder, layout):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("layout", [None, "zero3=2"])
+@pytest.mark.parametrize("layout", [None, "async", "zero3=2"])
 def test_a_gan_resumes_both_optimizers_exactly(tmp_path, layout):
     """Both optimizers' state (Adam's moments, SGD's momentum; sharded under zero3) go into the
-    checkpoint: the run resumed from step 3 ends where the uninterrupted one does."""
-    if layout is None:
-        weights, again = _gan_resume_rank(str(tmp_path), None)
+    checkpoint: the run resumed from step 3 ends where the uninterrupted one does. "async": the
+    checkpoint is written in the background while the next steps (which step the optimizers
+    inside the module's training_step) run."""
+    if layout in (None, "async"):
+        weights, again = _gan_resume_rank(str(tmp_path), None, layout == "async")
     else:
         weights, again = run_workers(_gan_resume_rank, 2, (str(tmp_path), layout),
                                      timeout=120)[0]
