@@ -19,8 +19,18 @@ from meshtrain.errors import ConfigError
 
 
 class Callback:
-    """Base class: override the hooks you need."""
+    """Base class: override the hooks you need.
 
+    A callback with state to keep across a resume returns it from ``state_dict()`` (tensors as
+    this rank holds them, e.g. shards of the parameters: checkpoints save them with the model,
+    resharded on load like it) and takes it back in ``load_state_dict``; ``setup`` runs once the
+    model is laid out, before a checkpoint is loaded, and builds what the state loads into."""
+
+    def setup(self, trainer) -> None: ...
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None: ...
     def on_fit_start(self, trainer) -> None: ...
     def on_fit_end(self, trainer) -> None: ...
     def on_train_epoch_start(self, trainer) -> None: ...
@@ -190,8 +200,7 @@ class EMA(Callback):
     (a shard under zero2/zero3/HSDP, a DTensor under tp, its stages under pp): no gather, the
     same memory as the parameters. ``use_for_validation``: validation inside fit runs with the
     averaged weights (swapped in and back). ``weights()``: the averages by parameter name.
-    The average is not saved in checkpoints yet: a resumed run starts it from the loaded
-    weights."""
+    Checkpoints hold the average, so a resumed run (on any layout) continues it."""
 
     def __init__(self, decay: float = 0.999, use_for_validation: bool = False):
         if not 0.0 < decay < 1.0:
@@ -204,8 +213,14 @@ class EMA(Callback):
         return [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
 
     @torch.no_grad()
-    def on_fit_start(self, trainer) -> None:
+    def setup(self, trainer) -> None:
         self.shadow = {n: p.detach().clone() for n, p in self._params(trainer)}
+
+    def state_dict(self) -> dict:
+        return {"shadow": self.shadow}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shadow = state["shadow"]
 
     @torch.no_grad()
     def on_train_step_end(self, trainer, metrics: dict) -> None:
@@ -239,7 +254,8 @@ class SWA(Callback):
     deep-copies the model, which FSDP2 refuses). ``swap_at_end``: the model ``fit`` returns
     holds the average (its final checkpoint, written before, the last weights). Models with
     BatchNorm need their statistics recomputed for the averaged weights
-    (``torch.optim.swa_utils.update_bn``): they are refused."""
+    (``torch.optim.swa_utils.update_bn``): they are refused. Checkpoints hold the average and
+    its count, so a resumed run continues it."""
 
     def __init__(self, start_step: int = 1, swap_at_end: bool = True):
         if not isinstance(start_step, int) or start_step < 1:
@@ -248,12 +264,22 @@ class SWA(Callback):
         self.averaged: dict[str, torch.Tensor] = {}
         self.num_averaged = 0
 
-    def on_fit_start(self, trainer) -> None:
+    @torch.no_grad()
+    def setup(self, trainer) -> None:
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                for m in trainer.model.modules()):
             raise ConfigError("SWA: the model has BatchNorm layers, whose running statistics "
                               "do not match averaged weights; recompute them with "
                               "torch.optim.swa_utils.update_bn after fit, without this callback")
+        # laid out like the parameters (what a checkpoint loads into); filled at start_step
+        self.averaged = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        self.num_averaged = 0
+
+    def state_dict(self) -> dict:
+        return {"averaged": self.averaged, "num_averaged": torch.tensor(self.num_averaged)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.averaged, self.num_averaged = state["averaged"], int(state["num_averaged"])
 
     @torch.no_grad()
     def on_train_step_end(self, trainer, metrics: dict) -> None:
@@ -264,18 +290,18 @@ class SWA(Callback):
         average = get_swa_avg_fn()
         count = torch.tensor(self.num_averaged)
         for name, p in trainer.model.named_parameters():
-            if name not in self.averaged:
-                self.averaged[name] = p.detach().clone()
+            if not self.num_averaged:
+                self.averaged[name].copy_(p.detach())
             else:
                 self.averaged[name].copy_(average(self.averaged[name], p.detach(), count))
         self.num_averaged += 1
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The averaged parameters by name (empty before ``start_step``)."""
-        return dict(self.averaged)
+        return dict(self.averaged) if self.num_averaged else {}
 
     @torch.no_grad()
     def on_fit_end(self, trainer) -> None:
-        if self.swap_at_end and self.averaged:
+        if self.swap_at_end and self.num_averaged:
             for name, p in trainer.model.named_parameters():
                 p.copy_(self.averaged[name])

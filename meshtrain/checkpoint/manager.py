@@ -191,6 +191,7 @@ class CheckpointManager:
         self._last_written: tuple[Path, int] | None = None  # (folder, step) of the last save
         self._stager: HostStager | None = None  # background saves' host copy (staging.py)
         self.on_commit = None  # called with (folder, step, seconds) when a save is in place
+        self.extra_state = None  # () -> {name: state}: the callbacks' state, saved as "callbacks"
 
     @classmethod
     def from_settings(cls, directory, settings: dict) -> CheckpointManager:
@@ -249,6 +250,8 @@ class CheckpointManager:
         prepare_tmp(tmp)
         write_extras(tmp, trainer_state, summary)
         state = checkpoint_state(model, optimizer)
+        if self.extra_state is not None and (extra := self.extra_state()):
+            state["callbacks"] = extra
         where = dict(checkpoint_id=tmp, process_group=self.process_group)
         with _quiet_single_process():  # (an async save's thread may still warn, once)
             if not background:

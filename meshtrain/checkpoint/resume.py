@@ -241,7 +241,7 @@ def warn_rng_change(saved: dict, now: dict, random_model: bool) -> bool:
 
 
 def restore(path, model, optimizer, *, identity: dict, seed: int, rank: int,
-            shapes: Shapes | None = None) -> dict:
+            shapes: Shapes | None = None, extra: dict | None = None) -> dict:
     """Collective: load a checkpoint into ``model`` and ``optimizer`` after refusing one of
     another run (``identity``: see :func:`check_same_run`) or another model (``shapes``: the
     whole model's, see :func:`model_shapes`); return its trainer state. When the saved RNG
@@ -252,7 +252,7 @@ def restore(path, model, optimizer, *, identity: dict, seed: int, rank: int,
     if (path / TRAINER_STATE).is_file():  # refuse before touching the model
         check_same_run(load_plain(path / TRAINER_STATE), identity)
         check_same_model(path, shapes)
-    state = load_checkpoint(path, model, optimizer)
+    state = load_checkpoint(path, model, optimizer, extra)
     if not warn_rng_change(state, identity, has_randomness(model)):
         torch.manual_seed(seed + 1 + rank + 1_000_003 * state["global_step"])
     return state
@@ -278,10 +278,35 @@ def trainer_state(t) -> tuple[dict, dict]:
     return state, summary
 
 
+def stateful_callbacks(callbacks) -> list[tuple[str, object]]:
+    """(name, callback) of the callbacks that keep state across a resume (a non-empty
+    ``state_dict()``), named by class (``EMA``; ``EMA-2`` for a second one)."""
+    named, seen = [], {}
+    for callback in callbacks:
+        name = type(callback).__name__
+        seen[name] = seen.get(name, 0) + 1
+        if hasattr(callback, "state_dict") and callback.state_dict():
+            named.append((name if seen[name] == 1 else f"{name}-{seen[name]}", callback))
+    return named
+
+
+def callback_states(callbacks) -> dict[str, dict]:
+    """What a checkpoint saves of the callbacks: {name: state_dict()}."""
+    return {name: callback.state_dict() for name, callback in stateful_callbacks(callbacks)}
+
+
 def restore_trainer(t, path) -> None:
-    """Trainer.load_checkpoint: model, optimizer, loop position, scheduler and grad scaler."""
+    """Trainer.load_checkpoint: model, optimizer, loop position, scheduler, grad scaler and the
+    callbacks' state (a callback the checkpoint lacks keeps its own, with a note)."""
+    named = stateful_callbacks(t.callbacks)
+    states = {name: callback.state_dict() for name, callback in named}
     state = restore(path, t.model, t.optimizer, identity=run_identity(t), seed=t.seed,
-                    rank=t.rank, shapes=t._model_shapes)
+                    rank=t.rank, shapes=t._model_shapes, extra=states)
+    for name, callback in named:
+        if name in states:
+            callback.load_state_dict(states[name])
+        else:
+            t.print(f"{name}: not in the checkpoint {path}; it starts from the loaded weights")
     t.state.load_state_dict(state)
     if t.lr_scheduler is not None and state["lr_scheduler"] is not None:
         t.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from meshtrain.checkpoint.safe_load import check_plain, load_dcp, load_plain
+from meshtrain.checkpoint.safe_load import check_plain, load_dcp, load_plain, read_metadata
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.zero1 import (
     load_zero1_state_dict,
@@ -188,8 +188,11 @@ def load_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
+    extra: dict | None = None,
 ) -> dict:
-    """Collective: load model (and optimizer) in place; return the trainer state dict."""
+    """Collective: load model (and optimizer) in place; return the trainer state dict.
+    ``extra``: {name: state} of callbacks, loaded in place where the checkpoint has them (the
+    names it lacks are removed from ``extra``)."""
     path = Path(path)
     if not (path / TRAINER_STATE).exists():
         raise ConfigError(
@@ -197,6 +200,13 @@ def load_checkpoint(
             "of a checkpoint such as runs/<name>/<time>/checkpoints/final"
         )
     state = _state(model, optimizer, for_load=True)
+    if extra:
+        saved = {key.split(".")[1] for key in read_metadata(path).state_dict_metadata
+                 if key.startswith("callbacks.")}
+        for name in set(extra) - saved:
+            del extra[name]
+        if extra:
+            state["callbacks"] = extra
     with _quiet_single_process():
         load_dcp(state, path)
     servers, optimizer = (optimizer, optimizer.local) if _on_servers(optimizer) else (

@@ -16,7 +16,7 @@ import torch
 from meshtrain import checks
 from meshtrain.checkpoint.hf_weights import load_hf_weights
 from meshtrain.checkpoint.manager import CheckpointManager
-from meshtrain.checkpoint.resume import model_shapes, resolve_run_dir, resume_fit
+from meshtrain.checkpoint.resume import callback_states, model_shapes, resolve_run_dir, resume_fit
 from meshtrain.checkpoint.safe_load import check_plain
 from meshtrain.data.sampler import train_loaders
 from meshtrain.errors import ConfigError
@@ -69,6 +69,8 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
             device=t.device, grad_scaler=t.precision.scaler is not None,
             gradients_identical=t.engine.gradients_identical)
         check_plain(t.checkpoint_state()[0], "the trainer state")  # now, not at the first save
+        t._call("setup")  # callbacks build their state on the laid-out model (before a resume)
+        t.checkpoints.extra_state = lambda: callback_states(t.callbacks)
         if t._resume_from is not None:
             resume_fit(t, t._resume_from)
             t.monitor.event("restart", f"resumed at step {t.global_step}", t.global_step,
