@@ -361,6 +361,42 @@ def test_prepare_data_runs_once_and_the_other_rank_reads_after_it(tmp_path):
     assert (tmp_path / "calls.txt").read_text() == "rank 0\n"
 
 
+class DownloadsPerNode(Downloads):
+    """Each node has its own disk: the data goes to a folder of the node."""
+
+    prepare_data_per_node = True
+
+    def prepare_data(self):
+        node = f"{self.folder}/node{os.environ['RANK']}"  # one rank per node here
+        os.makedirs(node, exist_ok=True)
+        with open(f"{self.folder}/calls.txt", "a") as f:
+            f.write(f"rank {os.environ['RANK']}\n")
+        time.sleep(0.5)
+        torch.save(images().tensors, f"{node}/data.pt")
+
+
+def _per_node_rank(folder):
+    """Two 'nodes' of one rank each: every rank is its node's local rank 0."""
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
+    DownloadsPerNode.folder = folder
+
+    def read():
+        return TensorDataset(*torch.load(f"{folder}/node{os.environ['RANK']}/data.pt"))
+
+    trainer = quiet_trainer(f"{folder}/run", layout="dp=2", max_steps=2,
+                            global_batch_size=BATCH)
+    trainer.fit(DownloadsPerNode, read)
+    return trainer.global_step
+
+
+@pytest.mark.timeout(120)
+def test_prepare_data_per_node_runs_on_each_nodes_first_rank(tmp_path):
+    steps = run_workers(_per_node_rank, 2, (str(tmp_path),), timeout=100)
+    assert steps == [2, 2]
+    assert sorted((tmp_path / "calls.txt").read_text().split("\n")) == ["", "rank 0", "rank 1"]
+
+
 def _swa_rank(run_dir, layout):
     torch.set_num_threads(1)
     swa = meshtrain.SWA(start_step=3)

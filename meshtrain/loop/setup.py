@@ -109,11 +109,17 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
 
 def prepare_data(t, model) -> None:
     """The model's ``prepare_data()`` (download, unpack, tokenize: once per job) on global rank
-    0 while the other ranks wait in a barrier; then every rank reads the data."""
+    0 while the other ranks wait in a barrier; then every rank reads the data. With
+    ``prepare_data_per_node = True`` on the model (nodes without a shared disk), on each node's
+    local rank 0."""
     hook = getattr(model, "prepare_data", None) if isinstance(model, torch.nn.Module) else None
     if not callable(hook):
         return
-    if t.rank == 0:
+    if getattr(model, "prepare_data_per_node", False):
+        first = (t._env.local_rank if t._env is not None else 0) == 0
+    else:
+        first = t.rank == 0
+    if first:
         hook()
     group = t.mesh.everyone()
     if group is not None:

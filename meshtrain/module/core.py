@@ -97,6 +97,7 @@ class TrainingModule(torch.nn.Module):
     wants; what it returns is only logged."""
 
     automatic_optimization = True
+    prepare_data_per_node = False  # True: prepare_data on each node's local rank 0
 
     def training_step(self, batch, batch_idx: int):
         raise NotImplementedError(f"{type(self).__name__} needs a training_step(batch, batch_idx)"
