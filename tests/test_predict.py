@@ -1,5 +1,5 @@
-"""Trainer.predict: every sample's outputs in the data's order on rank 0, under dp, zero3, tp
-and pp as in one process (the same training, then predict on data that does not divide into
+"""Trainer.predict: every sample's outputs in the data's order on rank 0, under dp, zero3, tp,
+pp and cp (each rank's chunks of the sequence gathered back) as in one process (the same training, then predict on data that does not divide into
 the ranks' batches)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _fit_and_predict(run_dir, layout, case):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("layout,case", [("dp=2", "mlp"), ("zero3=2", "mlp"), ("tp=2", "gpt"),
-                                         ("pp=2", "gpt")])
+                                         ("pp=2", "gpt"), ("cp=2", "gpt")])
 def test_predict_returns_one_process_outputs_in_order(tmp_path, layout, case):
     reference = _fit_and_predict(str(tmp_path / "one"), None, case)
     out = run_workers(_fit_and_predict, 2, (str(tmp_path / "two"), layout, case),

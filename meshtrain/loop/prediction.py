@@ -6,8 +6,9 @@ batch ranks); a research module's ``predict_step(batch, batch_idx)`` gives the o
 ``model(inputs)`` (the first element of an ``(inputs, targets)`` pair, the batch itself
 otherwise). Outputs are cut into one row per sample (a tensor, or a tuple/dict of tensors),
 tagged with the sample's index and gathered; tensor-parallel outputs are made whole first, and
-of the ranks that hold the same rows (a tp group) only the first sends them; under pp the last
-stage's rank has them.
+of the ranks that hold the same rows (a tp group) only the first sends them; under cp each rank
+computes its chunks of every sequence and the outputs of two or more dimensions are gathered
+along the sequence (dim 1); under pp the last stage's rank has them.
 """
 
 from __future__ import annotations
@@ -65,18 +66,15 @@ def predict(t, data):
     """See the module's docstring; None on every rank but global rank 0."""
     if t.model is None:
         raise ConfigError("call fit(...) before predict(...)")
-    if t.layout.degree("cp") > 1:
-        raise ConfigError("predict under cp: each cp rank holds a shard of every sequence's "
-                          "outputs, which predict does not put back together; predict with the "
-                          "trained model on a layout without cp (load the checkpoint)")
     dataset = checks.dataset_of(data, "predict data")
     if not hasattr(dataset, "__len__"):
         raise ConfigError("predict needs a dataset with a length (not a stream): the outputs "
                           "are put back in its order")
     loader = eval_loader(dataset, data, micro_batch_size=t.micro_batch_size, dp_rank=t.dp_rank,
                          dp_degree=t.layout.batch_degree, **t._loader_options())
-    tp = t.mesh.axis("tp")
-    sends = tp is None or tp.get_local_rank() == 0  # a tp group holds the same rows
+    # a tp or cp group holds the same rows (cp: gathered over the sequence by the engine)
+    sends = all(axis is None or axis.get_local_rank() == 0
+                for axis in (t.mesh.axis("tp"), t.mesh.axis("cp")))
     mine = []
     was_training = t.model.training
     t.model.eval()

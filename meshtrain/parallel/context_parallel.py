@@ -160,6 +160,24 @@ def check_cp_model(model: torch.nn.Module, cp_degree: int, adapter=None) -> None
         check(cp_degree)
 
 
+def gather_sequence(out, cp_mesh):
+    """Outputs computed on this rank's chunks (:func:`shard_batch`'s cut) made whole: every
+    tensor of two or more dimensions gathered over the cp group along dim 1 and put back in
+    sequence order (a tuple or dict of them alike; collective)."""
+    import torch.distributed as dist
+
+    if isinstance(out, torch.Tensor) and out.dim() >= 2:
+        group, degree = cp_mesh.get_group(), cp_mesh.size()
+        parts = [torch.empty_like(out) for _ in range(degree)]
+        dist.all_gather(parts, out.detach().contiguous(), group=group)
+        return unshard_sequence(parts, degree, dim=1)
+    if isinstance(out, (tuple, list)):
+        return type(out)(gather_sequence(o, cp_mesh) for o in out)
+    if isinstance(out, dict):
+        return {k: gather_sequence(v, cp_mesh) for k, v in out.items()}
+    return out
+
+
 def apply_cp(model: torch.nn.Module, cp_mesh, adapter=None) -> None:
     """Switch ``model``'s attention and positions to this rank's share of the sequence."""
     check_cp_model(model, cp_mesh.size(), adapter)

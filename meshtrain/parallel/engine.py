@@ -356,10 +356,17 @@ class Engine:
         """The model's outputs for one batch: its ``predict_step(batch, batch_idx)``, else
         ``model(inputs)`` (None on a rank that holds no outputs: a pipeline's early stages)."""
         predict_step = getattr(self.model, "predict_step", None)
+        batch = self.shard(batch)  # under cp: this rank's chunks of each sequence
         with self.precision.autocast(), batch_group(self.batch_pg):
             if callable(predict_step):
-                return predict_step(batch, batch_idx)
-            return self.model(prediction_inputs(batch))
+                out = predict_step(batch, batch_idx)
+            else:
+                out = self.model(prediction_inputs(batch))
+        if self.cp is not None:  # every output of 2+ dims is per token: the whole sequence
+            from meshtrain.parallel.context_parallel import gather_sequence
+
+            out = gather_sequence(out, self.cp)
+        return out
 
 
 def prediction_inputs(batch):
