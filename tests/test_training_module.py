@@ -1,6 +1,6 @@
 """Research code on the model (meshtrain.TrainingModule): the seed notes' MNIST-style module
-with training_step / validation_step / configure_optimizers, trained under dp, zero3 and tp like
-one process; self.log reduced over the ranks as a hand computation over the global
+with training_step / validation_step / configure_optimizers, trained under dp, zero3, tp, HSDP
+and a parameter server like one process; self.log reduced over the ranks as a hand computation over the global
 batch; EarlyStopping on a logged metric; what cannot work refused before any process."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _rank(run_dir, layout):
 
         state = {k: v.full_tensor() if isinstance(v, DTensor) else v
                  for k, v in model.state_dict().items()}
-    elif layout.startswith("zero3"):
+    elif "zero" in layout or "dp_shard" in layout:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -92,7 +92,7 @@ def _rank(run_dir, layout):
         state = state_of(model)
     metrics = dict(trainer.callback_metrics)
     return ({k: v.detach().cpu().clone() for k, v in state.items()}, metrics) \
-        if int(os.environ["RANK"]) == 0 else None
+        if trainer.is_global_zero else None
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +103,12 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("layout", ["dp=2", "zero3=2", "tp=2"])
-def test_the_module_trains_like_one_process(tmp_path, one_process, layout):
-    state, metrics = run_workers(_rank, 2, (str(tmp_path), layout), timeout=150)[0]
+@pytest.mark.parametrize("layout,processes", [("dp=2", 2), ("zero3=2", 2), ("tp=2", 2),
+                                              ("dp_replicate=2,dp_shard=2", 4),
+                                              ("ps=1,dp=2", 3)])
+def test_the_module_trains_like_one_process(tmp_path, one_process, layout, processes):
+    runs = run_workers(_rank, processes, (str(tmp_path), layout), timeout=150)
+    state, metrics = next(run for run in runs if run is not None)  # (ps: rank 0 is a server)
     reference, reference_metrics = one_process
     assert set(state) == set(reference)
     for name, value in reference.items():
