@@ -118,6 +118,48 @@ def test_the_module_trains_like_one_process(tmp_path, one_process, layout, proce
         assert metrics[name] == pytest.approx(reference_metrics[name], abs=1e-5), name
 
 
+class SequenceLM(meshtrain.TrainingModule):
+    """A language model's step on the model; context parallel through the hook it passes on
+    to the GPT it holds (a model supplies its own cp hooks)."""
+
+    def __init__(self):
+        super().__init__()
+        from parity import tiny_gpt_seq12
+
+        self.gpt = tiny_gpt_seq12()
+
+    def enable_context_parallel(self, cp_mesh):
+        self.gpt.enable_context_parallel(cp_mesh)
+
+    def training_step(self, batch, batch_idx):
+        from parity import lm_loss
+
+        return lm_loss(self.gpt(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        from parity import adamw_gpt
+
+        return adamw_gpt(self.parameters())
+
+
+def _cp_rank(run_dir, layout):
+    from parity import token_data_seq12
+
+    torch.set_num_threads(1)
+    trainer = quiet_trainer(run_dir, **({"layout": layout} if layout else {}), max_steps=4,
+                            global_batch_size=8, shuffle=False)
+    model = trainer.fit(SequenceLM, token_data_seq12())
+    return state_of(model) if trainer.is_global_zero else None
+
+
+@pytest.mark.timeout(150)
+def test_the_step_runs_on_each_ranks_chunks_of_the_sequence_under_cp(tmp_path):
+    reference = _cp_rank(str(tmp_path / "one"), None)
+    state = run_workers(_cp_rank, 2, (str(tmp_path / "cp"), "cp=2"), timeout=120)[0]
+    for name, value in reference.items():
+        assert torch.allclose(state[name], value, atol=1e-5, rtol=0), name
+
+
 # -- self.log --------------------------------------------------------------------------------
 class Logged(MNISTLike):
     """Logs, per micro-batch, the mean, sum and max of the targets it got."""
