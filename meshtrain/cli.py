@@ -21,6 +21,9 @@
         text / JSON lines -> memory-mapped token shards for the causal_lm recipe
     meshtrain report RUN_DIR                                 RUN_DIR/report.html: one page of
         a run (loss, throughput and MFU, step-time breakdown and memory per rank, events)
+    meshtrain sweep CONFIG.toml --space SPACE.toml [--trials N] [--devices-per-trial K]
+        [--concurrent N] [--storage URL] [--dry-run] [--section.key=value ...]
+        hyperparameter search (Optuna): trials at once on disjoint devices, resumable
     meshtrain --version
 """
 
@@ -102,13 +105,17 @@ def main(argv: list[str] | None = None) -> int:
             from meshtrain.observe.report.render import main as report
 
             return report(rest)
+        if command == "sweep":
+            from meshtrain.sweep.cli import main as sweep
+
+            return sweep(rest)
         if command == "slurm":
             from meshtrain.launch.slurm import slurm
 
             return slurm(rest)
         raise ConfigError(
             f"unknown command {command!r}; commands: train, lr-find, memory, parity, run, slurm, "
-            "export, upgrade-checkpoint, bench, plan, prepare, report (see --help)"
+            "export, upgrade-checkpoint, bench, plan, prepare, report, sweep (see --help)"
         )
     except ConfigError as error:
         print(f"meshtrain: error: {error}", file=sys.stderr)

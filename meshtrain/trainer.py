@@ -28,7 +28,6 @@ from torch.utils.data import DataLoader, Dataset
 from meshtrain import checks
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.data.sampler import release_workers
-from meshtrain.errors import ConfigError
 from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
 from meshtrain.launch.world import collective_checks, drain_collectives, resolve_world_size
@@ -43,6 +42,7 @@ from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.pipeline_engine import PipelineOptions
 from meshtrain.plan.auto import auto_pins
+from meshtrain.sweep.trial import trial_callbacks
 
 ModelLike = torch.nn.Module | Callable[[], torch.nn.Module]
 DataLike = Dataset | DataLoader
@@ -73,6 +73,7 @@ class Trainer:
             self.layout = self.batch_plan = self.pipeline_options = self.parallel_options = None
             self.world_size, self.micro_batch_size, self.grad_accum_steps = world_size, None, None
         self.callbacks, self.precision_name = list(s["callbacks"]), s["precision"]
+        self.callbacks += trial_callbacks()  # inside a sweep's trial: report to its study
         self._run_dir_arg = s["run_dir"]
         self.rank = self._env.rank if self._env else 0
         self.mesh: ParallelMesh | None = None

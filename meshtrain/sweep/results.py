@@ -1,0 +1,113 @@
+"""What a sweep leaves: a ranked table of its trials, the best trial's whole config as a TOML
+that ``meshtrain train`` takes, and Optuna's plots (history, parameter importance, parallel
+coordinates) as images in the sweep folder."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from meshtrain.config import dumps_toml
+from meshtrain.parity_verdict import table
+
+BEST = "best.toml"
+
+
+def ranked(study, direction: str) -> list:
+    """Finished trials first, best objective first; then pruned, failed and running ones."""
+    import optuna
+
+    State = optuna.trial.TrialState
+    order = {State.COMPLETE: 0, State.PRUNED: 1, State.FAIL: 2, State.RUNNING: 3}
+    sign = 1 if direction == "minimize" else -1
+
+    def key(trial):
+        value = trial.value if trial.value is not None else math.inf
+        return order.get(trial.state, 4), sign * value if trial.value is not None else value
+
+    return sorted(study.get_trials(deepcopy=False), key=key)
+
+
+def trial_table(study, spec) -> str:
+    keys = [p.key for p in spec.params]
+    rows = []
+    for trial in ranked(study, spec.direction):
+        wall = trial.user_attrs.get("wall_s")
+        rows.append((str(trial.number), *(_fmt(trial.params.get(k)) for k in keys),
+                     _fmt(trial.value), trial.state.name.lower(),
+                     _fmt(trial.user_attrs.get("steps")),
+                     f"{wall:.1f}" if wall is not None else "-"))
+    return table([["trial", *keys, spec.metric, "status", "steps", "wall s"],
+                  *[list(row) for row in rows]])
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def write_best_config(study, sweep) -> Path | None:
+    """The best trial's config, every setting resolved, as ``best.toml`` in the sweep folder:
+    its parameters and seed; a fresh run folder (not the trial's) and no resume."""
+    from meshtrain.recipes import resolve_config
+    from meshtrain.sweep.controller import param_overrides
+
+    try:
+        best = study.best_trial
+    except ValueError:  # no finished trial
+        return None
+    overrides = [*sweep.overrides, *param_overrides(best.params),
+                 f"--trainer.seed={best.user_attrs.get('seed', sweep.spec.seed + best.number)}"]
+    config = resolve_config(sweep.config, overrides)[1]
+    config["logging"]["run_dir"] = None
+    config["checkpoint"]["resume"] = None
+    path = sweep.dir / BEST
+    header = (f"# The best trial ({best.number}) of sweep {sweep.name!r}: "
+              f"{sweep.spec.metric} = {best.value:.6g}\n# meshtrain train {path}\n")
+    path.write_text(header + dumps_toml(config))
+    return path
+
+
+def save_plots(study, folder: Path) -> list[str]:
+    """Optuna's plots as PNG files in ``folder``; the names written (a plot that needs more
+    finished trials or parameters than there are is left out)."""
+    import warnings
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as plots
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, plot in (("history", plots.plot_optimization_history),
+                       ("importance", plots.plot_param_importances),
+                       ("parallel_coordinates", plots.plot_parallel_coordinate)):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+                axes = plot(study)
+        except (ValueError, RuntimeError, ZeroDivisionError):
+            continue
+        figure = getattr(axes, "figure", None) or axes.flat[0].figure
+        figure.set_size_inches(8, 5)
+        figure.tight_layout()
+        figure.savefig(folder / f"{name}.png", dpi=100)
+        plt.close(figure)
+        written.append(f"{name}.png")
+    return written
+
+
+def summarize(study, sweep, log=print) -> None:
+    log(trial_table(study, sweep.spec))
+    path = write_best_config(study, sweep)
+    if path is not None:
+        log(f"best: trial {study.best_trial.number}, {sweep.spec.metric} = "
+            f"{study.best_value:.6g}; its config: {path}")
+    plots = save_plots(study, sweep.dir / "plots")
+    if plots:
+        log(f"plots: {sweep.dir / 'plots'} ({', '.join(plots)})")
