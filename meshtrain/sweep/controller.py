@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -80,6 +81,7 @@ class Sweep:
         for layout, processes in _processes(self.config, self.overrides, spec).items():
             check_layout_fits(spec.devices_per_trial, kind, processes, layout)
         self.url = storage_url(spec.storage, self.dir)
+        self.owner = f"{socket.gethostname()}:{self.dir.resolve()}"
         if spec.storage:  # a URL of the user's: opened now, so a bad one fails before any trial
             open_storage(self.url)
 
@@ -105,8 +107,11 @@ class Sweep:
         if not study.trials:
             for values in self.spec.enqueue:
                 study.enqueue_trial(values)
+        # this sweep's own trials that a killed run of it left running (several machines may
+        # share one study through a database: each continues only its own)
         left = [t for t in study.get_trials(deepcopy=False,
-                                            states=(optuna.trial.TrialState.RUNNING,))]
+                                            states=(optuna.trial.TrialState.RUNNING,))
+                if t.user_attrs.get("owner") == self.owner]
         if left:
             self.log(f"sweep: continuing {len(left)} trial(s) the last sweep left running: "
                      f"{', '.join(str(t.number) for t in left)}")
@@ -171,6 +176,7 @@ class Sweep:
                 "pruner_startup_trials": self.spec.pruner_startup_trials}
         env = {**os.environ, **slot.environ(), ENV: json.dumps(info)}
         trial = optuna.trial.Trial(study, trial_id)
+        trial.set_user_attr("owner", self.owner)
         trial.set_user_attr("seed", seed)
         trial.set_user_attr("run_dir", str(folder / "run"))
         trial.set_user_attr("command", " ".join(command[1:]))
