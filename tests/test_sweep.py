@@ -87,6 +87,8 @@ def test_trials_run_side_by_side_and_the_best_config_trains_to_the_best_objectiv
     assert result["ranks_params"] == [trials[0].params] * 2  # both ranks of the dp trial
     assert trials[0].params["trainer.devices"] == 2
     assert {p.name for p in (tmp_path / "sweep" / "plots").iterdir()} >= {"history.png"}
+    report = (tmp_path / "sweep" / "report.html").read_text()
+    assert f"{study.best_value:.6g}" in report and "data:image/png;base64," in report
     # the best config, run by hand, reaches the best trial's objective (same seed)
     best = tmp_path / "sweep" / "best.toml"
     run = meshtrain("train", str(best), f"--logging.run_dir={json.dumps(str(tmp_path / 'b'))}",

@@ -28,7 +28,8 @@ def ranked(study, direction: str) -> list:
     return sorted(study.get_trials(deepcopy=False), key=key)
 
 
-def trial_table(study, spec) -> str:
+def trial_rows(study, spec) -> tuple[list[str], list[tuple]]:
+    """(header, rows) of the ranked trials: trial, values, objective, status, steps, wall s."""
     keys = [p.key for p in spec.params]
     rows = []
     for trial in ranked(study, spec.direction):
@@ -37,8 +38,12 @@ def trial_table(study, spec) -> str:
                      _fmt(trial.value), trial.state.name.lower(),
                      _fmt(trial.user_attrs.get("steps")),
                      f"{wall:.1f}" if wall is not None else "-"))
-    return table([["trial", *keys, spec.metric, "status", "steps", "wall s"],
-                  *[list(row) for row in rows]])
+    return ["trial", *keys, spec.metric, "status", "steps", "wall s"], rows
+
+
+def trial_table(study, spec) -> str:
+    header, rows = trial_rows(study, spec)
+    return table([header, *[list(row) for row in rows]])
 
 
 def _fmt(value) -> str:
@@ -102,6 +107,37 @@ def save_plots(study, folder: Path) -> list[str]:
     return written
 
 
+def write_report(study, sweep, best: Path | None, plots: list[str]) -> Path:
+    """``report.html`` in the sweep folder: the ranked trials (each linked to its run's own
+    report), the best config and the plots, in one self-contained page."""
+    import base64
+    from collections import Counter
+
+    import jinja2
+
+    header, rows = trial_rows(study, sweep.spec)
+    best_number = study.best_trial.number if best is not None else None
+    cells = []
+    for row in rows:
+        report = sweep.dir / f"trial_{int(row[0]):04d}" / "run" / "report.html"
+        cells.append({"cells": row, "best": int(row[0]) == best_number,
+                      "report": str(report.relative_to(sweep.dir)) if report.is_file() else None})
+    counts = Counter(t.state.name.lower() for t in study.get_trials(deepcopy=False))
+    uris = [(name.removesuffix(".png").replace("_", " "), "data:image/png;base64," +
+             base64.b64encode((sweep.dir / "plots" / name).read_bytes()).decode())
+            for name in plots]
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent),
+                             autoescape=True)
+    html = env.get_template("report.html.j2").render(
+        name=sweep.name, direction=sweep.spec.direction, metric=sweep.spec.metric,
+        url=sweep.url, counts=", ".join(f"{n} {state}" for state, n in sorted(counts.items())),
+        best={"number": best_number, "value": _fmt(study.best_value), "config": best}
+        if best is not None else None, header=header, rows=cells, plots=uris)
+    out = sweep.dir / "report.html"
+    out.write_text(html, encoding="utf-8")
+    return out
+
+
 def summarize(study, sweep, log=print) -> None:
     log(trial_table(study, sweep.spec))
     path = write_best_config(study, sweep)
@@ -111,3 +147,4 @@ def summarize(study, sweep, log=print) -> None:
     plots = save_plots(study, sweep.dir / "plots")
     if plots:
         log(f"plots: {sweep.dir / 'plots'} ({', '.join(plots)})")
+    log(f"report: {write_report(study, sweep, path, plots)}")
