@@ -379,31 +379,16 @@ class Downloads(MNISTLike):
 
     folder = None
 
+    @classmethod
+    def target(cls) -> str:
+        return cls.folder
+
     def prepare_data(self):
+        os.makedirs(self.target(), exist_ok=True)
         with open(f"{self.folder}/calls.txt", "a") as f:
             f.write(f"rank {os.environ.get('RANK', 0)}\n")
         time.sleep(0.5)  # a slow download: a rank that did not wait finds no file
-        torch.save(images().tensors, f"{self.folder}/data.pt")
-
-
-def _prepare_rank(folder):
-    torch.set_num_threads(1)
-    Downloads.folder = folder
-
-    def read():  # built after prepare_data, on every rank (the file must exist by then)
-        return TensorDataset(*torch.load(f"{folder}/data.pt"))
-
-    trainer = quiet_trainer(f"{folder}/run", layout="dp=2", max_steps=3,
-                            global_batch_size=BATCH)
-    trainer.fit(Downloads, read)
-    return trainer.global_step
-
-
-@pytest.mark.timeout(120)
-def test_prepare_data_runs_once_and_the_other_rank_reads_after_it(tmp_path):
-    steps = run_workers(_prepare_rank, 2, (str(tmp_path),), timeout=100)
-    assert steps == [3, 3]
-    assert (tmp_path / "calls.txt").read_text() == "rank 0\n"
+        torch.save(images().tensors, f"{self.target()}/data.pt")
 
 
 class DownloadsPerNode(Downloads):
@@ -411,33 +396,38 @@ class DownloadsPerNode(Downloads):
 
     prepare_data_per_node = True
 
-    def prepare_data(self):
-        node = f"{self.folder}/node{os.environ['RANK']}"  # one rank per node here
-        os.makedirs(node, exist_ok=True)
-        with open(f"{self.folder}/calls.txt", "a") as f:
-            f.write(f"rank {os.environ['RANK']}\n")
-        time.sleep(0.5)
-        torch.save(images().tensors, f"{node}/data.pt")
+    @classmethod
+    def target(cls) -> str:
+        return f"{cls.folder}/node{os.environ['RANK']}"  # one rank per node here
 
 
-def _per_node_rank(folder):
-    """Two 'nodes' of one rank each: every rank is its node's local rank 0."""
+def _prepare_rank(folder, per_node):
+    """``per_node``: two 'nodes' of one rank each (every rank is its node's local rank 0)."""
     torch.set_num_threads(1)
-    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
-    DownloadsPerNode.folder = folder
+    module = DownloadsPerNode if per_node else Downloads
+    if per_node:
+        os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
+    module.folder = folder
 
-    def read():
-        return TensorDataset(*torch.load(f"{folder}/node{os.environ['RANK']}/data.pt"))
+    def read():  # built after prepare_data, on every rank (the file must exist by then)
+        return TensorDataset(*torch.load(f"{module.target()}/data.pt"))
 
     trainer = quiet_trainer(f"{folder}/run", layout="dp=2", max_steps=2,
                             global_batch_size=BATCH)
-    trainer.fit(DownloadsPerNode, read)
+    trainer.fit(module, read)
     return trainer.global_step
 
 
 @pytest.mark.timeout(120)
+def test_prepare_data_runs_once_and_the_other_rank_reads_after_it(tmp_path):
+    steps = run_workers(_prepare_rank, 2, (str(tmp_path), False), timeout=100)
+    assert steps == [2, 2]
+    assert (tmp_path / "calls.txt").read_text() == "rank 0\n"
+
+
+@pytest.mark.timeout(120)
 def test_prepare_data_per_node_runs_on_each_nodes_first_rank(tmp_path):
-    steps = run_workers(_per_node_rank, 2, (str(tmp_path),), timeout=100)
+    steps = run_workers(_prepare_rank, 2, (str(tmp_path), True), timeout=100)
     assert steps == [2, 2]
     assert sorted((tmp_path / "calls.txt").read_text().split("\n")) == ["", "rank 0", "rank 1"]
 

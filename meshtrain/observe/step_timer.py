@@ -32,7 +32,34 @@ def make_step_timer(every: int | None, device: torch.device | str = "cpu"):
     return StepTimer(every)
 
 
-class StepTimer:
+class _Parts:
+    """The context managers both timers share, over their enter/leave and pause/unpause."""
+
+    active = False
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        """The time inside belongs to ``name`` (minus the parts nested in it)."""
+        if not self.active:
+            yield
+            return
+        self.enter(name)
+        try:
+            yield
+        finally:
+            self.leave()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside belongs to no step (validation between two steps)."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.unpause()
+
+
+class StepTimer(_Parts):
     def __init__(self, every: int | None, clock=time.perf_counter):
         self.every = every
         self._clock = clock
@@ -87,18 +114,6 @@ class StepTimer:
             self.window[name] += seconds
         self.window_steps += 1
 
-    @contextlib.contextmanager
-    def part(self, name: str):
-        """The time inside belongs to ``name`` (minus the parts nested in it)."""
-        if not self.active:
-            yield
-            return
-        self.enter(name)
-        try:
-            yield
-        finally:
-            self.leave()
-
     def enter(self, name: str) -> None:
         if self.active:
             assert name in PARTS, name
@@ -109,15 +124,6 @@ class StepTimer:
         if self.active:
             self._switch()
             self._stack.pop()
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Time inside belongs to no step (validation between two steps)."""
-        self.pause()
-        try:
-            yield
-        finally:
-            self.unpause()
 
     def pause(self) -> None:
         self._paused_at = self._now()
@@ -184,7 +190,7 @@ class StepTimer:
         return values
 
 
-class DeviceStepTimer:
+class DeviceStepTimer(_Parts):
     """:class:`StepTimer` on a CUDA device without a host sync: every call that reads the clock
     records an event on the current stream instead, and :meth:`take_window` (at a logging
     interval) waits for the last one and replays the calls on a host :class:`StepTimer` whose
@@ -216,17 +222,6 @@ class DeviceStepTimer:
             self._record("end")
             self.active = False
 
-    @contextlib.contextmanager
-    def part(self, name: str):
-        if not self.active:
-            yield
-            return
-        self.enter(name)
-        try:
-            yield
-        finally:
-            self.leave()
-
     def enter(self, name: str) -> None:
         if self.active:
             assert name in PARTS, name
@@ -236,15 +231,13 @@ class DeviceStepTimer:
         if self.active:
             self._record("leave")
 
-    @contextlib.contextmanager
-    def paused(self):
+    def pause(self) -> None:
         if self.every:
             self._record("pause")
-        try:
-            yield
-        finally:
-            if self.every:
-                self._record("unpause")
+
+    def unpause(self) -> None:
+        if self.every:
+            self._record("unpause")
 
     def move(self, seconds: float, source: str, target: str) -> None:
         """(Host seconds: a pipeline's bubble, measured by the schedule.)"""
