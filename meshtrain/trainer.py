@@ -26,7 +26,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from meshtrain import checks
-from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.data.sampler import release_workers
 from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
@@ -87,7 +86,7 @@ class Trainer:
         self.start_notes = ""  # torch threads and network interface, and why (launch/world.py)
         self._model_shapes = None  # the whole model's state names and shapes (resume.py)
         self.run_log = RunLog(self.rank == 0)
-        self.checkpoints: CheckpointManager | None = None  # every save goes through it
+        self.checkpoints = None  # the CheckpointManager: every save goes through it
         self._guard: StepGuard | None = None  # NaN/Inf, watchdog, periodic saves (fault/)
         self.monitor = None  # breakdown, MFU, events, traces (meshtrain/observe/monitor.py)
         self._logs = LogBuffer()  # what trainer.log / a module's self.log collected

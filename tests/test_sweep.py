@@ -109,6 +109,8 @@ def test_a_trial_with_a_bad_learning_rate_is_pruned_at_its_first_validation(tmp_
     assert good.state.name == "COMPLETE" and bad.state.name == "PRUNED"
     assert list(bad.intermediate_values) == [4]  # its first validation, at step 4
     assert bad.user_attrs["steps"] == 4
+    events = (tmp_path / "sweep" / "trial_0001" / "run" / "events.jsonl").read_text()
+    assert '"pruned"' in events  # the run folder says why it stopped
 
 
 @pytest.mark.timeout(240)

@@ -48,7 +48,7 @@ PART_DOCS = {
 BREAKDOWN_COLUMNS = ("step", "rank", "wall_s", "step_s", *(f"{p}_s" for p in PARTS),
                      "mem_peak_bytes", "mem_limit_bytes")
 EVENT_KINDS = ("checkpoint", "restart", "skip", "rollback", "watchdog", "desync",
-               "straggler", "profile", "failure")
+               "straggler", "profile", "failure", "pruned")
 
 ENVIRONMENT, BREAKDOWN, EVENTS, PIPELINE = ("environment.json", "breakdown.csv",
                                             "events.jsonl", "pipeline.json")

@@ -75,7 +75,6 @@ def check_toolchain(device_type: str) -> None:
             "or set compile=False") from None
 
 
-@torch._dynamo.disable
 def _copy_views(module, args, kwargs):
     """Copy the tensor arguments that are views (eagerly, before the compiled graph): under tp a
     block's input may be ``DTensor.to_local()`` of the layer before (e.g. a Hugging Face model's
@@ -103,5 +102,6 @@ def apply_compile(model: nn.Module, mode: str | None, blocks: list[nn.Module], *
         check_compile(mode, has_blocks=False)
     for block in blocks:
         if tensor_parallel:
-            block.register_forward_pre_hook(_copy_views, with_kwargs=True)
+            # (dynamo imported here, not with this module: it takes half a second)
+            block.register_forward_pre_hook(torch._dynamo.disable(_copy_views), with_kwargs=True)
         block.compile()

@@ -92,8 +92,10 @@ class TrialReporter(Callback):
         if prune.item() and trainer.global_step < trainer.total_steps():
             self.pruned = True
             trainer.should_stop, trainer.stop_reason = True, "pruned"
-            trainer.print(f"step {trainer.global_step}: {self.info['metric']} = {value} — "
-                          "pruned by the sweep's pruner; stopping this trial")
+            message = (f"{self.info['metric']} = {value}: pruned by the sweep's pruner; "
+                       "stopping this trial")
+            trainer.print(f"step {trainer.global_step}: {message}")
+            trainer.monitor.event("pruned", message, trainer.global_step)  # the run's events
 
     def on_fit_end(self, trainer) -> None:
         if not trainer.is_global_zero:
