@@ -24,7 +24,7 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, sys; print(sys.version); print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
   python3 -c "import meshtrain, transformers, lightning; print('meshtrain at', meshtrain.__file__, 'transformers', transformers.__version__, 'lightning', lightning.__version__)"
-  nproc
+  python3 -c "import os; print(len(os.sched_getaffinity(0)), 'cores')"
 } >"$OUT/env.txt" 2>&1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
