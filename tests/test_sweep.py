@@ -133,12 +133,13 @@ def test_a_killed_sweep_continues_its_running_trials_from_their_checkpoints(tmp_
     sweep.send_signal(signal.SIGKILL)
     sweep.wait()
     time.sleep(1)  # the trials die with the sweep
-    done = meshtrain("sweep", config, "--space", str(space_file), "--dir", str(folder),
-                     "--trainer.max_steps=40", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "continuing 2 trial(s)" in done.stdout
-    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{folder / 'study.db'}")
-    trials = study.get_trials()
+    said = []  # the same sweep again (here, in this process)
+    study = run_sweep(config, str(space_file), sweep_dir=folder, log=said.append,
+                      overrides=["--trainer.max_steps=40"])
+    assert any("continuing 2 trial(s)" in line for line in said)
+    trials = optuna.load_study(study_name="tiny",
+                               storage=f"sqlite:///{folder / 'study.db'}").get_trials()
+    assert [t.number for t in study.get_trials()] == [0, 1]
     assert [t.state.name for t in trials] == ["COMPLETE"] * 2
     assert [t.user_attrs["starts"] for t in trials] == [2, 2]  # none run a third time
     for number in (0, 1):  # resumed from a checkpoint, not from scratch
