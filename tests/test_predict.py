@@ -55,3 +55,21 @@ def test_predict_returns_one_process_outputs_in_order(tmp_path, layout, case):
 def test_predict_before_fit_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="before predict"):
         quiet_trainer(tmp_path, max_steps=1).predict(_inputs("mlp"))
+
+
+def _pooled_under_cp(run_dir):
+    torch.set_num_threads(1)
+    trainer = quiet_trainer(run_dir, layout="cp=2", max_steps=1, global_batch_size=16,
+                            micro_batch_size=4)
+    model = trainer.fit(GPT4_FNS["model_fn"], GPT4_FNS["data_fn"](),
+                        optimizer=GPT4_FNS["optimizer_fn"], loss_fn=GPT4_FNS["loss_fn"])
+    model.predict_step = lambda batch, batch_idx: model(batch[0]).mean(1)  # one row per sample
+    trainer.predict(_inputs("gpt", 8))
+
+
+@pytest.mark.timeout(150)
+def test_predict_under_cp_refuses_outputs_that_are_not_per_token(tmp_path):
+    from meshtrain.errors import WorkerFailed
+
+    with pytest.raises(WorkerFailed, match="not one row per token"):
+        run_workers(_pooled_under_cp, 2, (str(tmp_path),), timeout=120)

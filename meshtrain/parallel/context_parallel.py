@@ -160,21 +160,27 @@ def check_cp_model(model: torch.nn.Module, cp_degree: int, adapter=None) -> None
         check(cp_degree)
 
 
-def gather_sequence(out, cp_mesh):
+def gather_sequence(out, cp_mesh, local_len: int):
     """Outputs computed on this rank's chunks (:func:`shard_batch`'s cut) made whole: every
-    tensor of two or more dimensions gathered over the cp group along dim 1 and put back in
-    sequence order (a tuple or dict of them alike; collective)."""
+    tensor of two or more dimensions, which must be per token (dim 1 of this rank's
+    ``local_len`` tokens), gathered over the cp group along dim 1 and put back in sequence order
+    (a tuple or dict of them alike; collective). Anything else of 2+ dims is refused."""
     import torch.distributed as dist
 
     if isinstance(out, torch.Tensor) and out.dim() >= 2:
+        if out.size(1) != local_len:
+            raise ConfigError(
+                f"predict under cp: an output of shape {tuple(out.shape)} is not one row per "
+                f"token of this rank's {local_len} (dim 1), so its pieces cannot be put back in "
+                "sequence order; predict per token, or on a layout without cp")
         group, degree = cp_mesh.get_group(), cp_mesh.size()
         parts = [torch.empty_like(out) for _ in range(degree)]
         dist.all_gather(parts, out.detach().contiguous(), group=group)
         return unshard_sequence(parts, degree, dim=1)
     if isinstance(out, (tuple, list)):
-        return type(out)(gather_sequence(o, cp_mesh) for o in out)
+        return type(out)(gather_sequence(o, cp_mesh, local_len) for o in out)
     if isinstance(out, dict):
-        return {k: gather_sequence(v, cp_mesh) for k, v in out.items()}
+        return {k: gather_sequence(v, cp_mesh, local_len) for k, v in out.items()}
     return out
 
 

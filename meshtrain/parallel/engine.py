@@ -365,8 +365,19 @@ class Engine:
         if self.cp is not None:  # every output of 2+ dims is per token: the whole sequence
             from meshtrain.parallel.context_parallel import gather_sequence
 
-            out = gather_sequence(out, self.cp)
+            out = gather_sequence(out, self.cp, _sequence_length(batch))
         return out
+
+
+def _sequence_length(batch) -> int:
+    """This rank's tokens per sequence: dim 1 of the batch's first tensor of 2+ dimensions
+    (what :func:`~meshtrain.parallel.context_parallel.shard_batch` cuts); -1 if none."""
+    values = batch.values() if isinstance(batch, dict) else (
+        batch if isinstance(batch, (tuple, list)) else [batch])
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return value.size(1)
+    return -1
 
 
 def prediction_inputs(batch):
