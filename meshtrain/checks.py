@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -193,3 +195,23 @@ def check_stream(stream, global_batch_size: int, max_steps: int | None) -> None:
     if length is not None and length < global_batch_size:
         raise ConfigError(f"train_data has {length} items, fewer than one global batch of "
                           f"{global_batch_size}; lower global_batch_size or add data")
+
+
+def parse_layout(spec, world_size: int, env):
+    """``Layout.parse(spec, world_size)``; when torchrun restarted the job (an elastic
+    ``--nnodes MIN:MAX`` job that lost or gained a node) and the layout does not fit the new
+    world size, the error says so and how to let it follow."""
+    from meshtrain.errors import LayoutError
+    from meshtrain.launch.spawn import ROUND_ENV, restart_count
+    from meshtrain.parallel.layout import Layout
+
+    try:
+        return Layout.parse(spec, world_size)
+    except LayoutError as error:
+        if env is None or not (restart_count() or int(os.environ.get(ROUND_ENV) or 0)):
+            raise
+        raise LayoutError(
+            f"{error}. torchrun restarted this job on {env.nodes} node(s), {world_size} "
+            "process(es) in all: under --nnodes MIN:MAX the world size follows the nodes that "
+            "are left, so give one axis the degree 'auto' (e.g. dp=auto) to train on them"
+        ) from None

@@ -37,7 +37,6 @@ from meshtrain.observe.run_log import RunLog
 from meshtrain.observe.step_timer import TimedBatches
 from meshtrain.parallel.apply import ParallelOptions
 from meshtrain.parallel.engine import plan_batches
-from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.pipeline_engine import PipelineOptions
 from meshtrain.plan.auto import auto_pins
@@ -94,7 +93,7 @@ class Trainer:
     def _use_layout(self, s: dict, world_size: int) -> None:
         """Take the settings ``s`` with their layout over ``world_size`` processes (raises
         ConfigError, changing nothing, when a setting does not apply to it)."""
-        layout = Layout.parse(s["layout"], world_size)
+        layout = checks.parse_layout(s["layout"], world_size, self._env)
         checks.check_settings_apply(layout, s)
         pipeline_options = PipelineOptions.from_settings(s, layout, hf_pp_support)
         batch_plan = plan_batches(layout, s["global_batch_size"], s["micro_batch_size"],

@@ -1,7 +1,10 @@
-"""`meshtrain slurm`: write (and optionally submit) an sbatch script that runs torchrun per node.
+"""`meshtrain slurm`: write (and optionally submit) an sbatch script that runs `meshtrain run`
+(torchrun) per node.
 
-Slurm starts one task per node; each task runs torchrun, which starts one worker per GPU. The
-nodes meet through c10d rendezvous hosted on the first node of the allocation.
+Slurm starts one task per node; each task runs `meshtrain run`, which starts one worker per GPU
+(``--gpus-per-node``) or a given number of CPU workers (``--nproc-per-node``, no GPU asked for).
+The nodes meet through c10d rendezvous hosted on the first node of the allocation.
+tests/launch/test_slurm_cluster.py submits it to a real one-node Slurm cluster.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ def render_sbatch(
     script: str,
     script_args: Sequence[str] = (),
     nodes: int,
-    gpus_per_node: int,
+    gpus_per_node: int | None = None,
+    nproc_per_node: int | None = None,
+    module: bool = False,
     cpus_per_task: int | None = None,
     job_name: str = "meshtrain",
     time: str | None = None,
@@ -37,12 +42,13 @@ def render_sbatch(
     workdir: str | None = None,
     python: str = "python",
 ) -> str:
-    """Return the text of an sbatch script that runs `script` on `nodes` x `gpus_per_node` workers.
+    """Return the text of an sbatch script that runs `script` (a module with `module=True`) on
+    `nodes` x `gpus_per_node` workers, one per GPU, or `nodes` x `nproc_per_node` CPU workers.
 
     Pure: reads no files and runs nothing. `workdir`, when given, becomes `#SBATCH --chdir`, so
     relative paths mean the same wherever `sbatch` is called from.
     """
-    _check_options(nodes, gpus_per_node, cpus_per_task, port, time)
+    workers = _check_options(nodes, gpus_per_node, nproc_per_node, cpus_per_task, port, time)
     directives = {
         "job-name": job_name,
         "nodes": nodes,
@@ -69,15 +75,18 @@ def render_sbatch(
 
     # the Trainer's rule (launch/world.py): the task's CPUs shared by its workers; without
     # --cpus-per-task, the CPUs the task got (nproc reads its affinity)
-    threads = max(1, cpus_per_task // gpus_per_node) if cpus_per_task else \
-        f"$(( $(nproc) / {gpus_per_node} > 0 ? $(nproc) / {gpus_per_node} : 1 ))"
+    threads = max(1, cpus_per_task // workers) if cpus_per_task else \
+        f"$(( $(nproc) / {workers} > 0 ? $(nproc) / {workers} : 1 ))"
     cpus_flag = f" --cpus-per-task={cpus_per_task}" if cpus_per_task else ""
-    command = [python, "-m", "torch.distributed.run"]
-    user_part = " ".join(shlex.quote(a) for a in [script, *script_args])
+    command = [python, "-m", "meshtrain", "run"]
+    user_part = " ".join(shlex.quote(a) for a in [*(["-m"] if module else []), script,
+                                                   *script_args])
+    per_node = f"{gpus_per_node} workers (one per GPU)" if gpus_per_node else \
+        f"{nproc_per_node} CPU workers"
     lines += [
         "",
-        "# Written by `meshtrain slurm`: one task per node runs torchrun, which starts",
-        f"# {gpus_per_node} workers; all nodes meet through c10d rendezvous on the first node.",
+        "# Written by `meshtrain slurm`: one task per node runs `meshtrain run` (torchrun),",
+        f"# which starts {per_node}; all nodes meet through c10d rendezvous on the first node.",
         "set -euo pipefail",
         "",
         "# CPU threads per worker: the task's CPUs shared by its workers, unless already set.",
@@ -92,7 +101,7 @@ def render_sbatch(
         # srun does not pass --cpus-per-task on from sbatch in recent Slurm; name it again.
         f"srun{cpus_flag} {' '.join(shlex.quote(c) for c in command)} \\",
         '    --nnodes "$SLURM_NNODES" \\',
-        f"    --nproc-per-node {gpus_per_node} \\",
+        f"    --nproc-per-node {workers} \\",
         '    --rdzv-id "$SLURM_JOB_ID" \\',
         "    --rdzv-backend c10d \\",
         f'    --rdzv-endpoint "$head_node_ip:{port}" \\',
@@ -101,16 +110,24 @@ def render_sbatch(
     return "\n".join(lines) + "\n"
 
 
-def _check_options(
-    nodes: int, gpus_per_node: int, cpus_per_task: int | None, port: int, time: str | None
-) -> None:
+def _check_options(nodes: int, gpus_per_node: int | None, nproc_per_node: int | None,
+                   cpus_per_task: int | None, port: int, time: str | None) -> int:
+    """Check the options; return the workers per node."""
     if nodes < 1:
         raise ConfigError(f"--nodes is {nodes}: ask for at least 1 node, e.g. --nodes 2")
-    if gpus_per_node < 1:
+    if (gpus_per_node is None) == (nproc_per_node is None):
+        raise ConfigError(
+            "give one of --gpus-per-node G (G workers per node, one per GPU) and "
+            "--nproc-per-node N (N CPU workers per node, no GPU asked for)"
+        )
+    if gpus_per_node is not None and gpus_per_node < 1:
         raise ConfigError(
             f"--gpus-per-node is {gpus_per_node}: it is also the number of workers per node, "
             "so give at least 1, e.g. --gpus-per-node 8"
         )
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node is {nproc_per_node}: give at least 1 worker per "
+                          "node, e.g. --nproc-per-node 2")
     if cpus_per_task is not None and cpus_per_task < 1:
         raise ConfigError(f"--cpus-per-task is {cpus_per_task}: give at least 1, or leave it out")
     if not 0 < port < 65536:
@@ -119,17 +136,24 @@ def _check_options(
         raise ConfigError(
             f"--time {time!r} is not a Slurm time: write HH:MM:SS (or D-HH:MM:SS), e.g. 04:00:00"
         )
+    return gpus_per_node or nproc_per_node
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `meshtrain slurm` argument parser."""
     parser = argparse.ArgumentParser(
         prog="meshtrain slurm",
-        description="Write an sbatch script that runs SCRIPT with torchrun on every node "
-        "(one worker per GPU), print its path, and with --submit hand it to sbatch.",
+        description="Write an sbatch script that runs SCRIPT with `meshtrain run` (torchrun) on "
+        "every node (one worker per GPU, or --nproc-per-node CPU workers), print its path, and "
+        "with --submit hand it to sbatch.",
     )
     parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs = workers per node")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs = workers per node")
+    parser.add_argument("--nproc-per-node", type=int,
+                        help="CPU workers per node (instead of --gpus-per-node: no GPU asked for)")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="SCRIPT is a module, run as python -m SCRIPT (e.g. -m meshtrain "
+                        "train config.toml)")
     parser.add_argument("--cpus-per-task", type=int, help="CPUs per node's task (all workers)")
     parser.add_argument("--job-name", default="meshtrain", help="Slurm job name")
     parser.add_argument("--time", help="time limit, HH:MM:SS")
@@ -148,16 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
 def slurm(argv: Sequence[str] | None = None) -> int:
     """Write the sbatch script for `argv`, print its path, submit it with --submit; exit code."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if not os.path.isfile(args.script):
+    if not args.module and not os.path.isfile(args.script):
         raise ConfigError(
             f"training script {args.script!r} does not exist (looked in {os.getcwd()}): "
-            "check the path"
+            "check the path, or pass -m to run a module (e.g. -m meshtrain train config.toml)"
         )
     text = render_sbatch(
         script=args.script,
         script_args=args.script_args,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
+        nproc_per_node=args.nproc_per_node,
+        module=args.module,
         cpus_per_task=args.cpus_per_task,
         job_name=args.job_name,
         time=args.time,

@@ -31,6 +31,7 @@ from pathlib import Path
 from meshtrain.errors import ConfigError, WorkerFailed
 
 STORE_ENV = "MESHTRAIN_STORE"  # "host:port" of a store hosted by the launching process
+ROUND_ENV = "MESHTRAIN_RDZV_ROUND"  # the c10d rendezvous round, set by `meshtrain run`
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun for its workers: 0, 1, ...
 
 
@@ -42,6 +43,7 @@ class DistEnv:
     local_rank: int
     world_size: int
     local_world_size: int
+    nodes: int = 1  # the launcher's agents (torchrun's GROUP_WORLD_SIZE): one per node
 
     @classmethod
     def from_environ(cls) -> DistEnv | None:
@@ -53,6 +55,7 @@ class DistEnv:
             local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
             world_size=world,
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+            nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
         )
 
 
@@ -130,7 +133,9 @@ def _attempt_store(env: DistEnv, timeout: timedelta):
         store = dist.TCPStore(host, int(port), env.world_size, is_master=False, timeout=timeout)
     else:
         store = _rank0_store(host, int(port), env, timeout)
-    return dist.PrefixStore(f"attempt_{restart_count()}", store)
+    rendezvous_round = os.environ.get(ROUND_ENV)  # set by `meshtrain run` (launch/torchrun.py)
+    namespace = f"round_{rendezvous_round}" if rendezvous_round else f"attempt_{restart_count()}"
+    return dist.PrefixStore(namespace, store)
 
 
 # ---------------------------------------------------------------------------------------------

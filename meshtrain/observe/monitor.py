@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshtrain.launch.spawn import DistEnv
 from meshtrain.observe import run_files
 from meshtrain.observe.run_files import PARTS
 from meshtrain.observe.step_timer import make_step_timer
@@ -68,13 +69,15 @@ class RunMonitor:
         self.flops_per_item, self._peak_setting = flops_per_item, peak_setting
         if not self.is_zero:
             return
+        env = DistEnv.from_environ()
         device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                        else platform.processor() or platform.machine())
         run_files.update_environment(
             self.run_dir, torch=torch.__version__, python=platform.python_version(),
             platform=platform.platform(), hostname=socket.gethostname(),
             device_type=self.device.type, device_name=device_name, world_size=self.world_size,
-            layout=layout, flops_per_item=flops_per_item, started=run_files.now(), finished=None,
+            nodes=env.nodes if env else 1,
+            processes_per_node=env.local_world_size if env else self.world_size, layout=layout, flops_per_item=flops_per_item, started=run_files.now(), finished=None,
             status="running", error=None, settings=settings)
 
     def finish(self, error: BaseException | None = None) -> None:

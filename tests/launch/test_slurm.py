@@ -64,6 +64,16 @@ def test_optional_lines_are_left_out():
             '))}"') in text
 
 
+def test_cpu_workers_ask_for_no_gpu_and_a_module_runs_with_m():
+    text = render_sbatch(script="meshtrain", script_args=["train", "job.toml"], nodes=2,
+                         nproc_per_node=3, module=True, cpus_per_task=6)
+    assert "gpus" not in text
+    assert "#SBATCH --cpus-per-task=6" in text.splitlines()
+    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"' in text  # 6 CPUs / 3 workers
+    assert "    --nproc-per-node 3 \\" in text.splitlines()
+    assert text.rstrip().endswith("    -m meshtrain train job.toml")
+
+
 def test_bash_accepts_the_syntax(tmp_path):
     path = tmp_path / "job.sbatch"
     path.write_text(_render())
@@ -102,7 +112,7 @@ def test_script_runs_torchrun_at_the_head_node_under_fake_slurm(tmp_path):
     launch = (tmp_path / "launch").read_text().splitlines()
     assert launch == [
         "--cpus-per-task=32",
-        "python", "-m", "torch.distributed.run",
+        "python", "-m", "meshtrain", "run",
         "--nnodes", "2",
         "--nproc-per-node", "8",
         "--rdzv-id", "777",
@@ -117,6 +127,9 @@ def test_script_runs_torchrun_at_the_head_node_under_fake_slurm(tmp_path):
     [
         (dict(nodes=0), "--nodes"),
         (dict(gpus_per_node=0), "--gpus-per-node"),
+        (dict(gpus_per_node=None), "give one of --gpus-per-node G .* and --nproc-per-node N"),
+        (dict(nproc_per_node=2), "give one of --gpus-per-node G .* and --nproc-per-node N"),
+        (dict(gpus_per_node=None, nproc_per_node=0), "--nproc-per-node is 0"),
         (dict(time="4 hours"), "--time"),
         (dict(job_name="my job"), "--job-name"),
         (dict(port=70000), "--port"),

@@ -193,10 +193,11 @@ def test_parts_add_up_to_the_measured_step_time_and_mfu_is_logged(tmp_path):
         if r["step"] > 5:  # the profiled steps 3-4 hold the trace's export
             assert r["step_s"] == pytest.approx(r["wall_s"], rel=0.05), r
     for rank in (0, 1):  # and the throughput's clock (samples/s over each interval), which
-        # leaves out the logging step's loss all-reduce: a looser bound
+        # leaves out the logging step's loss all-reduce: a looser bound, looser above (that
+        # all-reduce waits for the peer, longer on a machine busy with other tests)
         parts = statistics.median(r["step_s"] for r in rows if r["rank"] == rank)
         wall = statistics.median(16 / m["train/samples_per_s"] for m in metrics)
-        assert parts == pytest.approx(wall, rel=0.1), (rank, parts, wall)
+        assert 0.9 * wall <= parts <= 1.25 * wall, (rank, parts, wall)
     env = json.loads((run_dir / run_files.ENVIRONMENT).read_text())
     assert env["status"] == "finished" and env["peak_tflops"] > 0
     assert env["flops_per_item"] == flops_per_item(MLP()) == 6 * (16 * 32 + 32 + 32 * 1 + 1)

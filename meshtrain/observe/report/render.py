@@ -88,11 +88,19 @@ def _summary(run: Run) -> list[tuple[str, str]]:
             ("final train loss", _num(_last(run.metrics, "train/loss"))),
             ("final validation loss", _num(_last(run.metrics, "val/loss"))),
             ("layout", _text(env.get("layout") or run.config.get("trainer", {}).get("layout"))),
-            ("world size", _text(env.get("world_size"))),
+            ("world size", _world(env)),
             ("started", _text(env.get("started"))), ("finished", _text(env.get("finished")))]
     if run.error is not None:
         rows.insert(3, ("error", run.error))
     return rows
+
+
+def _world(env: dict) -> str:
+    """'4', or '4 (2 nodes x 2)' when the launcher started the job on several nodes."""
+    nodes, per_node = env.get("nodes"), env.get("processes_per_node")
+    if not nodes or nodes == 1 or not per_node:
+        return _text(env.get("world_size"))
+    return f"{_text(env.get('world_size'))} ({nodes} nodes x {per_node})"
 
 
 def _throughput(run: Run) -> dict:

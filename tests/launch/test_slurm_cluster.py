@@ -1,0 +1,220 @@
+"""`meshtrain slurm --submit` against a real Slurm cluster: slurmctld and slurmd (Debian's
+slurm-wlm, which .ci/run installs) started on this machine as a one-node cluster, with a munge
+daemon of their own, all on free ports and in a temporary folder.
+
+The job is `meshtrain train` on a small char_lm config over 2 CPU workers. A first submission
+is cancelled with `scancel` after its first checkpoint; the same job submitted again resumes
+from the newest checkpoint and finishes.
+"""
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from meshtrain.launch.ports import find_free_port
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+# the daemons live in sbin, which a CI's PATH may leave out
+SEARCH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
+def _why_no_slurm() -> str | None:
+    missing = [d for d in DAEMONS if shutil.which(d, path=SEARCH) is None]
+    if missing:
+        return (f"no {', '.join(missing)} on this machine: install Slurm and munge "
+                "(apt-get install slurm-wlm munge; .ci/run does it)")
+    if os.geteuid() != 0:
+        return "slurmd starts jobs as their users and must run as root here"
+    return None
+
+
+class SlurmCluster:
+    """One node (this machine, all its cores) in one partition, run from ``folder``."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.host = socket.gethostname().split(".")[0]
+        self.env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf"), "PATH": SEARCH}
+
+    def start(self) -> None:
+        f = self.folder
+        for sub in ("state", "spool", "munge"):
+            (f / sub).mkdir(mode=0o700)
+        key = f / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        self.socket = f / "munge" / "munge.sock"
+        self._run(["munged", "--force", f"--socket={self.socket}", f"--key-file={key}",
+                   f"--log-file={f / 'munge' / 'munged.log'}",
+                   f"--pid-file={f / 'munge' / 'munged.pid'}",
+                   f"--seed-file={f / 'munge' / 'munged.seed'}"])
+        ctld_port = find_free_port("127.0.0.1")
+        slurmd_port = find_free_port("127.0.0.1")
+        cpus = len(os.sched_getaffinity(0))
+        (f / "slurm.conf").write_text(f"""\
+ClusterName=meshtraintest
+SlurmctldHost={self.host}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+AuthInfo=socket={self.socket}
+CredType=cred/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+StateSaveLocation={f / 'state'}
+SlurmdSpoolDir={f / 'spool'}
+SlurmctldPidFile={f / 'slurmctld.pid'}
+SlurmdPidFile={f / 'slurmd.pid'}
+SlurmctldLogFile={f / 'slurmctld.log'}
+SlurmdLogFile={f / 'slurmd.log'}
+SlurmUser=root
+SlurmdUser=root
+ReturnToService=2
+MpiDefault=none
+KillWait=5
+MinJobAge=600
+NodeName={self.host} CPUs={cpus} State=UNKNOWN
+PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
+""")
+        self._run(["slurmctld"])
+        self._run(["slurmd"])
+        deadline = time.monotonic() + 30
+        while self.node_state() != "idle":
+            assert time.monotonic() < deadline, f"the node never became idle:\n{self.logs()}"
+            time.sleep(0.2)
+
+    def _run(self, command: list[str]) -> str:
+        command = [shutil.which(command[0], path=SEARCH), *command[1:]]
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, f"{command}: {done.stderr}\n{self.logs()}"
+        return done.stdout
+
+    def node_state(self) -> str:
+        done = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True,
+                              text=True, timeout=30)
+        return done.stdout.strip()
+
+    def job_state(self, job: str) -> str:
+        """PENDING, RUNNING, COMPLETED, CANCELLED, FAILED, ... (from slurmctld's memory)."""
+        text = self._run(["scontrol", "show", "job", job])
+        return re.search(r"JobState=(\w+)", text).group(1)
+
+    def wait(self, job: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while (state := self.job_state(job)) in ("PENDING", "CONFIGURING", "RUNNING",
+                                                  "COMPLETING"):
+            assert time.monotonic() < deadline, f"job {job} still {state} after {timeout} s"
+            time.sleep(0.2)
+        return state
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}"
+                         for p in sorted(self.folder.glob("**/*.log")))
+
+    def stop(self) -> None:
+        for pid_file in ("slurmd.pid", "slurmctld.pid", "munge/munged.pid"):
+            path = self.folder / pid_file
+            if path.exists():
+                try:
+                    os.kill(int(path.read_text()), signal.SIGTERM)
+                except (ProcessLookupError, ValueError):
+                    pass
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    why = _why_no_slurm()
+    if why:
+        pytest.skip(why)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        try:
+            cluster.start()
+        except AssertionError as error:  # this machine cannot run the daemons: say why
+            pytest.skip(f"a one-node Slurm cluster could not start here: {error}")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _submit(slurm: SlurmCluster, tmp_path: Path, config: Path) -> str:
+    """`meshtrain slurm --submit` for `meshtrain train CONFIG` on 2 CPU workers; the job id."""
+    command = [sys.executable, "-m", "meshtrain", "slurm", "--nodes", "1", "--nproc-per-node",
+               "2", "--cpus-per-task", "2", "--job-name", "tiny", "--output",
+               str(tmp_path / "%j.out"), "--port", str(find_free_port("127.0.0.1")),
+               "--python", sys.executable, "--sbatch-out", str(tmp_path / "tiny.sbatch"),
+               "--submit", "-m", "meshtrain", "train", str(config)]
+    done = subprocess.run(command, cwd=ROOT, env=slurm.env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
+
+
+@pytest.mark.timeout(240)
+def test_a_submitted_job_trains_and_a_cancelled_one_resumes_when_submitted_again(slurm,
+                                                                                   tmp_path):
+    runs = tmp_path / "runs"
+    config = tmp_path / "tiny.toml"
+    config.write_text(f"""\
+[job]
+recipe = "char_lm"
+[data]
+max_chars = 60000
+seq_len = 32
+[model]
+num_layers = 1
+num_heads = 2
+d_model = 32
+[sample]
+num_chars = 10
+[trainer]
+max_steps = 300
+global_batch_size = 8
+val_every_n_steps = 300
+limit_val_batches = 2
+[checkpoint]
+checkpoint_every_n_steps = 10
+keep_last_k = 1
+[logging]
+name = "tiny"
+root_dir = "{runs}"
+log_every_n_steps = 10
+progress_bar = false
+""")
+    first = _submit(slurm, tmp_path, config)
+    deadline = time.monotonic() + 120
+    while not list(runs.glob("tiny/*/checkpoints/step_*")):
+        state = slurm.job_state(first)
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), \
+            f"job {first} {state} before its first checkpoint:\n" + \
+            (tmp_path / f"{first}.out").read_text()[-3000:]
+        assert time.monotonic() < deadline, slurm.logs()
+        time.sleep(0.05)
+    subprocess.run(["scancel", first], env=slurm.env, check=True, timeout=30)
+    assert slurm.wait(first) == "CANCELLED"
+    (run,) = runs.glob("tiny/*")
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert saved and not (run / "checkpoints" / "final").exists()  # stopped mid-run
+
+    second = _submit(slurm, tmp_path, config)
+    assert slurm.wait(second) == "COMPLETED", (tmp_path / f"{second}.out").read_text()[-3000:]
+    out = (tmp_path / f"{second}.out").read_text()
+    resumed = re.search(r"resumed from \S+/checkpoints/(step_\d+) at step (\d+)", out)
+    assert resumed and resumed.group(1) == saved[-1] and int(resumed.group(2)) < 300, out[-3000:]
+    assert "meshtrain: 1 node(s), rendezvous at" in out
+    assert list(runs.glob("tiny/*")) == [run]  # the same run folder, continued
+    assert (run / "checkpoints" / "final").is_dir()
+    assert not list((run / "checkpoints").glob(".tmp*"))
