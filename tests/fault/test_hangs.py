@@ -50,7 +50,9 @@ def test_without_debug_mode_gloo_refuses_a_mismatched_collective(tmp_path, capfd
                    "--fault", "desync", "--fault-step", "3"])
     stderr = capfd.readouterr().err  # the workers' own stderr: gloo's abort message
     assert "doesn't match expected size" in stderr, stderr[-1500:]
-    assert "rank 1: exited with code -6" in text and "Connection reset by peer" in text
+    assert "rank 1: exited with code -6" in text
+    # rank 0 then fails on its lost peer, or is stopped first by the launcher (a busy machine)
+    assert "Connection reset by peer" in text or "rank 0: exited with code -9" in text, text
     assert "Timed out" not in text
 
 

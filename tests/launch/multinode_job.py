@@ -32,6 +32,8 @@ import torch  # noqa: E402
 from checkpoint.resume_matrix_lib import (  # noqa: E402
     GLOBAL_BATCH, IndexedTokens, full_state, lm_loss, model, optimizer)
 from meshtrain import Callback, Trainer  # noqa: E402
+from meshtrain.launch.spawn import DistEnv  # noqa: E402
+from meshtrain.plan.auto import cluster_for  # noqa: E402
 
 NODE_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
             "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "MESHTRAIN_RDZV_ROUND")
@@ -54,6 +56,12 @@ class Record(Callback):
         self.dataset.fetched.clear()  # the Trainer's look at a sample input
         self.record.update(layout=str(trainer.layout), world_size=trainer.world_size,
                            dp_rank=trainer.dp_rank, start_step=trainer.global_step)
+        # the nodes as the launcher describes them, and as layout="auto"'s planner sees them
+        env = DistEnv.from_environ()
+        cluster = cluster_for({"plan_cluster": "8xH100", "precision": "fp32"},
+                              trainer.world_size, env.local_world_size, "cpu")
+        self.record.update(nodes=env.nodes, planner_nodes=cluster.nodes,
+                           planner_devices_per_node=cluster.devices_per_node)
         self.save(trainer.rank)
 
     def on_train_step_end(self, trainer, metrics):

@@ -165,6 +165,8 @@ def test_two_nodes_train_like_one_process(agents, reference, layout):
         assert (env["WORLD_SIZE"], env["GROUP_WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == \
             ("2", "2", "1")
         assert worker["done"] and worker["layout"] == layout
+        assert (worker["nodes"], worker["planner_nodes"], worker["planner_devices_per_node"]) \
+            == (2, 2, 1)
     assert {w["env"]["GROUP_RANK"] for w in workers.values()} == {"0", "1"}  # two nodes
     environment = json.loads((agents.out / "run" / "environment.json").read_text())
     assert (environment["nodes"], environment["processes_per_node"]) == (2, 1)
