@@ -25,9 +25,9 @@ from meshtrain.launch.ports import find_free_port
 
 JOB = Path(__file__).with_name("multinode_job.py")
 STEPS = 8  # the elastic job's; the two-node jobs train 4
-# Fast rendezvous for a test: a round with fewer than the most nodes closes 3 s after the
+# Fast rendezvous for a test: a round with fewer than the most nodes closes 5 s after the
 # minimum joined; a node missing 5 heartbeats 1 s apart is dead.
-FAST_RDZV = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5"
+FAST_RDZV = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
 
 
 @pytest.fixture(scope="module")
