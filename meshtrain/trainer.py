@@ -30,7 +30,8 @@ from meshtrain.data.sampler import release_workers
 from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
 from meshtrain.launch.world import collective_checks, drain_collectives, resolve_world_size
-from meshtrain.loop.state import LoopState, MetricWindow
+from meshtrain.launch.slurm import requeue_callbacks
+from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow
 from meshtrain.module.log_buffer import LogBuffer
 from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_pp_support, hf_tp_plans
 from meshtrain.observe.run_log import RunLog
@@ -71,7 +72,8 @@ class Trainer:
             self.layout = self.batch_plan = self.pipeline_options = self.parallel_options = None
             self.world_size, self.micro_batch_size, self.grad_accum_steps = world_size, None, None
         self.callbacks, self.precision_name = list(s["callbacks"]), s["precision"]
-        self.callbacks += trial_callbacks()  # inside a sweep's trial: report to its study
+        # a sweep's trial reports to its study; under Slurm a stop signal requeues the job
+        self.callbacks += trial_callbacks() + requeue_callbacks()
         self._run_dir_arg = s["run_dir"]
         self.rank = self._env.rank if self._env else 0
         self.mesh: ParallelMesh | None = None
@@ -79,7 +81,7 @@ class Trainer:
         self.state = LoopState()
         self.grad_norm: torch.Tensor | None = None  # the last step's, before clipping
         self.should_stop, self.callback_metrics = False, {}
-        self.stop_reason = None  # "max_time": stopped by the clock, to be continued
+        self.stop_reason = None  # "max_time", "signal": stopped, to be continued (resume.py)
         self.run_dir = self._resume_from = self._workers = self._val_data = None
         self.ps_server = self._store = self.ps_stats = None  # ps=S: server index, its counters
         self.start_notes = ""  # torch threads and network interface, and why (launch/world.py)
@@ -276,7 +278,7 @@ class Trainer:
             if self._val_data is not None and validated_at != state.global_step:
                 self._run_validation()
             self.checkpoints.wait()
-            if self.save_final_checkpoint or self.stop_reason == "max_time":  # resumable
+            if self.save_final_checkpoint or self.stop_reason in RESUMABLE_STOPS:
                 self.save_checkpoint(self.run_dir / "checkpoints" / "final")
             self._call("on_fit_end")
         finally:

@@ -66,7 +66,8 @@ def test_sections_hold_every_config_setting_and_python_only_ones_are_marked():
         "pipeline": {"pp_schedule", "stages_per_rank", "pp_balance", "split_points"},
         "checkpoint": {"checkpoint_every_n_steps", "checkpoint_every_n_epochs",
                        "checkpoint_every_n_minutes", "keep_last_k",
-                       "async_checkpoint", "resume", "init_from", "save_final_checkpoint"},
+                       "async_checkpoint", "resume", "init_from", "save_final_checkpoint",
+                       "stop_on_signal"},
         "fault": {"nan_policy", "collective_timeout_s", "init_timeout_s", "stall_timeout_s",
                   "debug_collectives", "mtbf_hours"},
     }

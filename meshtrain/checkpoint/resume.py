@@ -26,6 +26,7 @@ from meshtrain.checkpoint.manager import latest_complete
 from meshtrain.checkpoint.safe_load import load_plain, read_metadata
 from meshtrain.checkpoint.state import TRAINER_STATE
 from meshtrain.errors import ConfigError
+from meshtrain.loop.state import RESUMABLE_STOPS
 
 Shapes = dict[str, tuple | None]  # a model's state names -> shapes (None: not a tensor)
 
@@ -270,7 +271,7 @@ def trainer_state(t) -> tuple[dict, dict]:
     state = {**t.state.state_dict(),
              "lr_scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler else None,
              "grad_scaler": t.precision.state_dict(), **run_identity(t),
-             "finished": (t.should_stop and t.stop_reason != "max_time")
+             "finished": (t.should_stop and t.stop_reason not in RESUMABLE_STOPS)
              or t.global_step >= t.total_steps()}
     summary = {"step": t.global_step, "epoch": t.current_epoch, "layout": str(t.layout),
                "world_size": t.world_size, "metrics": t.callback_metrics,

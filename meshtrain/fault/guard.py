@@ -9,7 +9,9 @@
   starts the next periodic one when it is due (by steps, or by rank 0's clock);
 * :meth:`~StepGuard.rollback` restores the last checkpoint and remembers the batch to skip;
 * the stall watchdog is armed for every step but the first, after which the collective timeout
-  drops from ``init_timeout_s`` to ``collective_timeout_s``.
+  drops from ``init_timeout_s`` to ``collective_timeout_s``;
+* with ``stop_on_signal``, a signal handler marks the request and the same all-reduce tells
+  every rank, which stop after that step (the loop then saves a resumable checkpoint).
 
 It sees the loop only through :class:`Loop` and its settings through :class:`FaultOptions`.
 """
@@ -17,6 +19,9 @@ It sees the loop only through :class:`Loop` and its settings through :class:`Fau
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -36,6 +41,9 @@ class Loop(Protocol):
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
 
+    should_stop: bool
+    stop_reason: str | None  # "signal" when stop_on_signal stopped it
+
     def checkpoint_state(self) -> tuple[dict, dict]: ...  # (trainer state, summary)
     def load_checkpoint(self, path) -> None: ...
     def print(self, message: str) -> None: ...  # rank zero only
@@ -53,6 +61,7 @@ class FaultOptions:
     mtbf_hours: float
     checkpoint_every_n_minutes: float | None
     save_final_checkpoint: bool
+    stop_on_signal: str | None
 
     @classmethod
     def from_settings(cls, settings) -> FaultOptions:
@@ -107,11 +116,19 @@ class StepGuard:
         self.bad_batches: set[tuple[int, int]] = set()  # (epoch, consumed_samples) to skip
         self.steps_here = 0  # optimizer steps run by this process (a resumed run starts at 0)
         self.save_cost_reported = False
+        self.stop_signal = stop_signal(options.stop_on_signal, world_size)
+        self.signalled = False  # set by the handler: this rank got the stop signal
+        self._previous_handler = None
 
     # -- around each step ---------------------------------------------------------------------
     def start(self) -> None:
         if self.watchdog is not None:
             self.watchdog.start()
+        if self.stop_signal is not None and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(self.stop_signal, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = True
 
     def step_begins(self) -> None:
         if self.watchdog is not None and self.steps_here > 0:  # not the slow first step
@@ -133,6 +150,9 @@ class StepGuard:
     def stop(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self._previous_handler is not None:
+            signal.signal(self.stop_signal, self._previous_handler)
+            self._previous_handler = None
 
     # -- NaN/Inf --------------------------------------------------------------------------------
     def decide(self, loss: torch.Tensor) -> str:
@@ -140,12 +160,16 @@ class StepGuard:
         from meshtrain.fault.nonfinite import describe, nonfinite_flag
 
         policy, manager, state = self.options.nan_policy, self.checkpoints, self.loop.state
-        need_flags = bool(self.options.checkpoint_every_n_minutes or manager.in_flight)
+        what = f"step {state.global_step + 1} (epoch {state.current_epoch})"
+        alone = self.flags.world_size == 1  # a stop signal needs no agreement
+        if alone and self.signalled:
+            self._stop(what)
+        need_flags = bool(self.options.checkpoint_every_n_minutes or manager.in_flight
+                          or (self.stop_signal and not alone))
         self.settle()
         if not (policy or need_flags):
             return "ok"
         flag = None
-        what = f"step {state.global_step + 1} (epoch {state.current_epoch})"
         if policy is not None:
             # under fp16 the grad scaler itself skips steps with inf gradients: check the loss
             flag = nonfinite_flag(loss, self.loop.model.parameters(),
@@ -159,7 +183,9 @@ class StepGuard:
                 if not flag.item() & 2:
                     return "ok"
         bad_ranks, self.time_due, self.write_pending = self.flags.exchange(
-            flag, manager.due_by_time(), not manager.poll())
+            flag, manager.due_by_time(), not manager.poll(), self.signalled)
+        if self.flags.stop_requested:
+            self._stop(what)
         if not bad_ranks:
             return "ok"
         if policy == "error":
@@ -170,6 +196,12 @@ class StepGuard:
                             "(nan_policy='skip')")
             return "skip"
         return "rollback"
+
+    def _stop(self, what: str) -> None:
+        if not self.loop.should_stop:
+            self.loop.should_stop, self.loop.stop_reason = True, "signal"
+            self.loop.print(f"{what}: {self.stop_signal.name} received; stopping after this "
+                            "step with a checkpoint (stop_on_signal; run again to continue)")
 
     def settle(self) -> None:
         """Read the flag that ``decide`` left pending (nan_policy="error" on a GPU): by now the
@@ -245,6 +277,14 @@ class StepGuard:
             f"failure every {mtbf_hours:g} h on average (mtbf_hours), the Young/Daly interval "
             f"sqrt(2 x save cost x MTBF) is {interval / 60:.1f} min; a failure loses the steps "
             "since the last checkpoint")
+
+
+def stop_signal(setting: str | None, world_size: int) -> signal.Signals | None:
+    """The signal ``stop_on_signal`` names; "auto": SIGUSR1 in one process (no collective
+    needed) or under Slurm (``--signal`` / ``scancel --signal`` send it), else none."""
+    if setting == "auto":
+        setting = "SIGUSR1" if world_size == 1 or "SLURM_JOB_ID" in os.environ else None
+    return None if setting is None else signal.Signals[setting]
 
 
 def _raise_nonfinite(what: str, bad_ranks: dict[int, int]):

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 from meshtrain.errors import ConfigError
 
+from meshtrain.callbacks import Callback
+
 # Slurm's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME = re.compile(r"^(\d+-\d+(:\d{2}){0,2}|\d+(:\d{2}){0,2})$")
 
@@ -41,14 +43,20 @@ def render_sbatch(
     port: int = 29500,
     workdir: str | None = None,
     python: str = "python",
+    requeue_before: int | None = None,
 ) -> str:
     """Return the text of an sbatch script that runs `script` (a module with `module=True`) on
     `nodes` x `gpus_per_node` workers, one per GPU, or `nodes` x `nproc_per_node` CPU workers.
 
     Pure: reads no files and runs nothing. `workdir`, when given, becomes `#SBATCH --chdir`, so
-    relative paths mean the same wherever `sbatch` is called from.
+    relative paths mean the same wherever `sbatch` is called from. `requeue_before`: seconds
+    before the time limit at which Slurm sends SIGUSR1, on which the Trainer saves a
+    resumable checkpoint and requeues the job (``stop_on_signal``).
     """
     workers = _check_options(nodes, gpus_per_node, nproc_per_node, cpus_per_task, port, time)
+    if requeue_before is not None and requeue_before < 1:
+        raise ConfigError(f"--requeue-before is {requeue_before}: give the seconds before the "
+                          "time limit to stop and requeue at, e.g. --requeue-before 120")
     directives = {
         "job-name": job_name,
         "nodes": nodes,
@@ -60,6 +68,7 @@ def render_sbatch(
         "account": account,
         "output": output,
         "chdir": workdir,
+        "signal": None if requeue_before is None else f"USR1@{requeue_before}",
     }
     lines = ["#!/bin/bash"]
     for key, value in directives.items():
@@ -72,6 +81,8 @@ def render_sbatch(
                 "hold: pick a value (or, for the folder, a place to run from) without spaces"
             )
         lines.append(f"#SBATCH --{key}={value}")
+    if requeue_before is not None:  # the requeued run appends to the same log
+        lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
 
     # the Trainer's rule (launch/world.py): the task's CPUs shared by its workers; without
     # --cpus-per-task, the CPUs the task got (nproc reads its affinity)
@@ -161,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--account", help="Slurm account")
     parser.add_argument("--output", default="%x-%j.out", help="log file (default %%x-%%j.out)")
     parser.add_argument("--port", type=int, default=29500, help="rendezvous port on the head node")
+    parser.add_argument("--requeue-before", type=int, metavar="SECONDS",
+                        help="SIGUSR1 this long before the time limit: the Trainer saves a "
+                        "checkpoint and requeues the job, which continues from it")
     parser.add_argument("--python", default="python", help="Python on the nodes (default python)")
     parser.add_argument("--submit", action="store_true", help="run sbatch on the written file")
     parser.add_argument("--sbatch-out", help="where to write the script (default JOB_NAME.sbatch)")
@@ -193,6 +207,7 @@ def slurm(argv: Sequence[str] | None = None) -> int:
         port=args.port,
         workdir=os.getcwd(),
         python=args.python,
+        requeue_before=args.requeue_before,
     )
     path = args.sbatch_out or f"{args.job_name}.sbatch"
     with open(path, "w") as f:
@@ -207,6 +222,37 @@ def slurm(argv: Sequence[str] | None = None) -> int:
             f"written to {path}: run `sbatch {path}` on a Slurm login node"
         )
     return subprocess.run([sbatch, path], check=False).returncode
+
+
+
+class RequeueOnSignal(Callback):
+    """Under Slurm: when a stop signal ended the fit (``stop_on_signal``; e.g. sent before the
+    time limit by ``#SBATCH --signal=USR1@120``, or by ``scancel --signal=USR1``), rank 0
+    requeues the job once its resumable checkpoint is saved. Slurm then ends this run of the
+    job and starts it again, and the Trainer continues from that checkpoint."""
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+
+    def on_fit_end(self, trainer) -> None:
+        if trainer.stop_reason != "signal" or trainer.rank != 0:
+            return
+        scontrol = shutil.which("scontrol") or "scontrol"
+        done = subprocess.run([scontrol, "requeue", self.job_id], capture_output=True,
+                              text=True, check=False)
+        if done.returncode == 0:
+            trainer.print(f"Slurm job {self.job_id} requeued: it continues from the checkpoint "
+                          "just saved")
+        else:
+            trainer.print(f"could not requeue Slurm job {self.job_id} "
+                          f"({done.stderr.strip() or done.returncode}): submit it again to "
+                          "continue from the checkpoint just saved")
+
+
+def requeue_callbacks() -> list[Callback]:
+    """[RequeueOnSignal] inside a Slurm batch job, else []."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    return [RequeueOnSignal(job_id)] if job_id else []
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ def run(argv: Sequence[str] | None = None) -> int:
                               str(threads_per_process(_local_processes(args.nproc_per_node))[0]))
         # Workers that create their group through meshtrain end cleanly (see launch/spawn.py).
         os.environ["MESHTRAIN_LAUNCHER"] = "torchrun"
+        for sig in FORWARDED:  # a stop signal (Trainer's stop_on_signal) goes to the workers
+            signal.signal(sig, _forward_to_workers)
         try:
             with _loopback_rendezvous_store(args), _round_in_worker_env():
                 torchrun(args)
@@ -171,6 +173,23 @@ def _round_in_worker_env():
         yield
     finally:
         DynamicRendezvousHandler.next_rendezvous = original
+
+
+# Signals passed on to the workers instead of ending this agent (their default action): Slurm's
+# `--signal=USR1@T` and `scancel --signal=USR1` reach the job step, i.e. this process.
+FORWARDED = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _forward_to_workers(signum, frame) -> None:
+    """Send ``signum`` to this agent's child processes (torchrun's workers)."""
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                children += [int(pid) for pid in f.read().split()]
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def _max_nodes(args: argparse.Namespace) -> int:
@@ -375,7 +394,7 @@ def _traceback_location(failure, log_dir: str | None) -> str:
 def _restored_process_state(signal_names: str) -> Iterator[None]:
     """Undo what torchrun changes in this process: environment variables and signal handlers."""
     env = dict(os.environ)
-    handlers = {}
+    handlers = {sig: signal.getsignal(sig) for sig in FORWARDED}
     for name in signal_names.split(","):
         sig = getattr(signal, name.strip(), None)
         if isinstance(sig, signal.Signals):

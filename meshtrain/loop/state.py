@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Trainer.stop_reason values after which the run is to be continued: the time limit
+# (max_time_minutes) and a stop signal (stop_on_signal); a final checkpoint is saved and marked
+# unfinished, so resume="auto" continues from it.
+RESUMABLE_STOPS = ("max_time", "signal")
+
 
 @dataclass
 class MetricWindow:

@@ -115,6 +115,8 @@ class Faults(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if hit and args.fault == "stall":
             time.sleep(600)  # a rank stuck inside a step
+        if hit and args.fault == "signal":  # as `scancel --signal=USR1` or Slurm's --signal
+            os.kill(os.getpid(), signal.SIGUSR1)
         if hit and args.fault == "desync":  # a collective the other ranks do not run
             import torch.distributed as dist
 
@@ -170,7 +172,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nan-index", type=int, default=None)
     p.add_argument("--nan-policy", default="error")
     p.add_argument("--defer-nan-check", action="store_true")
-    p.add_argument("--fault", choices=("kill", "stall", "desync", "kill-in-save"), default=None)
+    p.add_argument("--fault", choices=("kill", "stall", "desync", "kill-in-save", "signal"),
+                   default=None)
+    p.add_argument("--stop-on-signal", default="auto")
     p.add_argument("--fault-step", type=int, default=None)
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--stall-timeout", type=float, default=None)
@@ -201,12 +205,13 @@ def train(argv: list[str]) -> dict:
         init_timeout_s=args.init_timeout,
         debug_collectives=args.debug_collectives, save_final_checkpoint=bool(args.save_final),
         callbacks=[Faults(args, dataset)], seed=0,
+        stop_on_signal=None if args.stop_on_signal == "none" else args.stop_on_signal,
     )
     trainer.fit(tiny_gpt if gpt else mlp, dataset,
                 optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
                 loss_fn=gpt_loss if gpt else F.mse_loss)
     return {"global_step": trainer.global_step, "skipped": trainer.num_skipped_steps,
-            "rollbacks": trainer.num_rollbacks}
+            "rollbacks": trainer.num_rollbacks, "stop_reason": trainer.stop_reason}
 
 
 if __name__ == "__main__":

@@ -74,6 +74,14 @@ def test_cpu_workers_ask_for_no_gpu_and_a_module_runs_with_m():
     assert text.rstrip().endswith("    -m meshtrain train job.toml")
 
 
+def test_requeue_before_asks_for_the_signal_a_requeue_and_one_log():
+    lines = render_sbatch(script="t.py", nodes=1, gpus_per_node=1, time="01:00:00",
+                          requeue_before=120).splitlines()
+    assert ["#SBATCH --signal=USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append"] == \
+        [line for line in lines if re.match("#SBATCH --(signal|requeue|open-mode)", line)]
+    assert "--signal" not in render_sbatch(script="t.py", nodes=1, gpus_per_node=1)
+
+
 def test_bash_accepts_the_syntax(tmp_path):
     path = tmp_path / "job.sbatch"
     path.write_text(_render())
@@ -133,6 +141,7 @@ def test_script_runs_torchrun_at_the_head_node_under_fake_slurm(tmp_path):
         (dict(time="4 hours"), "--time"),
         (dict(job_name="my job"), "--job-name"),
         (dict(port=70000), "--port"),
+        (dict(requeue_before=0), "--requeue-before is 0"),
     ],
 )
 def test_bad_options_are_refused(bad, match):

@@ -7,6 +7,7 @@ is cancelled with `scancel` after its first checkpoint; the same job submitted a
 from the newest checkpoint and finishes.
 """
 
+import json
 import os
 import re
 import shutil
@@ -115,7 +116,7 @@ PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
     def wait(self, job: str, timeout: float = 120) -> str:
         deadline = time.monotonic() + timeout
         while (state := self.job_state(job)) in ("PENDING", "CONFIGURING", "RUNNING",
-                                                  "COMPLETING"):
+                                                  "COMPLETING", "REQUEUED"):
             assert time.monotonic() < deadline, f"job {job} still {state} after {timeout} s"
             time.sleep(0.2)
         return state
@@ -150,9 +151,10 @@ def slurm(tmp_path_factory):
         cluster.stop()
 
 
-def _submit(slurm: SlurmCluster, tmp_path: Path, config: Path) -> str:
+def _submit(slurm: SlurmCluster, tmp_path: Path, config: Path, *options: str) -> str:
     """`meshtrain slurm --submit` for `meshtrain train CONFIG` on 2 CPU workers; the job id."""
-    command = [sys.executable, "-m", "meshtrain", "slurm", "--nodes", "1", "--nproc-per-node",
+    command = [sys.executable, "-m", "meshtrain", "slurm", *options, "--nodes", "1",
+               "--nproc-per-node",
                "2", "--cpus-per-task", "2", "--job-name", "tiny", "--output",
                str(tmp_path / "%j.out"), "--port", str(find_free_port("127.0.0.1")),
                "--python", sys.executable, "--sbatch-out", str(tmp_path / "tiny.sbatch"),
@@ -163,10 +165,8 @@ def _submit(slurm: SlurmCluster, tmp_path: Path, config: Path) -> str:
     return re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
 
 
-@pytest.mark.timeout(240)
-def test_a_submitted_job_trains_and_a_cancelled_one_resumes_when_submitted_again(slurm,
-                                                                                   tmp_path):
-    runs = tmp_path / "runs"
+def _config(tmp_path: Path, runs: Path, every: str) -> Path:
+    """A small char_lm job (300 steps), its run folders under ``runs``."""
     config = tmp_path / "tiny.toml"
     config.write_text(f"""\
 [job]
@@ -186,7 +186,7 @@ global_batch_size = 8
 val_every_n_steps = 300
 limit_val_batches = 2
 [checkpoint]
-checkpoint_every_n_steps = 10
+checkpoint_every_n_steps = {every}
 keep_last_k = 1
 [logging]
 name = "tiny"
@@ -194,6 +194,14 @@ root_dir = "{runs}"
 log_every_n_steps = 10
 progress_bar = false
 """)
+    return config
+
+
+@pytest.mark.timeout(240)
+def test_a_submitted_job_trains_and_a_cancelled_one_resumes_when_submitted_again(slurm,
+                                                                                   tmp_path):
+    runs = tmp_path / "runs"
+    config = _config(tmp_path, runs, "10")
     first = _submit(slurm, tmp_path, config)
     deadline = time.monotonic() + 120
     while not list(runs.glob("tiny/*/checkpoints/step_*")):
@@ -218,3 +226,42 @@ progress_bar = false
     assert list(runs.glob("tiny/*")) == [run]  # the same run folder, continued
     assert (run / "checkpoints" / "final").is_dir()
     assert not list((run / "checkpoints").glob(".tmp*"))
+
+
+@pytest.mark.timeout(240)
+def test_a_signalled_job_saves_requeues_itself_and_continues_from_that_step(slurm, tmp_path):
+    """`scancel --signal=USR1` (what `--requeue-before` has Slurm send before the time limit):
+    the agent passes it to the workers, which stop after the same step with a checkpoint; rank
+    0 requeues the job, which starts again and continues from that step. No periodic
+    checkpoints: nothing but the signal's checkpoint could be resumed from."""
+    runs = tmp_path / "runs"
+    config = _config(tmp_path, runs, '"none"')
+    job = _submit(slurm, tmp_path, config, "--time", "10", "--requeue-before", "60")
+    assert "#SBATCH --signal=USR1@60" in (tmp_path / "tiny.sbatch").read_text()
+    deadline = time.monotonic() + 120
+    while len(list(runs.glob("tiny/*/metrics.csv")) and
+              next(runs.glob("tiny/*/metrics.csv")).read_text().splitlines()) < 3:
+        assert slurm.job_state(job) in ("PENDING", "CONFIGURING", "RUNNING"), \
+            (tmp_path / f"{job}.out").read_text()[-3000:]
+        assert time.monotonic() < deadline, slurm.logs()
+        time.sleep(0.05)  # until step 20 is logged
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True, timeout=30)
+    deadline = time.monotonic() + 60
+    while not re.search(r"JobState=PENDING .*Restarts=1",
+                        " ".join(slurm._run(["scontrol", "show", "job", job]).split())):
+        assert time.monotonic() < deadline, (tmp_path / f"{job}.out").read_text()[-3000:]
+        time.sleep(0.1)
+    # Slurm holds a requeued job for 2 minutes (EligibleTime = requeue + 121 s): not here
+    slurm._run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    assert slurm.wait(job) == "COMPLETED", (tmp_path / f"{job}.out").read_text()[-3000:]
+
+    out = (tmp_path / f"{job}.out").read_text()  # both runs of the job (--open-mode=append)
+    stop = re.search(r"step (\d+) \(epoch \d+\): SIGUSR1 received; stopping after this step",
+                     out)
+    assert stop and 20 <= int(stop.group(1)) < 300, out[-3000:]
+    assert f"Slurm job {job} requeued" in out
+    assert re.search(rf"resumed from \S+/checkpoints/final at step {stop.group(1)} ", out), \
+        out[-3000:]
+    (run,) = runs.glob("tiny/*")
+    assert json.loads((run / "checkpoints" / "final" / "meshtrain.json").read_text())[
+        "step"] == 300
