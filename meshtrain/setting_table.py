@@ -253,10 +253,11 @@ DEFINITIONS = [
     _S("save_final_checkpoint", "checkpoint", True, "bool",
        "Save run_dir/checkpoints/final at the end of fit."),
     _S("stop_on_signal", "checkpoint", "auto", "choice",
-       "A signal that makes every rank stop after the step under way with a resumable "
-       "checkpoint (checkpoints/final); under Slurm the job is then requeued. \"auto\": SIGUSR1 "
-       "in one process or under Slurm (several processes agree on the step through one small "
-       "all-reduce per step); none: off.", choices=("auto", "SIGUSR1", "SIGUSR2"), none=True,
+       "A signal that makes every rank stop after the same step (the one under way, or with "
+       "several ranks the next) with a resumable checkpoint (checkpoints/final); under Slurm "
+       "the job is then requeued. \"auto\": SIGUSR1 in one process or under Slurm (several "
+       "processes agree on the step through a one-int gloo all-reduce per step, in the "
+       "background); none: off.", choices=("auto", "SIGUSR1", "SIGUSR2"), none=True,
        error="stop_on_signal must be 'auto', 'SIGUSR1', 'SIGUSR2' or None, got {value!r}"),
     # -- fault --------------------------------------------------------------------------------
     _S("nan_policy", "fault", "error", "choice",

@@ -10,8 +10,9 @@
 * :meth:`~StepGuard.rollback` restores the last checkpoint and remembers the batch to skip;
 * the stall watchdog is armed for every step but the first, after which the collective timeout
   drops from ``init_timeout_s`` to ``collective_timeout_s``;
-* with ``stop_on_signal``, a signal handler marks the request and the same all-reduce tells
-  every rank, which stop after that step (the loop then saves a resumable checkpoint).
+* with ``stop_on_signal``, a signal handler marks the request; a one-int all-reduce on a gloo
+  group of its own, started each step and read at the next, tells every rank (no wait for the
+  device), and all stop after the same step (the loop then saves a resumable checkpoint).
 
 It sees the loop only through :class:`Loop` and its settings through :class:`FaultOptions`.
 """
@@ -119,6 +120,8 @@ class StepGuard:
         self.stop_signal = stop_signal(options.stop_on_signal, world_size)
         self.signalled = False  # set by the handler: this rank got the stop signal
         self._previous_handler = None
+        self._signal_group = None  # gloo group of the stop flag's all-reduce (several ranks)
+        self._stop_exchange: tuple | None = None  # (work, flag) started by the last step
 
     # -- around each step ---------------------------------------------------------------------
     def start(self) -> None:
@@ -126,6 +129,8 @@ class StepGuard:
             self.watchdog.start()
         if self.stop_signal is not None and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(self.stop_signal, self._on_signal)
+        if self.stop_signal is not None and self.flags.world_size > 1:
+            self._signal_group = dist.new_group(backend="gloo")  # collective: every rank
 
     def _on_signal(self, signum, frame) -> None:
         self.signalled = True
@@ -150,6 +155,9 @@ class StepGuard:
     def stop(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self._stop_exchange is not None:  # the last step's, not to be left in flight
+            self._stop_exchange[0].wait()
+            self._stop_exchange = None
         if self._previous_handler is not None:
             signal.signal(self.stop_signal, self._previous_handler)
             self._previous_handler = None
@@ -161,11 +169,9 @@ class StepGuard:
 
         policy, manager, state = self.options.nan_policy, self.checkpoints, self.loop.state
         what = f"step {state.global_step + 1} (epoch {state.current_epoch})"
-        alone = self.flags.world_size == 1  # a stop signal needs no agreement
-        if alone and self.signalled:
-            self._stop(what)
-        need_flags = bool(self.options.checkpoint_every_n_minutes or manager.in_flight
-                          or (self.stop_signal and not alone))
+        if self.stop_signal is not None:
+            self._exchange_stop(what)
+        need_flags = bool(self.options.checkpoint_every_n_minutes or manager.in_flight)
         self.settle()
         if not (policy or need_flags):
             return "ok"
@@ -183,9 +189,7 @@ class StepGuard:
                 if not flag.item() & 2:
                     return "ok"
         bad_ranks, self.time_due, self.write_pending = self.flags.exchange(
-            flag, manager.due_by_time(), not manager.poll(), self.signalled)
-        if self.flags.stop_requested:
-            self._stop(what)
+            flag, manager.due_by_time(), not manager.poll())
         if not bad_ranks:
             return "ok"
         if policy == "error":
@@ -196,6 +200,24 @@ class StepGuard:
                             "(nan_policy='skip')")
             return "skip"
         return "rollback"
+
+    def _exchange_stop(self, what: str) -> None:
+        """Alone: stop after this step if signalled. Several ranks: read the stop flags that
+        the last step's all-reduce gathered (stop after this step if any rank was signalled),
+        then start this step's. Every rank reads the same exchange at the same step."""
+        if self._signal_group is None:
+            if self.signalled:
+                self._stop(what)
+            return
+        if self._stop_exchange is not None:
+            work, flag = self._stop_exchange
+            work.wait()
+            if flag.item():
+                self._stop(what)
+        flag = torch.tensor([int(self.signalled)], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._signal_group,
+                               async_op=True)
+        self._stop_exchange = (work, flag)
 
     def _stop(self, what: str) -> None:
         if not self.loop.should_stop:

@@ -67,30 +67,25 @@ class StepFlags:
     """One small MAX all-reduce per step that makes every rank agree on step-level decisions.
 
     Slots: one "non-finite" flag per rank, then "a checkpoint is due by time" (rank 0's clock
-    decides), "an async checkpoint is still being written somewhere" and "a rank got the stop
-    signal" (``stop_on_signal``).
+    decides) and "an async checkpoint is still being written somewhere".
     """
 
     def __init__(self, rank: int, world_size: int, device: torch.device):
         self.rank, self.world_size = rank, world_size
-        self.buffer = torch.zeros(world_size + 3, dtype=torch.int32, device=device)
-        self.stop_requested = False  # the last exchange's "stop" slot
+        self.buffer = torch.zeros(world_size + 2, dtype=torch.int32, device=device)
 
     def exchange(self, nonfinite: torch.Tensor | None, time_due: bool,
-                 write_pending: bool, stop: bool = False) -> tuple[dict[int, int], bool, bool]:
+                 write_pending: bool) -> tuple[dict[int, int], bool, bool]:
         """Collective over the world: ({rank: non-finite flag} of the ranks that saw one,
-        save due, write pending); whether any rank asked to stop is left in
-        ``stop_requested``."""
+        save due, write pending)."""
         buffer = self.buffer
         buffer.zero_()
         if nonfinite is not None:
             buffer[self.rank] = nonfinite
-        buffer[-3] = int(time_due and self.rank == 0)
-        buffer[-2] = int(write_pending)
-        buffer[-1] = int(stop)
+        buffer[-2] = int(time_due and self.rank == 0)
+        buffer[-1] = int(write_pending)
         if self.world_size > 1:
             dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
         values = buffer.tolist()
         bad = {r: values[r] for r in range(self.world_size) if values[r]}
-        self.stop_requested = bool(values[-1])
-        return bad, bool(values[-3]), bool(values[-2])
+        return bad, bool(values[-2]), bool(values[-1])

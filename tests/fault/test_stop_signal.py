@@ -27,9 +27,10 @@ def _unfinished(run_dir) -> int:
 def test_a_signal_to_one_rank_stops_all_after_the_same_step_and_the_run_continues(tmp_path):
     stopped = run_workers(train, 2, (_job(tmp_path / "run", "--fault", "signal", "--fault-step",
                                           "3", "--stop-on-signal", "SIGUSR1"),), timeout=100)
-    # rank 1 got SIGUSR1 at the start of step 3; the flag exchange of that step told rank 0
-    assert [(r["global_step"], r["stop_reason"]) for r in stopped] == [(3, "signal")] * 2
-    assert _unfinished(tmp_path / "run") == 3
+    # rank 1 got SIGUSR1 at the start of step 3; the flag exchange started in step 3 is read
+    # in step 4 by both ranks, which stop after it
+    assert [(r["global_step"], r["stop_reason"]) for r in stopped] == [(4, "signal")] * 2
+    assert _unfinished(tmp_path / "run") == 4
     again = run_workers(train, 2, (_job(tmp_path / "run"),), timeout=100)
     assert [(r["global_step"], r["stop_reason"]) for r in again] == [(8, None)] * 2
     straight = run_workers(train, 2, (_job(tmp_path / "straight"),), timeout=100)

@@ -142,7 +142,8 @@ def wait_for(paths: list[Path], agents: Agents, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
         for name, proc in agents.procs.items():
-            assert name in agents.killed or proc.poll() is None, f"agent {name} ended early:\n{agents.log(name)[-3000:]}"
+            assert name in agents.killed or proc.poll() is None, \
+                f"agent {name} ended early:\n{agents.log(name)[-3000:]}"
         assert time.monotonic() < deadline, f"no {paths} within {timeout} s"
         time.sleep(0.05)
 
