@@ -11,11 +11,16 @@ the rendezvous store, which torchrun's c10d rendezvous shares between attempts (
 /work/shared/notes/torch-2.13-cpu-gloo.md: hangs and `Connection refused`; measured here 3 of
 12 runs recovered with plain `init_process_group("gloo")`). Workers that create their process
 group through meshtrain (`meshtrain.launch.spawn.init_process_group`, which the Trainer uses)
-use that store namespaced per attempt, `PrefixStore(f"attempt_{TORCHELASTIC_RESTART_COUNT}",
-TCPStore(MASTER_ADDR, MASTER_PORT))` (12 of 12 recovered). Setting
-`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` only helped with c10d rendezvous, so it is not set here.
-torchrun 2.13 checks its workers every 0.1 s (`--monitor-interval`), so a restart starts new
-workers 0.2-0.6 s after a failure; their start-up (importing torch) takes the seconds after it.
+use that store namespaced per attempt (12 of 12 recovered): by the rendezvous round, which
+`meshtrain run` gives its workers (launch/rendezvous.py), so that nodes that restarted for
+different reasons (a failure, a node lost or joining under `--nnodes MIN:MAX`) still agree.
+Setting `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` only helped with c10d rendezvous, so it is not
+set here. torchrun 2.13 checks its workers every 0.1 s (`--monitor-interval`), so a restart
+starts new workers 0.2-0.6 s after a failure; their start-up (importing torch) takes the
+seconds after it.
+
+SIGUSR1 and SIGUSR2 are passed on to the workers (the Trainer's `stop_on_signal`) instead of
+ending the agent: Slurm's `--signal` and `scancel --signal` reach this process.
 """
 
 from __future__ import annotations
@@ -34,10 +39,9 @@ from collections.abc import Iterator, Sequence
 
 from meshtrain.errors import ConfigError
 from meshtrain.launch.ports import check_port_free, find_free_port
-from meshtrain.launch.spawn import ROUND_ENV
+from meshtrain.launch.rendezvous import LOCAL_HOST, loopback_rendezvous_store, round_in_worker_env
 from meshtrain.launch.world import threads_per_process
 
-LOCAL_HOST = "127.0.0.1"
 # Words torchrun accepts for --nproc-per-node besides a number ("use every device/core").
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
@@ -77,7 +81,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         for sig in FORWARDED:  # a stop signal (Trainer's stop_on_signal) goes to the workers
             signal.signal(sig, _forward_to_workers)
         try:
-            with _loopback_rendezvous_store(args), _round_in_worker_env():
+            with loopback_rendezvous_store(args), round_in_worker_env():
                 torchrun(args)
         except ChildFailedError as err:
             # torchrun's CLI would print this report as an uncaught exception; keep it.
@@ -91,88 +95,6 @@ def run(argv: Sequence[str] | None = None) -> int:
             return 128 + int(exc.sigval)
     _report_restarts(args, attempts_before, failed=False)
     return 0
-
-
-@contextlib.contextmanager
-def _loopback_rendezvous_store(args):
-    """On one node, the two stores torchrun's agent hosts in this process listen on 127.0.0.1
-    only, not on every interface: the rendezvous store's server is started here on a socket
-    bound to it (torchrun's ``TCPStore(..., multi_tenant=True)`` on that port reuses it: torch
-    keeps one server per port in a process), and the workers' bootstrap store, which the
-    rendezvous handler creates on a free port, is made the same way. Several agents of one job
-    on this machine (``--nnodes 2`` at 127.0.0.1, e.g. to try a multi-node layout): the first
-    to bind the port hosts the rendezvous store, the others join it (as does an agent given
-    ``--rdzv-conf is_host=0``)."""
-    host, _, port = (args.rdzv_endpoint or "").rpartition(":")
-    if not (args.rdzv_backend == "c10d" and host == LOCAL_HOST and port.isdigit()):
-        yield
-        return
-    hosting = "is_host=0" not in args.rdzv_conf and "is_host=false" not in args.rdzv_conf.lower()
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    from meshtrain.launch.network import listening_socket
-
-    def loopback_store(port: int):
-        sock = listening_socket(LOCAL_HOST, port)
-        return dist.TCPStore(LOCAL_HOST, sock.getsockname()[1], is_master=True,
-                             multi_tenant=True, wait_for_workers=False,
-                             master_listen_fd=sock.detach())
-
-    try:
-        store = loopback_store(int(port)) if hosting else None
-    except ConfigError:
-        if _max_nodes(args) == 1:
-            raise
-        # several agents on this machine ("nodes" of one job, tests/launch/test_multinode.py):
-        # another one hosts the rendezvous store already, and torch joins it as a client
-        store = None
-    original = DynamicRendezvousHandler._create_tcp_store_server
-    DynamicRendezvousHandler._create_tcp_store_server = \
-        lambda self, master_addr, master_port: loopback_store(master_port)
-    try:
-        yield
-    finally:
-        DynamicRendezvousHandler._create_tcp_store_server = original
-        del store
-
-
-
-
-@contextlib.contextmanager
-def _round_in_worker_env():
-    """Two things after each c10d rendezvous of this agent.
-
-    Its round number goes into the environment the agent gives its workers
-    (``MESHTRAIN_RDZV_ROUND``), so that they namespace their process-group keys by round
-    (launch/spawn.py). torchrun's restart count cannot do it across nodes: a node whose workers
-    failed counts a restart, a healthy node restarted because the membership changed (a node
-    lost or joining) does not, and one that comes back starts from 0.
-
-    On the node of rank 0, the workers' store address is written again under the new round's
-    keys. torch 2.13 writes it only in the first round this node is rank 0 of (it keeps the
-    shared store from then on), so a node that joins a later round (one that comes back after
-    a failure) waited for it until its timeout (tests/launch/test_multinode.py)."""
-    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    original = DynamicRendezvousHandler.next_rendezvous
-
-    def next_rendezvous(self):
-        info = original(self)
-        os.environ[ROUND_ENV] = str(self._state_holder.state.round)
-        bootstrap = info.bootstrap_store_info
-        if info.rank == 0 and bootstrap is not None:
-            info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, bootstrap.master_addr.encode())
-            info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY,
-                           str(bootstrap.master_port).encode())
-        return info
-
-    DynamicRendezvousHandler.next_rendezvous = next_rendezvous
-    try:
-        yield
-    finally:
-        DynamicRendezvousHandler.next_rendezvous = original
 
 
 # Signals passed on to the workers instead of ending this agent (their default action): Slurm's
@@ -190,12 +112,6 @@ def _forward_to_workers(signum, frame) -> None:
     for pid in children:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
-
-
-def _max_nodes(args: argparse.Namespace) -> int:
-    from torch.distributed.run import parse_min_max_nnodes
-
-    return parse_min_max_nnodes(args.nnodes)[1]
 
 
 def restart_notice(max_restarts: int) -> str:
