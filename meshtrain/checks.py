@@ -198,20 +198,23 @@ def check_stream(stream, global_batch_size: int, max_steps: int | None) -> None:
 
 
 def parse_layout(spec, world_size: int, env):
-    """``Layout.parse(spec, world_size)``; when torchrun restarted the job (an elastic
-    ``--nnodes MIN:MAX`` job that lost or gained a node) and the layout does not fit the new
-    world size, the error says so and how to let it follow."""
+    """``Layout.parse(spec, world_size)``; in an elastic job (``meshtrain run --nnodes
+    MIN:MAX``, or one torchrun restarted) whose world size the layout does not fit, the error
+    says so and how to let the layout follow."""
     from meshtrain.errors import LayoutError
-    from meshtrain.launch.spawn import ROUND_ENV, restart_count
+    from meshtrain.launch.spawn import NNODES_ENV, ROUND_ENV, restart_count
     from meshtrain.parallel.layout import Layout
 
     try:
         return Layout.parse(spec, world_size)
     except LayoutError as error:
-        if env is None or not (restart_count() or int(os.environ.get(ROUND_ENV) or 0)):
+        low, _, high = os.environ.get(NNODES_ENV, "").partition(":")
+        elastic = bool(high) and low != high
+        if env is None or not (elastic or restart_count() or int(os.environ.get(ROUND_ENV) or 0)):
             raise
         raise LayoutError(
-            f"{error}. torchrun restarted this job on {env.nodes} node(s), {world_size} "
-            "process(es) in all: under --nnodes MIN:MAX the world size follows the nodes that "
-            "are left, so give one axis the degree 'auto' (e.g. dp=auto) to train on them"
+            f"{error}. This elastic job has {env.nodes} node(s) now, {world_size} process(es) "
+            "in all: under --nnodes MIN:MAX the world size follows the nodes there are (after "
+            "a node is lost, the ones that are left), so give one axis the degree 'auto' (e.g. "
+            "dp=auto) to train on them"
         ) from None

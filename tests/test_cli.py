@@ -96,16 +96,18 @@ def test_the_closing_sample_works_under_pipeline_parallel(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_bad_config_key_and_missing_data_path_are_clear_errors(tmp_path):
+def test_bad_config_key_and_missing_data_path_are_clear_errors(tmp_path, monkeypatch, capsys):
     config = str(ROOT / "examples" / "char_gpt.toml")
     out = meshtrain("train", config, "--trainer.max_stepz=3", cwd=tmp_path)
     assert out.returncode == 2
     assert "unknown key trainer.max_stepz" in out.stderr and "max_steps" in out.stderr
     assert "Traceback" not in out.stderr
-    out = meshtrain("train", config, "--data.path=/no/such/file.txt", cwd=tmp_path)
-    assert out.returncode == 2 and "data.path /no/such/file.txt does not exist" in out.stderr
-    out = meshtrain("train", config, "--trainer.layout=dp=3", cwd=tmp_path)
-    assert out.returncode == 2 and "world size is 2" in out.stderr
+    # the others by the command's main in this process (both refused before any process)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", config, "--data.path=/no/such/file.txt"]) == 2
+    assert "data.path /no/such/file.txt does not exist" in capsys.readouterr().err
+    assert cli.main(["train", config, "--trainer.layout=dp=3"]) == 2
+    assert "world size is 2" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(90)
@@ -156,7 +158,7 @@ def test_memory_prints_measured_and_predicted_model_state(tmp_path):
     assert predicted_total > 0 and abs(measured_total / predicted_total - 1) < 0.05
 
 
-def test_dry_run_prints_every_setting_checks_and_trains_nothing(tmp_path):
+def test_dry_run_prints_every_setting_checks_and_trains_nothing(tmp_path, monkeypatch, capsys):
     config = str(ROOT / "examples" / "char_gpt.toml")
     out = meshtrain_script("train", config, "--dry-run", cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -172,14 +174,15 @@ def test_dry_run_prints_every_setting_checks_and_trains_nothing(tmp_path):
     assert python_only in out.stdout
     assert "config OK" in out.stdout and "nothing was trained" in out.stdout
     assert not list(tmp_path.iterdir()), "a dry run writes nothing"
-    # the other recipe commands take it too, with their own overrides
-    out = meshtrain_script("memory", config, "--dry-run", "--trainer.layout=zero3=2",
-                           "--parallel.activation_checkpointing=full", cwd=tmp_path)
-    assert out.returncode == 0 and "config OK" in out.stdout, out.stderr[-3000:]
-    assert 'activation_checkpointing = "full"' in out.stdout
-    out = meshtrain_script("lr-find", "--dry-run", config, "--trainer.devices=1",
-                           "--trainer.layout=dp=1", cwd=tmp_path)
-    assert out.returncode == 0 and "config OK" in out.stdout, out.stderr[-3000:]
+    # the other recipe commands take it too, with their own overrides (their main, here)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["memory", config, "--dry-run", "--trainer.layout=zero3=2",
+                     "--parallel.activation_checkpointing=full"]) == 0
+    out = capsys.readouterr().out
+    assert "config OK" in out and 'activation_checkpointing = "full"' in out
+    assert cli.main(["lr-find", "--dry-run", config, "--trainer.devices=1",
+                     "--trainer.layout=dp=1"]) == 0
+    assert "config OK" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("overrides,named", [
@@ -192,12 +195,16 @@ def test_dry_run_prints_every_setting_checks_and_trains_nothing(tmp_path):
     (["--trainer.resume=none"], "[checkpoint]"),  # a key in the wrong section: names the right one
     (["--trainer.callbacks=[]"], "Python-only"),
 ])
-def test_dry_run_of_a_bad_config_exits_2_naming_the_setting(tmp_path, overrides, named):
+def test_dry_run_of_a_bad_config_exits_2_naming_the_setting(tmp_path, monkeypatch, capsys,
+                                                            overrides, named):
+    # in this process (the command's exit code is main's return value; that a subprocess
+    # exits with it is test_bad_config_key_and_missing_data_path_are_clear_errors's)
+    monkeypatch.chdir(tmp_path)
     config = str(ROOT / "examples" / "char_gpt.toml")
-    out = meshtrain("train", config, "--dry-run", *overrides, cwd=tmp_path, timeout=60)
-    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
-    assert out.stderr.startswith("meshtrain: error: ") and named in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr and "config OK" not in out.stdout
+    assert cli.main(["train", config, "--dry-run", *overrides]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith("meshtrain: error: ") and named in out.err, out.err
+    assert "Traceback" not in out.err and "config OK" not in out.out
 
 
 USER_RECIPE = """
@@ -219,7 +226,7 @@ recipe = Recipe()
 """
 
 
-def test_a_recipe_named_by_import_path_runs_and_dry_runs(tmp_path):
+def test_a_recipe_named_by_import_path_runs_and_dry_runs(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_recipe.py").write_text(USER_RECIPE)
     (tmp_path / "job.toml").write_text('[job]\nrecipe = "my_recipe:recipe"\n[model]\nwidth = 16\n'
                                        '[trainer]\nmax_steps = 3\n[fault]\nnan_policy = "none"\n')
@@ -228,16 +235,19 @@ def test_a_recipe_named_by_import_path_runs_and_dry_runs(tmp_path):
     assert "width = 16" in out.stdout and "max_steps = 3" in out.stdout
     assert 'nan_policy = "none"' in out.stdout and "config OK" in out.stdout
     assert "user recipe" not in out.stdout  # a dry run does not call run()
-    out = meshtrain_script("train", "job.toml", "--model.width=4", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "user recipe train: width 4, max_steps 3, nan_policy None" in out.stdout
-    out = meshtrain_script("train", "job.toml", "--dry-run", "--trainer.max_steps=0", cwd=tmp_path)
-    assert out.returncode == 2 and "max_steps must be a positive integer" in out.stderr
+    # the rest by the command's main in this process (the recipe only builds a Trainer)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["train", "job.toml", "--model.width=4"]) == 0
+    out = capsys.readouterr()
+    assert "user recipe train: width 4, max_steps 3, nan_policy None" in out.out
+    assert cli.main(["train", "job.toml", "--dry-run", "--trainer.max_steps=0"]) == 2
+    assert "max_steps must be a positive integer" in capsys.readouterr().err
 
     (tmp_path / "bad.toml").write_text('[job]\nrecipe = "no_such_pkg.train:recipe"\n')
-    out = meshtrain_script("train", "bad.toml", "--dry-run", cwd=tmp_path)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "cannot import module 'no_such_pkg.train'" in out.stderr, out.stderr
+    assert cli.main(["train", "bad.toml", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "cannot import module 'no_such_pkg.train'" in err, err
 
 
 def test_a_bad_recipe_import_path_says_what_failed(tmp_path, monkeypatch):
@@ -283,16 +293,19 @@ def test_a_config_without_a_name_names_the_job_after_its_file(tmp_path):
     assert resolve_config(str(config), ["--logging.name=mine"])[2]["name"] == "mine"
 
 
-def test_the_readme_dry_runs_pass(tmp_path):
-    """The README's `meshtrain train ... --dry-run` commands, as written, check OK."""
+def test_the_readme_dry_runs_pass(tmp_path, monkeypatch, capsys):
+    """The README's `meshtrain train ... --dry-run` commands, as written, check OK (run by the
+    command's main in this process: a dry run starts no process)."""
     readme = (ROOT / "README.md").read_text()
     commands = [line.split("#")[0].split() for line in readme.splitlines()
                 if line.startswith("meshtrain train ") and "--dry-run" in line]
     assert commands, "the README shows no dry run"
+    monkeypatch.chdir(tmp_path)
     for command in commands:
         args = [str(ROOT / a) if a.startswith("examples/") else a for a in command[1:]]
-        out = meshtrain_script(*args, cwd=tmp_path)
-        assert out.returncode == 0 and "config OK" in out.stdout, (command, out.stderr[-2000:])
+        code = cli.main(args)
+        out = capsys.readouterr()
+        assert code == 0 and "config OK" in out.out, (command, out.err[-2000:])
 
 
 # ---- --dry-run makes every check train makes before any process starts (issue 26) ---------------

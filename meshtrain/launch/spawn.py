@@ -32,6 +32,7 @@ from meshtrain.errors import ConfigError, WorkerFailed
 
 STORE_ENV = "MESHTRAIN_STORE"  # "host:port" of a store hosted by the launching process
 ROUND_ENV = "MESHTRAIN_RDZV_ROUND"  # the c10d rendezvous round, set by `meshtrain run`
+NNODES_ENV = "MESHTRAIN_NNODES"  # its --nnodes (N or MIN:MAX), set by `meshtrain run`
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun for its workers: 0, 1, ...
 
 

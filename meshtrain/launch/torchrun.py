@@ -40,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from meshtrain.errors import ConfigError
 from meshtrain.launch.ports import check_port_free, find_free_port
 from meshtrain.launch.rendezvous import LOCAL_HOST, loopback_rendezvous_store, round_in_worker_env
+from meshtrain.launch.spawn import NNODES_ENV
 from meshtrain.launch.world import threads_per_process
 
 # Words torchrun accepts for --nproc-per-node besides a number ("use every device/core").
@@ -78,6 +79,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                               str(threads_per_process(_local_processes(args.nproc_per_node))[0]))
         # Workers that create their group through meshtrain end cleanly (see launch/spawn.py).
         os.environ["MESHTRAIN_LAUNCHER"] = "torchrun"
+        os.environ[NNODES_ENV] = str(args.nnodes)  # N or MIN:MAX, for the workers' messages
         for sig in FORWARDED:  # a stop signal (Trainer's stop_on_signal) goes to the workers
             signal.signal(sig, _forward_to_workers)
         try:
