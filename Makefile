@@ -36,7 +36,7 @@ llm: $(STAMP)
 	$(BIN)/python examples/generate_hf.py runs/llama_tiny/hf "def "
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=10
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=10
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

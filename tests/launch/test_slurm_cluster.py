@@ -151,14 +151,15 @@ def slurm(tmp_path_factory):
         cluster.stop()
 
 
-def _submit(slurm: SlurmCluster, tmp_path: Path, config: Path, *options: str) -> str:
-    """`meshtrain slurm --submit` for `meshtrain train CONFIG` on 2 CPU workers; the job id."""
+def _submit(slurm: SlurmCluster, tmp_path: Path, config: Path, *options: str,
+            workers: int = 2, train_args: tuple = ()) -> str:
+    """`meshtrain slurm --submit` for `meshtrain train CONFIG` on CPU workers; the job id."""
     command = [sys.executable, "-m", "meshtrain", "slurm", *options, "--nodes", "1",
-               "--nproc-per-node",
-               "2", "--cpus-per-task", "2", "--job-name", "tiny", "--output",
+               "--nproc-per-node", str(workers),
+               "--cpus-per-task", "2", "--job-name", "tiny", "--output",
                str(tmp_path / "%j.out"), "--port", str(find_free_port("127.0.0.1")),
                "--python", sys.executable, "--sbatch-out", str(tmp_path / "tiny.sbatch"),
-               "--submit", "-m", "meshtrain", "train", str(config)]
+               "--submit", "-m", "meshtrain", "train", str(config), *train_args]
     done = subprocess.run(command, cwd=ROOT, env=slurm.env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
@@ -236,7 +237,9 @@ def test_a_signalled_job_saves_requeues_itself_and_continues_from_that_step(slur
     checkpoints: nothing but the signal's checkpoint could be resumed from."""
     runs = tmp_path / "runs"
     config = _config(tmp_path, runs, '"none"')
-    job = _submit(slurm, tmp_path, config, "--time", "10", "--requeue-before", "60")
+    # one worker (two ranks agreeing on the stop step: tests/fault/test_stop_signal.py)
+    job = _submit(slurm, tmp_path, config, "--time", "10", "--requeue-before", "60", workers=1,
+                  train_args=("--trainer.devices=1", "--trainer.layout=dp=1"))
     assert "#SBATCH --signal=USR1@60" in (tmp_path / "tiny.sbatch").read_text()
     deadline = time.monotonic() + 120
     while len(list(runs.glob("tiny/*/metrics.csv")) and

@@ -262,3 +262,11 @@ def test_the_page_opens_in_headless_chromium_without_console_messages(complete, 
     broken.write_text(html.replace(PNG, PNG + "AAAA", 1))
     _, console = chromium_console(broken)
     assert len(console) == 1 and "broken figure: loss" in console[0], console
+
+
+def test_the_world_size_names_the_nodes_of_a_multi_node_run():
+    from meshtrain.observe.report.render import _world
+
+    assert _world({"world_size": 4, "nodes": 2, "processes_per_node": 2}) == "4 (2 nodes x 2)"
+    assert _world({"world_size": 2, "nodes": 1, "processes_per_node": 2}) == "2"
+    assert _world({"world_size": 2}) == "2"  # a run folder written before nodes were recorded
