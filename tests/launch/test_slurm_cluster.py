@@ -231,10 +231,11 @@ def test_a_submitted_job_trains_and_a_cancelled_one_resumes_when_submitted_again
 
 @pytest.mark.timeout(240)
 def test_a_signalled_job_saves_requeues_itself_and_continues_from_that_step(slurm, tmp_path):
-    """`scancel --signal=USR1` (what `--requeue-before` has Slurm send before the time limit):
-    the agent passes it to the workers, which stop after the same step with a checkpoint; rank
-    0 requeues the job, which starts again and continues from that step. No periodic
-    checkpoints: nothing but the signal's checkpoint could be resumed from."""
+    """`scancel --signal=USR1` (what `--requeue-before` has Slurm send before the time limit;
+    here Slurm signals every process of the step, the agent and its worker: that the agent
+    alone is enough is tests/launch/test_torchrun.py's): the worker stops after the step with
+    a checkpoint and requeues the job, which starts again and continues from that step. No
+    periodic checkpoints: nothing but the signal's checkpoint could be resumed from."""
     runs = tmp_path / "runs"
     config = _config(tmp_path, runs, '"none"')
     # one worker (two ranks agreeing on the stop step: tests/fault/test_stop_signal.py)

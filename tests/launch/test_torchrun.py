@@ -3,7 +3,10 @@
 import os
 import signal
 import socket
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 
@@ -129,3 +132,34 @@ def test_free_port_can_be_bound_and_a_listening_one_cannot():
         holder.listen()
         with pytest.raises(ConfigError, match="in use"):
             check_port_free("127.0.0.1", port)
+
+
+WAITS_FOR_SIGUSR1 = """
+import os, signal, sys, time
+out = sys.argv[1]
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+open(os.path.join(out, "ready"), "w").close()
+deadline = time.monotonic() + 30
+while not got and time.monotonic() < deadline:
+    time.sleep(0.02)
+open(os.path.join(out, "got_sigusr1" if got else "no_signal"), "w").close()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_sigusr1_to_the_agent_reaches_the_workers_and_does_not_end_the_agent(tmp_path):
+    """What Slurm's --signal does when it signals the job step's task (this agent) only: the
+    Trainer's stop_on_signal must see it in the workers."""
+    script = _script(tmp_path, WAITS_FOR_SIGUSR1)
+    agent = subprocess.Popen([sys.executable, "-m", "meshtrain", "run", "--nproc-per-node", "1",
+                              script, str(tmp_path)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 40
+    while not (tmp_path / "ready").exists():
+        assert agent.poll() is None and time.monotonic() < deadline, agent.stdout.read()
+        time.sleep(0.05)
+    agent.send_signal(signal.SIGUSR1)  # the agent alone
+    out, _ = agent.communicate(timeout=40)
+    assert agent.returncode == 0, out[-3000:]
+    assert (tmp_path / "got_sigusr1").exists()
