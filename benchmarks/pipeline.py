@@ -15,6 +15,13 @@ on every rank; the measured bubble is ``bubble_fraction``: per rank, 1 - (time i
 compute counts as idle: waiting for the other rank, but also gloo's send/recv and the loss. The
 formula is ``ideal_bubble_fraction``: (p-1)/(m+p-1), and (p-1)/(v*m+p-1) interleaved.
 
+Sends: meshtrain's rows pass activations and gradients through shared memory, as the Trainer
+does for CPU stages on one host (``pp_p2p="auto"``, meshtrain/parallel/shm_p2p.py); the
+``gloo-p2p-*`` rows run the same stages on gloo's own send/recv (``pp_p2p="backend"``), the
+``raw-*`` rows drive torch.distributed.pipelining directly on gloo (pipeline_peers.py). Host time
+per action: a step's wall time minus its F/B compute minus the time spent waiting for p2p
+(``_wait_batch_p2p``), per F or B action: posting p2p, the schedule's Python, meshtrain's work.
+
 Step time: forward + backward over all micro-batches + AdamW step + zero_grad, timed over
 ``--steps`` consecutive steps after ``--warmup`` untimed ones (the slower rank's clock). The
 baselines run on rank 0 alone while rank 1 waits in a barrier, in the same processes, so that
@@ -53,6 +60,8 @@ PP = 2
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, stages per rank)
 PLOT_M = 4  # the timelines drawn
 RAW = (("1f1b", 1), ("interleaved-1f1b", 2))  # raw torch.distributed.pipelining, at the largest m
+# meshtrain's stages on gloo's own send/recv (pp_p2p="backend"), at the largest m: the "before"
+GLOO_P2P = (("1f1b", 1), ("interleaved-1f1b", 2))
 
 
 @dataclass(frozen=True)
@@ -104,8 +113,11 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
 
     from meshtrain.models.gpt import GPT
     from meshtrain.parallel.pipeline import PipelineRunner, rank_stages, split_model
+    from meshtrain.parallel.shm_p2p import local_p2p_group
 
     group = dist.group.WORLD
+    shm = local_p2p_group(group, torch.device("cpu"), "auto")  # what the Trainer uses here
+    assert shm is not None, "shared memory is not reachable by both ranks"
     gen = torch.Generator().manual_seed(1234)
     x = torch.randint(0, cfg.vocab_size, (cfg.global_batch_size, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (cfg.global_batch_size, cfg.seq_len), generator=gen)
@@ -114,16 +126,21 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
         return torch.optim.AdamW(params, lr=cfg.lr)
 
     runners = {}
-    for m in cfg.microbatches:
-        for schedule, v in SCHEDULES:
-            num_stages = PP * v
-            indices = rank_stages(rank, PP, v, schedule)
-            model = GPT(cfg.gpt_config(), seed=cfg.seed)
-            points = even_splits(cfg.num_layers, num_stages)
-            stages = [split_model(model, points, i) for i in indices]
-            runner = PipelineRunner(stages, indices, num_stages, group, torch.device("cpu"),
-                                    schedule=schedule, num_microbatches=m, loss_fn=lm_loss)
-            runners[case_name(schedule, m)] = runner, adamw(runner.parameters())
+    top = max(cfg.microbatches)
+    variants = [(schedule, v, m, shm, case_name(schedule, m))
+                for m in cfg.microbatches for schedule, v in SCHEDULES]
+    variants += [(schedule, v, top, None, case_name(f"gloo-p2p-{schedule}", top))
+                 for schedule, v in GLOO_P2P]
+    for schedule, v, m, p2p, name in variants:
+        num_stages = PP * v
+        indices = rank_stages(rank, PP, v, schedule)
+        model = GPT(cfg.gpt_config(), seed=cfg.seed)
+        points = even_splits(cfg.num_layers, num_stages)
+        stages = [split_model(model, points, i) for i in indices]
+        runner = PipelineRunner(stages, indices, num_stages, group, torch.device("cpu"),
+                                schedule=schedule, num_microbatches=m, loss_fn=lm_loss,
+                                p2p_group=p2p)
+        runners[name] = runner, adamw(runner.parameters())
     for schedule, v in RAW:  # the peer (pipeline_peers.py), on the same stage modules
         num_stages, m = PP * v, max(cfg.microbatches)
         indices = rank_stages(rank, PP, v, schedule)
@@ -148,23 +165,25 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
         ref_opt.zero_grad(set_to_none=True)
 
     out: dict = {"rank": rank, "step_s": {}, "timelines": {}, "idle_cpu_s": [],
-                 "send_recv_ms": {}}
-    # gloo's cost of handing one micro-batch's activation to the other rank: ping-pong, halved
+                 "send_recv_ms": {}, "shm_send_recv_ms": {}, "host": {}}
+    # the cost of handing one micro-batch's activation to the other rank (ping-pong, halved),
+    # on gloo and through shared memory
     for m in cfg.microbatches:
         buf = torch.randn(cfg.global_batch_size // m, cfg.seq_len, cfg.d_model)
+        for key, g in (("send_recv_ms", group), ("shm_send_recv_ms", shm)):
+            def ping_pong():
+                if rank == 0:
+                    dist.send(buf, 1, group=g)
+                    dist.recv(buf, 1, group=g)
+                else:
+                    dist.recv(buf, 0, group=g)
+                    dist.send(buf, 0, group=g)
 
-        def ping_pong():
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-
-        out["send_recv_ms"][m] = 1e3 * median_time(ping_pong, before=dist.barrier) / 2
+            out[key][m] = 1e3 * median_time(ping_pong, before=dist.barrier) / 2
     baselines = {"1proc": 1, **{f"1proc x{m}": m for m in cfg.microbatches}}
     cases = [case_name(schedule, m) for m in cfg.microbatches for schedule, _ in SCHEDULES]
-    cases += [case_name(f"raw-{schedule}", max(cfg.microbatches)) for schedule, _ in RAW]
+    cases += [case_name(f"gloo-p2p-{schedule}", top) for schedule, _ in GLOO_P2P]
+    cases += [case_name(f"raw-{schedule}", top) for schedule, _ in RAW]
     for _ in range(repeats):
         for name in cases:
             runner, opt = runners[name]
@@ -178,6 +197,10 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
                 out["timelines"].setdefault(name, []).append(
                     [(e.rank, e.stage, e.microbatch, e.kind, e.start, e.end) for e in events])
                 opt.zero_grad(set_to_none=True)
+            for _ in range(cfg.timelines):
+                dist.barrier()
+                out["host"].setdefault(name, []).append(host_split(runner, x, y))
+                opt.zero_grad(set_to_none=True)
         # The baselines: rank 0 alone; rank 1 waits in the barrier (its CPU time is recorded).
         dist.barrier()
         cpu = time.process_time()
@@ -190,6 +213,35 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
         out["idle_cpu_s"].append(time.process_time() - cpu)
     end_process_group()  # while the runners are alive
     return out
+
+
+def host_split(runner, x, y) -> tuple[float, float, float, float]:
+    """One step of ``runner`` on this rank, split (seconds): wall, F/B compute, posting p2p
+    (``torch.distributed.pipelining``'s ``_batch_p2p``) and waiting for it (``_wait_batch_p2p``:
+    the other rank's turn, the transfer, the copy out). What is left of the wall is the
+    schedule's own Python and meshtrain's work around it; with the posting, the host time."""
+    from torch.distributed.pipelining import schedules
+
+    spent = {"post": 0.0, "wait": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return wrapper
+
+    post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+    schedules._batch_p2p, schedules._wait_batch_p2p = timed(post, "post"), timed(wait, "wait")
+    try:
+        start = time.perf_counter()
+        _, compute = runner.step_compute_time(x, y)
+        wall = time.perf_counter() - start
+    finally:
+        schedules._batch_p2p, schedules._wait_batch_p2p = post, wait
+    return wall, compute, spent["post"], spent["wait"]
 
 
 def run(cfg: Config, repeats: int, timeout: float) -> list[dict]:
@@ -227,6 +279,15 @@ def handoffs(rows) -> list[tuple[int, int, str, float]]:
     return out
 
 
+def host_per_action(ranks: list[dict], name: str, actions: int) -> dict:
+    host, post = [], []
+    for rank in ranks:
+        splits = rank["host"][name]
+        host.append(statistics.median((w - c - wt) / actions for w, c, _, wt in splits))
+        post.append(statistics.median(p / actions for _, _, p, _ in splits))
+    return {"host_ms_per_action": 1e3 * max(host), "post_ms_per_action": 1e3 * max(post)}
+
+
 def summarize(cfg: Config, ranks: list[dict]) -> dict:
     from meshtrain.parallel.pipeline import bubble_fraction, ideal_bubble_fraction
 
@@ -235,8 +296,9 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
     top = max(cfg.microbatches)
     for m in cfg.microbatches:
         gpipe = step_s[case_name("gpipe", m)]
-        send_ms = ranks[0]["send_recv_ms"][m]
-        raw = [(f"raw-{schedule}", v) for schedule, v in RAW] if m == top else []
+        send_ms, shm_send_ms = ranks[0]["send_recv_ms"][m], ranks[0]["shm_send_recv_ms"][m]
+        raw = [(f"gloo-p2p-{schedule}", v) for schedule, v in GLOO_P2P] if m == top else []
+        raw += [(f"raw-{schedule}", v) for schedule, v in RAW] if m == top else []
         for schedule, v in [*SCHEDULES, *raw]:
             name = case_name(schedule, m)
             timelines = ranks[0]["timelines"][name]
@@ -257,6 +319,9 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 # meshtrain's row against the raw schedule's, where one ran
                 "x_raw": (paired_ratio(times, step_s[case_name(f"raw-{schedule}", m)])
                           if (schedule, v) in RAW and m == top else None),
+                # against the same stages on gloo's send/recv (pp_p2p="backend"), where one ran
+                "x_gloo_p2p": (paired_ratio(times, step_s[case_name(f"gloo-p2p-{schedule}", m)])
+                               if (schedule, v) in GLOO_P2P and m == top else None),
                 "x_1proc": paired_ratio(times, step_s["1proc"]),
                 "x_1proc_accum": paired_ratio(times, step_s[f"1proc x{m}"]),
                 # with equal stages and no communication: (v*m+p-1)/(p*v*m) of one process
@@ -270,7 +335,11 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 # the first of the step: stage 0's first forward output to stage 1
                 "first_handoff_ms": statistics.median(
                     h[-1] for t in timelines for h in handoffs(t) if h[:3] == (1, 0, "F")),
+                # per F or B action (2*v*m per rank), the slower rank's median: host time
+                # (posting p2p + the schedule's Python + meshtrain's), and its posting part
+                **host_per_action(ranks, name, 2 * v * m),
                 "send_ms": send_ms,  # one activation (or its gradient) to the other rank
+                "shm_send_ms": shm_send_ms,  # the same through shared memory
                 "timeline": timelines[chosen],
             }
     for name in ("1proc", *(f"1proc x{m}" for m in cfg.microbatches)):
@@ -283,19 +352,24 @@ def format_table(summary: dict) -> str:
     cases = [row for row in summary.values() if "schedule" in row]
     bubble = table(
         ("schedule", "v", "m", "bubble", "formula", "excess/action ms", "F ms", "B ms",
-         "send ms", "handoff ms", "1st handoff ms"),
+         "host/action ms", "post/action ms", "send ms", "shm send ms", "handoff ms",
+         "1st handoff ms"),
         [(r["schedule"], str(r["v"]), str(r["m"]), f"{r['bubble']:.3f}", f"{r['formula']:.3f}",
           f"{r['excess_ms_per_action']:.2f}", f"{r['f_ms']:.1f}", f"{r['b_ms']:.1f}",
-          f"{r['send_ms']:.2f}", f"{r['handoff_ms']:.2f}", f"{r['first_handoff_ms']:.2f}")
+          f"{r.get('host_ms_per_action', float('nan')):.3f}",
+          f"{r.get('post_ms_per_action', float('nan')):.3f}",
+          f"{r['send_ms']:.2f}", f"{r.get('shm_send_ms', float('nan')):.2f}",
+          f"{r['handoff_ms']:.2f}", f"{r['first_handoff_ms']:.2f}")
          for r in cases])
     rows = [(r["schedule"], str(r["v"]), str(r["m"]), f"{r['median_ms']:.1f}",
              f"{r['x_gpipe']:.3f}", f"{r['x_1proc']:.3f}", f"{r['x_1proc_accum']:.3f}",
              f"{r['formula_x_1proc_accum']:.3f}",
-             "-" if r.get("x_raw") is None else f"{r['x_raw']:.3f}") for r in cases]
-    rows += [(name, "-", "-", f"{row['median_ms']:.1f}", "-", "-", "-", "-", "-")
+             "-" if r.get("x_raw") is None else f"{r['x_raw']:.3f}",
+             "-" if r.get("x_gloo_p2p") is None else f"{r['x_gloo_p2p']:.3f}") for r in cases]
+    rows += [(name, "-", "-", f"{row['median_ms']:.1f}", "-", "-", "-", "-", "-", "-")
              for name, row in summary.items() if "schedule" not in row]
     times = table(("schedule", "v", "m", "ms/step", "x gpipe", "x 1proc", "x 1proc xm",
-                   "ideal x 1proc xm", "x raw"), rows)
+                   "ideal x 1proc xm", "x raw", "x gloo p2p"), rows)
     return f"{bubble}\n\n{times}"
 
 

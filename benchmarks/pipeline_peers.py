@@ -22,6 +22,7 @@ RAW_SCHEDULES = {"1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F
 
 class RawSchedule:
     timed_step = PipelineRunner.timed_step  # records F and B actions the same way
+    step_compute_time = PipelineRunner.step_compute_time
     _actions_recorded = PipelineRunner._actions_recorded
 
     def __init__(self, modules, indices, num_stages: int, group, *, schedule: str,

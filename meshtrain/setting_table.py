@@ -64,6 +64,7 @@ COMPILE_MODES = ("blocks", "model")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv",
                 "dualpipev")
 PP_BALANCES = ("params", "time", "memory")
+PP_P2P = ("auto", "backend")
 NAN_POLICIES = ("error", "skip", "rollback")
 LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
 _LOGGER_NAMES = ", ".join(repr(name) for name in LOGGERS)
@@ -220,6 +221,12 @@ DEFINITIONS = [
        '(measured forward+backward) or "memory" (parameters plus saved activations).',
        choices=PP_BALANCES, needs=("pp", "not split_points"),
        error="pp_balance must be 'params', 'time' or 'memory', got {value!r}"),
+    _S("pp_p2p", "pipeline", "auto", "choice",
+       'How stages pass activations and gradients: "auto" through shared memory when the '
+       "stages run on CPU processes of one host (gloo's send/recv cost 0.1-0.4 ms each to "
+       'post), else the process group\'s own send/recv; "backend": always the latter.',
+       choices=PP_P2P, needs=("pp",),
+       error="pp_p2p must be 'auto' or 'backend', got {value!r}"),
     _S("split_points", "pipeline", None, "int_list",
        "Cut points given by hand: the first block index of stages 1, 2, ... (e.g. [3, 6]); "
        "none: from pp_balance.", none=True, needs=("pp",)),

@@ -181,7 +181,7 @@ class PipelineRunner:
 
     def __init__(self, stage_modules: list[nn.Module], stage_indices: list[int], num_stages: int,
                  pp_group, device: torch.device, *, schedule: str, num_microbatches: int,
-                 loss_fn):
+                 loss_fn, p2p_group=None):
         self.group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
         pp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if schedule not in SCHEDULES:
@@ -200,7 +200,9 @@ class PipelineRunner:
         self.num_microbatches = num_microbatches
         self.stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(expected),
                                                                         schedule)}
-        self.stages = [PipelineStage(m, i, num_stages, device, group=self.group)
+        # p2p_group: the stages' sends and receives (shm_p2p.py), if not the pp group's own
+        p2p = self.group if p2p_group is None else p2p_group
+        self.stages = [PipelineStage(m, i, num_stages, device, group=p2p)
                        for m, i in zip(self.modules, self.indices)]
         cls = SCHEDULES[schedule]
         target = self.stages[0] if schedule in SINGLE_STAGE else self.stages

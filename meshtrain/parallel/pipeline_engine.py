@@ -31,19 +31,20 @@ SHARDING_BREAKS = ("zero-bubble", "zbv", "dualpipev")  # wrong gradients with ze
 @dataclass(frozen=True)
 class PipelineOptions:
     """The Trainer's pipeline settings (``pp_schedule``, ``stages_per_rank``, ``pp_balance``,
-    ``split_points``). ``adapter``: a function model -> how to pipeline it, or None for models
-    cut by ``model.layers`` (pipeline.py); see :func:`pipeline_adapter`."""
+    ``split_points``, ``pp_p2p``). ``adapter``: a function model -> how to pipeline it, or None
+    for models cut by ``model.layers`` (pipeline.py); see :func:`pipeline_adapter`."""
 
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     balance: str = "params"
     split_points: list[int] | None = None
     adapter: Callable | None = None
+    p2p: str = "auto"
 
     @classmethod
     def from_settings(cls, s: dict, layout, adapter=None) -> PipelineOptions:
         options = cls(s["pp_schedule"], s["stages_per_rank"], s["pp_balance"], s["split_points"],
-                      adapter)
+                      adapter, s["pp_p2p"])
         options.check(layout)
         return options
 
@@ -123,6 +124,7 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
     """Split ``model`` into stages, keep this rank's, ``parallelize`` each (TP, checkpointing,
     FSDP as for a whole model), and build the schedule."""
     from meshtrain.parallel.partition import partition_blocks
+    from meshtrain.parallel.shm_p2p import local_p2p_group
     from meshtrain.parallel.pipeline import (
         PipelineRunner, pipeline_blocks, rank_stages, split_model,
     )
@@ -144,11 +146,13 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
     stage_options = dataclasses.replace(options, blocks=blocks_of)
     for stage in stages:
         parallelize(stage, mesh, device=device, options=stage_options)
+    p2p_group = local_p2p_group(pp_mesh.get_group(), device, pipeline.p2p)
     runner = PipelineRunner(stages, indices, num_stages, pp_mesh, device,
                             schedule=pipeline.schedule, num_microbatches=num_microbatches,
-                            loss_fn=loss_fn)
+                            loss_fn=loss_fn, p2p_group=p2p_group)
     log(f"pipeline: {num_stages} stages split before blocks {split} ({pipeline.balance}-"
-        f"balanced), schedule {pipeline.schedule}, {num_microbatches} micro-batches")
+        f"balanced), schedule {pipeline.schedule}, {num_microbatches} micro-batches, send/recv "
+        f"{'through shared memory' if p2p_group is not None else 'on the process group'}")
     merged = merge_stages(stages)
     engine = PipelineEngine(merged, merged, mesh, device=device, precision=precision,
                             loss_fn=loss_fn, options=options, grad_accum_steps=1)

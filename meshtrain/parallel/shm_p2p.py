@@ -1,0 +1,271 @@
+"""Point-to-point sends between the processes of one host through shared memory, as a torch
+process group ("meshtrain_p2p"), for the activations and gradients pipeline stages pass.
+
+Why: on CPU, gloo's ``isend``/``irecv`` cost 0.1-0.4 ms each just to post (a thread hand-off
+and a loopback TCP round), paid twice per pipeline action; here a send is one copy into a
+shared buffer and a 32-byte record on a FIFO, a receive one copy out.
+
+How: every ordered pair of ranks (src -> dst) has a ring buffer in a shared file (``/dev/shm``
+where there is one) and two FIFOs: ``data`` carries one record per message (generation, offset,
+bytes, tag), ``ack`` one per message the receiver has copied out, so the sender can reuse the
+space. A send never waits for its receiver: when the ring has no room, the sender opens a ring
+twice as large (a new generation; the record names it) and frees the old one once its messages
+are acknowledged. A receive is matched in order with the messages from its source (as gloo and
+NCCL match p2p between a pair), so a wait on a later receive first fills the earlier ones. The
+files are unlinked as soon as both sides have them open: nothing is left behind by a crash.
+
+Only ``send`` and ``recv`` are offered (what ``torch.distributed.pipelining`` calls); the
+pipeline keeps its gloo group for everything else. :func:`local_p2p_group` decides whether the
+transport applies (CPU tensors, every rank able to open the same shared file) and otherwise
+returns None: the pipeline then uses its process group's own send/recv.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import struct
+import tempfile
+import uuid
+from collections import deque
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BACKEND = "meshtrain_p2p"
+MODES = ("auto", "backend")  # the pp_p2p setting: shared memory where it applies, or never
+RECORD = struct.Struct("<qqqq")  # generation, offset, bytes, tag
+ACK = struct.Struct("<q")
+MIN_RING = 16 << 20  # bytes of a first ring; grown to 8 messages of the largest size
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class _Sent(dist.Work):
+    """A send is complete when it returns: the data is in the shared ring."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class _Receive(dist.Work):
+    def __init__(self, inbound: _Inbound, tensor: torch.Tensor, tag: int):
+        super().__init__()
+        self.inbound, self.tensor, self.tag, self.done = inbound, tensor, tag, False
+
+    def wait(self, timeout=None):
+        while not self.done:
+            self.inbound.deliver_next()
+        return True
+
+    def is_completed(self):
+        return self.done
+
+
+def _map(path: str, size: int | None = None) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if size is not None:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size or 0)
+    finally:
+        os.close(fd)
+
+
+class _Outbound:
+    """This rank -> one peer."""
+
+    def __init__(self, data_fd: int, ack_fd: int, base: str):
+        self.data_fd, self.ack_fd, self.base = data_fd, ack_fd, base
+        self.gen, self.view, self.capacity = -1, None, 0  # view: the ring (keeps it mapped)
+        self.inflight: deque[tuple[int, int, int]] = deque()  # (gen, start, end), unacked
+        self.retired: dict[int, torch.Tensor] = {}  # older rings with messages still unacked
+        self.unread_path: str | None = None  # a ring the receiver has not opened (unlinked yet)
+        os.set_blocking(ack_fd, False)
+
+    def _take_acks(self) -> None:
+        try:
+            acks = os.read(self.ack_fd, ACK.size * 1024)
+        except BlockingIOError:
+            return
+        for _ in range(len(acks) // ACK.size):
+            gen = self.inflight.popleft()[0]
+            if gen in self.retired and not any(g == gen for g, _, _ in self.inflight):
+                del self.retired[gen]  # unmapped with its last reference
+
+    def _place(self, nbytes: int) -> int | None:
+        """Where ``nbytes`` fit in the current ring after the unacknowledged messages."""
+        live = [(s, e) for g, s, e in self.inflight if g == self.gen and e > s]
+        if self.view is None or nbytes > self.capacity:
+            return None
+        if not live:
+            return 0
+        first, last = live[0][0], live[-1][1]
+        if first < last:  # live bytes are [first, last)
+            if last + nbytes <= self.capacity:
+                return last
+            return 0 if nbytes <= first else None
+        return last if last + nbytes <= first else None  # wrapped: [first, end) + [0, last)
+
+    def _new_ring(self, nbytes: int) -> None:
+        if any(g == self.gen for g, _, _ in self.inflight):
+            self.retired[self.gen] = self.view
+        self.gen += 1
+        self.capacity = max(MIN_RING, 8 * nbytes, 2 * self.capacity)
+        path = f"{self.base}-{self.gen}"
+        self.view = torch.frombuffer(_map(path, self.capacity), dtype=torch.uint8)
+        self.unread_path = path
+
+    def send(self, tensor: torch.Tensor, tag: int) -> None:
+        self._take_acks()
+        data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        nbytes = data.numel()
+        at = self._place(nbytes)
+        if at is None:
+            self._new_ring(nbytes)
+            at = 0
+        self.view[at:at + nbytes].copy_(data)
+        self.inflight.append((self.gen, at, at + nbytes))
+        os.write(self.data_fd, RECORD.pack(self.gen, at, nbytes, tag))
+
+    def close(self) -> None:
+        if self.unread_path is not None and os.path.exists(self.unread_path):
+            os.unlink(self.unread_path)  # the receiver never opened it (it unlinks on open)
+
+
+class _Inbound:
+    """One peer -> this rank."""
+
+    def __init__(self, data_fd: int, ack_fd: int, base: str, timeout: timedelta, peer: int):
+        self.data_fd, self.ack_fd, self.base = data_fd, ack_fd, base
+        self.timeout, self.peer = timeout.total_seconds(), peer
+        self.gen, self.view = -1, None  # view: the current ring (keeps it mapped)
+        self.pending: deque[_Receive] = deque()
+        os.set_blocking(data_fd, False)
+
+    def _read_record(self) -> tuple[int, int, int, int]:
+        raw = b""
+        while len(raw) < RECORD.size:
+            try:
+                raw += os.read(self.data_fd, RECORD.size - len(raw))
+            except BlockingIOError:
+                if not select.select([self.data_fd], [], [], self.timeout)[0]:
+                    raise RuntimeError(
+                        f"meshtrain_p2p: nothing arrived from rank {self.peer} of the pipeline "
+                        f"group within {self.timeout:.0f} s (the process group's timeout)")
+        return RECORD.unpack(raw)
+
+    def deliver_next(self) -> None:
+        gen, at, nbytes, tag = self._read_record()
+        if gen != self.gen:  # a new ring: the older one is unmapped with its last reference
+            path = f"{self.base}-{gen}"
+            self.view = torch.frombuffer(_map(path), dtype=torch.uint8)
+            os.unlink(path)
+            self.gen = gen
+        assert self.pending, f"a message from rank {self.peer} with no receive posted for it"
+        work = self.pending.popleft()
+        out = work.tensor
+        assert work.tag == tag and out.numel() * out.element_size() == nbytes, (
+            f"message from rank {self.peer} (tag {tag}, {nbytes} bytes) does not match the "
+            f"receive posted first (tag {work.tag}, {tuple(out.shape)} {out.dtype})")
+        chunk = self.view[at:at + nbytes]
+        if out.is_contiguous():
+            out.view(-1).view(torch.uint8).copy_(chunk)
+        else:
+            out.copy_(chunk.view(out.dtype).view(out.shape))
+        os.write(self.ack_fd, ACK.pack(nbytes))
+        work.done = True
+
+
+class LocalP2PGroup(dist.ProcessGroup):
+    """``send``/``recv`` through shared memory among ranks of one host (see the module)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        super().__init__(rank, size)
+        if rank == 0:
+            store.set("p2p_token", uuid.uuid4().hex[:12])
+        base = f"{shm_dir()}/meshtrain-p2p-{store.get('p2p_token').decode()}"
+        peers = [p for p in range(size) if p != rank]
+        made = []
+        for peer in peers:  # the sender makes its FIFOs
+            for kind in ("data", "ack"):
+                os.mkfifo(f"{base}-{kind}-{rank}-{peer}", 0o600)
+                made.append(f"{base}-{kind}-{rank}-{peer}")
+        self._barrier(store, "made", rank, size)
+        fifo = lambda kind, src, dst: os.open(f"{base}-{kind}-{src}-{dst}", os.O_RDWR)  # noqa: E731
+        self._out = {p: _Outbound(fifo("data", rank, p), fifo("ack", rank, p),
+                                  f"{base}-ring-{rank}-{p}") for p in peers}
+        self._in = {p: _Inbound(fifo("data", p, rank), fifo("ack", p, rank),
+                                f"{base}-ring-{p}-{rank}", timeout, p) for p in peers}
+        self._barrier(store, "opened", rank, size)
+        for path in made:
+            os.unlink(path)
+
+    @staticmethod
+    def _barrier(store, name: str, rank: int, size: int) -> None:
+        store.set(f"{name}_{rank}", "1")
+        store.wait([f"{name}_{r}" for r in range(size)])
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def send(self, tensors, dst: int, tag: int):
+        (tensor,) = tensors
+        self._out[dst].send(tensor, tag)
+        return _Sent()
+
+    def recv(self, tensors, src: int, tag: int):
+        (tensor,) = tensors
+        inbound = self._in[src]
+        work = _Receive(inbound, tensor, tag)
+        inbound.pending.append(work)
+        return work
+
+    def close(self) -> None:
+        for out in self._out.values():
+            out.close()
+
+
+def _create(store, rank, size, timeout):
+    return LocalP2PGroup(store, rank, size, timeout)
+
+
+if BACKEND.upper() not in dist.Backend._plugins:
+    dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+
+
+def can_share_memory(group) -> bool:
+    """Whether every rank of ``group`` can open a file this group's rank 0 makes in
+    :func:`shm_dir` (one host, one /dev/shm): the group's ranks agree."""
+    path = None
+    if dist.get_rank(group) == 0:
+        fd, path = tempfile.mkstemp(prefix="meshtrain-p2p-probe-", dir=shm_dir())
+        os.close(fd)
+    box = [path]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    seen = torch.tensor([1 if os.path.exists(box[0]) else 0])
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=group)
+    if path is not None:
+        os.unlink(path)
+    return bool(seen.item())
+
+
+def local_p2p_group(group, device: torch.device, mode: str):
+    """A :class:`LocalP2PGroup` over the ranks of ``group`` (every rank of it calls this) when
+    ``mode`` is "auto", ``group`` is a gloo group of CPU stages and all its ranks share memory;
+    else None (use ``group``'s own send/recv: NCCL, a simulated world's fake group, ...)."""
+    if (mode != "auto" or device.type != "cpu" or dist.get_world_size(group) == 1
+            or dist.get_backend(group) != "gloo"):
+        return None
+    if not can_share_memory(group):
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks, backend=BACKEND, use_local_synchronization=True)

@@ -1,0 +1,168 @@
+"""Pipeline send/recv through shared memory (meshtrain/parallel/shm_p2p.py): the bytes arrive as
+sent whatever the size, dtype, layout and order of the waits, rings grow and wrap, nothing is
+left in /dev/shm, a missing message times out, and the Trainer uses it for a CPU pipeline (the
+pipeline parity tests run on it; one of them on gloo's own send/recv instead)."""
+
+import glob
+from datetime import timedelta
+
+import pytest
+import torch
+from conftest import end_together, join_gloo
+
+from meshtrain.launch.spawn import run_workers
+
+
+def _transfer_worker():
+    import torch.distributed as dist
+
+    from meshtrain.parallel import shm_p2p
+
+    join_gloo()
+    shm_p2p.MIN_RING = 4096  # small rings: the messages below make them wrap and grow
+    group = shm_p2p.local_p2p_group(dist.group.WORLD, torch.device("cpu"), "auto")
+    assert isinstance(group, shm_p2p.LocalP2PGroup)
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    # both ranks draw the same messages: rank r sends messages[i] + r and expects + peer
+    sizes = [1, 7, 300, 1000, 1024, 5, 3000, 100_000, 0, 17, 2000, 1000, 64_000, 3]
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.float64]
+    messages = [(torch.randn(n, generator=gen) * 100).to(dtypes[i % 4])
+                for i, n in enumerate(sizes)]
+    received = []
+    for burst in (1, 3, 5, 14):  # messages queued before the first wait
+        for start in range(0, len(messages), burst):
+            chunk = messages[start:start + burst]
+            outs = [torch.empty_like(m) for m in chunk]
+            sends = [dist.P2POp(dist.isend, m + rank, peer, group) for m in chunk]
+            recvs = [dist.P2POp(dist.irecv, o, peer, group) for o in outs]
+            works = dist.batch_isend_irecv(sends + recvs)
+            for work in reversed(works):  # a later receive first fills the earlier ones
+                work.wait()
+            received += [torch.equal(o, m + peer) for o, m in zip(outs, chunk)]
+    exact = all(received)
+    # a non-contiguous destination (a transposed view)
+    full = torch.zeros(6, 4)
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.arange(24.0).view(4, 6) + rank, peer,
+                                       group),
+                            dist.P2POp(dist.irecv, full.t(), peer, group)])[1].wait()
+    transposed = torch.equal(full.t(), torch.arange(24.0).view(4, 6) + peer)
+    generations = group._out[peer].gen
+    # equal messages in bursts of 3 on a new group: its first ring holds 8 of them, and at
+    # most 6 are unacknowledged at a time (a rank's burst follows the peer's previous one), so
+    # the ring wraps around live messages instead of growing
+    again = shm_p2p.local_p2p_group(dist.group.WORLD, torch.device("cpu"), "auto")
+    wrapped = []
+    for burst in range(30):
+        chunk = [torch.full((1000,), float(100 * burst + 10 * i + rank)) for i in range(3)]
+        outs = [torch.empty(1000) for _ in chunk]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, c, peer, again) for c in chunk]
+                                       + [dist.P2POp(dist.irecv, o, peer, again) for o in outs])
+        for work in works:
+            work.wait()
+        wrapped += [torch.equal(o, c - rank + peer) for o, c in zip(outs, chunk)]
+    end_together()
+    left = glob.glob(group._out[peer].base.rsplit("-ring-", 1)[0] + "*")
+    return dict(exact=exact and all(wrapped), transposed=transposed, generations=generations,
+                left=left, wrap_generations=again._out[peer].gen)
+
+
+@pytest.mark.timeout(120)
+def test_messages_arrive_exactly_and_nothing_is_left_behind():
+    for result in run_workers(_transfer_worker, 2, timeout=100):
+        assert result["exact"] and result["transposed"]
+        assert result["generations"] >= 2  # the first group's rings grew along the way
+        assert result["wrap_generations"] == 0  # the second's wrapped instead
+        assert result["left"] == []  # FIFOs and rings are unlinked once both sides hold them
+
+
+def _timeout_worker():
+    import time
+
+    import torch.distributed as dist
+
+    from meshtrain.parallel import shm_p2p
+
+    join_gloo()
+    group = dist.new_group([0, 1], backend=shm_p2p.BACKEND, timeout=timedelta(seconds=1))
+    error, t0 = None, time.perf_counter()
+    if dist.get_rank() == 1:  # nothing is ever sent to it
+        try:
+            dist.recv(torch.empty(3), src=0, group=group)
+        except RuntimeError as e:
+            error = str(e)
+    return end_together((error, time.perf_counter() - t0))
+
+
+@pytest.mark.timeout(60)
+def test_a_receive_with_nothing_sent_times_out_with_the_peer_named():
+    _, (error, seconds) = run_workers(_timeout_worker, 2, timeout=50)
+    assert "nothing arrived from rank 0" in error and "within 1 s" in error
+    assert 0.9 < seconds < 10
+
+
+def _trainer_worker(p2p: str):
+    import tempfile
+
+    from parity import GPT_FNS
+
+    from meshtrain import Trainer
+
+    trainer = Trainer(layout="pp=2", max_steps=2, global_batch_size=8, micro_batch_size=2,
+                      loggers=(), progress_bar=False, save_final_checkpoint=False,
+                      run_dir=tempfile.mkdtemp(), seed=0, pp_p2p=p2p)
+    trainer.fit(GPT_FNS["model_fn"], GPT_FNS["data_fn"](), optimizer=GPT_FNS["optimizer_fn"],
+                loss_fn=GPT_FNS["loss_fn"])
+    stage_groups = {type(s.group).__name__ for s in trainer.engine.runner.stages}
+    return end_together(stage_groups)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("p2p, group", [("auto", "LocalP2PGroup"), ("backend", "ProcessGroup")])
+def test_the_trainer_picks_the_transport(p2p, group):
+    for stage_groups in run_workers(_trainer_worker, 2, (p2p,), timeout=100):
+        assert stage_groups == {group}
+
+
+def test_a_sender_never_overwrites_a_message_its_receiver_has_not_acknowledged(tmp_path,
+                                                                               monkeypatch):
+    # the ring's bookkeeping alone, in this process: random sizes, acknowledgements arriving
+    # late and in order; after every send each unacknowledged message still holds its bytes
+    import os
+    import random
+
+    from meshtrain.parallel import shm_p2p
+
+    monkeypatch.setattr(shm_p2p, "MIN_RING", 1024)
+    data_r, data_w = os.pipe()
+    ack_r, ack_w = os.pipe()
+    out = shm_p2p._Outbound(data_w, ack_r, str(tmp_path / "ring"))
+    rng, unacked, wraps = random.Random(0), [], 0
+    # first, scripted (a first ring of 1024 bytes holds 10 messages of 100): fill it, ack 3,
+    # wrap 3 to the front, then one more fits nowhere (it must not land on a live one: a new
+    # ring); then 400 random ones
+    script = [100] * 10 + [("ack", 3)] + [100] * 4 + [("ack", 5)] + [100] * 10
+    for i in range(len(script) + 400):
+        step = script[i] if i < len(script) else rng.choice([1, 7, 64, 100, 250])
+        if isinstance(step, tuple):
+            for _ in range(step[1]):
+                unacked.pop(0)
+                os.write(ack_w, shm_p2p.ACK.pack(0))
+            continue
+        size = step
+        message = torch.full((size,), i % 251, dtype=torch.uint8)
+        before = out.inflight[-1][2] if out.inflight else 0
+        out.send(message, tag=0)
+        os.read(data_r, shm_p2p.RECORD.size)
+        gen, start, end = out.inflight[-1]
+        wraps += gen == out.gen and start < before
+        unacked.append((gen, start, end, i % 251))
+        for gen, start, end, value in unacked:
+            ring = out.view if gen == out.gen else out.retired[gen]
+            assert bool((ring[start:end] == value).all()), f"message {i}: a live one overwritten"
+        # the receiver copies the oldest out: falling behind, then catching up, by turns
+        while i >= len(script) and unacked and rng.random() < (0.35 if i // 40 % 2 else 0.7):
+            unacked.pop(0)
+            os.write(ack_w, shm_p2p.ACK.pack(0))
+    assert wraps > 50 and out.gen >= 1  # it wrapped around live messages, and grew
+    assert not out.retired or min(out.retired) >= min(g for g, *_ in unacked)
