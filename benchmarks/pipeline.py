@@ -116,7 +116,7 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
     from meshtrain.parallel.shm_p2p import local_p2p_group
 
     group = dist.group.WORLD
-    shm = local_p2p_group(group, torch.device("cpu"), "auto")  # what the Trainer uses here
+    shm = local_p2p_group([[0, 1]], torch.device("cpu"), "auto")  # what the Trainer uses here
     assert shm is not None, "shared memory is not reachable by both ranks"
     gen = torch.Generator().manual_seed(1234)
     x = torch.randint(0, cfg.vocab_size, (cfg.global_batch_size, cfg.seq_len), generator=gen)

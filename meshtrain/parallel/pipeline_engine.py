@@ -146,7 +146,9 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
     stage_options = dataclasses.replace(options, blocks=blocks_of)
     for stage in stages:
         parallelize(stage, mesh, device=device, options=stage_options)
-    p2p_group = local_p2p_group(pp_mesh.get_group(), device, pipeline.p2p)
+    root = mesh.mesh  # every pipeline group's ranks: the pp axis of the whole mesh, flattened
+    pp_groups = root.mesh.movedim(root.mesh_dim_names.index("pp"), -1).reshape(-1, pp).tolist()
+    p2p_group = local_p2p_group(pp_groups, device, pipeline.p2p)
     runner = PipelineRunner(stages, indices, num_stages, pp_mesh, device,
                             schedule=pipeline.schedule, num_microbatches=num_microbatches,
                             loss_fn=loss_fn, p2p_group=p2p_group)

@@ -39,6 +39,7 @@ MODES = ("auto", "backend")  # the pp_p2p setting: shared memory where it applie
 RECORD = struct.Struct("<qqqq")  # generation, offset, bytes, tag
 ACK = struct.Struct("<q")
 MIN_RING = 16 << 20  # bytes of a first ring; grown to 8 messages of the largest size
+ALIGN = 64  # bytes: where messages start in a ring
 
 
 def shm_dir() -> str:
@@ -128,12 +129,13 @@ class _Outbound:
         self._take_acks()
         data = tensor.detach().contiguous().view(-1).view(torch.uint8)
         nbytes = data.numel()
-        at = self._place(nbytes)
+        span = -(-nbytes // ALIGN) * ALIGN  # every message starts aligned (any dtype's view)
+        at = self._place(span)
         if at is None:
-            self._new_ring(nbytes)
+            self._new_ring(span)
             at = 0
         self.view[at:at + nbytes].copy_(data)
-        self.inflight.append((self.gen, at, at + nbytes))
+        self.inflight.append((self.gen, at, at + span))
         os.write(self.data_fd, RECORD.pack(self.gen, at, nbytes, tag))
 
     def close(self) -> None:
@@ -242,9 +244,9 @@ if BACKEND.upper() not in dist.Backend._plugins:
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
 
 
-def can_share_memory(group) -> bool:
-    """Whether every rank of ``group`` can open a file this group's rank 0 makes in
-    :func:`shm_dir` (one host, one /dev/shm): the group's ranks agree."""
+def can_share_memory(group=None) -> bool:
+    """Whether every rank of ``group`` (default: all) can open a file its rank 0 makes in
+    :func:`shm_dir` (one host, one /dev/shm): the ranks agree."""
     path = None
     if dist.get_rank(group) == 0:
         fd, path = tempfile.mkstemp(prefix="meshtrain-p2p-probe-", dir=shm_dir())
@@ -258,14 +260,17 @@ def can_share_memory(group) -> bool:
     return bool(seen.item())
 
 
-def local_p2p_group(group, device: torch.device, mode: str):
-    """A :class:`LocalP2PGroup` over the ranks of ``group`` (every rank of it calls this) when
-    ``mode`` is "auto", ``group`` is a gloo group of CPU stages and all its ranks share memory;
-    else None (use ``group``'s own send/recv: NCCL, a simulated world's fake group, ...)."""
-    if (mode != "auto" or device.type != "cpu" or dist.get_world_size(group) == 1
-            or dist.get_backend(group) != "gloo"):
+def local_p2p_group(groups: list[list[int]], device: torch.device, mode: str):
+    """This rank's :class:`LocalP2PGroup` among ``groups`` (the global ranks of every pipeline
+    group; every rank calls this, as ``new_group``) when ``mode`` is "auto", the job runs on
+    gloo with CPU stages and all ranks share memory; else None (use the pipeline group's own
+    send/recv: NCCL, a simulated world's fake group, several hosts, ...)."""
+    if (mode != "auto" or device.type != "cpu" or dist.get_world_size() == 1
+            or dist.get_backend() != "gloo" or not can_share_memory()):
         return None
-    if not can_share_memory(group):
-        return None
-    ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks, backend=BACKEND, use_local_synchronization=True)
+    mine = None
+    for ranks in groups:  # in the same order on every rank: each name is new (no reuse)
+        group = dist.new_group(ranks, backend=BACKEND)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
