@@ -12,7 +12,9 @@ space. A send never waits for its receiver: when the ring has no room, the sende
 twice as large (a new generation; the record names it) and frees the old one once its messages
 are acknowledged. A receive is matched in order with the messages from its source (as gloo and
 NCCL match p2p between a pair), so a wait on a later receive first fills the earlier ones. The
-files are unlinked as soon as both sides have them open: nothing is left behind by a crash.
+files are unlinked as soon as both sides have them open: nothing is left behind by a crash. A
+waiting receiver checks every second that its sender still runs, and fails naming it when not
+(as gloo's "connection closed by peer"), else after the group's timeout.
 
 Only ``send`` and ``recv`` are offered (what ``torch.distributed.pipelining`` calls); the
 pipeline keeps its gloo group for everything else. :func:`local_p2p_group` decides whether the
@@ -40,6 +42,7 @@ RECORD = struct.Struct("<qqqq")  # generation, offset, bytes, tag
 ACK = struct.Struct("<q")
 MIN_RING = 16 << 20  # bytes of a first ring; grown to 8 messages of the largest size
 ALIGN = 64  # bytes: where messages start in a ring
+PEER_CHECK_S = 1.0  # a waiting receiver checks this often that its sender still runs
 
 
 def shm_dir() -> str:
@@ -68,6 +71,23 @@ class _Receive(dist.Work):
 
     def is_completed(self):
         return self.done
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return False
+    try:  # no /proc: whether a signal could reach it
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _map(path: str, size: int | None = None) -> mmap.mmap:
@@ -146,20 +166,30 @@ class _Outbound:
 class _Inbound:
     """One peer -> this rank."""
 
-    def __init__(self, data_fd: int, ack_fd: int, base: str, timeout: timedelta, peer: int):
+    def __init__(self, data_fd: int, ack_fd: int, base: str, timeout: timedelta, peer: int,
+                 peer_pid: int):
         self.data_fd, self.ack_fd, self.base = data_fd, ack_fd, base
-        self.timeout, self.peer = timeout.total_seconds(), peer
+        self.timeout, self.peer, self.peer_pid = timeout.total_seconds(), peer, peer_pid
         self.gen, self.view = -1, None  # view: the current ring (keeps it mapped)
         self.pending: deque[_Receive] = deque()
         os.set_blocking(data_fd, False)
 
     def _read_record(self) -> tuple[int, int, int, int]:
-        raw = b""
+        raw, waited = b"", 0.0
         while len(raw) < RECORD.size:
             try:
                 raw += os.read(self.data_fd, RECORD.size - len(raw))
             except BlockingIOError:
-                if not select.select([self.data_fd], [], [], self.timeout)[0]:
+                # asleep until a record comes; every second, whether the sender still lives
+                # (its FIFO never reports an end: this process holds a write end too)
+                if select.select([self.data_fd], [], [], PEER_CHECK_S)[0]:
+                    continue
+                waited += PEER_CHECK_S
+                if not _alive(self.peer_pid):
+                    raise RuntimeError(
+                        f"meshtrain_p2p: rank {self.peer} of the pipeline group (pid "
+                        f"{self.peer_pid}) exited while this rank waited for its data")
+                if waited >= self.timeout:
                     raise RuntimeError(
                         f"meshtrain_p2p: nothing arrived from rank {self.peer} of the pipeline "
                         f"group within {self.timeout:.0f} s (the process group's timeout)")
@@ -201,12 +231,14 @@ class LocalP2PGroup(dist.ProcessGroup):
             for kind in ("data", "ack"):
                 os.mkfifo(f"{base}-{kind}-{rank}-{peer}", 0o600)
                 made.append(f"{base}-{kind}-{rank}-{peer}")
+        store.set(f"pid_{rank}", str(os.getpid()))
         self._barrier(store, "made", rank, size)
         fifo = lambda kind, src, dst: os.open(f"{base}-{kind}-{src}-{dst}", os.O_RDWR)  # noqa: E731
         self._out = {p: _Outbound(fifo("data", rank, p), fifo("ack", rank, p),
                                   f"{base}-ring-{rank}-{p}") for p in peers}
         self._in = {p: _Inbound(fifo("data", p, rank), fifo("ack", p, rank),
-                                f"{base}-ring-{p}-{rank}", timeout, p) for p in peers}
+                                f"{base}-ring-{p}-{rank}", timeout, p,
+                                int(store.get(f"pid_{p}"))) for p in peers}
         self._barrier(store, "opened", rank, size)
         for path in made:
             os.unlink(path)

@@ -166,3 +166,40 @@ def test_a_sender_never_overwrites_a_message_its_receiver_has_not_acknowledged(t
             os.write(ack_w, shm_p2p.ACK.pack(0))
     assert wraps > 50 and out.gen >= 1  # it wrapped around live messages, and grew
     assert not out.retired or min(out.retired) >= min(g for g, *_ in unacked)
+
+
+def _dead_peer_worker(out: str):
+    import json
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from meshtrain.parallel import shm_p2p
+
+    join_gloo()
+    group = dist.new_group([0, 1], backend=shm_p2p.BACKEND)  # the default timeout: 30 min
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os._exit(0)  # gone without a word (as under SIGKILL: no exit handler runs)
+    t0 = time.perf_counter()
+    try:
+        dist.recv(torch.empty(3), src=1, group=group)
+    except RuntimeError as e:
+        with open(out, "w") as f:
+            json.dump([str(e), time.perf_counter() - t0], f)
+    os._exit(0)  # (the default group's teardown would wait for rank 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_receive_from_a_rank_that_exited_fails_within_seconds(tmp_path):
+    import json
+
+    from meshtrain.errors import WorkerFailed
+
+    out = tmp_path / "rank0.json"
+    with pytest.raises(WorkerFailed):  # neither rank returns a result
+        run_workers(_dead_peer_worker, 2, (str(out),), timeout=50)
+    error, seconds = json.loads(out.read_text())
+    assert "rank 1 of the pipeline group" in error and "exited" in error
+    assert seconds < 10  # not the process group's 30 minutes
