@@ -16,8 +16,8 @@ compute counts as idle: waiting for the other rank, but also gloo's send/recv an
 formula is ``ideal_bubble_fraction``: (p-1)/(m+p-1), and (p-1)/(v*m+p-1) interleaved.
 
 Sends: meshtrain's rows pass activations and gradients through shared memory, as the Trainer
-does for CPU stages on one host (``pp_p2p="auto"``, meshtrain/parallel/shm_p2p.py); the
-``gloo-p2p-*`` rows run the same stages on gloo's own send/recv (``pp_p2p="backend"``), the
+does for CPU stages on one host (``local_comm="auto"``, meshtrain/parallel/shm_p2p.py); the
+``gloo-p2p-*`` rows run the same stages on gloo's own send/recv (``local_comm="backend"``), the
 ``raw-*`` rows drive torch.distributed.pipelining directly on gloo (pipeline_peers.py). Host time
 per action: a step's wall time minus its F/B compute minus the time spent waiting for p2p
 (``_wait_batch_p2p``), per F or B action: posting p2p, the schedule's Python, meshtrain's work.
@@ -60,7 +60,7 @@ PP = 2
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, stages per rank)
 PLOT_M = 4  # the timelines drawn
 RAW = (("1f1b", 1), ("interleaved-1f1b", 2))  # raw torch.distributed.pipelining, at the largest m
-# meshtrain's stages on gloo's own send/recv (pp_p2p="backend"), at the largest m: the "before"
+# meshtrain's stages on gloo's own send/recv (local_comm="backend"), at the largest m: the "before"
 GLOO_P2P = (("1f1b", 1), ("interleaved-1f1b", 2))
 
 
@@ -319,7 +319,7 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 # meshtrain's row against the raw schedule's, where one ran
                 "x_raw": (paired_ratio(times, step_s[case_name(f"raw-{schedule}", m)])
                           if (schedule, v) in RAW and m == top else None),
-                # against the same stages on gloo's send/recv (pp_p2p="backend"), where one ran
+                # against the same stages on gloo's send/recv (local_comm="backend"), where one ran
                 "x_gloo_p2p": (paired_ratio(times, step_s[case_name(f"gloo-p2p-{schedule}", m)])
                                if (schedule, v) in GLOO_P2P and m == top else None),
                 "x_1proc": paired_ratio(times, step_s["1proc"]),

@@ -53,7 +53,9 @@ from sharding_peers import NOT_RUN, PEERS, available, peer_worker
 
 from meshtrain.launch.spawn import run_workers
 
-LAYOUTS = ("dp", "zero1", "zero2", "zero3")
+# "-gloo": the same layout on gloo's collectives (local_comm="backend"), where the others pass
+# FSDP's shards through shared memory as the Trainer does on one host
+LAYOUTS = ("dp", "zero1", "zero2", "zero3", "zero2-gloo", "zero3-gloo")
 ROWS = LAYOUTS + PEERS  # meshtrain's layouts, then the peers' ZeRO-3 (sharding_peers.py)
 MIB = 2**20
 
@@ -118,10 +120,12 @@ def layout_worker(layout: str, cfg: Config, hang_s: float) -> dict:
                 self.memory.remove()  # measured at the first step; no hooks in timed steps
 
     probe = Probe()
+    stage, _, comm = layout.partition("-")
     with hang_guard(hang_s), tempfile.TemporaryDirectory(prefix="meshtrain-sharding-") as run_dir:
         trainer = Trainer(
-            layout=f"{layout}={cfg.world_size}", accelerator="cpu", max_steps=cfg.total_steps,
-            **({"shard_unit_mb": cfg.shard_unit_mb} if layout in ("zero2", "zero3") else {}),
+            layout=f"{stage}={cfg.world_size}", accelerator="cpu", max_steps=cfg.total_steps,
+            **({"shard_unit_mb": cfg.shard_unit_mb} if stage in ("zero2", "zero3") else {}),
+            local_comm="backend" if comm == "gloo" else "auto",
             global_batch_size=cfg.global_batch_size, seed=cfg.seed, callbacks=[probe],
             loggers=(), progress_bar=False, save_final_checkpoint=False,
             log_every_n_steps=cfg.total_steps, run_dir=run_dir,

@@ -64,7 +64,7 @@ COMPILE_MODES = ("blocks", "model")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv",
                 "dualpipev")
 PP_BALANCES = ("params", "time", "memory")
-PP_P2P = ("auto", "backend")
+LOCAL_COMM = ("auto", "backend")
 NAN_POLICIES = ("error", "skip", "rollback")
 LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
 _LOGGER_NAMES = ", ".join(repr(name) for name in LOGGERS)
@@ -147,6 +147,13 @@ DEFINITIONS = [
        '"cpu": keep the sharded parameters, gradients and optimizer state in CPU memory (a '
        "sharded layout on GPUs); none: no offload.", choices=OFFLOADS, none=True,
        needs=("sharded",), error="unknown offload {value!r}; choose None (no offload) or 'cpu'"),
+    _S("local_comm", "parallel", "auto", "choice",
+       'How CPU processes of one host pass pipeline activations and gradients and FSDP\'s '
+       'shards: "auto" through shared memory (meshtrain/parallel/shm_p2p.py; gloo\'s '
+       "send/recv cost 0.1-0.4 ms each to post) when the job runs on gloo and every rank can "
+       'map the same /dev/shm, else the process group\'s own collectives; "backend": always '
+       "the latter.", choices=LOCAL_COMM,
+       error="local_comm must be 'auto' or 'backend', got {value!r}"),
     _S("shard_unit_mb", "parallel", 4.0, "number",
        "Sharded layouts: consecutive blocks are sharded together until a unit holds this many "
        "MiB of parameters, so each all-gather and reduce-scatter moves a useful size; none: "
@@ -221,12 +228,6 @@ DEFINITIONS = [
        '(measured forward+backward) or "memory" (parameters plus saved activations).',
        choices=PP_BALANCES, needs=("pp", "not split_points"),
        error="pp_balance must be 'params', 'time' or 'memory', got {value!r}"),
-    _S("pp_p2p", "pipeline", "auto", "choice",
-       'How stages pass activations and gradients: "auto" through shared memory when the '
-       "stages run on CPU processes of one host (gloo's send/recv cost 0.1-0.4 ms each to "
-       'post), else the process group\'s own send/recv; "backend": always the latter.',
-       choices=PP_P2P, needs=("pp",),
-       error="pp_p2p must be 'auto' or 'backend', got {value!r}"),
     _S("split_points", "pipeline", None, "int_list",
        "Cut points given by hand: the first block index of stages 1, 2, ... (e.g. [3, 6]); "
        "none: from pp_balance.", none=True, needs=("pp",)),

@@ -63,7 +63,7 @@ def test_sections_hold_every_config_setting_and_python_only_ones_are_marked():
     assert sorted(flat) == sorted(set(SETTINGS) - PYTHON_ONLY)
     assert sections["logging"]["loggers"] == ["csv", "tensorboard"]  # TOML has arrays, not tuples
     expected = {
-        "pipeline": {"pp_schedule", "stages_per_rank", "pp_balance", "split_points", "pp_p2p"},
+        "pipeline": {"pp_schedule", "stages_per_rank", "pp_balance", "split_points"},
         "checkpoint": {"checkpoint_every_n_steps", "checkpoint_every_n_epochs",
                        "checkpoint_every_n_minutes", "keep_last_k",
                        "async_checkpoint", "resume", "init_from", "save_final_checkpoint",
@@ -162,7 +162,7 @@ def test_choices_agree_with_the_code_that_implements_them():
     assert (None, *SETTINGS["offload"].choices) == tuple(OFFLOADS)
     assert set(SETTINGS["pp_balance"].choices) == set(BALANCES)
     assert SETTINGS["pp_schedule"].choices == tuple(SCHEDULES)
-    assert SETTINGS["pp_p2p"].choices == P2P_MODES
+    assert SETTINGS["local_comm"].choices == P2P_MODES
     assert SETTINGS["precision"].choices == tuple(PRECISIONS)
     assert SETTINGS["compile"].choices == (False, True, *COMPILE_MODES)
 
@@ -268,7 +268,7 @@ NEEDS_SAMPLES = {
     "blocks": lambda model: [], "meta_init": False, "sequence_parallel": True,
     "loss_parallel": True, "local_sgd_every": 4, "outer_lr": 0.7, "outer_momentum": 0.5,
     "ps_mode": "async", "ps_staleness": 1, "tp_plan": {}, "pp_schedule": "gpipe",
-    "stages_per_rank": 2, "pp_balance": "time", "split_points": [2], "pp_p2p": "backend",
+    "stages_per_rank": 2, "pp_balance": "time", "split_points": [2],
     "activation_checkpointing": "full", "compile": True, "tp_check_steps": 0,
 }
 # layouts that have a layout fact, and ones that lack it (an axis: "axis=2", and left out)

@@ -143,7 +143,7 @@ def setup_world(t) -> None:
     from meshtrain.plan.auto import agree
 
     agree(t)  # layout="auto": rank 0's pick
-    t.mesh = ParallelMesh(t.layout, t.device_type)
+    t.mesh = ParallelMesh(t.layout, t.device_type, local_comm=t._settings["local_comm"])
     if t.world_size > 1:  # the mesh's sub-groups get torch's 30-minute default
         set_collective_timeout(timedelta(seconds=t.init_timeout_s))
 

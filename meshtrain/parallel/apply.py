@@ -186,11 +186,14 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         # own forward: each submodule with parameters is then an FSDP root of its own
         roots = ([child for child in model.children() if any(True for _ in child.parameters())]
                  if is_manual(model) else [model])
+        # FSDP's group through shared memory (CPU processes of one host): its last mesh axis
+        p2p = mesh.local_p2p(("dp_shard", "cp") if layout.degree("cp") > 1 else ("dp_shard",),
+                             device)
         for root in roots:
             inside = [b for b in blocks if b is not root and any(b is m for m in root.modules())]
             apply_fsdp(root, mesh.shard, reshard_after_forward=layout.zero_stage == 3,
                        precision=options.precision, offload=options.offload,
-                       blocks=inside or None, unit_mb=options.shard_unit_mb)
+                       blocks=inside or None, unit_mb=options.shard_unit_mb, p2p=p2p)
         return model
     if ddp and layout.uses_ddp and options.local_sgd_every is None:  # local SGD: no sync
         from meshtrain.parallel.data_parallel import apply_ddp

@@ -23,6 +23,11 @@ all-gather and reduce-scatter blocks the training thread, and gloo's own ``all_g
 
 Together (with ``shard_unit_mb``'s grouping) they took zero2 / zero3 from 1.92 / 2.43 to 1.42 /
 1.65 x DDP's step time on 2 ranks; what is left is FSDP2's own copies on a CPU-bound machine.
+
+Where the ranks share a host (``local_comm="auto"``, a ``shm_p2p.LocalP2PGroup``), the same two
+collectives run on its sends and receives instead of gloo's broadcasts and all-to-all: a send is
+one copy into shared memory, a receive one copy out, with no gloo thread or socket between
+(:class:`SharedMemoryAllGather`, and the reduce-scatter's ``p2p``).
 """
 
 from __future__ import annotations
@@ -99,14 +104,36 @@ if ReduceScatter is not None:
                      for src, chunk in enumerate(chunks)]
             return _AllOf(works) if async_op else None
 
+    class SharedMemoryAllGather(BroadcastAllGather):
+        """FSDP2's all-gather as sends of this rank's chunk to every other rank and receives of
+        theirs in place in the output, through shared memory (``p2p``: a LocalP2PGroup over
+        the same ranks as the FSDP group). The sends are done when it returns; an ``async_op``
+        caller's wait copies the others' chunks out as they arrive."""
+
+        def __init__(self, p2p):
+            self.p2p = p2p
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, async_op: bool = False):
+            chunks = output_tensor.chunk(group.size())
+            rank = group.rank()
+            if chunks[rank].data_ptr() != input_tensor.data_ptr():
+                chunks[rank].copy_(input_tensor)
+            work = _AllOf(_exchange(self.p2p, [chunks[rank]] * len(chunks), chunks, rank))
+            if async_op:
+                return work
+            work.wait()
+            return None
+
     class AllToAllReduceScatter(ReduceScatter):
         """FSDP2's reduce-scatter done as ``all_to_all_single`` plus a local sum (SUM / AVG;
         any other op goes through ``reduce_scatter_single`` as before). With ``in_flight``
         (shared by a model's modules) and ``module`` (the FSDP module whose gradients the
         output becomes), an average is left running when FSDP2 will not read it at once."""
 
-        def __init__(self, in_flight: _InFlight | None = None, module: nn.Module | None = None):
-            self.in_flight, self.module = in_flight, module
+        def __init__(self, in_flight: _InFlight | None = None, module: nn.Module | None = None,
+                     p2p=None):
+            self.in_flight, self.module, self.p2p = in_flight, module, p2p
 
         def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return torch.empty(*size, dtype=dtype, device=device)
@@ -123,7 +150,6 @@ if ReduceScatter is not None:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                      group: dist.ProcessGroup, op, async_op: bool = False):
-            n = group.size()
             average = op == dist.ReduceOp.AVG
             if self.in_flight is not None:
                 self.in_flight.finish()  # collectives and sums stay in issue order
@@ -131,7 +157,8 @@ if ReduceScatter is not None:
                 return _REDUCE_SCATTER(output=output_tensor, input=input_tensor,
                                        group=group, op=op, async_op=async_op)
             defer = self._can_defer(op, output_tensor)
-            work, then = _reduce_scatter(output_tensor, input_tensor, group, average, defer)
+            work, then = _reduce_scatter(output_tensor, input_tensor, group, average, defer,
+                                         self.p2p)
             if defer:  # the work keeps input_tensor alive until it is waited for
                 self.in_flight.start(work, then)
             else:
@@ -139,12 +166,20 @@ if ReduceScatter is not None:
             return None
 
     def _reduce_scatter(output: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGroup,
-                        average: bool, async_op: bool):
-        """Start the all-to-all of gradient chunks; (its Work or None, the function that sums
-        what arrived into ``output``)."""
+                        average: bool, async_op: bool, p2p=None):
+        """Start the all-to-all of gradient chunks (through shared memory with ``p2p``); (its
+        Work or None, the function that sums what arrived into ``output``)."""
         n = group.size()
         received = torch.empty_like(sent)
-        work = dist.all_to_all_single(received, sent, group=group, async_op=async_op)
+        if p2p is not None:
+            rank = group.rank()
+            chunks = received.view(n, -1)
+            chunks[rank].copy_(sent.view(n, -1)[rank])
+            work = _AllOf(_exchange(p2p, sent.view(n, -1), chunks, rank))
+            if not async_op:
+                work.wait()
+        else:
+            work = dist.all_to_all_single(received, sent, group=group, async_op=async_op)
 
         def then():
             torch.sum(received.view(n, -1), dim=0, out=output)
@@ -152,6 +187,15 @@ if ReduceScatter is not None:
                 output.div_(n)
 
         return work, then
+
+
+def _exchange(p2p, sent, received, rank: int) -> list[dist.Work]:
+    """Send ``sent[r]`` to every other rank r of ``p2p`` and post the receive of its message
+    into ``received[r]``; the receives' works (the sends are done on return)."""
+    peers = [r for r in range(len(sent)) if r != rank]
+    for r in peers:
+        p2p.send([sent[r]], r, 0)
+    return [p2p.recv([received[r]], r, 0) for r in peers]
 
 
 def _managed_params(module: nn.Module) -> list[torch.Tensor]:
@@ -165,17 +209,21 @@ def _managed_params(module: nn.Module) -> list[torch.Tensor]:
 
 
 def use_gloo_collectives(modules: list[nn.Module], group: dist.ProcessGroup, *,
-                         hsdp: bool = False) -> bool:
+                         hsdp: bool = False, p2p=None) -> bool:
     """Give every FSDP module in ``modules`` the broadcast all-gather and the all-to-all
     reduce-scatter (left in flight unless ``hsdp``) when ``group`` is a gloo group (NCCL's
-    own are rings already); whether it did."""
+    own are rings already), both through shared memory with ``p2p`` (a LocalP2PGroup over
+    ``group``'s ranks); whether it did."""
     if ReduceScatter is None or dist.get_backend(group) != "gloo":
         return False
-    gather, in_flight = BroadcastAllGather(), _InFlight()
+    if p2p is not None:
+        assert dist.get_process_group_ranks(p2p) == dist.get_process_group_ranks(group)
+    gather = BroadcastAllGather() if p2p is None else SharedMemoryAllGather(p2p)
+    in_flight = _InFlight()
     for module in modules:
         module.set_custom_all_gather(gather)
         module.set_custom_reduce_scatter(
-            AllToAllReduceScatter(in_flight, None if hsdp else module))
+            AllToAllReduceScatter(in_flight, None if hsdp else module, p2p))
     return True
 
 

@@ -11,6 +11,9 @@ of the step needs, so no other module flattens or slices the mesh itself:
            for HSDP
 ``axis(n)`` one named axis (``pp``, ``tp``, ``cp``, ``dp``), or None when its degree is 1
 ========== =====================================================================================
+
+:meth:`ParallelMesh.local_p2p` adds, for CPU processes of one host, a shared-memory group over
+the same ranks as a (possibly flattened) axis (``shm_p2p.py``): pipeline sends, FSDP's shards.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ class ParallelMesh:
     """The device mesh of ``layout`` and its named sub-meshes (needs a process group when the
     layout has more than one rank; with one rank every mesh is None)."""
 
-    def __init__(self, layout: Layout, device_type: str):
-        self.layout = layout
+    def __init__(self, layout: Layout, device_type: str, *, local_comm: str = "auto"):
+        self.layout, self.device_type, self.local_comm = layout, device_type, local_comm
+        self._local_p2p: dict[tuple[str, ...], object] = {}
         self.mesh = layout.build_mesh(device_type)
         self.batch = self._flat(layout.batch_axes, "batch")
         self.loss = self.batch if layout.loss_axes == layout.batch_axes else self._flat(
@@ -61,6 +65,26 @@ class ParallelMesh:
         if not axes:
             return None
         return self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]._flatten(name)
+
+    def local_p2p(self, axes: tuple[str, ...], device: torch.device):
+        """This rank's shared-memory group (``shm_p2p.LocalP2PGroup``) over the ranks that
+        ``axes`` of the mesh span together (e.g. ``("dp_shard", "cp")``: FSDP's flattened
+        axis), or None where it does not apply (``local_comm="backend"``, not CPU and gloo,
+        ranks that cannot share memory). Every rank calls it the same way; made once per axes."""
+        from meshtrain.parallel.shm_p2p import local_p2p_group
+
+        if self.mesh is None:
+            return None
+        if axes not in self._local_p2p:
+            names = list(self.mesh.mesh_dim_names)
+            inner = [names.index(a) for a in axes]
+            outer = [i for i in range(len(names)) if i not in inner]
+            size = 1
+            for i in inner:
+                size *= self.mesh.mesh.shape[i]
+            groups = self.mesh.mesh.permute(*outer, *inner).reshape(-1, size).tolist()
+            self._local_p2p[axes] = local_p2p_group(groups, device, self.local_comm)
+        return self._local_p2p[axes]
 
     def axis(self, name: str):
         """The 1-D mesh of axis ``name``; None when the layout does not use it."""

@@ -31,7 +31,7 @@ SHARDING_BREAKS = ("zero-bubble", "zbv", "dualpipev")  # wrong gradients with ze
 @dataclass(frozen=True)
 class PipelineOptions:
     """The Trainer's pipeline settings (``pp_schedule``, ``stages_per_rank``, ``pp_balance``,
-    ``split_points``, ``pp_p2p``). ``adapter``: a function model -> how to pipeline it, or None
+    ``split_points``). ``adapter``: a function model -> how to pipeline it, or None
     for models cut by ``model.layers`` (pipeline.py); see :func:`pipeline_adapter`."""
 
     schedule: str = "1f1b"
@@ -39,12 +39,11 @@ class PipelineOptions:
     balance: str = "params"
     split_points: list[int] | None = None
     adapter: Callable | None = None
-    p2p: str = "auto"
 
     @classmethod
     def from_settings(cls, s: dict, layout, adapter=None) -> PipelineOptions:
         options = cls(s["pp_schedule"], s["stages_per_rank"], s["pp_balance"], s["split_points"],
-                      adapter, s["pp_p2p"])
+                      adapter)
         options.check(layout)
         return options
 
@@ -124,7 +123,6 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
     """Split ``model`` into stages, keep this rank's, ``parallelize`` each (TP, checkpointing,
     FSDP as for a whole model), and build the schedule."""
     from meshtrain.parallel.partition import partition_blocks
-    from meshtrain.parallel.shm_p2p import local_p2p_group
     from meshtrain.parallel.pipeline import (
         PipelineRunner, pipeline_blocks, rank_stages, split_model,
     )
@@ -146,9 +144,7 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
     stage_options = dataclasses.replace(options, blocks=blocks_of)
     for stage in stages:
         parallelize(stage, mesh, device=device, options=stage_options)
-    root = mesh.mesh  # every pipeline group's ranks: the pp axis of the whole mesh, flattened
-    pp_groups = root.mesh.movedim(root.mesh_dim_names.index("pp"), -1).reshape(-1, pp).tolist()
-    p2p_group = local_p2p_group(pp_groups, device, pipeline.p2p)
+    p2p_group = mesh.local_p2p(("pp",), device)
     runner = PipelineRunner(stages, indices, num_stages, pp_mesh, device,
                             schedule=pipeline.schedule, num_microbatches=num_microbatches,
                             loss_fn=loss_fn, p2p_group=p2p_group)

@@ -16,8 +16,9 @@ files are unlinked as soon as both sides have them open: nothing is left behind 
 waiting receiver checks every second that its sender still runs, and fails naming it when not
 (as gloo's "connection closed by peer"), else after the group's timeout.
 
-Only ``send`` and ``recv`` are offered (what ``torch.distributed.pipelining`` calls); the
-pipeline keeps its gloo group for everything else. :func:`local_p2p_group` decides whether the
+Only ``send`` and ``recv`` are offered (what ``torch.distributed.pipelining`` calls, and what
+``fsdp_comm.py`` builds FSDP2's all-gather and reduce-scatter from); the mesh keeps its gloo
+groups for everything else. :func:`local_p2p_group` decides whether the
 transport applies (CPU tensors, every rank able to open the same shared file) and otherwise
 returns None: the pipeline then uses its process group's own send/recv.
 """
@@ -37,10 +38,11 @@ import torch
 import torch.distributed as dist
 
 BACKEND = "meshtrain_p2p"
-MODES = ("auto", "backend")  # the pp_p2p setting: shared memory where it applies, or never
+MODES = ("auto", "backend")  # the local_comm setting: shared memory where it applies, or never
 RECORD = struct.Struct("<qqqq")  # generation, offset, bytes, tag
 ACK = struct.Struct("<q")
-MIN_RING = 16 << 20  # bytes of a first ring; grown to 8 messages of the largest size
+MIN_RING = 1 << 20  # bytes of a first ring; grown to 8 messages of the largest size
+MIN_FREE = 512 << 20  # "auto" uses shared memory only where this much of it is free
 ALIGN = 64  # bytes: where messages start in a ring
 PEER_CHECK_S = 1.0  # a waiting receiver checks this often that its sender still runs
 
@@ -95,7 +97,14 @@ def _map(path: str, size: int | None = None) -> mmap.mmap:
     fd = os.open(path, flags, 0o600)
     try:
         if size is not None:
-            os.ftruncate(fd, size)
+            try:  # the pages taken now: a full /dev/shm is an error here, not a SIGBUS later
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.unlink(path)
+                raise RuntimeError(
+                    f"meshtrain_p2p: cannot take {size / 2**20:.0f} MiB in {shm_dir()} ({e}); "
+                    "give it more room (e.g. docker run --shm-size=2g) or set "
+                    "local_comm='backend'") from None
         return mmap.mmap(fd, size or 0)
     finally:
         os.close(fd)
@@ -278,23 +287,27 @@ if BACKEND.upper() not in dist.Backend._plugins:
 
 def can_share_memory(group=None) -> bool:
     """Whether every rank of ``group`` (default: all) can open a file its rank 0 makes in
-    :func:`shm_dir` (one host, one /dev/shm): the ranks agree."""
+    :func:`shm_dir` (one host, one /dev/shm), and that holds :data:`MIN_FREE` bytes free (a
+    container's default /dev/shm of 64 MiB does not): the ranks agree."""
     path = None
-    if dist.get_rank(group) == 0:
+    stat = os.statvfs(shm_dir())
+    if stat.f_bavail * stat.f_frsize < MIN_FREE:
+        path = ""  # this rank says no (rank 0: and makes no file)
+    elif dist.get_rank(group) == 0:
         fd, path = tempfile.mkstemp(prefix="meshtrain-p2p-probe-", dir=shm_dir())
         os.close(fd)
     box = [path]
     dist.broadcast_object_list(box, group=group, group_src=0)
-    seen = torch.tensor([1 if os.path.exists(box[0]) else 0])
+    seen = torch.tensor([1 if box[0] and path != "" and os.path.exists(box[0]) else 0])
     dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=group)
-    if path is not None:
+    if path:
         os.unlink(path)
     return bool(seen.item())
 
 
 def local_p2p_group(groups: list[list[int]], device: torch.device, mode: str):
-    """This rank's :class:`LocalP2PGroup` among ``groups`` (the global ranks of every pipeline
-    group; every rank calls this, as ``new_group``) when ``mode`` is "auto", the job runs on
+    """This rank's :class:`LocalP2PGroup` among ``groups`` (the global ranks of every group
+    along a mesh axis; every rank calls this, as ``new_group``) when ``mode`` is "auto", the job runs on
     gloo with CPU stages and all ranks share memory; else None (use the pipeline group's own
     send/recv: NCCL, a simulated world's fake group, several hosts, ...)."""
     if (mode != "auto" or device.type != "cpu" or dist.get_world_size() == 1

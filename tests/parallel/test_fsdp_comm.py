@@ -29,6 +29,27 @@ def _comm_worker():
         dist.reduce_scatter_single(gloo, x.clone(), group=group, op=op)
         results[name] = (ours - gloo).abs().max().item()
 
+    # the same through shared memory (shm_p2p.py), all-gather too, synchronous and async
+    from meshtrain.parallel import shm_p2p
+    from meshtrain.parallel.fsdp_comm import SharedMemoryAllGather
+
+    p2p = shm_p2p.local_p2p_group([[0, 1]], torch.device("cpu"), "auto")
+    shm_comm = AllToAllReduceScatter(p2p=p2p)
+    for name, op in (("shm sum", dist.ReduceOp.SUM), ("shm avg", dist.ReduceOp.AVG)):
+        x = torch.randn(2 * 37, generator=gen)
+        ours, gloo = torch.empty(37), torch.empty(37)
+        assert shm_comm(ours, x.clone(), group, op) is None
+        dist.reduce_scatter_single(gloo, x.clone(), group=group, op=op)
+        results[name] = (ours - gloo).abs().max().item()
+    for async_op in (False, True):
+        mine = torch.randn(37, generator=gen)
+        ours, gloo = torch.empty(2 * 37), [torch.empty(37), torch.empty(37)]
+        work = SharedMemoryAllGather(p2p)(ours, mine, group, async_op=async_op)
+        if async_op:
+            work.wait()
+        dist.all_gather(gloo, mine, group=group)
+        results[f"shm gather {async_op}"] = torch.equal(ours, torch.cat(gloo))
+
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     apply_fsdp(model, mesh)
     first, second = (module._get_fsdp_state() for module in model)
@@ -47,13 +68,15 @@ def _comm_worker():
 def test_all_to_all_reduce_scatter_matches_gloo_and_is_installed():
     for result in run_workers(_comm_worker, 2, timeout=100):
         assert result["sum"] < 1e-6 and result["avg"] < 1e-6 and result["max"] == 0
+        assert result["shm sum"] < 1e-6 and result["shm avg"] < 1e-6
+        assert result["shm gather False"] and result["shm gather True"]
         # each block's forward starts the next one's gather, each backward the previous one's
         assert result["prefetch"] == (True, True, True)
         # both Linear blocks; the root holds no parameters of its own, so it has no group
         assert result["installed"] == ["AllToAllReduceScatter"] * 2
 
 
-def _gathers_worker(layout: str, unit_mb):
+def _gathers_worker(layout: str, unit_mb, local_comm: str):
     import tempfile
 
     import torch.nn.functional as F
@@ -63,34 +86,44 @@ def _gathers_worker(layout: str, unit_mb):
     from meshtrain.parallel import fsdp_comm
 
     calls = []
-    original = fsdp_comm.BroadcastAllGather.__call__
 
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
+    def counting(cls):
+        original = cls.__call__
 
-    fsdp_comm.BroadcastAllGather.__call__ = counted
+        def counted(self, *args, **kwargs):
+            calls.append(type(self).__name__)
+            return original(self, *args, **kwargs)
+        return counted
+
+    for cls in (fsdp_comm.BroadcastAllGather, fsdp_comm.SharedMemoryAllGather):
+        cls.__call__ = counting(cls)
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randn(32, 4, generator=gen))
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(layout=layout, accelerator="cpu", max_steps=2, global_batch_size=16,
                           micro_batch_size=2, loggers=(), progress_bar=False, run_dir=run_dir,
-                          save_final_checkpoint=False, shard_unit_mb=unit_mb)
+                          save_final_checkpoint=False, shard_unit_mb=unit_mb,
+                          local_comm=local_comm)
         trainer.fit(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
                     data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=F.mse_loss)
-    return end_together(len(calls))
+    return end_together(calls)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("layout, unit_mb, per_step", [
-    ("zero2=2", None, 2), ("zero3=2", None, (4 + 4) + 4), ("zero3=2", 4.0, 4)])
-def test_all_gathers_per_step(layout, unit_mb, per_step):
+@pytest.mark.parametrize("layout, unit_mb, per_step, local_comm", [
+    ("zero2=2", None, 2, "auto"), ("zero3=2", None, (4 + 4) + 4, "auto"),
+    ("zero3=2", 4.0, 4, "backend")])
+def test_all_gathers_per_step(layout, unit_mb, per_step, local_comm):
     # 2 steps x 4 micro-batches, 2 tiny Linear blocks (the root has no parameters of its own).
     # One unit per block: zero2 gathers each block once per step, keeping it gathered between
     # the micro-batches; zero3 in each micro-batch's forward and backward, except the last
     # block, kept from forward to backward: (4 + 4) + 4 per step. Blocks grouped into units
     # of 4 MiB (the default): both blocks are one unit, the last: 4 per step
-    assert run_workers(_gathers_worker, 2, (layout, unit_mb), timeout=100) == [2 * per_step] * 2
+    # (through shared memory on CPU processes of one host, or with local_comm="backend" gloo's
+    # broadcasts)
+    kind = "SharedMemoryAllGather" if local_comm == "auto" else "BroadcastAllGather"
+    for calls in run_workers(_gathers_worker, 2, (layout, unit_mb, local_comm), timeout=100):
+        assert calls == [kind] * (2 * per_step)
 
 
 def test_blocks_are_grouped_into_units_of_at_least_the_minimum():

@@ -16,7 +16,7 @@ from meshtrain.launch.spawn import run_workers
     dict(pp_schedule="1f1b"),
     dict(pp_schedule="gpipe"),
     # the stages on gloo's own send/recv (the others pass them through shared memory)
-    dict(pp_schedule="interleaved-1f1b", stages_per_rank=2, pp_p2p="backend"),
+    dict(pp_schedule="interleaved-1f1b", stages_per_rank=2, local_comm="backend"),
     dict(pp_schedule="zero-bubble"),
 ])
 def test_pp2_schedules_match_one_process(pipeline):

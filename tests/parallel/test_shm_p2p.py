@@ -118,7 +118,7 @@ def _trainer_worker():
 
 @pytest.mark.timeout(120)
 def test_the_trainer_sends_through_shared_memory_on_cpu():
-    # (tests/parallel/test_pipeline_parity.py runs a schedule with pp_p2p="backend")
+    # (tests/parallel/test_pipeline_parity.py runs a schedule with local_comm="backend")
     for stage_groups in run_workers(_trainer_worker, 2, timeout=100):
         assert stage_groups == {"LocalP2PGroup"}
 
