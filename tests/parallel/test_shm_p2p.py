@@ -61,10 +61,13 @@ def _transfer_worker():
         for work in works:
             work.wait()
         wrapped += [torch.equal(o, c - rank + peer) for o, c in zip(outs, chunk)]
+    # a /dev/shm without MIN_FREE bytes free (a container's default 64 MiB): gloo's instead
+    shm_p2p.MIN_FREE = 1 << 60
+    declined = shm_p2p.local_p2p_group([[0, 1]], torch.device("cpu"), "auto") is None
     end_together()
     left = glob.glob(group._out[peer].base.rsplit("-ring-", 1)[0] + "*")
     return dict(exact=exact and all(wrapped), transposed=transposed, generations=generations,
-                left=left, wrap_generations=again._out[peer].gen)
+                left=left, wrap_generations=again._out[peer].gen, declined=declined)
 
 
 @pytest.mark.timeout(120)
@@ -74,6 +77,7 @@ def test_messages_arrive_exactly_and_nothing_is_left_behind():
         assert result["generations"] >= 2  # the first group's rings grew along the way
         assert result["wrap_generations"] == 0  # the second's wrapped instead
         assert result["left"] == []  # FIFOs and rings are unlinked once both sides hold them
+        assert result["declined"]
 
 
 def _timeout_worker():
@@ -203,3 +207,18 @@ def test_a_receive_from_a_rank_that_exited_fails_within_seconds(tmp_path):
     error, seconds = json.loads(out.read_text())
     assert "rank 1 of the pipeline group" in error and "exited" in error
     assert seconds < 10  # not the process group's 30 minutes
+
+
+def test_a_full_shared_memory_is_a_clear_error_and_leaves_no_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from meshtrain.parallel import shm_p2p
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(RuntimeError, match="cannot take 2 MiB.*--shm-size.*local_comm='backend'"):
+        shm_p2p._map(str(tmp_path / "ring"), 2 << 20)
+    assert list(tmp_path.iterdir()) == []
