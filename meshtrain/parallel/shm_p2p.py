@@ -307,9 +307,9 @@ def can_share_memory(group=None) -> bool:
 
 def local_p2p_group(groups: list[list[int]], device: torch.device, mode: str):
     """This rank's :class:`LocalP2PGroup` among ``groups`` (the global ranks of every group
-    along a mesh axis; every rank calls this, as ``new_group``) when ``mode`` is "auto", the job runs on
-    gloo with CPU stages and all ranks share memory; else None (use the pipeline group's own
-    send/recv: NCCL, a simulated world's fake group, several hosts, ...)."""
+    along a mesh axis; every rank calls this, as ``new_group``) when ``mode`` is "auto", the
+    job runs on gloo with CPU tensors and all ranks share memory; else None (use the axis's
+    gloo group: NCCL, a simulated world's fake group, several hosts, ...)."""
     if (mode != "auto" or device.type != "cpu" or dist.get_world_size() == 1
             or dist.get_backend() != "gloo" or not can_share_memory()):
         return None
