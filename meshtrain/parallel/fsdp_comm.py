@@ -170,16 +170,10 @@ if ReduceScatter is not None:
         """Start the all-to-all of gradient chunks (through shared memory with ``p2p``); (its
         Work or None, the function that sums what arrived into ``output``)."""
         n = group.size()
-        received = torch.empty_like(sent)
         if p2p is not None:
-            rank = group.rank()
-            chunks = received.view(n, -1)
-            chunks[rank].copy_(sent.view(n, -1)[rank])
-            work = _AllOf(_exchange(p2p, sent.view(n, -1), chunks, rank))
-            if not async_op:
-                work.wait()
-        else:
-            work = dist.all_to_all_single(received, sent, group=group, async_op=async_op)
+            return _reduce_scatter_shared(output, sent, group.rank(), n, average, async_op, p2p)
+        received = torch.empty_like(sent)
+        work = dist.all_to_all_single(received, sent, group=group, async_op=async_op)
 
         def then():
             torch.sum(received.view(n, -1), dim=0, out=output)
@@ -187,6 +181,27 @@ if ReduceScatter is not None:
                 output.div_(n)
 
         return work, then
+
+
+def _reduce_scatter_shared(output: torch.Tensor, sent: torch.Tensor, rank: int, n: int,
+                           average: bool, async_op: bool, p2p):
+    """The reduce-scatter through shared memory: every other rank's chunk for this one is
+    added into ``output`` where it lies (the first as ``own + it``), with no copy out."""
+    parts, flat = sent.view(n, -1), output.view(-1)
+    own, peers = parts[rank], [r for r in range(n) if r != rank]
+    for r in peers:
+        p2p.send([parts[r]], r, 0)
+    works = [p2p.recv([own], r, 0, reduce=(lambda v: torch.add(own, v, out=flat)) if i == 0
+                      else flat.add_) for i, r in enumerate(peers)]
+    work = _AllOf(works)
+    if not async_op:
+        work.wait()
+
+    def then():
+        if average:
+            output.div_(n)
+
+    return work, then
 
 
 def _exchange(p2p, sent, received, rank: int) -> list[dist.Work]:

@@ -62,9 +62,13 @@ class _Sent(dist.Work):
 
 
 class _Receive(dist.Work):
-    def __init__(self, inbound: _Inbound, tensor: torch.Tensor, tag: int):
+    """A posted receive into ``tensor``; with ``reduce``, ``reduce(message)`` is called on the
+    message where it lies in shared memory instead (``tensor`` gives its shape and dtype)."""
+
+    def __init__(self, inbound: _Inbound, tensor: torch.Tensor, tag: int, reduce=None):
         super().__init__()
         self.inbound, self.tensor, self.tag, self.done = inbound, tensor, tag, False
+        self.reduce = reduce
 
     def wait(self, timeout=None):
         while not self.done:
@@ -218,7 +222,9 @@ class _Inbound:
             f"message from rank {self.peer} (tag {tag}, {nbytes} bytes) does not match the "
             f"receive posted first (tag {work.tag}, {tuple(out.shape)} {out.dtype})")
         chunk = self.view[at:at + nbytes]
-        if out.is_contiguous():
+        if work.reduce is not None:
+            work.reduce(chunk.view(out.dtype).view(out.shape))
+        elif out.is_contiguous():
             out.view(-1).view(torch.uint8).copy_(chunk)
         else:
             out.copy_(chunk.view(out.dtype).view(out.shape))
@@ -265,10 +271,12 @@ class LocalP2PGroup(dist.ProcessGroup):
         self._out[dst].send(tensor, tag)
         return _Sent()
 
-    def recv(self, tensors, src: int, tag: int):
+    def recv(self, tensors, src: int, tag: int, reduce=None):
+        """(``reduce``, for meshtrain's own callers: a function given the message in place,
+        e.g. adding it into a sum, instead of copying it into ``tensors[0]``.)"""
         (tensor,) = tensors
         inbound = self._in[src]
-        work = _Receive(inbound, tensor, tag)
+        work = _Receive(inbound, tensor, tag, reduce)
         inbound.pending.append(work)
         return work
 
