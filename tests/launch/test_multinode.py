@@ -44,8 +44,8 @@ class Agents:
         self.killed: set[str] = set()
 
     def start(self, name: str, nnodes: str, job_args: list[str], *, max_restarts: int = 0,
-              host: bool = True) -> subprocess.Popen:
-        conf = FAST_RDZV + ("" if host else ",is_host=0")
+              host: bool = True, rdzv: str = FAST_RDZV) -> subprocess.Popen:
+        conf = rdzv + ("" if host else ",is_host=0")
         command = [sys.executable, "-m", "meshtrain.cli", "run", "--nnodes", nnodes,
                    "--nproc-per-node", "1", "--max-restarts", str(max_restarts),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
@@ -228,7 +228,9 @@ def test_a_fixed_layout_that_does_not_fit_the_nodes_there_are_says_so(agents):
     """One node of an elastic 1:2 job (the other lost, or not come): dp=2 cannot run on the
     world size 1 the job has; the layout is named, with the world size and the fix. (The
     layout is resolved again in the same way after each membership change: the test above.)"""
-    agents.start("a", "1:2", ["--layout", "dp=2", "--steps", "4"])
+    # (no other node will come: the round closes 1 s after this one joins, not 5)
+    agents.start("a", "1:2", ["--layout", "dp=2", "--steps", "4"],
+                 rdzv=FAST_RDZV.replace("last_call_timeout=5", "last_call_timeout=1"))
     assert agents.wait("a") == 1
     (worker,) = records(agents.out).values()
     error = worker["error"]
