@@ -186,9 +186,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         # own forward: each submodule with parameters is then an FSDP root of its own
         roots = ([child for child in model.children() if any(True for _ in child.parameters())]
                  if is_manual(model) else [model])
-        # FSDP's group through shared memory (CPU processes of one host): its last mesh axis
-        p2p = mesh.local_p2p(("dp_shard", "cp") if layout.degree("cp") > 1 else ("dp_shard",),
-                             device)
+        # FSDP's collectives through shared memory (CPU processes of one host)
+        p2p = mesh.local_p2p(mesh.shard_axes, device)
         for root in roots:
             inside = [b for b in blocks if b is not root and any(b is m for m in root.modules())]
             apply_fsdp(root, mesh.shard, reshard_after_forward=layout.zero_stage == 3,

@@ -30,13 +30,15 @@ class ParallelMesh:
     layout has more than one rank; with one rank every mesh is None)."""
 
     def __init__(self, layout: Layout, device_type: str, *, local_comm: str = "auto"):
-        self.layout, self.device_type, self.local_comm = layout, device_type, local_comm
+        self.layout, self.local_comm = layout, local_comm
         self._local_p2p: dict[tuple[str, ...], object] = {}
         self.mesh = layout.build_mesh(device_type)
         self.batch = self._flat(layout.batch_axes, "batch")
         self.loss = self.batch if layout.loss_axes == layout.batch_axes else self._flat(
             layout.loss_axes, "loss")
         self.shard = None
+        # the axes FSDP2 reduces over (its last mesh dim; cp folded in): for local_p2p
+        self.shard_axes = ("dp_shard", "cp") if layout.degree("cp") > 1 else ("dp_shard",)
         if layout.is_sharded:
             shard_axes = ("dp_shard",)
             if layout.degree("cp") > 1:  # FSDP shards over dp_shard and cp together

@@ -31,6 +31,7 @@ import select
 import struct
 import tempfile
 import uuid
+import weakref
 from collections import deque
 from datetime import timedelta
 
@@ -122,7 +123,7 @@ class _Outbound:
         self.gen, self.view, self.capacity = -1, None, 0  # view: the ring (keeps it mapped)
         self.inflight: deque[tuple[int, int, int]] = deque()  # (gen, start, end), unacked
         self.retired: dict[int, torch.Tensor] = {}  # older rings with messages still unacked
-        self.unread_path: str | None = None  # a ring the receiver has not opened (unlinked yet)
+        self.made: list[str] = []  # rings made (the receiver unlinks each when it opens it)
         os.set_blocking(ack_fd, False)
 
     def _take_acks(self) -> None:
@@ -156,7 +157,7 @@ class _Outbound:
         self.capacity = max(MIN_RING, 8 * nbytes, 2 * self.capacity)
         path = f"{self.base}-{self.gen}"
         self.view = torch.frombuffer(_map(path, self.capacity), dtype=torch.uint8)
-        self.unread_path = path
+        self.made.append(path)
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         self._take_acks()
@@ -172,8 +173,9 @@ class _Outbound:
         os.write(self.data_fd, RECORD.pack(self.gen, at, nbytes, tag))
 
     def close(self) -> None:
-        if self.unread_path is not None and os.path.exists(self.unread_path):
-            os.unlink(self.unread_path)  # the receiver never opened it (it unlinks on open)
+        for path in self.made:
+            if os.path.exists(path):  # the receiver never opened it (it unlinks on open)
+                os.unlink(path)
 
 
 class _Inbound:
@@ -200,12 +202,13 @@ class _Inbound:
                 waited += PEER_CHECK_S
                 if not _alive(self.peer_pid):
                     raise RuntimeError(
-                        f"meshtrain_p2p: rank {self.peer} of the pipeline group (pid "
+                        f"meshtrain_p2p: rank {self.peer} of this shared-memory group (pid "
                         f"{self.peer_pid}) exited while this rank waited for its data")
                 if waited >= self.timeout:
                     raise RuntimeError(
-                        f"meshtrain_p2p: nothing arrived from rank {self.peer} of the pipeline "
-                        f"group within {self.timeout:.0f} s (the process group's timeout)")
+                        f"meshtrain_p2p: nothing arrived from rank {self.peer} of this "
+                        f"shared-memory group within {self.timeout:.0f} s (the process group's "
+                        "timeout)")
         return RECORD.unpack(raw)
 
     def deliver_next(self) -> None:
@@ -257,6 +260,8 @@ class LocalP2PGroup(dist.ProcessGroup):
         self._barrier(store, "opened", rank, size)
         for path in made:
             os.unlink(path)
+        # at exit (or when the group goes): a ring made but never opened by its receiver
+        weakref.finalize(self, _unlink_unread, list(self._out.values()))
 
     @staticmethod
     def _barrier(store, name: str, rank: int, size: int) -> None:
@@ -280,9 +285,11 @@ class LocalP2PGroup(dist.ProcessGroup):
         inbound.pending.append(work)
         return work
 
-    def close(self) -> None:
-        for out in self._out.values():
-            out.close()
+
+
+def _unlink_unread(outbound: list[_Outbound]) -> None:
+    for out in outbound:
+        out.close()
 
 
 def _create(store, rank, size, timeout):

@@ -169,6 +169,10 @@ def test_a_sender_never_overwrites_a_message_its_receiver_has_not_acknowledged(t
             unacked.pop(0)
             os.write(ack_w, shm_p2p.ACK.pack(0))
     assert wraps > 50 and out.gen >= 1  # it wrapped around live messages, and grew
+    # no receiver opened these rings: the group's finalizer (at exit) removes them
+    assert len(list(tmp_path.glob("ring-*"))) == out.gen + 1
+    shm_p2p._unlink_unread([out])
+    assert list(tmp_path.glob("ring-*")) == []
     assert not out.retired or min(out.retired) >= min(g for g, *_ in unacked)
 
 
@@ -205,7 +209,7 @@ def test_a_receive_from_a_rank_that_exited_fails_within_seconds(tmp_path):
     with pytest.raises(WorkerFailed):  # neither rank returns a result
         run_workers(_dead_peer_worker, 2, (str(out),), timeout=50)
     error, seconds = json.loads(out.read_text())
-    assert "rank 1 of the pipeline group" in error and "exited" in error
+    assert "rank 1 of this shared-memory group" in error and "exited" in error
     assert seconds < 10  # not the process group's 30 minutes
 
 
