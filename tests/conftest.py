@@ -35,9 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # unset it. Several threads per process on a busy 2-core machine crawl.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# run_workers' processes fork from one server: import what nearly every worker needs there once
-# (transformers: the Hugging Face tests' workers; a missing module is skipped by the server)
-spawn.FORKSERVER_PRELOAD += ["meshtrain", "meshtrain.trainer", "parity", "transformers"]
+# run_workers' processes fork from one server (which imports meshtrain.launch.worker_imports):
+# add what the tests' workers import besides
+# (transformers and its Llama: the Hugging Face tests' workers; a missing module is skipped)
+spawn.FORKSERVER_PRELOAD += ["parity", "transformers", "transformers.modeling_utils",
+                             "transformers.models.llama.modeling_llama"]
 
 
 # ---- one torch thread ---------------------------------------------------------------------------

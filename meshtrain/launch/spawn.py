@@ -224,7 +224,7 @@ def _worker_environ(rank: int, world_size: int, store_port: int) -> dict[str, st
 # ---------------------------------------------------------------------------------------------
 # Modules the fork server imports once; every worker starts as a fork of it, with them loaded.
 # (A test suite may add its own before the first run_workers call; see tests/conftest.py.)
-FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "meshtrain.launch.worker_imports"]
 
 
 def _run_one(fn, args, environ: dict, cwd: str, rank: int, out_dir: str, threads: int):

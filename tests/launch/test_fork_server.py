@@ -8,6 +8,8 @@ import sys
 import textwrap
 import threading
 
+import pytest
+
 from meshtrain.launch.fork_guard import thread_names
 from meshtrain.launch.spawn import run_workers
 
@@ -24,6 +26,28 @@ def test_workers_are_forked_from_a_single_thread():
     """With the suite's preload (torch, meshtrain, transformers): one thread at every fork."""
     for seen in run_workers(_server_threads_at_fork, 2, timeout=60):
         assert len(seen) == 1, seen
+
+
+def _fit_and_list_new_imports(layout):
+    import sys
+
+    from parity import GPT_FNS, train_state
+
+    before = set(sys.modules)
+    train_state(dict(layout=layout, max_steps=2, global_batch_size=16, micro_batch_size=4),
+                **GPT_FNS)
+    return sorted(name for name in set(sys.modules) - before
+                  if name.startswith(("meshtrain.", "torch.distributed", "torch._dynamo"))
+                  and not name.startswith("meshtrain.models."))  # the user's model
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["zero3=2", "pp=2", "tp=2", "cp=2"])
+def test_a_workers_fit_imports_nothing_the_server_could_have(layout):
+    """meshtrain.launch.worker_imports: what a fit imports is imported once, in the server (a
+    worker importing dynamo, DCP and the schedules itself spent a second of a two-second job)."""
+    for new in run_workers(_fit_and_list_new_imports, 2, (layout,), timeout=100):
+        assert new == [], new
 
 
 def test_thread_names_sees_every_thread():

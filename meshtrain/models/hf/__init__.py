@@ -124,11 +124,11 @@ def random_token_data(num_samples: int = 64, seq_len: int = 16, vocab_size: int 
 
 # --- Which models, and how each layout takes them --------------------------------------------
 def is_hf_model(model: nn.Module) -> bool:
-    """A ``transformers.PreTrainedModel`` (checked without importing transformers)."""
-    tf = sys.modules.get("transformers")
-    if tf is None:
-        return False
-    return isinstance(model, tf.PreTrainedModel)
+    """A ``transformers.PreTrainedModel`` (checked without importing transformers: no such
+    model exists before ``transformers.modeling_utils`` is imported, and importing it, as
+    ``transformers.PreTrainedModel`` would, takes seconds)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
 def hf_loss_items(model: nn.Module):
