@@ -42,7 +42,10 @@ BACKEND = "meshtrain_p2p"
 MODES = ("auto", "backend")  # the local_comm setting: shared memory where it applies, or never
 RECORD = struct.Struct("<qqqq")  # generation, offset, bytes, tag
 ACK = struct.Struct("<q")
-MIN_RING = 1 << 20  # bytes of a first ring; grown to 8 messages of the largest size
+MIN_RING = 1 << 20  # bytes of a first ring
+# a new ring holds this many of the message that did not fit, or twice the last ring: memory
+# grows with what is unacknowledged at once (FSDP: a unit's chunk or two per peer), not beyond
+RING_MESSAGES = 2
 MIN_FREE = 512 << 20  # "auto" uses shared memory only where this much of it is free
 ALIGN = 64  # bytes: where messages start in a ring
 PEER_CHECK_S = 1.0  # a waiting receiver checks this often that its sender still runs
@@ -154,7 +157,7 @@ class _Outbound:
         if any(g == self.gen for g, _, _ in self.inflight):
             self.retired[self.gen] = self.view
         self.gen += 1
-        self.capacity = max(MIN_RING, 8 * nbytes, 2 * self.capacity)
+        self.capacity = max(MIN_RING, RING_MESSAGES * nbytes, 2 * self.capacity)
         path = f"{self.base}-{self.gen}"
         self.view = torch.frombuffer(_map(path, self.capacity), dtype=torch.uint8)
         self.made.append(path)

@@ -26,7 +26,13 @@ from pathlib import Path
 from meshtrain.errors import ConfigError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+# What meshtrain sends through shared memory between the CPU processes of one host
+# (local_comm="auto", parallel/shm_p2p.py): FSDP2's all-gather and reduce-scatter
+# (parallel/fsdp_comm.py) and the pipeline's sends; measured again that way, up to SHARED_MAX
+# bytes (each pair of ranks maps rings of a few of the largest message)
+SHARED_OPS = ("all_gather", "reduce_scatter", "send_recv")
 KIB = 1024
+SHARED_MAX = 64 * KIB ** 2
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -60,13 +66,24 @@ def sizes_between(smallest: int, largest: int) -> list[int]:
     return out
 
 
-def _operation(op: str, size: int, dist, device, rank: int, n: int):
-    """(run once, check the last result): buffers of float32 for ``size`` bytes in all."""
+def _operation(op: str, size: int, dist, device, rank: int, n: int, p2p=None):
+    """(run once, check the last result): buffers of float32 for ``size`` bytes in all; with
+    ``p2p`` (a LocalP2PGroup of every rank), the op as meshtrain runs it through shared memory."""
     import torch
 
     numel = max(n, size // 4 // n * n)  # divisible by n
     chunk = numel // n
     fill = float(rank + 1)
+    if p2p is not None and op in ("all_gather", "reduce_scatter"):
+        from meshtrain.parallel.fsdp_comm import SharedMemoryAllGather, _reduce_scatter_shared
+
+        if op == "all_gather":
+            gather = SharedMemoryAllGather(p2p)
+            out, mine = torch.empty(numel), torch.full((chunk,), fill)
+            return (lambda: gather(out, mine, p2p)), lambda: out[chunk * (n - 1)].item() == n
+        inp, out = torch.full((numel,), fill), torch.empty(chunk)
+        return (lambda: _reduce_scatter_shared(out, inp, rank, n, False, False, p2p)), \
+            lambda: out[0].item() == n * (n + 1) / 2
     if op == "all_reduce":
         buf = torch.full((numel,), fill, device=device)
         def run():
@@ -94,16 +111,18 @@ def _operation(op: str, size: int, dist, device, rank: int, n: int):
     assert op == "send_recv", op
     out, mine = torch.empty(numel, device=device), torch.full((numel,), fill, device=device)
     def ring():
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, (rank + 1) % n),
-                                           dist.P2POp(dist.irecv, out, (rank - 1) % n)])
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, (rank + 1) % n, p2p),
+                                           dist.P2POp(dist.irecv, out, (rank - 1) % n, p2p)])
         for request in requests:
             request.wait()
     return ring, lambda: out[0].item() == float((rank - 1) % n + 1)
 
 
-def measure(ops=OPS, sizes=None, *, min_seconds: float = 0.05, max_iters: int = 50) -> list[dict]:
+def measure(ops=OPS, sizes=None, *, min_seconds: float = 0.05, max_iters: int = 50,
+            p2p=None) -> list[dict]:
     """Collective (call on every rank of the default group): one row per operation and size,
-    {op, bytes, seconds (slowest rank), algbw_GBps, busbw_GBps, iters}."""
+    {op, bytes, seconds (slowest rank), algbw_GBps, busbw_GBps, iters}; with ``p2p`` (a
+    LocalP2PGroup of every rank) the :data:`SHARED_OPS` as meshtrain runs them through it."""
     import torch
     import torch.distributed as dist
 
@@ -119,7 +138,7 @@ def measure(ops=OPS, sizes=None, *, min_seconds: float = 0.05, max_iters: int = 
     rows = []
     for op in ops:
         for size in sizes or sizes_between(KIB, 256 * KIB ** 2):
-            run, check = _operation(op, size, dist, device, rank, n)
+            run, check = _operation(op, size, dist, device, rank, n, p2p)
             run()  # warm-up (and connection set-up)
             sync()
             ok = torch.tensor([1.0 if check() else 0.0])
@@ -187,13 +206,34 @@ def _iterations(run, sync, dist, min_seconds: float, max_iters: int) -> int:
 
 def table(rows: list[dict], world_size: int, backend: str) -> str:
     lines = [f"meshtrain bench comm: {world_size} processes, {backend}; time of the slowest rank",
-             f"{'op':15} {'size':>10} {'time (us)':>12} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
+             *table_rows(rows)]
+    return "\n".join(lines)
+
+
+def table_rows(rows: list[dict]) -> list[str]:
+    """A header and one line per row."""
+    lines = [f"{'op':15} {'size':>10} {'time (us)':>12} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for row in rows:
         size = row["bytes"]
         label = f"{size // KIB ** 2} MiB" if size >= KIB ** 2 else f"{size // KIB} KiB"
         lines.append(f"{row['op']:15} {label:>10} {row['seconds'] * 1e6:>12.1f} "
                      f"{row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f}")
-    return "\n".join(lines)
+    return lines
+
+
+def measure_shared(ops, sizes) -> list[dict]:
+    """The :data:`SHARED_OPS` among ``ops`` through shared memory, when every rank of the gloo
+    job shares this host's memory (else no rows): what a CPU job with local_comm="auto" pays."""
+    import torch
+
+    from meshtrain.parallel.shm_p2p import local_p2p_group
+
+    shared = [op for op in ops if op in SHARED_OPS]
+    p2p = local_p2p_group([list(range(torch.distributed.get_world_size()))],
+                          torch.device("cpu"), "auto") if shared else None
+    if p2p is None:
+        return []
+    return measure(shared, [size for size in sizes if size <= SHARED_MAX], p2p=p2p)
 
 
 def _job(ops, sizes, json_path):
@@ -213,9 +253,14 @@ def _job(ops, sizes, json_path):
         init_process_group(env, backend, timedelta(seconds=300))
     rows = measure(ops, sizes)
     result = {"world_size": dist.get_world_size(), "backend": backend, "rows": rows,
+              "shared_rows": measure_shared(ops, sizes) if backend == "gloo" else [],
               "drift_seconds": measure_drift() if backend == "gloo" else 0.0}
     if env.rank == 0:
         print(table(rows, result["world_size"], backend), flush=True)
+        if result["shared_rows"]:
+            print("through shared memory, as meshtrain runs them on one host "
+                  "(local_comm='auto': FSDP2's all-gather and reduce-scatter, pipeline sends)",
+                  *table_rows(result["shared_rows"]), sep="\n", flush=True)
         print(f"drift: a collective between 10 ms bursts of compute waits "
               f"{result['drift_seconds'] * 1e3:.2f} ms more than back to back", flush=True)
         if json_path:

@@ -44,6 +44,9 @@ class Cluster:
     dtype: str = "bf16-mixed"  # the precision jobs on it train in
     comm_table: dict | None = None  # {op: [(bytes, seconds)]} at table_ranks, measured
     table_ranks: int = 2
+    # the same for what meshtrain sends through shared memory inside a host (local_comm="auto":
+    # FSDP2's all-gather and reduce-scatter, pipeline sends), measured where a CPU job runs
+    shared_table: dict | None = None
     compute_share: float = 1.0  # of a core per process (this machine: cores / processes)
     drift: float = 0.0  # seconds a collective waits for ranks drifting apart while computing
     peak_note: str = ""
@@ -52,11 +55,16 @@ class Cluster:
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
 
-    def comm_seconds(self, op: str, size: float, ranks: int, *, crosses_nodes: bool) -> float:
+    def comm_seconds(self, op: str, size: float, ranks: int, *, crosses_nodes: bool,
+                     shared: bool = False) -> float:
+        """Seconds of one ``op`` of ``size`` bytes over ``ranks``; ``shared``: an op meshtrain
+        sends through shared memory when its ranks share a host (a measured ``shared_table``)."""
         if ranks <= 1 or size <= 0:
             return 0.0
-        if self.comm_table and op in self.comm_table:
-            measured = _interpolate(self.comm_table[op], size)
+        table = self.shared_table if shared and not crosses_nodes and self.shared_table \
+            else self.comm_table
+        if table and op in table:
+            measured = _interpolate(table[op], size)
             return measured * bus_factor(op, ranks) / bus_factor(op, self.table_ranks)
         bandwidth, latency = (self.inter_bw, 2 * self.latency) if crosses_nodes else \
             (self.intra_bw, self.latency)
@@ -126,6 +134,9 @@ def this_machine(processes: int, comm: str | Path | None = None) -> Cluster:
     table: dict[str, list] = {}
     for row in data["rows"]:
         table.setdefault(row["op"], []).append((row["bytes"], row["seconds"]))
+    shared: dict[str, list] = {}  # (a table measured before shared memory has none)
+    for row in data.get("shared_rows", []):
+        shared.setdefault(row["op"], []).append((row["bytes"], row["seconds"]))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = min(1.0, cores / processes)
     flops = matmul_flops() * share
@@ -134,6 +145,7 @@ def this_machine(processes: int, comm: str | Path | None = None) -> Cluster:
                    intra_bw=1e9, inter_bw=1e9, latency=1e-4, reserved=0, overlap=0.0,
                    memory_bw=5e9 * min(1.0, cores / processes), dtype="fp32",
                    comm_table={op: sorted(rows) for op, rows in table.items()},
+                   shared_table={op: sorted(rows) for op, rows in shared.items()} or None,
                    table_ranks=data["world_size"],
                    peak_note=f"{cores} cores, fp32 matmul probe, {path.name}")
 

@@ -80,7 +80,7 @@ class Job:
 def peak(m: dict, accumulates: bool) -> float:
     """The most bytes live at once of the parts ``m`` (see :attr:`Estimate.memory_total`)."""
     backward = m["activations"] + m["transient"] + (m["grads"] if accumulates else 0)
-    return (m["params"] + m["optimizer"] + m["gathered"] + m["reserved"]
+    return (m["params"] + m["optimizer"] + m["gathered"] + m["reserved"] + m["transport"]
             + max(backward, m["grads"] + m["step_temporaries"]))
 
 
@@ -179,6 +179,7 @@ class Estimator:
                           max(probe.last.saved, (2 + (pp > 1)) * logits) if last else 0,
                           probe.block.saved - kept if c.activation_checkpointing else 0),
                       "reserved": cl.reserved,
+                      "transport": self._transport(layout, c, r, blocks, v),
                       "step_temporaries": self._step_temporaries(layout, state.params)}
             if worst_memory is None or peak(memory, m > 1 or pp > 1) > peak(worst_memory,
                                                                                m > 1 or pp > 1):
@@ -234,6 +235,34 @@ class Estimator:
         outside = (probe.first.saved if first else 0) + (probe.last.saved if last else 0)
         return chunks * per_chunk * kept + max(1.0, micro_batches) * outside
 
+    def _transport(self, layout: Layout, c: Candidate, rank: int, blocks: int, v: int) -> float:
+        """Bytes of the shared-memory rings a rank maps where its peers share the host and
+        memory (a cluster measured with ``shared_table``: this machine, local_comm="auto"): per
+        peer one it writes and one it reads (meshtrain/parallel/shm_p2p.py), each holding
+        RING_MESSAGES of the largest message: FSDP's share of its largest unit, or a pipeline's
+        activation of one micro-batch."""
+        if not self.cluster.shared_table:
+            return 0.0
+        from meshtrain.parallel.shm_p2p import MIN_RING, RING_MESSAGES
+
+        def rings(peers: int, message: float) -> float:
+            return 2 * peers * max(MIN_RING, RING_MESSAGES * message)
+
+        total = 0.0
+        if layout.is_sharded:
+            shards = layout.degree("dp_shard") * layout.degree("cp")
+            whole = self.state(layout, rank, v, c.pp_schedule, unsharded=True).params
+            units = [u / layout.degree("tp") for u in self._units(blocks)]
+            units.append(max(0.0, whole - sum(units)))  # the root unit
+            total += rings(shards - 1, max(units) / shards)
+        pp = layout.degree("pp")
+        if pp > 1:
+            width = self.spec.hidden * self.job.seq_len // layout.degree("cp")
+            size = c.micro_batch * width * (2 if self.dtype == torch.bfloat16 else 4)
+            total += rings(min(2, pp - 1), size // (layout.degree("tp")
+                                                    if c.sequence_parallel else 1))
+        return total
+
     def _gathered(self, layout: Layout, rank: int, blocks: int, m: int, v: int,
                   schedule: str) -> float:
         """Bytes FSDP (or autocast) holds beyond the shards: gathered parameters and the
@@ -274,7 +303,7 @@ class Estimator:
             size = c.micro_batch * width * (2 if self.dtype == torch.bfloat16 else 4)
             if c.sequence_parallel:
                 size //= layout.degree("tp")
-            p2p = 2 * cl.comm_seconds("send_recv", size, 2,
+            p2p = 2 * cl.comm_seconds("send_recv", size, 2, shared=True,
                                       crosses_nodes=layout.world_size // pp >= dpn)
         slot = compute + tp_cp + p2p
         slots = m + (pp - 1) / c.stages_per_rank if pp > 1 else m
@@ -312,9 +341,10 @@ class Estimator:
             units.append(max(0.0, whole.params - sum(units)))  # the root unit
             for size in units:
                 seconds += m * gathers * (cl.drift + cl.comm_seconds(
-                    "all_gather", size * self.gather_factor, shards, crosses_nodes=crosses))
+                    "all_gather", size * self.gather_factor, shards, crosses_nodes=crosses,
+                    shared=True))
                 seconds += cl.drift + cl.comm_seconds("reduce_scatter", size, shards,
-                                                      crosses_nodes=crosses)
+                                                      crosses_nodes=crosses, shared=True)
             if layout.degree("dp_replicate") > 1:
                 seconds += cl.comm_seconds("all_reduce", state.grads,
                                            layout.degree("dp_replicate"), crosses_nodes=True)

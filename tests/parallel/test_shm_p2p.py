@@ -48,9 +48,9 @@ def _transfer_worker():
                             dist.P2POp(dist.irecv, full.t(), peer, group)])[1].wait()
     transposed = torch.equal(full.t(), torch.arange(24.0).view(4, 6) + peer)
     generations = group._out[peer].gen
-    # equal messages in bursts of 3 on a new group: its first ring holds 8 of them, and at
-    # most 6 are unacknowledged at a time (a rank's burst follows the peer's previous one), so
-    # the ring wraps around live messages instead of growing
+    # equal messages in bursts of 3 on a new group: at most 6 are unacknowledged at a time (a
+    # rank's burst follows the peer's previous one); its rings double from one message (4096
+    # bytes) until those fit (at most 8: 3 new rings), then wrap around live messages
     again = shm_p2p.local_p2p_group([[0, 1]], torch.device("cpu"), "auto")
     wrapped = []
     for burst in range(30):
@@ -75,7 +75,7 @@ def test_messages_arrive_exactly_and_nothing_is_left_behind():
     for result in run_workers(_transfer_worker, 2, timeout=100):
         assert result["exact"] and result["transposed"]
         assert result["generations"] >= 2  # the first group's rings grew along the way
-        assert result["wrap_generations"] == 0  # the second's wrapped instead
+        assert 1 <= result["wrap_generations"] <= 3  # the second's then wrapped instead
         assert result["left"] == []  # FIFOs and rings are unlinked once both sides hold them
         assert result["declined"]
 

@@ -7,7 +7,7 @@ import pytest
 
 from meshtrain.cli import main as cli
 from meshtrain.errors import ConfigError
-from meshtrain.plan.bench_comm import OPS, bus_factor, parse_size, sizes_between
+from meshtrain.plan.bench_comm import OPS, SHARED_OPS, bus_factor, parse_size, sizes_between
 
 
 @pytest.mark.timeout(240)
@@ -28,9 +28,24 @@ def test_two_processes_time_every_operation(tmp_path, capfd):
     assert "all_reduce" in printed and "16 KiB" in printed
     # the drift each collective adds between bursts of compute, which the planner charges
     assert saved["drift_seconds"] >= 0 and "drift: a collective between" in printed
+    # what meshtrain runs through shared memory on one host, measured that way too (each
+    # result checked), and what the planner prices FSDP's collectives and pipeline sends with
+    assert [(r["op"], r["bytes"]) for r in saved["shared_rows"]] == [
+        (op, size) for op in SHARED_OPS for size in (1024, 4096, 16384)]
+    assert "through shared memory" in printed
     from meshtrain.plan.cluster import Cluster
 
-    assert Cluster.preset("this-machine", processes=2, comm=out).drift == saved["drift_seconds"]
+    cluster = Cluster.preset("this-machine", processes=2, comm=out)
+    assert cluster.drift == saved["drift_seconds"]
+    shared = {(r["op"], r["bytes"]): r["seconds"] for r in saved["shared_rows"]}
+    gloo = {(r["op"], r["bytes"]): r["seconds"] for r in rows}
+    for op in SHARED_OPS:
+        assert cluster.comm_seconds(op, 4096, 2, crosses_nodes=False, shared=True) \
+            == pytest.approx(shared[op, 4096])
+        assert cluster.comm_seconds(op, 4096, 2, crosses_nodes=False) \
+            == pytest.approx(gloo[op, 4096])
+        assert cluster.comm_seconds(op, 4096, 2, crosses_nodes=True, shared=True) \
+            == pytest.approx(gloo[op, 4096])  # other hosts: no shared memory
 
 
 def test_bus_factors_are_nccl_tests():

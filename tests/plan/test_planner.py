@@ -157,3 +157,36 @@ def test_processes_sharing_a_core_fill_the_bubble_and_collectives_pay_the_drift(
     probe = probe_model(spec, tp=8, seq_len=S)
     calls = len(probe.block.comm) * spec.num_layers + len(probe.last.comm)
     assert drift.seconds["tp_cp_comm"] - plain == pytest.approx(0.001 * calls * drift.accumulation)
+
+
+def test_shared_memory_prices_fsdp_and_pipeline_sends_and_its_rings_count():
+    """A CPU job on one host sends FSDP's all-gathers and reduce-scatters and a pipeline's
+    activations through shared memory (local_comm="auto"): with a measured shared table the
+    estimate prices those calls with it (not gloo's) and counts the rings each rank maps (one
+    it writes and one it reads per peer, RING_MESSAGES of the largest message); without one
+    (a GPU preset) nothing changes."""
+    import dataclasses
+
+    from meshtrain.parallel.shm_p2p import MIN_RING, RING_MESSAGES
+
+    spec, job = ModelSpec.load(GPT), Job(16, S)
+    gloo = dataclasses.replace(Cluster.preset("8xh100"), name="cpu", dtype="fp32",
+                               comm_table={op: [(1, 1e-3), (2**30, 1.0)] for op in
+                                           ("all_gather", "reduce_scatter", "send_recv",
+                                            "all_reduce")})
+    shm = dataclasses.replace(gloo, shared_table={op: [(1, 1e-5), (2**30, 0.01)] for op in
+                                                  ("all_gather", "reduce_scatter", "send_recv")})
+    for layout in ("zero3=8", "pp=2,dp=4"):
+        slow = Estimator(spec, gloo, job).estimate(Candidate(layout, 1))
+        fast = Estimator(spec, shm, job).estimate(Candidate(layout, 1))
+        part = "dp_comm_exposed" if layout.startswith("zero") else "pp_p2p"
+        assert fast.seconds[part] < slow.seconds[part] / 5
+        assert slow.memory["transport"] == 0
+    zero3 = Estimator(spec, shm, job)
+    shard = max(zero3._units(4)) / 8  # a rank's part of the largest unit (blocks as units)
+    assert zero3.estimate(Candidate("zero3=8", 1)).memory["transport"] == \
+        2 * 7 * max(MIN_RING, RING_MESSAGES * shard)
+    activation = 1 * D * S * 4  # one micro-batch of one sample, fp32
+    assert Estimator(spec, shm, job).estimate(Candidate("pp=2,dp=4", 1)).memory["transport"] \
+        == 2 * 1 * max(MIN_RING, RING_MESSAGES * activation)
+    assert Estimator(spec, shm, job).estimate(Candidate("dp=8", 1)).memory["transport"] == 0
