@@ -8,7 +8,9 @@ cost of every operator (DTensor's dispatch under tp, the sequence chunks under c
 
 The simulated world's collectives move nothing: their cost is the communication part of the
 estimate (a ``meshtrain bench comm`` table). Models whose one block is too large to run here
-return None (the estimate then uses the matmul probe).
+return None (the estimate then uses the matmul probe). :func:`sharding_host_seconds` measures
+the same way what FSDP2's own work (its hooks, the copies into and out of the gathered
+buffers, the optimizer on DTensor shards) adds to a step of the whole model.
 """
 
 from __future__ import annotations
@@ -87,3 +89,56 @@ def _run(spec, model, batch: int, length: int, seconds: float) -> float:
         spec.loss(model, tokens).backward()
         times.append(time.perf_counter() - begin)
     return min(times)
+
+
+@functools.lru_cache(maxsize=64)
+def sharding_host_seconds(spec, shards: int, zero_stage: int, seq_len: int,
+                          seconds: float = 0.5) -> tuple[float, float] | None:
+    """(seconds per micro-batch, seconds per step) that sharding the job's whole model over
+    ``shards`` ranks at ``zero_stage`` (2 or 3) adds on one rank, one CPU thread: forward and
+    backward of one sequence, and the AdamW step, sharded in a simulated world against the
+    same model whole (its optimizer step divided by ``shards``: what the estimate's bytes
+    count already), the two run by turns (the fastest of each). None if the whole model is too
+    large to run here."""
+    with torch.device("meta"):
+        if sum(p.numel() for p in spec.build().parameters()) > MAX_PARAMS:
+            return None
+    from meshtrain.parallel.mesh import ParallelMesh
+
+    layout = Layout.parse(f"zero{zero_stage}={shards}", shards)
+    tokens = torch.zeros(1, seq_len, dtype=torch.long)
+    threads = torch.get_num_threads()
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(1)
+    try:
+        with fake_world(shards, 0), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            whole, sharded = spec.build(), spec.build()
+            options, pipeline = default_options(layout, None, None)
+            (sharded,) = this_ranks_modules(sharded, ParallelMesh(layout, "cpu"), options,
+                                            pipeline)
+            runs = []
+            for model in (whole, sharded):
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                runs += [lambda m=model: spec.loss(m, tokens).backward(), optimizer.step]
+            fb_whole, step_whole, fb_sharded, step_sharded = _fastest_by_turns(runs, seconds)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)
+    return max(0.0, fb_sharded - fb_whole), max(0.0, step_sharded - step_whole / shards)
+
+
+def _fastest_by_turns(fns, seconds: float) -> list[float]:
+    """The fastest run of each of ``fns``, called in turn for ``seconds`` (at least 3 rounds)
+    after one untimed round: a slower stretch of the machine weighs on all of them alike."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    rounds, start = 0, time.perf_counter()
+    while rounds < 3 or time.perf_counter() - start < seconds:
+        for i, fn in enumerate(fns):
+            begin = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - begin)
+        rounds += 1
+    return best

@@ -317,7 +317,23 @@ class Estimator:
         return {"compute": m * compute, "bubble": max(0.0, slots * share - m) * slot,
                 "tp_cp_comm": m * tp_cp, "pp_p2p": m * p2p,
                 "dp_comm_exposed": max(0.0, dp_comm - cl.overlap * m * compute),
-                "optimizer": optimizer}
+                "optimizer": optimizer, "sharding_host": self._sharding_host(layout, m, blocks)}
+
+    def _sharding_host(self, layout: Layout, m: int, blocks: int) -> float:
+        """On this machine, what FSDP2's own work adds to a sharded step (meshtrain.plan.
+        calibrate.sharding_host_seconds: the whole model measured in a simulated world), for
+        this rank's part of the model (its stage's blocks, its tp share), shared per core."""
+        if self.cluster.name != "this-machine" or not layout.is_sharded:
+            return 0.0
+        from meshtrain.plan.calibrate import sharding_host_seconds
+
+        shards = layout.degree("dp_shard") * layout.degree("cp")
+        measured = sharding_host_seconds(self.spec, shards, layout.zero_stage, self.job.seq_len)
+        if measured is None:
+            return 0.0
+        per_micro_batch, per_step = measured
+        part = blocks / self.spec.num_layers / layout.degree("tp")
+        return (m * per_micro_batch + per_step) * part / self.cluster.compute_share
 
     def _units(self, blocks: int) -> list[int]:
         """Parameter bytes (whole, before tp) of each FSDP unit of ``blocks`` blocks."""
