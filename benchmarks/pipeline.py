@@ -56,9 +56,8 @@ from pipeline_peers import RawSchedule
 
 from meshtrain.launch.spawn import run_workers
 
-PP = 2
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))  # (schedule, stages per rank)
-PLOT_M = 4  # the timelines drawn
+PLOT_M = 4  # the timelines drawn (else the smallest m run)
 RAW = (("1f1b", 1), ("interleaved-1f1b", 2))  # raw torch.distributed.pipelining, at the largest m
 # meshtrain's stages on gloo's own send/recv (local_comm="backend"), at the largest m: the "before"
 GLOO_P2P = (("1f1b", 1), ("interleaved-1f1b", 2))
@@ -73,7 +72,8 @@ class Config:
     seq_len: int = 64
     d_model: int = 192
     num_heads: int = 4
-    num_layers: int = 4
+    num_layers: int = 4  # at least 2 per rank (interleaved: 2 stages per rank)
+    pp: int = 2  # ranks
     vocab_size: int = 256
     microbatches: tuple[int, ...] = (2, 4, 8)
     lr: float = 1e-3
@@ -116,7 +116,7 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
     from meshtrain.parallel.shm_p2p import local_p2p_group
 
     group = dist.group.WORLD
-    shm = local_p2p_group([[0, 1]], torch.device("cpu"), "auto")  # what the Trainer uses here
+    shm = local_p2p_group([list(range(cfg.pp))], torch.device("cpu"), "auto")  # the Trainer's
     assert shm is not None, "shared memory is not reachable by both ranks"
     gen = torch.Generator().manual_seed(1234)
     x = torch.randint(0, cfg.vocab_size, (cfg.global_batch_size, cfg.seq_len), generator=gen)
@@ -132,8 +132,8 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
     variants += [(schedule, v, top, None, case_name(f"gloo-p2p-{schedule}", top))
                  for schedule, v in GLOO_P2P]
     for schedule, v, m, p2p, name in variants:
-        num_stages = PP * v
-        indices = rank_stages(rank, PP, v, schedule)
+        num_stages = cfg.pp * v
+        indices = rank_stages(rank, cfg.pp, v, schedule)
         model = GPT(cfg.gpt_config(), seed=cfg.seed)
         points = even_splits(cfg.num_layers, num_stages)
         stages = [split_model(model, points, i) for i in indices]
@@ -142,8 +142,8 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
                                 p2p_group=p2p)
         runners[name] = runner, adamw(runner.parameters())
     for schedule, v in RAW:  # the peer (pipeline_peers.py), on the same stage modules
-        num_stages, m = PP * v, max(cfg.microbatches)
-        indices = rank_stages(rank, PP, v, schedule)
+        num_stages, m = cfg.pp * v, max(cfg.microbatches)
+        indices = rank_stages(rank, cfg.pp, v, schedule)
         model = GPT(cfg.gpt_config(), seed=cfg.seed)
         stages = [split_model(model, even_splits(cfg.num_layers, num_stages), i) for i in indices]
         runner = RawSchedule(stages, indices, num_stages, group, schedule=schedule,
@@ -171,11 +171,11 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
     for m in cfg.microbatches:
         buf = torch.randn(cfg.global_batch_size // m, cfg.seq_len, cfg.d_model)
         for key, g in (("send_recv_ms", group), ("shm_send_recv_ms", shm)):
-            def ping_pong():
+            def ping_pong():  # between ranks 0 and 1 (any others wait in the barrier)
                 if rank == 0:
                     dist.send(buf, 1, group=g)
                     dist.recv(buf, 1, group=g)
-                else:
+                elif rank == 1:
                     dist.recv(buf, 0, group=g)
                     dist.send(buf, 0, group=g)
 
@@ -245,7 +245,7 @@ def host_split(runner, x, y) -> tuple[float, float, float, float]:
 
 
 def run(cfg: Config, repeats: int, timeout: float) -> list[dict]:
-    return run_workers(pipeline_worker, PP, (cfg, repeats, max(1.0, timeout - 10)),
+    return run_workers(pipeline_worker, cfg.pp, (cfg, repeats, max(1.0, timeout - 10)),
                        timeout=timeout, threads=1)
 
 
@@ -264,7 +264,8 @@ def handoffs(rows) -> list[tuple[int, int, str, float]]:
     producer's end to this action's start. With nothing else in the way, this is what handing
     one activation (gradient) over costs inside the schedule: the send/recv and the schedule's
     own work around it. The ranks' clocks are aligned by the barrier that starts the step, to
-    about 0.5 ms (values slightly below 0 are that skew)."""
+    about 0.5 ms (values slightly below 0 are that skew; with more ranks than cores, as
+    ``--pp 4`` on 2 cores, the skew is milliseconds and the handoffs mean nothing)."""
     events = _events(rows)
     by_key = {(e.stage, e.microbatch, e.kind): e for e in events}
     out = []
@@ -304,7 +305,7 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
             timelines = ranks[0]["timelines"][name]
             bubbles = [bubble_fraction(_events(t)) for t in timelines]
             spans = [max(e[5] for e in t) - min(e[4] for e in t) for t in timelines]
-            formula = ideal_bubble_fraction(PP, m, v)
+            formula = ideal_bubble_fraction(cfg.pp, m, v)
             # idle time beyond the formula's, per F or B action of a rank (2*v*m of them)
             excess = [(b - formula) * s / (2 * v * m) for b, s in zip(bubbles, spans)]
             median_bubble = statistics.median(bubbles)
@@ -326,7 +327,7 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 "x_1proc_accum": paired_ratio(times, step_s[f"1proc x{m}"]),
                 # with equal stages and no communication: (v*m+p-1)/(p*v*m) of one process
                 # running the same micro-batches one after the other
-                "formula_x_1proc_accum": (v * m + PP - 1) / (PP * v * m),
+                "formula_x_1proc_accum": (v * m + cfg.pp - 1) / (cfg.pp * v * m),
                 "f_ms": 1e3 * statistics.mean(e.end - e.start for e in events if e.kind == "F"),
                 "b_ms": 1e3 * statistics.mean(e.end - e.start for e in events if e.kind == "B"),
                 "span_ms": 1e3 * (max(e.end for e in events) - min(e.start for e in events)),
@@ -373,11 +374,13 @@ def format_table(summary: dict) -> str:
     return f"{bubble}\n\n{times}"
 
 
-def plot_all(summary: dict, out_dir: Path, title: str) -> list[Path]:
+def plot_all(summary: dict, out_dir: Path, title: str, pp: int) -> list[Path]:
     """The timeline of each schedule at m=4 (the median-bubble step) and bubble vs m."""
     from pipeline_plots import plot_bubble, plot_timelines
 
-    return [*plot_timelines(summary, out_dir, SCHEDULES, PLOT_M, PP, case_name, _events),
+    runs = {row["m"] for row in summary.values() if isinstance(row, dict) and "m" in row}
+    plot_m = PLOT_M if PLOT_M in runs else min(runs)
+    return [*plot_timelines(summary, out_dir, SCHEDULES, plot_m, pp, case_name, _events),
             plot_bubble(summary, out_dir, title, SCHEDULES)]
 
 
@@ -393,6 +396,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (5)")
     parser.add_argument("--d-model", type=int, default=192, help="GPT width (192)")
     parser.add_argument("--microbatches", default="2,4,8", help="values of m (2,4,8)")
+    parser.add_argument("--pp", type=int, default=2,
+                        help="ranks (2; more: a GPT of 2 blocks per rank, results in "
+                             "<out-dir>/pp<N>/)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: d_model 64, 1 warm-up + 2 timed steps, 1 repeat")
     parser.add_argument("--timeout", type=float, default=600.0,
@@ -407,9 +413,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.steps, args.warmup, args.timelines, args.repeats) < 1:
         parser.error("--steps, --warmup, --timelines and --repeats must be >= 1")
     batch = Config.global_batch_size
-    if any(m % PP or batch % m for m in args.microbatches) or PLOT_M not in args.microbatches:
-        parser.error(f"micro-batch counts must be multiples of {PP} that divide the global "
-                     f"batch of {batch}, and include {PLOT_M}")
+    if args.pp < 2:
+        parser.error("--pp must be at least 2")
+    if any(m % args.pp or batch % m for m in args.microbatches):
+        parser.error(f"micro-batch counts must be multiples of {args.pp} that divide the global "
+                     f"batch of {batch}")
     return args
 
 
@@ -419,16 +427,20 @@ def main(argv=None) -> int:
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())
         print(format_table(result["summary"]))
-        for path in plot_all(result["summary"], out_dir, result["title"]):
+        for path in plot_all(result["summary"], out_dir, result["title"],
+                             result["config"].get("pp", 2)):
             print(f"wrote {path}")
         return 0
     os.environ["OMP_NUM_THREADS"] = "1"
     cfg = Config(steps=args.steps, warmup=args.warmup, timelines=args.timelines,
-                 d_model=args.d_model, microbatches=args.microbatches)
+                 d_model=args.d_model, microbatches=args.microbatches, pp=args.pp,
+                 num_layers=max(Config.num_layers, 2 * args.pp))
+    if args.pp != 2:
+        out_dir = out_dir / f"pp{args.pp}"
     from meshtrain.models.gpt import GPT
 
     num_params = GPT(cfg.gpt_config()).num_params()
-    title = (f"{PP} ranks (gloo, CPU, 1 thread each), GPT {cfg.num_layers} blocks d={cfg.d_model} "
+    title = (f"{cfg.pp} ranks (gloo, CPU, 1 thread each), GPT {cfg.num_layers} blocks d={cfg.d_model} "
              f"seq={cfg.seq_len} vocab={cfg.vocab_size} ({num_params / 1e6:.2f}M params), "
              f"global batch {cfg.global_batch_size}")
     print(f"pipeline benchmark: {title}; m in {list(cfg.microbatches)}, {cfg.warmup} warm-up + "
@@ -440,10 +452,10 @@ def main(argv=None) -> int:
           f"while waiting for the baselines)\n")
     summary = summarize(cfg, ranks)
     print(format_table(summary))
-    paths = plot_all(summary, out_dir, title)
+    paths = plot_all(summary, out_dir, title, cfg.pp)
     result = {
         "title": title,
-        "config": asdict(cfg) | {"num_params": num_params, "pp": PP},
+        "config": asdict(cfg) | {"num_params": num_params},
         "repeats": args.repeats,
         "machine": machine(**clock.loads()),
         "summary": summary,
