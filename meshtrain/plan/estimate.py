@@ -252,16 +252,22 @@ class Estimator:
         if layout.is_sharded:
             shards = layout.degree("dp_shard") * layout.degree("cp")
             whole = self.state(layout, rank, v, c.pp_schedule, unsharded=True).params
-            units = [u / layout.degree("tp") for u in self._units(blocks)]
-            units.append(max(0.0, whole - sum(units)))  # the root unit
-            total += rings(shards - 1, max(units) / shards)
-        pp = layout.degree("pp")
-        if pp > 1:
-            width = self.spec.hidden * self.job.seq_len // layout.degree("cp")
-            size = c.micro_batch * width * (2 if self.dtype == torch.bfloat16 else 4)
-            total += rings(min(2, pp - 1), size // (layout.degree("tp")
-                                                    if c.sequence_parallel else 1))
+            total += rings(shards - 1, max(self._fsdp_units(layout, whole, blocks)) / shards)
+        if layout.degree("pp") > 1:
+            total += rings(min(2, layout.degree("pp") - 1), self._stage_message(layout, c))
         return total
+
+    def _fsdp_units(self, layout: Layout, whole: float, blocks: int) -> list[float]:
+        """Parameter bytes of each FSDP unit of a rank's stage (its tp share), the root unit
+        (what is not in a block: embedding, head) last; ``whole``: the stage's unsharded bytes."""
+        units = [u / layout.degree("tp") for u in self._units(blocks)]
+        return [*units, max(0.0, whole - sum(units))]
+
+    def _stage_message(self, layout: Layout, c: Candidate) -> float:
+        """Bytes of one micro-batch's activation (or its gradient) sent between stages."""
+        width = self.spec.hidden * self.job.seq_len // layout.degree("cp")
+        size = c.micro_batch * width * (2 if self.dtype == torch.bfloat16 else 4)
+        return size // layout.degree("tp") if c.sequence_parallel else size
 
     def _gathered(self, layout: Layout, rank: int, blocks: int, m: int, v: int,
                   schedule: str) -> float:
@@ -299,11 +305,7 @@ class Estimator:
         pp = layout.degree("pp")
         p2p = 0.0
         if pp > 1:
-            width = self.spec.hidden * self.job.seq_len // layout.degree("cp")
-            size = c.micro_batch * width * (2 if self.dtype == torch.bfloat16 else 4)
-            if c.sequence_parallel:
-                size //= layout.degree("tp")
-            p2p = 2 * cl.comm_seconds("send_recv", size, 2, shared=True,
+            p2p = 2 * cl.comm_seconds("send_recv", self._stage_message(layout, c), 2, shared=True,
                                       crosses_nodes=layout.world_size // pp >= dpn)
         slot = compute + tp_cp + p2p
         slots = m + (pp - 1) / c.stages_per_rank if pp > 1 else m
@@ -352,10 +354,7 @@ class Estimator:
             shards = layout.degree("dp_shard") * layout.degree("cp")
             crosses = layout.degree("dp_shard") * inner > dpn
             gathers = 1 if layout.zero_stage == 2 else 2
-            tp = layout.degree("tp")
-            units = [u / tp for u in self._units(blocks)]
-            units.append(max(0.0, whole.params - sum(units)))  # the root unit
-            for size in units:
+            for size in self._fsdp_units(layout, whole.params, blocks):
                 seconds += m * gathers * (cl.drift + cl.comm_seconds(
                     "all_gather", size * self.gather_factor, shards, crosses_nodes=crosses,
                     shared=True))
