@@ -82,13 +82,7 @@ def _run(spec, model, batch: int, length: int, seconds: float) -> float:
     """Seconds of one forward and backward at ``batch`` sequences: the fastest of the runs in
     ``seconds`` (at least 3), as timeit does, so that another process's burst does not count."""
     tokens = torch.zeros(batch, length, dtype=torch.long)
-    spec.loss(model, tokens).backward()  # warm-up
-    times, start = [], time.perf_counter()
-    while len(times) < 3 or time.perf_counter() - start < seconds:
-        begin = time.perf_counter()
-        spec.loss(model, tokens).backward()
-        times.append(time.perf_counter() - begin)
-    return min(times)
+    return _fastest_by_turns([lambda: spec.loss(model, tokens).backward()], seconds)[0]
 
 
 @functools.lru_cache(maxsize=64)
