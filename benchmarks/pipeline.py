@@ -10,16 +10,17 @@ per rank), for m = 2, 4 and 8 micro-batches:
   (Narayanan et al. 2021).
 
 Bubble: ``PipelineRunner.timed_step`` records every stage's forward (F) and backward (B) action
-on every rank; the measured bubble is ``bubble_fraction``: per rank, 1 - (time in F and B) /
-(first start to last end over all ranks), averaged over the ranks. Everything that is not F or B
-compute counts as idle: waiting for the other rank, but also gloo's send/recv and the loss. The
+on every rank, and the last stage's loss (L, which the schedule computes between F and B); the
+measured bubble is ``bubble_fraction``: per rank, 1 - (time in F, L and B) / (first start to last
+end over all ranks), averaged over the ranks. Everything that is not compute counts as idle:
+waiting for the other rank, but also the sends and receives and the schedule's own Python. The
 formula is ``ideal_bubble_fraction``: (p-1)/(m+p-1), and (p-1)/(v*m+p-1) interleaved.
 
 Sends: meshtrain's rows pass activations and gradients through shared memory, as the Trainer
 does for CPU stages on one host (``local_comm="auto"``, meshtrain/parallel/shm_p2p.py); the
 ``gloo-p2p-*`` rows run the same stages on gloo's own send/recv (``local_comm="backend"``), the
 ``raw-*`` rows drive torch.distributed.pipelining directly on gloo (pipeline_peers.py). Host time
-per action: a step's wall time minus its F/B compute minus the time spent waiting for p2p
+per action: a step's wall time minus its F/L/B compute minus the time spent waiting for p2p
 (``_wait_batch_p2p``), per F or B action: posting p2p, the schedule's Python, meshtrain's work.
 
 Step time: forward + backward over all micro-batches + AdamW step + zero_grad, timed over
@@ -330,6 +331,7 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 "formula_x_1proc_accum": (v * m + cfg.pp - 1) / (cfg.pp * v * m),
                 "f_ms": 1e3 * statistics.mean(e.end - e.start for e in events if e.kind == "F"),
                 "b_ms": 1e3 * statistics.mean(e.end - e.start for e in events if e.kind == "B"),
+                "l_ms": 1e3 * statistics.mean(e.end - e.start for e in events if e.kind == "L"),
                 "span_ms": 1e3 * (max(e.end for e in events) - min(e.start for e in events)),
                 "excess_ms_per_action": 1e3 * statistics.median(excess),
                 "handoff_ms": statistics.median(h[-1] for t in timelines for h in handoffs(t)),
@@ -352,11 +354,12 @@ def format_table(summary: dict) -> str:
     """Two tables: the bubble (and what it is made of), then step times and their ratios."""
     cases = [row for row in summary.values() if "schedule" in row]
     bubble = table(
-        ("schedule", "v", "m", "bubble", "formula", "excess/action ms", "F ms", "B ms",
+        ("schedule", "v", "m", "bubble", "formula", "excess/action ms", "F ms", "L ms", "B ms",
          "host/action ms", "post/action ms", "send ms", "shm send ms", "handoff ms",
          "1st handoff ms"),
         [(r["schedule"], str(r["v"]), str(r["m"]), f"{r['bubble']:.3f}", f"{r['formula']:.3f}",
-          f"{r['excess_ms_per_action']:.2f}", f"{r['f_ms']:.1f}", f"{r['b_ms']:.1f}",
+          f"{r['excess_ms_per_action']:.2f}", f"{r['f_ms']:.1f}",
+          f"{r.get('l_ms', float('nan')):.2f}", f"{r['b_ms']:.1f}",
           f"{r.get('host_ms_per_action', float('nan')):.3f}",
           f"{r.get('post_ms_per_action', float('nan')):.3f}",
           f"{r['send_ms']:.2f}", f"{r.get('shm_send_ms', float('nan')):.2f}",

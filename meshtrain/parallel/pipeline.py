@@ -9,10 +9,12 @@ takes the model's input (token ids), later ones the hidden state.
 :class:`PipelineRunner` drives ``torch.distributed.pipelining`` schedules: GPipe (Huang et al.
 2019), 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et al. 2021), breadth-first looping,
 and zero-bubble schedules that split the backward into input (I) and weight (W) parts (Qi et al.
-2023). Loss scaling in torch 2.13: the loss is ``loss_fn`` on each micro-batch (a mean) and, with
-``scale_grads=True``, the schedule divides the accumulated gradients by the number of
-micro-batches once after the last backward, so they equal one process's gradients of the batch
-mean when the micro-batches are equal-sized and the loss averages over equal counts.
+2023). Loss scaling: the loss is ``loss_fn`` on each micro-batch (a mean), and the backward runs
+on it divided by the number of micro-batches, so the accumulated gradients equal one process's
+gradients of the batch mean when the micro-batches are equal-sized and the loss averages over
+equal counts (as a one-process loop accumulating gradients does; torch's ``scale_grads=True``
+would instead divide every gradient once more after the last backward, a pass over all
+parameters per step, and divide gradients kept from an earlier step too).
 
 Stage layout with ``v = stages_per_rank`` stages per rank on ``pp`` ranks: rank ``r`` holds
 stages ``r, r + pp, r + 2pp, ...`` ("loop"); the V schedules (zbv, dualpipev) need ``v = 2`` and
@@ -166,7 +168,8 @@ def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One compute action: F forward, B full backward, I input-grad and W weight-grad backward.
+    """One compute action: F forward, L the loss, B full backward, I input-grad and W
+    weight-grad backward.
     Times are seconds from a barrier taken at the start of the step."""
     rank: int
     stage: int
@@ -206,16 +209,20 @@ class PipelineRunner:
                        for m, i in zip(self.modules, self.indices)]
         cls = SCHEDULES[schedule]
         target = self.stages[0] if schedule in SINGLE_STAGE else self.stages
-        self.schedule = cls(target, num_microbatches, loss_fn=self._train_loss, scale_grads=True)
+        self.schedule = cls(target, num_microbatches, loss_fn=self._train_loss,
+                            scale_grads=False)
+        self._record_loss: Callable | None = None  # (start, end) of each loss, when recording
         self.has_first, self.has_last = 0 in expected, num_stages - 1 in expected
 
     def parameters(self):
         return [p for m in self.modules for p in m.parameters()]
 
     def _train_loss(self, output, target) -> torch.Tensor:
-        """The loss of one micro-batch, as the schedule runs backward on it: ``scale_loss``
-        applied (fp16's loss scaling); the unscaled value is kept for :meth:`step`. (The first
-        step also calls it once on placeholder outputs, to infer the gradients' shapes.)"""
+        """The loss of one micro-batch, as the schedule runs backward on it: divided by the
+        number of micro-batches and ``scale_loss`` applied (fp16's loss scaling); the value
+        itself is kept for :meth:`step`. (The first step also calls it once on placeholder
+        outputs, to infer the gradients' shapes.)"""
+        start = time.perf_counter()
         loss = self.loss_fn(output, target)
         if self.num_items is not None:
             loss = loss / self.num_items()
@@ -225,22 +232,18 @@ class PipelineRunner:
                 "micro-batch (a scalar tensor: the mean loss over its samples); reduce it, e.g. "
                 "reduction='mean' or loss.mean()")
         self._losses.append(loss.detach())
-        return self.scale_loss(loss)
+        scaled = self.scale_loss(loss / self.num_microbatches)
+        if self._record_loss is not None:
+            self._record_loss(start, time.perf_counter())
+        return scaled
 
     def step(self, inputs, targets) -> torch.Tensor | None:
         """Forward and backward over the batch, gradients added to the parameters' ``.grad``;
         returns the mean micro-batch loss on the rank with the last stage, else None."""
-        # The schedule divides every .grad by the number of micro-batches at the end, so
-        # gradients from earlier steps are set aside and added back afterwards.
-        earlier = [(p, p.grad) for p in self.parameters() if p.grad is not None]
-        for p, _ in earlier:
-            p.grad = None
         self._losses = []
         args = (inputs,) if self.has_first else ()
         self.schedule.step(*args, target=targets if self.has_last else None,
                            return_outputs=False)
-        for p, grad in earlier:
-            p.grad = grad if p.grad is None else p.grad.add_(grad)
         losses = self._losses[-self.num_microbatches:]  # past the shape inference's call
         return torch.stack(losses).mean() if self.has_last else None
 
@@ -275,7 +278,9 @@ class PipelineRunner:
     @contextlib.contextmanager
     def _actions_recorded(self, record: Callable):
         """Inside, every stage's F, B (I: input-only backward) and W action calls
-        ``record(stage, microbatch, kind, start, end)`` (perf_counter times)."""
+        ``record(stage, microbatch, kind, start, end)`` (perf_counter times), and so does
+        each loss the last stage computes (L: the schedule runs it between F and B; it is
+        compute, not idle time)."""
         def timed(stage, name, kind):
             run = getattr(stage, name)
 
@@ -292,9 +297,14 @@ class PipelineRunner:
         for stage in self.stages:
             for name, kind in methods:
                 timed(stage, name, kind)
+        last = [s for s in self.stages if s.stage_index == self.num_stages - 1]
+        if last:
+            self._record_loss = lambda start, end: record(
+                last[0], len(self._losses) - 1, "L", start, end)
         try:
             yield
         finally:
+            self._record_loss = None
             for stage in self.stages:
                 for name, _ in methods:
                     del stage.__dict__[name]
@@ -375,7 +385,7 @@ def bubble_fraction(events: list[TimelineEvent]) -> float:
     return sum(1 - b / span for b in busy) / len(ranks)
 
 
-_COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#8fd19e", "W": "#dd8452"}
+_COLORS = {"F": "#4c72b0", "L": "#8172b3", "B": "#55a868", "I": "#8fd19e", "W": "#dd8452"}
 
 
 def plot_timeline(events: list[TimelineEvent], out_png, title: str | None = None):

@@ -234,13 +234,18 @@ def test_timeline_records_every_action_and_plots_and_steps_accumulate(tmp_path):
         events = ranks[0][schedule, v][0]
         assert events == ranks[1][schedule, v][0]  # every rank gets every rank's events
         assert max(r[schedule, v][1] for r in ranks) <= 1e-6  # step() adds to earlier grads
-        kinds = {}
+        kinds, last = {}, PP * v - 1
         for e in events:
             assert e.stage in rank_stages(e.rank, PP, v, schedule) and e.end >= e.start
-            kinds.setdefault((e.stage, e.microbatch), []).append(e.kind)
+            kinds.setdefault((e.stage, e.microbatch), {})[e.kind] = e
         assert set(kinds) == {(s, m) for s in range(PP * v) for m in range(MICRO)}
-        for key, done in kinds.items():
-            assert sorted(done) in (["B", "F"], ["F", "I", "W"]), (schedule, key, done)
+        for (stage, mb), done in kinds.items():
+            loss = ["L"] if stage == last else []  # the last stage's loss, between F and B
+            assert sorted(done) in (sorted(["B", "F"] + loss), sorted(["F", "I", "W"] + loss)), (
+                schedule, stage, mb, sorted(done))
+            if loss:
+                backward = done.get("B") or done["I"]
+                assert done["F"].end <= done["L"].start <= done["L"].end <= backward.start
         bubble = bubble_fraction(events)
         assert 0 < bubble < 1
         png = tmp_path / f"{schedule}.png"

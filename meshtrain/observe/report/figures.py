@@ -18,7 +18,7 @@ from meshtrain.observe.run_files import PARTS
 PART_COLORS = {"data": "#8172b3", "compute": "#4c72b0", "comm": "#dd8452", "bubble": "#c44e52",
                "optimizer": "#55a868", "checkpoint": "#937860", "other": "#8c8c8c"}
 # the pipeline actions, as meshtrain.parallel.pipeline's timeline draws them
-ACTION_COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#8fd19e", "W": "#dd8452"}
+ACTION_COLORS = {"F": "#4c72b0", "L": "#8172b3", "B": "#55a868", "I": "#8fd19e", "W": "#dd8452"}
 SLOWEST_COLOR = "#c0392b"
 assert set(PART_COLORS) == set(PARTS)
 
