@@ -11,7 +11,10 @@ bytes, tag), ``ack`` one per message the receiver has copied out, so the sender 
 space. A send never waits for its receiver: when the ring has no room, the sender opens a ring
 twice as large (a new generation; the record names it) and frees the old one once its messages
 are acknowledged. A receive is matched in order with the messages from its source (as gloo and
-NCCL match p2p between a pair), so a wait on a later receive first fills the earlier ones. The
+NCCL match p2p between a pair), so a wait on a later receive first fills the earlier ones. A
+waiting receiver polls its FIFO for up to a millisecond before it sleeps in ``select``, where the
+host has a core for every process of the job (as NCCL's proxies and MPI's shared-memory
+transports poll): a sender then wakes no sleeper, and the receiver sees the record at once. The
 files are unlinked as soon as both sides have them open: nothing is left behind by a crash. A
 waiting receiver checks every second that its sender still runs, and fails naming it when not
 (as gloo's "connection closed by peer"), else after the group's timeout.
@@ -30,6 +33,7 @@ import os
 import select
 import struct
 import tempfile
+import time
 import uuid
 import weakref
 from collections import deque
@@ -49,6 +53,9 @@ RING_MESSAGES = 2
 MIN_FREE = 512 << 20  # "auto" uses shared memory only where this much of it is free
 ALIGN = 64  # bytes: where messages start in a ring
 PEER_CHECK_S = 1.0  # a waiting receiver checks this often that its sender still runs
+# a waiting receiver polls this long before it sleeps, where the host has a core per process:
+# waking a sleeper costs the sender's write ~50 us and the receiver as much again on a VM
+SPIN_S = 1e-3
 
 
 def shm_dir() -> str:
@@ -185,19 +192,24 @@ class _Inbound:
     """One peer -> this rank."""
 
     def __init__(self, data_fd: int, ack_fd: int, base: str, timeout: timedelta, peer: int,
-                 peer_pid: int):
-        self.data_fd, self.ack_fd, self.base = data_fd, ack_fd, base
+                 peer_pid: int, spin_s: float):
+        self.data_fd, self.ack_fd, self.base, self.spin_s = data_fd, ack_fd, base, spin_s
         self.timeout, self.peer, self.peer_pid = timeout.total_seconds(), peer, peer_pid
         self.gen, self.view = -1, None  # view: the current ring (keeps it mapped)
         self.pending: deque[_Receive] = deque()
         os.set_blocking(data_fd, False)
 
     def _read_record(self) -> tuple[int, int, int, int]:
-        raw, waited = b"", 0.0
+        raw, waited, spin_until = b"", 0.0, None
         while len(raw) < RECORD.size:
             try:
                 raw += os.read(self.data_fd, RECORD.size - len(raw))
             except BlockingIOError:
+                if self.spin_s:  # polling first: a record that comes soon is seen at once
+                    now = time.perf_counter()
+                    spin_until = now + self.spin_s if spin_until is None else spin_until
+                    if now < spin_until:
+                        continue
                 # asleep until a record comes; every second, whether the sender still lives
                 # (its FIFO never reports an end: this process holds a write end too)
                 if select.select([self.data_fd], [], [], PEER_CHECK_S)[0]:
@@ -257,9 +269,10 @@ class LocalP2PGroup(dist.ProcessGroup):
         fifo = lambda kind, src, dst: os.open(f"{base}-{kind}-{src}-{dst}", os.O_RDWR)  # noqa: E731
         self._out = {p: _Outbound(fifo("data", rank, p), fifo("ack", rank, p),
                                   f"{base}-ring-{rank}-{p}") for p in peers}
+        spin = spin_seconds(dist.get_world_size())
         self._in = {p: _Inbound(fifo("data", p, rank), fifo("ack", p, rank),
                                 f"{base}-ring-{p}-{rank}", timeout, p,
-                                int(store.get(f"pid_{p}"))) for p in peers}
+                                int(store.get(f"pid_{p}")), spin) for p in peers}
         self._barrier(store, "opened", rank, size)
         for path in made:
             os.unlink(path)
@@ -270,6 +283,11 @@ class LocalP2PGroup(dist.ProcessGroup):
     def _barrier(store, name: str, rank: int, size: int) -> None:
         store.set(f"{name}_{rank}", "1")
         store.wait([f"{name}_{r}" for r in range(size)])
+
+    def set_spin(self, seconds: float) -> None:
+        """How long a waiting receive polls before it sleeps (see :func:`spin_seconds`)."""
+        for inbound in self._in.values():
+            inbound.spin_s = seconds
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -288,6 +306,14 @@ class LocalP2PGroup(dist.ProcessGroup):
         inbound.pending.append(work)
         return work
 
+
+
+def spin_seconds(world_size: int) -> float:
+    """How long a waiting receiver polls before it sleeps: :data:`SPIN_S` where this process
+    may run on as many cores as the job has processes (all on this host), else 0 (a polling
+    receiver would take the core of a process that shares it)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return SPIN_S if (cores or 1) >= world_size else 0.0
 
 
 def _unlink_unread(outbound: list[_Outbound]) -> None:

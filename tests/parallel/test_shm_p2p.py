@@ -226,3 +226,47 @@ def test_a_full_shared_memory_is_a_clear_error_and_leaves_no_file(tmp_path, monk
     with pytest.raises(RuntimeError, match="cannot take 2 MiB.*--shm-size.*local_comm='backend'"):
         shm_p2p._map(str(tmp_path / "ring"), 2 << 20)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_waiting_receiver_polls_before_it_sleeps(monkeypatch):
+    # _Inbound alone, in this process: a record written 20 ms after the receive starts waiting
+    # is read while polling (select, where a receiver sleeps, is never reached); without
+    # polling the receiver goes to select at once
+    import os
+    import select
+    import threading
+    import time
+
+    from meshtrain.parallel import shm_p2p
+
+    def record_later(fd):
+        time.sleep(0.02)
+        os.write(fd, shm_p2p.RECORD.pack(0, 64, 8, 3))
+
+    slept = []
+
+    def select_spy(r, w, x, timeout):
+        slept.append(timeout)
+        return real_select(r, w, x, timeout)
+
+    real_select = select.select
+    monkeypatch.setattr(shm_p2p.select, "select", select_spy)
+    for spin_s in (30.0, 0.0):
+        data_r, data_w = os.pipe()
+        inbound = shm_p2p._Inbound(data_r, -1, "unused", timedelta(seconds=10), 1, os.getpid(),
+                                   spin_s)
+        writer = threading.Thread(target=record_later, args=(data_w,))
+        writer.start()
+        assert inbound._read_record() == (0, 64, 8, 3)
+        writer.join()
+        assert bool(slept) == (spin_s == 0.0), (spin_s, slept)
+        os.close(data_r)
+        os.close(data_w)
+
+
+def test_receivers_poll_only_where_every_process_has_a_core(monkeypatch):
+    from meshtrain.parallel import shm_p2p
+
+    monkeypatch.setattr(shm_p2p.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert shm_p2p.spin_seconds(world_size=2) == shm_p2p.SPIN_S > 0
+    assert shm_p2p.spin_seconds(world_size=3) == 0.0  # a poller would take a sharer's core
