@@ -12,19 +12,22 @@ thread per rank), each repeat measures, as the slower rank's time:
   (non-finite check, setting up the folder, DCP's staging copy of the state into CPU memory);
 * ``async save, until committed``: from the start of ``save`` to the end of ``wait()`` called
   right after it (nothing else running);
-* ``async + training``: the same, but the ranks run "training steps" meanwhile (a 512 x 512
-  matrix multiply and a 1 MiB all-reduce on the default group, the write using a group of its
-  own), polling once per step and committing once every rank's write is done;
+* ``async + training``: the same, but the ranks run training steps of the checkpointed model
+  meanwhile (forward and backward on ``--batch`` rows, ``before_update()``, AdamW), polling
+  once per step and committing once every rank's write is done. On CPU the write runs in a
+  writer process per rank (meshtrain/checkpoint/writer_process.py, the Trainer's default);
+  ``thread writer``: the same with DCP writing in a thread of the training process (what a
+  GPU run or a machine without room in /dev/shm gets), its own manager and buffers;
 * ``load``: ``load_checkpoint`` of the sync checkpoint into the same sharded model and
   optimizer (DCP read + ``set_state_dict``); the files were just written, so they are read from
   the page cache;
 * ``non-finite check``: the NaN/Inf scan of parameters and optimizer state alone.
 
 A tiny model is saved and loaded once first (not timed), so that one-time costs of DCP's first
-save and load stay out of the first repeat; the order of the three cases (sync + load, async,
-async + training) rotates from repeat to repeat, and each checkpoint is deleted after its case.
-The training "step time alone" is measured over 50 steps right before the async + training
-case. MiB/s = checkpoint size / median time.
+save and load stay out of the first repeat; the order of the four cases (sync + load, async,
+async + training with each writer) rotates from repeat to repeat, and each checkpoint is
+deleted after its case. The training "step time alone" is measured over ``--steps-alone`` steps
+right before each async + training case. MiB/s = checkpoint size / median time.
 
     python benchmarks/checkpoint.py                       # 300 MiB params, 2 ranks, 3 repeats
     python benchmarks/checkpoint.py --params-mb 50 --repeats 1   # smoke run
@@ -45,6 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from harness import WallClock, init_gloo, machine, spread, table, write_json
 
+from meshtrain.checkpoint import manager as manager_module
 from meshtrain.checkpoint.manager import CheckpointManager, checkpoint_name, local_all_finite
 from meshtrain.checkpoint.state import load_checkpoint
 from meshtrain.launch.spawn import run_workers
@@ -57,6 +61,8 @@ MEASURES = [
     ("async_total_s", "async save, until committed"),
     ("async_train_blocking_s", "async + training, blocking (save + waits)"),
     ("async_train_total_s", "async + training, until committed"),
+    ("async_train_thread_blocking_s", "async + training, thread writer, blocking"),
+    ("async_train_thread_total_s", "async + training, thread writer, until committed"),
     ("load_s", "load"),
     ("check_s", "non-finite check"),
 ]
@@ -106,12 +112,22 @@ def bench_worker(cfg: dict, base: str) -> dict:
     amgr.save_to(Path(base) / "first", 0, model, optimizer, {}, {"step": 0}, background=True)
     first = {"async_first_blocking_s": amgr.last_blocking_s + amgr.before_update()}
     amgr.wait()
+    # The same, written by DCP in a thread of this process (what a GPU run, or one without
+    # room in /dev/shm, gets): its first save is made while no shared memory is found.
+    tmgr = CheckpointManager(Path(base) / "async-thread", async_save=True,
+                             process_group=ckpt_group)
+    shared, manager_module.SHARED_DIR = manager_module.SHARED_DIR, str(Path(base) / "no-shm")
+    tmgr.save_to(Path(base) / "first-thread", 0, model, optimizer, {}, {"step": 0},
+                 background=True)
+    manager_module.SHARED_DIR = shared
+    tmgr.wait()
+    assert amgr._writer is not None and tmgr._writer is None, "not a process and a thread"
     rows, size = [], None
 
-    def train_step(fences: list[float]):
+    def train_step(fences: list[float], mgr=amgr):
         """A real step of the checkpointed model; the wait for a save's copy is recorded."""
         model(batch).square().mean().backward()
-        fences.append(amgr.before_update())
+        fences.append(mgr.before_update())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -141,34 +157,40 @@ def bench_worker(cfg: dict, base: str) -> dict:
         amgr.wait()
         row["async_total_s"] = amgr.last_save_s
 
-    def async_train(root, step, row):
+    def async_train(root, step, row, mgr=amgr, tag=""):
         dist.barrier()
         start = time.perf_counter()
         for _ in range(cfg["steps_alone"]):
-            train_step([])
-        row["train_step_alone_ms"] = (time.perf_counter() - start) / cfg["steps_alone"] * 1e3
+            train_step([], mgr)
+        row[f"train_step_alone{tag}_ms"] = (
+            (time.perf_counter() - start) / cfg["steps_alone"] * 1e3)
         dist.barrier()
-        amgr.save_to(root / "train" / checkpoint_name(step), step, model, optimizer,
-                     {"global_step": step}, {"step": step}, background=True)
-        returned, fences = amgr.last_blocking_s, []
+        mgr.save_to(root / f"train{tag}" / checkpoint_name(step), step, model, optimizer,
+                    {"global_step": step}, {"step": step}, background=True)
+        returned, fences = mgr.last_blocking_s, []
         steps, start = 0, time.perf_counter()
         while True:
-            done = torch.tensor([int(amgr.poll())])
+            done = torch.tensor([int(mgr.poll())])
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
             if done.item():
                 break
-            train_step(fences)
+            train_step(fences, mgr)
             steps += 1
-        row["train_step_during_write_ms"] = (time.perf_counter() - start) / max(steps, 1) * 1e3
-        amgr.commit()
-        row["async_train_blocking_s"] = returned + sum(fences)
-        row["async_train_total_s"] = amgr.last_save_s
-        row["train_steps_during_write"] = steps
+        row[f"train_step_during_write{tag}_ms"] = (
+            (time.perf_counter() - start) / max(steps, 1) * 1e3)
+        mgr.commit()
+        row[f"async_train{tag}_blocking_s"] = returned + sum(fences)
+        row[f"async_train{tag}_total_s"] = mgr.last_save_s
+        row[f"train_steps_during_write{tag}"] = steps
 
-    phases = [sync_and_load, async_wait, async_train]
+    def async_train_thread(root, step, row):
+        async_train(root, step, row, tmgr, "_thread")
+
+    phases = [sync_and_load, async_wait, async_train, async_train_thread]
     for rep in range(cfg["repeats"]):
         row, root = {}, Path(base) / f"rep{rep}"
-        for phase in phases[rep % 3:] + phases[: rep % 3]:  # rotate the order per repeat
+        turn = rep % len(phases)
+        for phase in phases[turn:] + phases[:turn]:  # rotate the order per repeat
             phase(root, rep + 1, row)
             dist.barrier()
             if rank == 0:
@@ -184,8 +206,15 @@ def summarize(ranks: list[dict]) -> dict:
     slower = [{k: max(r["rows"][i][k] for r in ranks) for k in ranks[0]["rows"][i]}
               for i in range(repeats)]
     out = {k: spread(row[k] for row in slower) for k, _ in MEASURES}
-    for key in ("train_steps_during_write", "train_step_alone_ms", "train_step_during_write_ms"):
+    for key in ("train_steps_during_write", "train_step_alone_ms", "train_step_during_write_ms",
+                "train_steps_during_write_thread", "train_step_alone_thread_ms",
+                "train_step_during_write_thread_ms"):
         out[key] = [row[key] for row in slower]
+    # how much a step slows while the write runs: process writer over thread writer, paired
+    out["slowdown_process_vs_thread"] = [
+        (row["train_step_during_write_ms"] / row["train_step_alone_ms"])
+        / (row["train_step_during_write_thread_ms"] / row["train_step_alone_thread_ms"])
+        for row in slower]
     out["checkpoint_bytes"] = ranks[0]["checkpoint_bytes"]
     out["async_first_blocking_s"] = max(r["async_first_blocking_s"] for r in ranks)
     out["blocking_vs_sync"] = [row["async_train_blocking_s"] / row["sync_blocking_s"]
@@ -212,9 +241,14 @@ def format_table(summary: dict) -> str:
                  f"{ratios[len(ratios) // 2]:.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f}); "
                  f"the first async save (allocating the host buffers) blocked "
                  f"{summary['async_first_blocking_s']:.3f} s until copied")
-    lines.append(f"training steps during the async write: {summary['train_steps_during_write']}"
-                 f"; ms/step alone {ms(summary['train_step_alone_ms'])}, during the write "
-                 f"{ms(summary['train_step_during_write_ms'])} (per repeat)")
+    for tag, writer in (("", "process"), ("_thread", "thread")):
+        lines.append(f"training steps during the async write ({writer} writer): "
+                     f"{summary[f'train_steps_during_write{tag}']}; ms/step alone "
+                     f"{ms(summary[f'train_step_alone{tag}_ms'])}, during the write "
+                     f"{ms(summary[f'train_step_during_write{tag}_ms'])} (per repeat)")
+    slow = sorted(summary["slowdown_process_vs_thread"])
+    lines.append(f"step slowdown during the write, process writer / thread writer, paired: "
+                 f"median {slow[len(slow) // 2]:.3f} (min {slow[0]:.3f}, max {slow[-1]:.3f})")
     return "\n".join(lines)
 
 

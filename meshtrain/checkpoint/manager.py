@@ -8,8 +8,10 @@ save goes into ``.tmp-<name>`` and is renamed by rank 0 once all ranks have writ
 With ``async_save=True`` the model and optimizer state is copied into host buffers kept from
 save to save, in a background thread while the next step's forward and backward run
 (``staging.py``; :meth:`CheckpointManager.before_update` waits for the copy and the Trainer
-calls it before each optimizer update), then written by DCP in a background thread while
-training goes on; one save is in flight at most. The caller commits it once every rank's write is done
+calls it before each optimizer update), then written while training goes on: on CPU by a
+writer process of this rank's own (``writer_process.py``: the buffers are shared-memory files
+it maps; DCP plans in a background thread of this process), on a GPU or where shared memory is
+short by DCP in that background thread; one save is in flight at most. The caller commits it once every rank's write is done
 (:meth:`~CheckpointManager.poll` on every rank, then :meth:`~CheckpointManager.commit`), or
 blocks for it with :meth:`~CheckpointManager.wait`.
 """
@@ -44,12 +46,25 @@ from meshtrain.checkpoint.state import (
     tmp_path,
     write_extras,
 )
-from meshtrain.checkpoint.staging import HostStager, NonFiniteState
+from meshtrain.checkpoint.staging import HostStager, NonFiniteState, _tensors
+from meshtrain.checkpoint.writer_process import ProcessFileWriter, SharedBuffers, WriterProcess
 from meshtrain.errors import ConfigError, MeshtrainError
 
 DCP_METADATA = ".metadata"
 _now = time.monotonic  # (the tests replace it)
 _STEP_NAME = re.compile(r"step_(\d+)$")
+
+
+SHARED_DIR = "/dev/shm"  # the writer process's buffers (CPU), where it exists and has room
+
+
+def _shared_memory_fits(state: dict) -> bool:
+    """Whether :data:`SHARED_DIR` holds twice the local bytes of ``state``'s tensors."""
+    if not os.path.isdir(SHARED_DIR):
+        return False
+    local = [_local(t) for _, t in _tensors(state)]
+    stat = os.statvfs(SHARED_DIR)
+    return stat.f_bavail * stat.f_frsize >= 2 * sum(t.numel() * t.element_size() for t in local)
 
 
 class CheckpointWriteError(MeshtrainError, RuntimeError):
@@ -190,6 +205,7 @@ class CheckpointManager:
         self._pending: tuple[Future, int, Path, Path, float] | None = None
         self._last_written: tuple[Path, int] | None = None  # (folder, step) of the last save
         self._stager: HostStager | None = None  # background saves' host copy (staging.py)
+        self._writer: tuple[WriterProcess, SharedBuffers] | None = None  # (CPU: the process)
         self.on_commit = None  # called with (folder, step, seconds) when a save is in place
         self.extra_state = None  # () -> {name: state}: the callbacks' state, saved as "callbacks"
 
@@ -257,7 +273,9 @@ class CheckpointManager:
             if not background:
                 dcp.save(state, **where)
             else:
-                stager = self._host_stager(model)
+                stager = self._host_stager(model, state)
+                if self._writer is not None:
+                    where["storage_writer"] = ProcessFileWriter(tmp, *self._writer)
                 future = dcp.async_save(
                     state, async_checkpointer_type=AsyncCheckpointerType.THREAD,
                     async_stager=stager, **where)
@@ -277,12 +295,19 @@ class CheckpointManager:
             self.last_save_s = self.last_blocking_s
         return path
 
-    def _host_stager(self, model) -> HostStager:
+    def _host_stager(self, model, state: dict) -> HostStager:
         """The stager of background saves (host buffers reused from save to save); the model's
-        buffers are copied at once, everything else while the next step computes."""
+        buffers are copied at once, everything else while the next step computes. On CPU,
+        with room for the state in shared memory, the buffers are shared-memory files and a
+        writer process writes them."""
         if self._stager is None:
             on_gpu = any(_local(p).is_cuda for p in model.parameters())
-            self._stager = HostStager(pin_memory=on_gpu)
+            if not on_gpu and _shared_memory_fits(state):
+                buffers = SharedBuffers(SHARED_DIR)
+                self._writer = WriterProcess(), buffers
+                self._stager = HostStager(allocate=buffers.empty)
+            else:
+                self._stager = HostStager(pin_memory=on_gpu)
         self._stager.parameters = {_local(p).untyped_storage().data_ptr()
                                    for p in model.parameters()}
         self._stager.check, self._stager.check_group = True, self.process_group

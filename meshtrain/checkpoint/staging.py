@@ -67,21 +67,22 @@ def staged_all_finite(state: dict, group) -> bool:
     return finite
 
 
-def _empty_like(state, pin_memory: bool):
+def _empty_like(state, allocate):
     """``state`` with each tensor replaced by an uninitialised host tensor of its (local)
-    shape; a DTensor by a DTensor of the same placements around one. Nothing is touched, so
-    the pages are only faulted in by the first copy, in the background."""
+    shape, ``allocate(shape, dtype)``; a DTensor by a DTensor of the same placements around
+    one. Nothing is touched, so the pages are only faulted in by the first copy, in the
+    background."""
     if isinstance(state, torch.Tensor):
         local = _local(state)
-        buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin_memory)
+        buffer = allocate(local.shape, local.dtype)
         if local is state:
             return buffer
         return DTensor.from_local(buffer, state.device_mesh, state.placements, run_check=False,
                                   shape=state.shape, stride=state.stride())
     if isinstance(state, dict):
-        return {key: _empty_like(value, pin_memory) for key, value in state.items()}
+        return {key: _empty_like(value, allocate) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_empty_like(value, pin_memory) for value in state)
+        return type(state)(_empty_like(value, allocate) for value in state)
     return state
 
 
@@ -103,12 +104,16 @@ class HostStager(AsyncStager):
     whose storage is not one of ``parameters`` (data pointers) may change before the next
     update (model buffers): those are copied before ``stage`` returns. ``check``: run the
     NaN/Inf check on the staged copy, agreed over ``check_group`` (None: this rank alone).
+    ``allocate(shape, dtype)``: where the buffers come from (e.g. shared memory that a writer
+    process maps: :class:`meshtrain.checkpoint.writer_process.SharedBuffers`).
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self, *, pin_memory: bool = False):
+    def __init__(self, *, pin_memory: bool = False, allocate=None):
         self.pin_memory = pin_memory
+        self.allocate = allocate or (lambda shape, dtype: torch.empty(
+            shape, dtype=dtype, device="cpu", pin_memory=pin_memory))
         self._buffers: dict | None = None
         self._layout: tuple | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-staging")
@@ -121,7 +126,7 @@ class HostStager(AsyncStager):
         self.wait()
         layout = _layout(state_dict)
         if layout != self._layout:  # first save, or the state changed shape: new buffers
-            self._buffers = _empty_like(state_dict, self.pin_memory)
+            self._buffers = _empty_like(state_dict, self.allocate)
             self._layout = layout
         buffers = dict(_tensors(self._buffers))
         pairs = [(_local(buffers[path]), _local(tensor), self._volatile(path, tensor))

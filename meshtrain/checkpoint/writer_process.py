@@ -1,0 +1,209 @@
+"""A checkpoint writer in a process of its own: the file writes of an asynchronous save, off the
+training process's interpreter.
+
+An asynchronous save (``async_checkpoint``) stages the state into host buffers
+(:mod:`meshtrain.checkpoint.staging`) and DCP writes them while training goes on. In a thread of
+the training process that write competes with training for the GIL: ``torch.save`` of every
+tensor into its file, through Python file objects. Here the staged buffers live in shared-memory
+files (:class:`SharedBuffers`, one per buffer of 64 KiB or more) that a writer process maps too,
+and :class:`ProcessFileWriter` (DCP's ``FileSystemWriter`` in the training process: the plan, the
+file names, the metadata) hands each save's files to that process, which writes them with
+DCP's own ``FileSystemWriter`` code (same format, same fsync) and returns the write results.
+Nothing is copied on the way: a tensor travels as the file it lies in, its shape and strides.
+
+The writer is started with ``subprocess`` (so a daemonic worker of ``run_workers`` can start it,
+which ``multiprocessing`` refuses), imports torch alone, reads requests on its stdin and exits
+when that closes: when the training process ends, however it ends. Each buffer's file is
+unlinked as soon as the writer has mapped it; the training process unlinks any it never got.
+
+This file runs as the writer's main module: it imports nothing of meshtrain.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import traceback
+import uuid
+import weakref
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.futures import Future
+
+SMALL = 64 << 10  # bytes: smaller buffers are ordinary memory, sent by value
+PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+class SharedBuffers:
+    """Host buffers the writer process can map: a file per buffer in ``directory`` (tmpfs)."""
+
+    def __init__(self, directory: str):
+        self.directory, self.token, self.count = directory, uuid.uuid4().hex[:12], 0
+        self.files: dict[int, tuple[str, int]] = {}  # storage data_ptr -> (path, bytes)
+        self.unread: set[str] = set()  # files the writer has not mapped (and unlinked) yet
+        weakref.finalize(self, _unlink, self.unread)
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised buffer (its pages faulted in by the first copy into it)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < SMALL:
+            return torch.empty(shape, dtype=dtype)
+        path = f"{self.directory}/meshtrain-ckpt-{self.token}-{self.count}"
+        self.count += 1
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+        self.unread.add(path)
+        buffer = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
+        buffer = buffer.view(shape)
+        self.files[buffer.untyped_storage().data_ptr()] = (path, nbytes)
+        return buffer
+
+    def describe(self, tensor: torch.Tensor) -> tuple:
+        """What the writer needs to find ``tensor`` (a view of a buffer, or a small one)."""
+        found = self.files.get(tensor.untyped_storage().data_ptr())
+        if found is None:
+            return ("value", tensor.detach().clone())
+        path, nbytes = found
+        return ("shared", path, nbytes, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                tensor.storage_offset())
+
+    def mapped(self, paths) -> None:
+        self.unread.difference_update(paths)
+
+
+class WriterProcess:
+    """The writer process of one training process (started at once, in the background)."""
+
+    def __init__(self):
+        code = f"import runpy; runpy.run_path({__file__!r}, run_name='__main__')"
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        weakref.finalize(self, _stop, self.proc)
+
+    def write(self, request: dict):
+        """Send one save's files; block (releasing the GIL) until they are written."""
+        try:
+            pickle.dump(request, self.proc.stdin, protocol=PROTOCOL)
+            self.proc.stdin.flush()
+            status, result = pickle.load(self.proc.stdout)
+        except (EOFError, OSError, pickle.UnpicklingError) as exc:
+            raise RuntimeError(f"the checkpoint writer process (pid {self.proc.pid}) exited "
+                               f"(code {self.proc.poll()})") from exc
+        if status != "ok":
+            raise RuntimeError(f"the checkpoint writer process failed: {result}")
+        return result
+
+    def close(self) -> None:
+        _stop(self.proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+
+
+def _unlink(paths: set[str]) -> None:
+    for path in list(paths):
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+class ProcessFileWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` whose file writes run in ``process`` (tensors found in
+    ``buffers``); planning, file names and the metadata stay in this process."""
+
+    def __init__(self, path, process: WriterProcess, buffers: SharedBuffers, **kwargs):
+        super().__init__(path, **kwargs)
+        self.process, self.buffers = process, buffers
+
+    def _write_data(self, planner, file_queue: queue.Queue) -> Future:
+        files = []
+        while not file_queue.empty():
+            path, file_name, items = file_queue.get_nowait()
+            entries = []
+            for item in items:
+                data = planner.resolve_data(item)
+                entries.append((item, ("bytes", data.getvalue())
+                                if item.type == WriteItemType.BYTE_IO
+                                else self.buffers.describe(data)))
+            files.append((str(path), file_name, entries))
+        results, mapped = self.process.write({
+            "path": str(self.path), "sync_files": self.sync_files, "files": files,
+            "live": sorted(path for path, _ in self.buffers.files.values())})
+        self.buffers.mapped(mapped)
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+
+# -------------------------------------------------------------------------------------------------
+# the writer process
+# -------------------------------------------------------------------------------------------------
+class _Resolved:
+    """The planner's one use in ``FileSystemWriter._write_data``: each item's data."""
+
+    def __init__(self, data: dict[int, object]):
+        self.data = data
+
+    def resolve_data(self, item):
+        return self.data[id(item)]
+
+
+def _write(request: dict, maps: dict[str, torch.Tensor]) -> tuple[list, list[str]]:
+    for path in set(maps) - set(request["live"]):  # buffers of an earlier state layout
+        del maps[path]
+    mapped, data, file_queue = [], {}, queue.Queue()
+    for path, file_name, entries in request["files"]:
+        for item, payload in entries:
+            if payload[0] == "bytes":
+                data[id(item)] = io.BytesIO(payload[1])
+            elif payload[0] == "value":
+                data[id(item)] = payload[1]
+            else:
+                _, where, nbytes, dtype, shape, stride, offset = payload
+                if where not in maps:
+                    maps[where] = torch.from_file(where, shared=True, dtype=dtype,
+                                                  size=nbytes // dtype.itemsize)
+                    os.unlink(where)
+                    mapped.append(where)
+                data[id(item)] = maps[where].as_strided(shape, stride, offset)
+        file_queue.put((Path(path), file_name, [item for item, _ in entries]))
+    writer = FileSystemWriter(request["path"], sync_files=request["sync_files"], thread_count=1)
+    results = writer._write_data(_Resolved(data), file_queue).wait()
+    return results, mapped
+
+
+def main() -> None:
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed goes to the training process's stderr
+    maps: dict[str, torch.Tensor] = {}
+    while True:
+        try:
+            request = pickle.load(stdin)
+        except EOFError:  # the training process closed the pipe, or ended
+            return
+        try:
+            reply = ("ok", _write(request, maps))
+        except BaseException:  # noqa: BLE001 - reported to the training process
+            reply = ("error", traceback.format_exc())
+        pickle.dump(reply, stdout, protocol=PROTOCOL)
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
