@@ -247,7 +247,7 @@ DEFINITIONS = [
     _S("async_checkpoint", "checkpoint", False, "bool",
        "Write periodic checkpoints in the background: the state is copied to reused host "
        "buffers while the next step computes (its optimizer update waits for the copy), then "
-       "written."),
+       "written (on CPU by a writer process of each rank's own)."),
     _S("resume", "checkpoint", "auto", "resume",
        '"auto": continue the newest unfinished run of this job and model (root_dir/name), or '
        "run_dir's newest checkpoint; a checkpoint folder; none: start afresh.", none=True,

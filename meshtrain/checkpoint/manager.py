@@ -47,24 +47,14 @@ from meshtrain.checkpoint.state import (
     write_extras,
 )
 from meshtrain.checkpoint.staging import HostStager, NonFiniteState, _tensors
-from meshtrain.checkpoint.writer_process import ProcessFileWriter, SharedBuffers, WriterProcess
+from meshtrain.checkpoint.writer_process import (
+    ProcessFileWriter, SharedBuffers, WriterProcess, shared_memory_fits,
+)
 from meshtrain.errors import ConfigError, MeshtrainError
 
 DCP_METADATA = ".metadata"
 _now = time.monotonic  # (the tests replace it)
 _STEP_NAME = re.compile(r"step_(\d+)$")
-
-
-SHARED_DIR = "/dev/shm"  # the writer process's buffers (CPU), where it exists and has room
-
-
-def _shared_memory_fits(state: dict) -> bool:
-    """Whether :data:`SHARED_DIR` holds twice the local bytes of ``state``'s tensors."""
-    if not os.path.isdir(SHARED_DIR):
-        return False
-    local = [_local(t) for _, t in _tensors(state)]
-    stat = os.statvfs(SHARED_DIR)
-    return stat.f_bavail * stat.f_frsize >= 2 * sum(t.numel() * t.element_size() for t in local)
 
 
 class CheckpointWriteError(MeshtrainError, RuntimeError):
@@ -206,6 +196,8 @@ class CheckpointManager:
         self._last_written: tuple[Path, int] | None = None  # (folder, step) of the last save
         self._stager: HostStager | None = None  # background saves' host copy (staging.py)
         self._writer: tuple[WriterProcess, SharedBuffers] | None = None  # (CPU: the process)
+        # started now (its imports overlap training, not the first save), used on CPU only
+        self._process = WriterProcess() if async_save and not torch.cuda.is_available() else None
         self.on_commit = None  # called with (folder, step, seconds) when a save is in place
         self.extra_state = None  # () -> {name: state}: the callbacks' state, saved as "callbacks"
 
@@ -302,12 +294,16 @@ class CheckpointManager:
         writer process writes them."""
         if self._stager is None:
             on_gpu = any(_local(p).is_cuda for p in model.parameters())
-            if not on_gpu and _shared_memory_fits(state):
-                buffers = SharedBuffers(SHARED_DIR)
-                self._writer = WriterProcess(), buffers
+            nbytes = sum(_local(t).numel() * _local(t).element_size() for _, t in _tensors(state))
+            if not on_gpu and shared_memory_fits(nbytes):
+                buffers = SharedBuffers()
+                self._writer = self._process or WriterProcess(), buffers
                 self._stager = HostStager(allocate=buffers.empty)
             else:
                 self._stager = HostStager(pin_memory=on_gpu)
+                if self._process is not None:
+                    self._process.close()
+            self._process = None
         self._stager.parameters = {_local(p).untyped_storage().data_ptr()
                                    for p in model.parameters()}
         self._stager.check, self._stager.check_group = True, self.process_group

@@ -40,13 +40,24 @@ from torch.futures import Future
 
 SMALL = 64 << 10  # bytes: smaller buffers are ordinary memory, sent by value
 PROTOCOL = pickle.HIGHEST_PROTOCOL
+SHARED_DIR = "/dev/shm"  # where the buffers' files go (tmpfs)
+
+
+def shared_memory_fits(nbytes: int) -> bool:
+    """Whether :data:`SHARED_DIR` exists and has twice ``nbytes`` free."""
+    if not os.path.isdir(SHARED_DIR):
+        return False
+    stat = os.statvfs(SHARED_DIR)
+    return stat.f_bavail * stat.f_frsize >= 2 * nbytes
 
 
 class SharedBuffers:
-    """Host buffers the writer process can map: a file per buffer in ``directory`` (tmpfs)."""
+    """Host buffers the writer process can map: a file per buffer in ``directory`` (tmpfs;
+    default :data:`SHARED_DIR`)."""
 
-    def __init__(self, directory: str):
-        self.directory, self.token, self.count = directory, uuid.uuid4().hex[:12], 0
+    def __init__(self, directory: str | None = None):
+        self.directory = directory or SHARED_DIR
+        self.token, self.count = uuid.uuid4().hex[:12], 0
         self.files: dict[int, tuple[str, int]] = {}  # storage data_ptr -> (path, bytes)
         self.unread: set[str] = set()  # files the writer has not mapped (and unlinked) yet
         weakref.finalize(self, _unlink, self.unread)
@@ -88,20 +99,35 @@ class WriterProcess:
                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
+        self._ready = False
         weakref.finalize(self, _stop, self.proc)
 
-    def write(self, request: dict):
-        """Send one save's files; block (releasing the GIL) until they are written."""
+    def _reply(self):
         try:
-            pickle.dump(request, self.proc.stdin, protocol=PROTOCOL)
-            self.proc.stdin.flush()
             status, result = pickle.load(self.proc.stdout)
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
             raise RuntimeError(f"the checkpoint writer process (pid {self.proc.pid}) exited "
                                f"(code {self.proc.poll()})") from exc
-        if status != "ok":
+        if status == "error":
             raise RuntimeError(f"the checkpoint writer process failed: {result}")
         return result
+
+    def wait_ready(self) -> None:
+        """Block until the process has imported what it writes with (once, ~2 s of CPU)."""
+        if not self._ready:
+            self._reply()
+            self._ready = True
+
+    def write(self, request: dict):
+        """Send one save's files; block (releasing the GIL) until they are written."""
+        self.wait_ready()
+        try:
+            pickle.dump(request, self.proc.stdin, protocol=PROTOCOL)
+            self.proc.stdin.flush()
+        except OSError as exc:
+            raise RuntimeError(f"the checkpoint writer process (pid {self.proc.pid}) exited "
+                               f"(code {self.proc.poll()})") from exc
+        return self._reply()
 
     def close(self) -> None:
         _stop(self.proc)
@@ -192,6 +218,8 @@ def main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # anything printed goes to the training process's stderr
     maps: dict[str, torch.Tensor] = {}
+    pickle.dump(("ready", None), stdout, protocol=PROTOCOL)
+    stdout.flush()
     while True:
         try:
             request = pickle.load(stdin)

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.nn as nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from meshtrain.checkpoint import manager as manager_module
+from meshtrain.checkpoint import writer_process
 from meshtrain.checkpoint.manager import CheckpointManager, CheckpointWriteError
 from meshtrain.launch.spawn import run_workers
 from meshtrain.parallel.shm_p2p import _alive
@@ -82,7 +82,7 @@ def test_the_write_runs_in_a_process_of_its_own_with_the_values_at_save_time(tmp
     shared = [path for path, _ in buffers.files.values()]
     assert len(shared) == 6  # two weights, their exp_avg and exp_avg_sq: the biases are small
     assert not any(os.path.exists(path) for path in shared)  # unlinked once mapped
-    assert glob.glob(f"{manager_module.SHARED_DIR}/meshtrain-ckpt-{buffers.token}-*") == []
+    assert glob.glob(f"{writer_process.SHARED_DIR}/meshtrain-ckpt-{buffers.token}-*") == []
     process.close()
     assert process.proc.returncode == 0
 
@@ -102,13 +102,15 @@ def test_a_writer_process_that_died_fails_the_save_with_its_reason(tmp_path):
 
 
 def test_without_room_in_shared_memory_the_write_stays_in_a_thread(tmp_path, monkeypatch):
-    monkeypatch.setattr(manager_module, "SHARED_DIR", str(tmp_path / "no-shm"))
+    monkeypatch.setattr(writer_process, "SHARED_DIR", str(tmp_path / "no-shm"))
     model, optimizer = _model_and_adamw()
     _step(model, optimizer, 0)
     before = _snapshot(model, optimizer)
     mgr = CheckpointManager(tmp_path / "ckpts", async_save=True)
+    early = mgr._process  # started with the manager, in case the state fits
     _save(mgr, 1, model, optimizer)
-    assert mgr._writer is None
+    assert mgr._writer is None and mgr._process is None
+    assert early.proc.wait(timeout=30) == 0  # closed: nothing for it to write
     assert mgr.wait() == tmp_path / "ckpts" / "step_00000001"
     saved = _read(tmp_path / "ckpts" / "step_00000001", tmp_path)
     assert _same(saved[0], before[0]) and _same(saved[1], before[1])
