@@ -9,12 +9,10 @@ takes the model's input (token ids), later ones the hidden state.
 :class:`PipelineRunner` drives ``torch.distributed.pipelining`` schedules: GPipe (Huang et al.
 2019), 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et al. 2021), breadth-first looping,
 and zero-bubble schedules that split the backward into input (I) and weight (W) parts (Qi et al.
-2023). Loss scaling: the loss is ``loss_fn`` on each micro-batch (a mean), and the backward runs
-on it divided by the number of micro-batches, so the accumulated gradients equal one process's
-gradients of the batch mean when the micro-batches are equal-sized and the loss averages over
-equal counts (as a one-process loop accumulating gradients does; torch's ``scale_grads=True``
-would instead divide every gradient once more after the last backward, a pass over all
-parameters per step, and divide gradients kept from an earlier step too).
+2023). Loss scaling: the backward runs on each micro-batch's ``loss_fn`` (a mean) divided by the
+number of micro-batches, so the accumulated gradients equal one process's of the batch mean
+(equal-sized micro-batches, the loss averaging over equal counts), as a one-process loop
+accumulating gradients does (not torch's ``scale_grads``: a pass over all gradients per step).
 
 Stage layout with ``v = stages_per_rank`` stages per rank on ``pp`` ranks: rank ``r`` holds
 stages ``r, r + pp, r + 2pp, ...`` ("loop"); the V schedules (zbv, dualpipev) need ``v = 2`` and
@@ -385,36 +383,18 @@ def bubble_fraction(events: list[TimelineEvent]) -> float:
     return sum(1 - b / span for b in busy) / len(ranks)
 
 
-_COLORS = {"F": "#4c72b0", "L": "#8172b3", "B": "#55a868", "I": "#8fd19e", "W": "#dd8452"}
-
-
 def plot_timeline(events: list[TimelineEvent], out_png, title: str | None = None):
-    """The pipeline diagram: one row per rank, one box per action labelled with its
-    micro-batch (and stage, when a rank holds several); returns the Figure."""
+    """The pipeline diagram (the report's own drawing) written to ``out_png``; returns the
+    Figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
-    ranks = sorted({e.rank for e in events})
-    multi = len({e.stage for e in events}) > len(ranks)
-    t0 = min(e.start for e in events)
-    span_ms = (max(e.end for e in events) - t0) * 1e3
-    fig = Figure(figsize=(10, 1 + 0.6 * len(ranks)))
+    from meshtrain.observe.report.figures import draw_actions
+
+    fig = Figure(figsize=(10, 1 + 0.6 * len({e.rank for e in events})))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for e in events:
-        row = len(ranks) - 1 - ranks.index(e.rank)
-        ms = (e.start - t0) * 1e3, (e.end - e.start) * 1e3
-        ax.broken_barh([ms], (row - 0.4, 0.8), facecolors=_COLORS[e.kind], edgecolor="black",
-                       linewidth=0.5)
-        if ms[1] > 0.015 * span_ms:  # label the boxes wide enough to hold one
-            label = f"{e.microbatch}" + (f"/s{e.stage}" if multi else "")
-            ax.text(ms[0] + ms[1] / 2, row, label, ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in reversed(ranks)])
-    ax.set_xlabel("time (ms)")
-    kinds = [k for k in _COLORS if any(e.kind == k for e in events)]
-    ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in kinds], loc="upper right",
-              fontsize=7)
+    draw_actions(ax, [(e.rank, e.stage, e.microbatch, e.kind, e.start, e.end) for e in events])
     ax.set_title(title or f"measured bubble {bubble_fraction(events):.2f}")
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)

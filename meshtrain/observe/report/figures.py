@@ -17,7 +17,7 @@ from meshtrain.observe.run_files import PARTS
 # one colour per part, the same in every figure and run
 PART_COLORS = {"data": "#8172b3", "compute": "#4c72b0", "comm": "#dd8452", "bubble": "#c44e52",
                "optimizer": "#55a868", "checkpoint": "#937860", "other": "#8c8c8c"}
-# the pipeline actions, as meshtrain.parallel.pipeline's timeline draws them
+# the pipeline actions (meshtrain.parallel.pipeline's TimelineEvent kinds)
 ACTION_COLORS = {"F": "#4c72b0", "L": "#8172b3", "B": "#55a868", "I": "#8fd19e", "W": "#dd8452"}
 SLOWEST_COLOR = "#c0392b"
 assert set(PART_COLORS) == set(PARTS)
@@ -160,19 +160,27 @@ def _actions(pipeline: Mapping) -> list[tuple[int, int, int, str, float, float]]
 
 
 def pipeline_figure(pipeline: Mapping) -> str | None:
-    """The recorded step's schedule: one row per rank, one box per F/B/I/W action labelled
-    with its micro-batch (and stage, when a rank holds several)."""
-    from matplotlib.patches import Patch
-
+    """The recorded step's schedule (:func:`draw_actions`), titled with its bubble."""
     actions = _actions(pipeline)
     if not actions:
         return None
+    fig = _new_figure((10.0, 1.4 + 0.6 * len({a[0] for a in actions})))
+    ax = fig.add_subplot()
+    draw_actions(ax, actions)
+    ax.set_title(pipeline_title(pipeline))
+    return data_uri(fig)
+
+
+def draw_actions(ax, actions: Sequence[tuple]) -> None:
+    """A pipeline step on ``ax``: one row per rank, one box per F/L/B/I/W action
+    ``(rank, stage, microbatch, kind, start, end)`` labelled with its micro-batch (and stage,
+    when a rank holds several)."""
+    from matplotlib.patches import Patch
+
     ranks = sorted({a[0] for a in actions})
     several = len({a[1] for a in actions}) > len(ranks)
     t0 = min(a[4] for a in actions)
     span_ms = (max(a[5] for a in actions) - t0) * 1e3 or 1.0
-    fig = _new_figure((10.0, 1.4 + 0.6 * len(ranks)))
-    ax = fig.add_subplot()
     for rank, stage, microbatch, kind, start, end in actions:
         row = len(ranks) - 1 - ranks.index(rank)
         box = (start - t0) * 1e3, (end - start) * 1e3
@@ -188,8 +196,6 @@ def pipeline_figure(pipeline: Mapping) -> str | None:
                    key=lambda k: (order.index(k) if k in order else len(order), k))
     ax.legend(handles=[Patch(color=ACTION_COLORS.get(k, "#cccccc"), label=k) for k in kinds],
               loc="upper right", fontsize=7)
-    ax.set_title(pipeline_title(pipeline))
-    return data_uri(fig)
 
 
 def pipeline_title(pipeline: Mapping) -> str:
