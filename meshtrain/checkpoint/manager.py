@@ -10,10 +10,10 @@ save to save, in a background thread while the next step's forward and backward 
 (``staging.py``; :meth:`CheckpointManager.before_update` waits for the copy and the Trainer
 calls it before each optimizer update), then written while training goes on: on CPU by a
 writer process of this rank's own (``writer_process.py``: the buffers are shared-memory files
-it maps; DCP plans in a background thread of this process), on a GPU or where shared memory is
-short by DCP in that background thread; one save is in flight at most. The caller commits it once every rank's write is done
-(:meth:`~CheckpointManager.poll` on every rank, then :meth:`~CheckpointManager.commit`), or
-blocks for it with :meth:`~CheckpointManager.wait`.
+it maps; DCP plans in a background thread of this process), on a GPU or where shared memory
+is short by DCP in that background thread; one save is in flight at most. The caller commits
+it once every rank's write is done (:meth:`~CheckpointManager.poll` on every rank, then
+:meth:`~CheckpointManager.commit`), or blocks for it with :meth:`~CheckpointManager.wait`.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ class CheckpointManager:
             if not on_gpu and shared_memory_fits(nbytes):
                 buffers = SharedBuffers()
                 self._writer = self._process or WriterProcess(), buffers
-                self._stager = HostStager(allocate=buffers.empty)
+                self._stager = HostStager(shared=buffers)
             else:
                 self._stager = HostStager(pin_memory=on_gpu)
                 if self._process is not None:

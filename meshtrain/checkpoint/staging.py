@@ -104,16 +104,14 @@ class HostStager(AsyncStager):
     whose storage is not one of ``parameters`` (data pointers) may change before the next
     update (model buffers): those are copied before ``stage`` returns. ``check``: run the
     NaN/Inf check on the staged copy, agreed over ``check_group`` (None: this rank alone).
-    ``allocate(shape, dtype)``: where the buffers come from (e.g. shared memory that a writer
-    process maps: :class:`meshtrain.checkpoint.writer_process.SharedBuffers`).
+    ``shared``: a :class:`meshtrain.checkpoint.writer_process.SharedBuffers` the buffers come
+    from (shared memory that a writer process maps), else ordinary (pinned) host memory.
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self, *, pin_memory: bool = False, allocate=None):
-        self.pin_memory = pin_memory
-        self.allocate = allocate or (lambda shape, dtype: torch.empty(
-            shape, dtype=dtype, device="cpu", pin_memory=pin_memory))
+    def __init__(self, *, pin_memory: bool = False, shared=None):
+        self.pin_memory, self.shared = pin_memory, shared
         self._buffers: dict | None = None
         self._layout: tuple | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-staging")
@@ -126,7 +124,9 @@ class HostStager(AsyncStager):
         self.wait()
         layout = _layout(state_dict)
         if layout != self._layout:  # first save, or the state changed shape: new buffers
-            self._buffers = _empty_like(state_dict, self.allocate)
+            if self.shared is not None:
+                self.shared.clear()  # the earlier set's buffers go with their registration
+            self._buffers = _empty_like(state_dict, self._allocate)
             self._layout = layout
         buffers = dict(_tensors(self._buffers))
         pairs = [(_local(buffers[path]), _local(tensor), self._volatile(path, tensor))
@@ -137,6 +137,11 @@ class HostStager(AsyncStager):
         staged = _with_buffers(state_dict, self._buffers)
         self._future = self._executor.submit(self._copy, pairs, staged)
         return self._future
+
+    def _allocate(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        if self.shared is not None:
+            return self.shared.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin_memory)
 
     def _volatile(self, path: tuple, tensor: torch.Tensor) -> bool:
         return (path[:1] == ("model",)

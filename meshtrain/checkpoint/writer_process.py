@@ -58,7 +58,9 @@ class SharedBuffers:
     def __init__(self, directory: str | None = None):
         self.directory = directory or SHARED_DIR
         self.token, self.count = uuid.uuid4().hex[:12], 0
-        self.files: dict[int, tuple[str, int]] = {}  # storage data_ptr -> (path, bytes)
+        # storage data_ptr -> (path, bytes, the buffer: held, so no other tensor takes its
+        # address while it is registered)
+        self.files: dict[int, tuple[str, int, torch.Tensor]] = {}
         self.unread: set[str] = set()  # files the writer has not mapped (and unlinked) yet
         weakref.finalize(self, _unlink, self.unread)
 
@@ -74,15 +76,21 @@ class SharedBuffers:
         self.unread.add(path)
         buffer = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
         buffer = buffer.view(shape)
-        self.files[buffer.untyped_storage().data_ptr()] = (path, nbytes)
+        self.files[buffer.untyped_storage().data_ptr()] = (path, nbytes, buffer)
         return buffer
+
+    def clear(self) -> None:
+        """Forget every buffer (a new set is made for a state of another layout)."""
+        self.files.clear()
+        _unlink(self.unread)
+        self.unread.clear()
 
     def describe(self, tensor: torch.Tensor) -> tuple:
         """What the writer needs to find ``tensor`` (a view of a buffer, or a small one)."""
         found = self.files.get(tensor.untyped_storage().data_ptr())
         if found is None:
             return ("value", tensor.detach().clone())
-        path, nbytes = found
+        path, nbytes, _ = found
         return ("shared", path, nbytes, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                 tensor.storage_offset())
 
@@ -170,7 +178,7 @@ class ProcessFileWriter(FileSystemWriter):
             files.append((str(path), file_name, entries))
         results, mapped = self.process.write({
             "path": str(self.path), "sync_files": self.sync_files, "files": files,
-            "live": sorted(path for path, _ in self.buffers.files.values())})
+            "live": sorted(path for path, _, _ in self.buffers.files.values())})
         self.buffers.mapped(mapped)
         future: Future = Future()
         future.set_result(results)

@@ -21,10 +21,10 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning")  # DCP's thread, in one process
 
 
-def _model_and_adamw():
+def _model_and_adamw(width=256):
     torch.manual_seed(0)
     # 128 KiB weights (shared-memory buffers) and small biases (sent by value)
-    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
+    model = nn.Sequential(nn.Linear(128, width), nn.ReLU(), nn.Linear(width, 128))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, optimizer
 
@@ -79,12 +79,30 @@ def test_the_write_runs_in_a_process_of_its_own_with_the_values_at_save_time(tmp
         assert _same(saved[0], before[0]) and _same(saved[1], before[1])
     process, buffers = mgr._writer
     assert process.proc.pid != os.getpid() and process.proc.poll() is None
-    shared = [path for path, _ in buffers.files.values()]
+    shared = [path for path, _, _ in buffers.files.values()]
     assert len(shared) == 6  # two weights, their exp_avg and exp_avg_sq: the biases are small
     assert not any(os.path.exists(path) for path in shared)  # unlinked once mapped
     assert glob.glob(f"{writer_process.SHARED_DIR}/meshtrain-ckpt-{buffers.token}-*") == []
     process.close()
     assert process.proc.returncode == 0
+
+
+def test_a_state_of_another_layout_gets_buffers_of_its_own(tmp_path):
+    # two models of other shapes saved by turns through one manager: every buffer is made
+    # again each time (the old ones forgotten, here and in the writer), and each save holds
+    # its own values
+    models = [_model_and_adamw(), _model_and_adamw(width=192)]
+    mgr = CheckpointManager(tmp_path, async_save=True)
+    for step, (model, optimizer) in enumerate(models * 2, start=1):
+        _step(model, optimizer, step)
+        before = _snapshot(model, optimizer)
+        _save(mgr, step, model, optimizer)
+        mgr.wait()
+        saved = _read(tmp_path / f"step_{step:08d}", tmp_path)
+        assert _same(saved[0], before[0]) and _same(saved[1], before[1])
+    buffers = mgr._writer[1]
+    assert len(buffers.files) == 6 and buffers.count == 4 * 6  # a new set per save
+    mgr._writer[0].close()
 
 
 def test_a_writer_process_that_died_fails_the_save_with_its_reason(tmp_path):
