@@ -13,7 +13,9 @@ Nothing is copied on the way: a tensor travels as the file it lies in, its shape
 
 The writer is started with ``subprocess`` (so a daemonic worker of ``run_workers`` can start it,
 which ``multiprocessing`` refuses), imports torch alone, reads requests on its stdin and exits
-when that closes: when the training process ends, however it ends. Each buffer's file is
+when that closes, and on Linux is killed with its training process (``PR_SET_PDEATHSIG``, when
+started from the main thread), so a write is never left running after the training process
+ends, however it ends. Each buffer's file is
 unlinked as soon as the writer has mapped it; the training process unlinks any it never got.
 
 This file runs as the writer's main module: it imports nothing of meshtrain.
@@ -28,6 +30,7 @@ import pickle
 import queue
 import subprocess
 import sys
+import threading
 import traceback
 import uuid
 import weakref
@@ -105,8 +108,11 @@ class WriterProcess:
         code = f"import runpy; runpy.run_path({__file__!r}, run_name='__main__')"
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        # (the parent-death signal follows the thread that starts the process: only the main
+        # thread's lasts as long as the process)
+        main = threading.current_thread() is threading.main_thread()
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(int(main))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._ready = False
         weakref.finalize(self, _stop, self.proc)
 
@@ -222,7 +228,21 @@ def _write(request: dict, maps: dict[str, torch.Tensor]) -> tuple[list, list[str
     return results, mapped
 
 
+def _die_with_parent() -> None:
+    """Linux: this process is killed when the training process dies (a write in progress is
+    never committed then; without this it would finish into a folder a restarted job
+    clears). Elsewhere the closed pipe ends it once the write in progress is done."""
+    if sys.platform.startswith("linux") and sys.argv[2] == "1":
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(sys.argv[1]):
+        sys.exit(0)  # the parent died before the line above
+
+
 def main() -> None:
+    _die_with_parent()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # anything printed goes to the training process's stderr
     maps: dict[str, torch.Tensor] = {}

@@ -4,6 +4,9 @@ nothing is left in shared memory, and the writer goes when its training process 
 
 import glob
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -157,3 +160,32 @@ def test_the_writer_of_a_spawned_worker_ends_with_it(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid), "the checkpoint writer outlived its training process"
+
+
+_ORPHAN = """
+import os, signal, subprocess, sys
+from meshtrain.checkpoint.writer_process import WriterProcess
+writer = WriterProcess()
+writer.wait_ready()
+# another process keeps the writer's stdin open: no end of file will tell it to go
+keeper = subprocess.Popen(["sleep", "60"], pass_fds=[writer.proc.stdin.fileno()],
+                          stdout=subprocess.DEVNULL)
+print(writer.proc.pid, keeper.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(60)
+def test_the_writer_is_killed_with_its_training_process():
+    helper = subprocess.Popen([sys.executable, "-c", _ORPHAN], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    writer, keeper = map(int, helper.stdout.readline().split())
+    assert helper.wait(timeout=30) == -signal.SIGKILL
+    try:
+        deadline = time.monotonic() + 10
+        while _alive(writer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(writer), "the writer outlived its training process"
+    finally:
+        os.kill(keeper, signal.SIGKILL)
