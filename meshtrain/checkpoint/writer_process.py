@@ -68,14 +68,28 @@ class SharedBuffers:
         weakref.finalize(self, _unlink, self.unread)
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised buffer (its pages faulted in by the first copy into it)."""
+        """An uninitialised buffer. Its pages are taken now: a full ``directory`` is an error
+        here, not a SIGBUS in the background copy."""
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < SMALL:
             return torch.empty(shape, dtype=dtype)
         path = f"{self.directory}/meshtrain-ckpt-{self.token}-{self.count}"
         self.count += 1
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, nbytes)
+            else:
+                os.ftruncate(fd, nbytes)
+        except OSError as exc:
+            os.unlink(path)
+            raise RuntimeError(
+                f"the asynchronous checkpoint cannot take {nbytes / 2**20:.1f} MiB more in "
+                f"{self.directory} for its host copy ({exc}); free some, give it more room "
+                "(e.g. docker run --shm-size=...), or save synchronously (async_checkpoint="
+                "false)") from None
+        finally:
+            os.close(fd)
         self.unread.add(path)
         buffer = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
         buffer = buffer.view(shape)

@@ -140,6 +140,22 @@ def test_without_room_in_shared_memory_the_write_stays_in_a_thread(tmp_path, mon
 _KEPT = []  # the worker's manager, never collected: its writer is never closed
 
 
+def test_shared_memory_that_runs_out_is_a_clear_error_and_leaves_no_file(tmp_path,
+                                                                         monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    model, optimizer = _model_and_adamw()
+    _step(model, optimizer, 0)
+    mgr = CheckpointManager(tmp_path / "ckpts", async_save=True)
+    monkeypatch.setattr(writer_process, "SHARED_DIR", str(tmp_path))  # (room enough: checked)
+    monkeypatch.setattr(writer_process.os, "posix_fallocate", full, raising=False)
+    with pytest.raises(RuntimeError, match=r"cannot take 0.1 MiB more in .*--shm-size"):
+        _save(mgr, 1, model, optimizer)
+    assert list(tmp_path.glob("meshtrain-ckpt-*")) == []
+    mgr._writer[0].close()
+
+
 def _save_and_leave(directory):
     # a daemonic worker of run_workers (multiprocessing would refuse it a child process)
     torch.set_num_threads(1)
