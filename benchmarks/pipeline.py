@@ -457,8 +457,8 @@ def main(argv=None) -> int:
     from meshtrain.models.gpt import GPT
 
     num_params = GPT(cfg.gpt_config()).num_params()
-    title = (f"{cfg.pp} ranks (gloo, CPU, 1 thread each), GPT {cfg.num_layers} blocks d={cfg.d_model} "
-             f"seq={cfg.seq_len} vocab={cfg.vocab_size} ({num_params / 1e6:.2f}M params), "
+    title = (f"{cfg.pp} ranks (gloo, CPU, 1 thread each), GPT {cfg.num_layers} blocks "
+             f"d={cfg.d_model} seq={cfg.seq_len} vocab={cfg.vocab_size} ({num_params / 1e6:.2f}M params), "
              f"global batch {cfg.global_batch_size}")
     print(f"pipeline benchmark: {title}; m in {list(cfg.microbatches)}, {cfg.warmup} warm-up + "
           f"{cfg.steps} timed steps + {cfg.timelines} timelines per case, {args.repeats} "
