@@ -70,8 +70,8 @@ def staged_all_finite(state: dict, group) -> bool:
 def _empty_like(state, allocate):
     """``state`` with each tensor replaced by an uninitialised host tensor of its (local)
     shape, ``allocate(shape, dtype)``; a DTensor by a DTensor of the same placements around
-    one. Nothing is touched, so the pages are only faulted in by the first copy, in the
-    background."""
+    one. Nothing is written (ordinary memory is only faulted in by the first copy, in the
+    background; shared buffers take their pages when made)."""
     if isinstance(state, torch.Tensor):
         local = _local(state)
         buffer = allocate(local.shape, local.dtype)

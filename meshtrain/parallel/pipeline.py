@@ -166,9 +166,8 @@ def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One compute action: F forward, L the loss, B full backward, I input-grad and W
-    weight-grad backward.
-    Times are seconds from a barrier taken at the start of the step."""
+    """One compute action (F forward, L the loss, B backward, I / W its input- and weight-grad
+    halves); times are seconds from a barrier taken at the start of the step."""
     rank: int
     stage: int
     microbatch: int
