@@ -69,6 +69,8 @@ def set_collective_timeout(seconds: float, groups=None) -> list:
     """
     from torch.distributed.device_mesh import DeviceMesh
 
+    from meshtrain.parallel.shm_p2p import LocalP2PGroup
+
     if groups is None:
         groups = list(dist.distributed_c10d._world.pg_map)
     elif isinstance(groups, (dist.ProcessGroup, DeviceMesh)):
@@ -77,6 +79,9 @@ def set_collective_timeout(seconds: float, groups=None) -> list:
             for g in (item.get_all_groups() if isinstance(item, DeviceMesh) else [item])]
     flat, wrapped = list(dict.fromkeys(flat)), False
     for group in flat:
+        if isinstance(group, LocalP2PGroup):  # meshtrain's shared-memory groups (Python)
+            group.set_timeout(timedelta(seconds=seconds))
+            continue
         for device in group._device_types:
             backend = group._get_backend(device)
             if isinstance(backend, torch._C._distributed_c10d._ProcessGroupWrapper):

@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+    ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
     PrepareModuleOutput, RowwiseParallel, SequenceParallel,
 )
 
+from meshtrain.parallel.sequence_parallel import ColwiseFromSequence
 from meshtrain.parallel.tensor_parallel import (
     attention_plan, check_divides, dropout_entries, mlp_plan, replicate_the_rest,
 )
@@ -91,7 +92,7 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool,
     if sp and model.norm is not None:
         plan["norm"] = SequenceParallel()
     if model.head is not None:
-        plan["head"] = ColwiseParallel(
+        plan["head"] = ColwiseFromSequence(
             input_layouts=Shard(1) if sp else Replicate(),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,  # loss parallel needs the DTensor

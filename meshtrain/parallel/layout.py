@@ -182,13 +182,15 @@ class Layout:
     def axis_names(self) -> tuple[str, ...]:
         return tuple(a for a in AXES if a in self.degrees)
 
-    def build_mesh(self, device_type: str):
-        """The ``DeviceMesh`` of this layout, one named dimension per axis (needs a process group)."""
+    def build_mesh(self, device_type: str, backends: dict[str, str] | None = None):
+        """The ``DeviceMesh`` of this layout, one named dimension per axis (needs a process
+        group); ``backends``: another backend than the default group's for some axes."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if not self.degrees:
             return None
-        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.axis_names,
+                                backend_override=backends or None)
 
     def __str__(self) -> str:
         names = {"dp": "zero1"} if self.zero_stage == 1 else (

@@ -32,7 +32,7 @@ class ParallelMesh:
     def __init__(self, layout: Layout, device_type: str, *, local_comm: str = "auto"):
         self.layout, self.local_comm = layout, local_comm
         self._local_p2p: dict[tuple[str, ...], object] = {}
-        self.mesh = layout.build_mesh(device_type)
+        self.mesh = layout.build_mesh(device_type, self._axis_backends(device_type))
         self.batch = self._flat(layout.batch_axes, "batch")
         self.loss = self.batch if layout.loss_axes == layout.batch_axes else self._flat(
             layout.loss_axes, "loss")
@@ -47,6 +47,17 @@ class ParallelMesh:
             if layout.degree("dp_replicate") > 1:
                 shard_axes = ("dp_replicate", *shard_axes)
             self.shard = self.mesh[shard_axes]
+
+    def _axis_backends(self, device_type: str) -> dict[str, str]:
+        """The tp axis's collectives through shared memory where it applies (CPU processes of
+        one host, ``local_comm="auto"``: ``shm_collectives.py``)."""
+        if self.layout.degree("tp") == 1 or not dist.is_initialized():
+            return {}
+        from meshtrain.parallel import shm_collectives, shm_p2p
+
+        if not shm_p2p.applies(device_type, self.local_comm):
+            return {}
+        return {"tp": shm_collectives.BACKEND}
 
     def loss_group(self):
         """The process group of the ranks whose losses are averaged (batch axes and cp), or

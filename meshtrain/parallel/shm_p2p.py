@@ -171,14 +171,18 @@ class _Outbound:
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         self._take_acks()
-        data = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        nbytes = data.numel()
+        tensor = tensor.detach()
+        nbytes = tensor.numel() * tensor.element_size()
         span = -(-nbytes // ALIGN) * ALIGN  # every message starts aligned (any dtype's view)
         at = self._place(span)
         if at is None:
             self._new_ring(span)
             at = 0
-        self.view[at:at + nbytes].copy_(data)
+        place = self.view[at:at + nbytes]
+        if tensor.is_contiguous():
+            place.copy_(tensor.view(-1).view(torch.uint8))
+        else:  # a strided view (a chunk on a later dim) copied straight into the ring
+            place.view(tensor.dtype).view(tensor.shape).copy_(tensor)
         self.inflight.append((self.gen, at, at + span))
         os.write(self.data_fd, RECORD.pack(self.gen, at, nbytes, tag))
 
@@ -289,6 +293,11 @@ class LocalP2PGroup(dist.ProcessGroup):
         for inbound in self._in.values():
             inbound.spin_s = seconds
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """How long a receive waits for its message before it fails."""
+        for inbound in self._in.values():
+            inbound.timeout = timeout.total_seconds()
+
     def getBackendName(self) -> str:
         return BACKEND
 
@@ -349,13 +358,19 @@ def can_share_memory(group=None) -> bool:
     return bool(seen.item())
 
 
+def applies(device_type: str, mode: str) -> bool:
+    """Whether shared memory carries what it can for this job (every rank calls it together):
+    ``mode`` "auto", CPU tensors, more than one rank on gloo, all sharing memory."""
+    return (mode == "auto" and device_type == "cpu" and dist.get_world_size() > 1
+            and dist.get_backend() == "gloo" and can_share_memory())
+
+
 def local_p2p_group(groups: list[list[int]], device: torch.device, mode: str):
     """This rank's :class:`LocalP2PGroup` among ``groups`` (the global ranks of every group
     along a mesh axis; every rank calls this, as ``new_group``) when ``mode`` is "auto", the
     job runs on gloo with CPU tensors and all ranks share memory; else None (use the axis's
     gloo group: NCCL, a simulated world's fake group, several hosts, ...)."""
-    if (mode != "auto" or device.type != "cpu" or dist.get_world_size() == 1
-            or dist.get_backend() != "gloo" or not can_share_memory()):
+    if not applies(device.type, mode):
         return None
     mine = None
     for ranks in groups:  # in the same order on every rank: each name is new (no reuse)

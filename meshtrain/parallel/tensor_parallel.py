@@ -31,11 +31,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-    loss_parallel, parallelize_module,
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, SequenceParallel, loss_parallel,
+    parallelize_module,
 )
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.sequence_parallel import (
+    ColwiseFromSequence, GatherSequenceInput, RowwiseToSequence,
+)
 
 __all__ = [
     "ReplicateParallel", "apply_tp", "attention_plan", "check_divides", "check_plan_keys",
@@ -178,9 +181,10 @@ def attention_plan(prefix: str, q: str, k: str, v: str, out: str, *,
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     entries: dict[str, ParallelStyle] = {
-        prefix: PrepareModuleInput(input_layouts=(seq,) + (None,) * extra_inputs,
-                                   desired_input_layouts=(Replicate(),) + (None,) * extra_inputs),
-        _join(prefix, out): RowwiseParallel(output_layouts=seq),
+        prefix: GatherSequenceInput(1) if sequence_parallel else PrepareModuleInput(
+            input_layouts=(seq,) + (None,) * extra_inputs,
+            desired_input_layouts=(Replicate(),) + (None,) * extra_inputs),
+        _join(prefix, out): RowwiseToSequence(output_layouts=seq),
     }
     for name in (q, k, v):
         entries[_join(prefix, name)] = ColwiseParallel()
@@ -192,8 +196,8 @@ def mlp_plan(prefix: str, fc_in: str, fc_out: str, *,
     """Hidden units split over TP: ``fc_in`` column-parallel, ``fc_out`` row-parallel."""
     seq = Shard(1) if sequence_parallel else Replicate()
     return {
-        _join(prefix, fc_in): ColwiseParallel(input_layouts=seq),
-        _join(prefix, fc_out): RowwiseParallel(output_layouts=seq),
+        _join(prefix, fc_in): ColwiseFromSequence(input_layouts=seq),
+        _join(prefix, fc_out): RowwiseToSequence(output_layouts=seq),
     }
 
 
