@@ -13,7 +13,8 @@ tensor_parallel.py). On the tp axis's shared-memory group (``shm_collectives.py`
 are received straight into their place in the output and sent straight from theirs; on any
 other group torch's functional collectives do it (NCCL, gloo), as DTensor would, without the
 planning. Under ``CommDebugMode`` (``tp_debug.comm_counts``) the functional path is taken so
-that the collectives are counted.
+that the collectives are counted; in a graph torch.compile traces, DTensor's redistribution is
+used as before (the autograd functions there gave wrong gradients in torch 2.13).
 
 Styles: :class:`GatherSequenceInput` (a module's first input, e.g. attention's shared q/k/v
 input), :class:`ColwiseFromSequence` (``ColwiseParallel`` with ``input_layouts=Shard(d)``) and
@@ -34,9 +35,11 @@ from meshtrain.parallel.shm_collectives import SharedMemoryCollectives
 
 
 def _direct(group) -> bool:
-    """Whether the shared-memory group's own strided exchange may run (not while a dispatch
-    mode, e.g. CommDebugMode, needs to see the collectives)."""
-    return isinstance(group, SharedMemoryCollectives) and not _get_current_dispatch_mode_stack()
+    """Whether the shared-memory group's own strided exchange may run: not while a dispatch
+    mode (e.g. CommDebugMode) needs to see the collectives, nor in a graph torch.compile
+    traces (which takes functional collectives only)."""
+    return (isinstance(group, SharedMemoryCollectives) and not torch.compiler.is_compiling()
+            and not _get_current_dispatch_mode_stack())
 
 
 def _done(tensor: torch.Tensor) -> torch.Tensor:
@@ -108,12 +111,18 @@ class _Scatter(torch.autograd.Function):
 
 def gather_sequence(x: torch.Tensor, mesh, dim: int) -> DTensor:
     """``x``, this rank's shard on ``dim`` (a plain tensor or a DTensor sharded so), as the
-    whole replicated DTensor; any other DTensor through DTensor's own redistribution."""
-    if isinstance(x, DTensor):
-        if x.placements != (Shard(dim % x.dim()),) and x.placements != (Shard(dim),):
-            return x.redistribute(mesh, [Replicate()])
-        x = x.to_local()
-    return _Gather.apply(x, mesh, dim % x.dim())
+    whole replicated DTensor; any other DTensor, and any input in a graph torch.compile traces
+    (where these functions gave wrong gradients in torch 2.13), through DTensor's own
+    redistribution."""
+    if not isinstance(x, DTensor):
+        if torch.compiler.is_compiling():
+            x = DTensor.from_local(x, mesh, [Shard(dim)], run_check=False)
+        else:
+            return _Gather.apply(x, mesh, dim % x.dim())
+    if torch.compiler.is_compiling() or x.placements not in ((Shard(dim),),
+                                                              (Shard(dim % x.dim()),)):
+        return x.redistribute(mesh, [Replicate()])
+    return _Gather.apply(x.to_local(), mesh, dim % x.dim())
 
 
 def scatter_partial(x: DTensor, mesh, dim: int) -> torch.Tensor:
@@ -164,7 +173,8 @@ class RowwiseToSequence(RowwiseParallel):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         (layout,) = output_layouts
-        if isinstance(layout, Shard) and _sum_partial(outputs):
+        if isinstance(layout, Shard) and _sum_partial(outputs) and \
+                not torch.compiler.is_compiling():
             shard = scatter_partial(outputs, device_mesh, layout.dim)
             return shard if use_local_output else DTensor.from_local(
                 shard, device_mesh, [layout], run_check=False)
