@@ -8,6 +8,11 @@ by ``meshtrain.parallel.tensor_parallel.apply_tp`` in three variants:
 * ``tp+sp``: with sequence parallel (norms and the residual stream sharded on the sequence);
 * ``tp+lp``: ``tp`` with ``loss_parallel`` (cross-entropy on the vocab-sharded logits).
 
+The mesh is built as the Trainer builds it (``ParallelMesh``, ``local_comm="auto"``: on CPU
+processes of one host the tp axis's collectives go through shared memory,
+``meshtrain/parallel/shm_collectives.py``); ``tp gloo`` and ``tp+sp gloo`` run the same on the
+axis's gloo group (``local_comm="backend"``), for step time only.
+
 Communication: ``comm_counts`` counts the collectives one rank issues in one forward + backward
 of one micro-batch, by kind and phase (DTensor's ``CommDebugMode``). Megatron (Shoeybi et al.
 2019) needs 4 all-reduces per block per micro-batch without sequence parallel (2 forward, after
@@ -21,10 +26,11 @@ embedding, the head and the loss add once per micro-batch (and the step once per
 Step time: forward + backward + AdamW step + zero_grad on the same batch for ``1proc`` (the
 unsplit model on rank 0 alone, while rank 1 waits in a barrier, in the same processes) and for
 each variant on 2 ranks (both ranks see the same batch, as a TP group must). Repeats are
-interleaved; the table shows medians and the median of the per-repeat ratios to 1proc. Last,
+interleaved; the table shows medians and the median of the per-repeat ratios to 1proc and to
+plain tp on the same transport ("x tp": sequence parallel's goal is <= 1.05). Last,
 3 steps of each at the largest L run under ``torch.profiler``: rank 0's time per step split into
-matrix multiplies, collectives (issuing and waiting) and the rest; and a bare gloo all-reduce of
-one activation is timed, for scale.
+matrix multiplies, collectives (issuing and waiting) and the rest; and one activation's
+all-reduce, all-gather and reduce-scatter are timed on both groups, for scale.
 
     python benchmarks/tensor_parallel.py            # 2 warm-up + 10 timed steps, 5 repeats
     python benchmarks/tensor_parallel.py --quick    # smoke run
@@ -52,6 +58,10 @@ from meshtrain.launch.spawn import run_workers
 
 TP = 2
 VARIANTS = {"tp": {}, "tp+sp": {"sequence_parallel": True}, "tp+lp": {"loss_parallel": True}}
+# the same on the tp axis's gloo group (local_comm="backend"): step time only (same counts)
+GLOO_VARIANTS = {f"{name} gloo": options for name, options in VARIANTS.items()
+                 if name != "tp+lp"}
+ALL_VARIANTS = {**VARIANTS, **GLOO_VARIANTS}
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -105,7 +115,13 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
     )
     from meshtrain.parallel.tp_debug import comm_counts
 
-    mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    from meshtrain.parallel.layout import Layout
+    from meshtrain.parallel.mesh import ParallelMesh
+
+    # as the Trainer builds it (local_comm="auto": the tp axis's collectives in shared memory)
+    mesh = ParallelMesh(Layout.parse(f"tp={TP}", TP), "cpu").mesh
+    gloo_mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    transport = dist.get_backend(mesh.get_group("tp"))
     gen = torch.Generator().manual_seed(1234)
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=gen)
@@ -113,15 +129,17 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
     models = {}
     counts = {}
     for layers in cfg.layers:
-        for variant, options in VARIANTS.items():
+        for variant, options in ALL_VARIANTS.items():
             # as the Trainer: partial gradients (norms under sp) summed once per step
-            model = apply_tp(GPT(cfg.gpt_config(layers), seed=cfg.seed), mesh, **options,
+            model = apply_tp(GPT(cfg.gpt_config(layers), seed=cfg.seed),
+                             gloo_mesh if variant in GLOO_VARIANTS else mesh, **options,
                              grads_per_step=True)
             lp = options.get("loss_parallel", False)
-            count = comm_counts(model, (x, y), lm_loss, loss_parallel=lp)
-            count["step/all_reduce"] = complete_partial_grads(model.parameters())
-            counts[f"{variant} L={layers}"] = count
-            model.zero_grad(set_to_none=True)
+            if variant in VARIANTS:
+                count = comm_counts(model, (x, y), lm_loss, loss_parallel=lp)
+                count["step/all_reduce"] = complete_partial_grads(model.parameters())
+                counts[f"{variant} L={layers}"] = count
+                model.zero_grad(set_to_none=True)
             models[variant, layers] = model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), lp
         if rank == 0:
             model = GPT(cfg.gpt_config(layers), seed=cfg.seed)
@@ -130,16 +148,17 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
     # gloo's cost of one all-reduce of an activation (batch x seq x d_model fp32), and of 1
     # float; and of the all-gather and reduce-scatter sequence parallel uses in its place
     latency = {}
-    for label, shape in (("activation", (cfg.batch_size, cfg.seq_len, cfg.d_model)),
-                         ("1 float", (1,))):
-        buf = torch.randn(shape)
-        latency[label] = 1e3 * median_time(lambda: dist.all_reduce(buf), before=dist.barrier)
     act = torch.randn(cfg.batch_size * cfg.seq_len * cfg.d_model)
-    half = torch.empty(act.numel() // TP)
-    latency["activation all-gather"] = 1e3 * median_time(
-        lambda: dist.all_gather_single(act, half), before=dist.barrier)
-    latency["activation reduce-scatter"] = 1e3 * median_time(
-        lambda: dist.reduce_scatter_single(half, act), before=dist.barrier)
+    half, one = torch.empty(act.numel() // TP), torch.ones(1)
+    for name, group in ((transport, mesh.get_group("tp")), ("gloo", gloo_mesh.get_group("tp"))):
+        for label, run in (
+                ("activation all-reduce", lambda: dist.all_reduce(act, group=group)),
+                ("1-float all-reduce", lambda: dist.all_reduce(one, group=group)),
+                ("activation all-gather",
+                 lambda: dist.all_gather_into_tensor(act, half, group=group)),
+                ("activation reduce-scatter",
+                 lambda: dist.reduce_scatter_tensor(half, act, group=group))):
+            latency[f"{name} {label}"] = 1e3 * median_time(run, before=dist.barrier)
 
     opt_s = [0.0]  # time in optimizer.step + zero_grad, summed
 
@@ -160,7 +179,7 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
     optim_s: dict[str, list[float]] = {}
     for _ in range(repeats):
         for layers in cfg.layers:
-            for variant in ("1proc", *VARIANTS):
+            for variant in ("1proc", *ALL_VARIANTS):
                 dist.barrier()
                 if variant == "1proc" and rank != 0:  # rank 0 runs it alone; rank 1 waits
                     continue
@@ -172,7 +191,7 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
     # Where the time goes, at the largest L: torch.profiler over a few steps (rank 0's view)
     profile = {}
     layers = max(cfg.layers)
-    for variant in ("1proc", *VARIANTS):
+    for variant in ("1proc", *ALL_VARIANTS):
         dist.barrier()
         if variant == "1proc" and rank != 0:
             continue
@@ -180,7 +199,7 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
         profile[f"{variant} L={layers}"] = profile_steps(lambda: train_step(model, opt, lp), 3)
     end_process_group()  # while the models are alive
     return {"rank": rank, "counts": counts, "step_s": step_s, "optim_s": optim_s,
-            "all_reduce_ms": latency, "profile": profile}
+            "all_reduce_ms": latency, "profile": profile, "transport": transport}
 
 
 def profile_steps(step, n: int) -> dict[str, float]:
@@ -206,7 +225,8 @@ def profile_steps(step, n: int) -> dict[str, float]:
     for event in prof.key_averages():
         if event.key in ("aten::mm", "aten::addmm", "aten::bmm"):
             part = "matmul"
-        elif event.key.startswith(("c10d::", "_c10d_functional::", "c10d_functional::")):
+        elif event.key.startswith(("c10d::", "_c10d_functional::", "c10d_functional::",
+                                   "meshtrain_shm::")):  # sequence parallel's own exchanges
             part = "collectives"
         else:
             part = "other"
@@ -234,17 +254,21 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
     timing = {}
     for layers in cfg.layers:
         base = step_s[f"1proc L={layers}"]
-        for variant in ("1proc", *VARIANTS):
+        for variant in ("1proc", *ALL_VARIANTS):
             times = step_s[f"{variant} L={layers}"]
             name = f"{variant} L={layers}"
+            # against plain tp on the same transport (sequence parallel's goal: <= 1.05)
+            tp = "tp gloo" if variant in GLOO_VARIANTS else "tp"
             timing[name] = {
                 "variant": variant, "layers": layers, **in_ms(times),
                 # AdamW step + zero_grad, rank 0 (the ranks hold equal halves)
                 "optim_ms": 1e3 * statistics.median(ranks[0]["optim_s"][name]),
                 "x_1proc": paired_ratio(times, base),
+                "x_tp": (paired_ratio(times, step_s[f"{tp} L={layers}"])
+                         if variant != "1proc" else None),
             }
     return {"comm": comm, "timing": timing, "all_reduce_ms": ranks[0]["all_reduce_ms"],
-            "profile": ranks[0]["profile"]}
+            "profile": ranks[0]["profile"], "transport": ranks[0]["transport"]}
 
 
 def _n(value: float) -> str:
@@ -270,18 +294,21 @@ def format_tables(summary: dict) -> str:
     comm = table(header, rows)
     timing_rows = [(r["variant"], str(r["layers"]), f"{r['median_ms']:.1f}",
                     f"{min(r['repeats_ms']):.1f}", f"{max(r['repeats_ms']):.1f}",
-                    f"{r['x_1proc']:.3f}", f"{r['optim_ms']:.1f}",
-                    f"{r['median_ms'] - r['optim_ms']:.1f}")
+                    f"{r['x_1proc']:.3f}",
+                    "" if r.get("x_tp") is None else f"{r['x_tp']:.3f}",
+                    f"{r['optim_ms']:.1f}", f"{r['median_ms'] - r['optim_ms']:.1f}")
                    for r in summary["timing"].values()]
     timing = table(("variant", "L", "median ms/step", "min", "max", "x 1proc (paired)",
-                     "optim ms", "fwd+bwd ms"), timing_rows)
+                    "x tp (paired)", "optim ms", "fwd+bwd ms"), timing_rows)
     profile = table(("variant", "wall ms/step", "matmul", "collectives", "other"),
                      [(name, *(f"{row[k]:.1f}" for k in ("wall", "matmul", "collectives", "other")))
                       for name, row in summary["profile"].items()])
     timing += "\n\nrank 0 under torch.profiler, ms per step by operator self time:\n" + profile
     latency = ", ".join(f"{k} {v:.2f} ms" for k, v in summary["all_reduce_ms"].items())
+    transport = summary.get("transport", "gloo")
     return (f"{comm}\n(\"ste AR\": all-reduces once per optimizer step, whatever the number of "
-            f"micro-batches)\n\n{timing}\n\ngloo on 2 ranks (median): {latency}")
+            f"micro-batches)\n\n{timing}\n\n(tp axis: {transport}; \"gloo\" rows: its gloo "
+            f"group)\ncollectives on 2 ranks (median): {latency}")
 
 
 # -------------------------------------------------------------------------------------------------

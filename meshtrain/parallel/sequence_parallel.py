@@ -29,9 +29,14 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.profiler import record_function
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from meshtrain.parallel.shm_collectives import SharedMemoryCollectives
+
+# torch 2.13's names; older ones (the GPU image's 2.11) have the *_tensor ones alone
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def _direct(group) -> bool:
@@ -50,11 +55,12 @@ def all_gather_on(local: torch.Tensor, mesh, dim: int) -> torch.Tensor:
     """Every rank's ``local`` of the 1-D ``mesh`` put together on ``dim`` (rank order)."""
     group = mesh.get_group()
     if not _direct(group):
-        return _done(funcol.all_gather_tensor(local.contiguous(), dim, (mesh, 0)))
+        return _done(_ALL_GATHER(local.contiguous(), dim, (mesh, 0)))
     shape = list(local.shape)
     shape[dim] *= group.size()
     out = local.new_empty(shape)
-    group.all_gather_on(out, local, dim)
+    with record_function("meshtrain_shm::all_gather_on"):  # for profiles: a collective
+        group.all_gather_on(out, local, dim)
     return out
 
 
@@ -62,11 +68,12 @@ def reduce_scatter_on(whole: torch.Tensor, mesh, dim: int) -> torch.Tensor:
     """This rank's chunk on ``dim`` of the sum of every rank's ``whole`` over the 1-D ``mesh``."""
     group = mesh.get_group()
     if not _direct(group):
-        return _done(funcol.reduce_scatter_tensor(whole.contiguous(), "sum", dim, (mesh, 0)))
+        return _done(_REDUCE_SCATTER(whole.contiguous(), "sum", dim, (mesh, 0)))
     shape = list(whole.shape)
     shape[dim] //= group.size()
     out = whole.new_empty(shape)
-    group.reduce_scatter_on(out, whole, dim)
+    with record_function("meshtrain_shm::reduce_scatter_on"):
+        group.reduce_scatter_on(out, whole, dim)
     return out
 
 
