@@ -13,12 +13,12 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
-    PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+    PrepareModuleOutput, RowwiseParallel,
 )
 
 from meshtrain.parallel.sequence_parallel import ColwiseFromSequence
 from meshtrain.parallel.tensor_parallel import (
-    attention_plan, check_divides, dropout_entries, mlp_plan, replicate_the_rest,
+    ReplicateParallel, attention_plan, check_divides, dropout_entries, mlp_plan, replicate_the_rest,
 )
 
 
@@ -62,7 +62,9 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool,
     blocks is sharded on the sequence dim: the embedding's output is all-reduced (replicated,
     as the learned position embedding is added to the full sequence, as in Megatron) and sliced
     by the first block only (no communication), each block then hands its sequence shard to the
-    next, and the final norm's output is all-gathered by the head.
+    next, and the final norm's output is all-gathered by the head. The norms run on plain
+    sequence shards (``ReplicateParallel(local_input=True)``: no DTensor dispatch; their weights'
+    partial gradients are summed once per step), as Megatron's do.
     """
     sp = sequence_parallel
     blocks = _blocks(model)
@@ -83,14 +85,14 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool,
     for name, block in blocks:
         prefix = f"layers.{name}"
         if sp:
-            plan[f"{prefix}.norm1"] = SequenceParallel()
-            plan[f"{prefix}.norm2"] = SequenceParallel()
+            plan[f"{prefix}.norm1"] = ReplicateParallel(local_input=True)
+            plan[f"{prefix}.norm2"] = ReplicateParallel(local_input=True)
             plan.update(dropout_entries(block.attn, f"{prefix}.attn"))
             plan.update(dropout_entries(block.mlp, f"{prefix}.mlp"))
         plan.update(attention_plan(f"{prefix}.attn", "wq", "wk", "wv", "wo", sequence_parallel=sp))
         plan.update(mlp_plan(f"{prefix}.mlp", "fc_in", "fc_out", sequence_parallel=sp))
     if sp and model.norm is not None:
-        plan["norm"] = SequenceParallel()
+        plan["norm"] = ReplicateParallel(local_input=True)
     if model.head is not None:
         plan["head"] = ColwiseFromSequence(
             input_layouts=Shard(1) if sp else Replicate(),

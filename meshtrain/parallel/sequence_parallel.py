@@ -16,6 +16,10 @@ planning. Under ``CommDebugMode`` (``tp_debug.comm_counts``) the functional path
 that the collectives are counted; in a graph torch.compile traces, DTensor's redistribution is
 used as before (the autograd functions there gave wrong gradients in torch 2.13).
 
+The replicated parameters used on sequence shards (the norms) get a partial gradient on each
+rank: :func:`complete_partial_grads` sums them all once per step (the Trainer, after the last
+micro-batch), as Megatron-LM's ``finalize_model_grads``.
+
 Styles: :class:`GatherSequenceInput` (a module's first input, e.g. attention's shared q/k/v
 input), :class:`ColwiseFromSequence` (``ColwiseParallel`` with ``input_layouts=Shard(d)``) and
 :class:`RowwiseToSequence` (``RowwiseParallel`` with ``output_layouts=Shard(d)``). With other
@@ -25,9 +29,10 @@ layouts the two subclasses are torch's styles unchanged.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.profiler import record_function
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -187,3 +192,34 @@ class RowwiseToSequence(RowwiseParallel):
                 shard, device_mesh, [layout], run_check=False)
         return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod,
                                                   outputs, device_mesh)
+
+
+def complete_partial_grads(parameters) -> int:
+    """Sum every partial gradient (a replicated parameter's, computed on part of the
+    activations) over its mesh: flattened, one all-reduce per mesh and dtype; how many.
+    Gradients already in their parameter's placements are left alone (under FSDP2 its
+    reduce-scatter has summed them)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    buckets: dict[tuple, list[DTensor]] = {}
+    for param in parameters:
+        grad = param.grad
+        if not isinstance(grad, DTensor) or grad.placements == param.placements:
+            continue
+        if all(g == p or (isinstance(g, Partial) and g.reduce_op == "sum"
+                          and isinstance(p, Replicate))
+               for g, p in zip(grad.placements, param.placements)):
+            buckets.setdefault((grad.device_mesh, grad.dtype, grad.placements), []).append(param)
+        else:  # not a plain sum: DTensor's own redistribution
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+    reduces = 0
+    for (mesh, _, placements), params in buckets.items():
+        local = [p.grad.to_local() for p in params]
+        flat = _flatten_dense_tensors(local)
+        for dim, placement in enumerate(placements):
+            if isinstance(placement, Partial):
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+                reduces += 1
+        for param, summed in zip(params, _unflatten_dense_tensors(flat, local)):
+            param.grad = DTensor.from_local(summed, mesh, param.placements, run_check=False)
+    return reduces

@@ -8,7 +8,8 @@ gradients): 4 per block per micro-batch. The token embedding is split by vocabul
 by vocabulary columns; with ``loss_parallel`` the logits stay split and the cross-entropy runs on
 the shards (``loss_parallel_context``). Sequence parallelism shards the activations between the
 pairs (norms, dropout, residual stream) on the sequence dim: each all-reduce becomes a
-reduce-scatter plus an all-gather (same volume), and those activations shrink by tp.
+reduce-scatter plus an all-gather (same volume; ``sequence_parallel.py``), and those
+activations shrink by tp.
 
 Every rank of a TP group must see the same batch and RNG state (dropout masks).
 
@@ -27,7 +28,6 @@ import fnmatch
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -37,14 +37,13 @@ from torch.distributed.tensor.parallel import (
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sequence_parallel import (
-    ColwiseFromSequence, GatherSequenceInput, RowwiseToSequence,
+    ColwiseFromSequence, GatherSequenceInput, RowwiseToSequence, complete_partial_grads,
 )
 
 __all__ = [
     "ReplicateParallel", "apply_tp", "attention_plan", "check_divides", "check_plan_keys",
-    "check_tp", "module_matches",
-    "dropout_entries", "full_value", "loss_parallel_context", "mlp_plan", "model_tp_plan",
-    "replicate_the_rest",
+    "check_tp", "complete_partial_grads", "module_matches", "dropout_entries", "full_value",
+    "loss_parallel_context", "mlp_plan", "model_tp_plan", "replicate_the_rest",
 ]
 
 
@@ -355,37 +354,6 @@ def _complete_grad(param: DTensor) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
-def complete_partial_grads(parameters) -> int:
-    """Sum every partial gradient (a replicated parameter's, computed on part of the
-    activations) over its mesh: flattened, one all-reduce per mesh and dtype; how many.
-    Gradients already in their parameter's placements are left alone (under FSDP2 its
-    reduce-scatter has summed them)."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    buckets: dict[tuple, list[DTensor]] = {}
-    for param in parameters:
-        grad = param.grad
-        if not isinstance(grad, DTensor) or grad.placements == param.placements:
-            continue
-        if all(g == p or (isinstance(g, Partial) and g.reduce_op == "sum"
-                          and isinstance(p, Replicate))
-               for g, p in zip(grad.placements, param.placements)):
-            buckets.setdefault((grad.device_mesh, grad.dtype, grad.placements), []).append(param)
-        else:  # not a plain sum: DTensor's own redistribution
-            param.grad = grad.redistribute(param.device_mesh, param.placements)
-    reduces = 0
-    for (mesh, _, placements), params in buckets.items():
-        local = [p.grad.to_local() for p in params]
-        flat = _flatten_dense_tensors(local)
-        for dim, placement in enumerate(placements):
-            if isinstance(placement, Partial):
-                dist.all_reduce(flat, group=mesh.get_group(dim))
-                reduces += 1
-        for param, summed in zip(params, _unflatten_dense_tensors(flat, local)):
-            param.grad = DTensor.from_local(summed, mesh, param.placements, run_check=False)
-    return reduces
 
 
 @contextlib.contextmanager

@@ -113,7 +113,9 @@ def test_gpt_plan_covers_every_parameter_and_prepares_the_first_block_only():
         assert owners <= plan.keys(), f"not in the plan: {owners - plan.keys()}"
         assert ("layers.0" in plan) == sp and "layers.1" not in plan and "layers.2" not in plan
         assert isinstance(plan["pos_emb"], ReplicateParallel)
-        assert isinstance(plan["layers.1.norm1"], ReplicateParallel) != sp
+        # norms: whole with the stream replicated, on its sequence shard under sp
+        assert isinstance(plan["layers.1.norm1"], ReplicateParallel)
+        assert plan["layers.1.norm1"].local_input == sp
     with pytest.raises(ConfigError, match=r"Linear has no tensor-parallel plan: pass Trainer\(tp_plan="):
         model_tp_plan(nn.Linear(2, 2), 2)
     check_tp(nn.Linear(2, 2), 2, sequence_parallel=False)  # no checks of its own: nothing to say

@@ -35,6 +35,15 @@ def test_tp2_composed_with_dp_or_pp_matches_one_process(layout):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["dp_shard=2,tp=2", "pp=2,tp=2"])
+def test_sequence_parallel_composed_with_fsdp_or_pp_matches_one_process(layout):
+    # the norms' partial gradients under FSDP2; a stage that hands on the whole sequence
+    fns = GPT4_FNS if "pp" in layout else GPT_FNS
+    assert_parity(layout, 4, steps=4, fns=fns, micro_batch_size=2 if "pp" in layout else None,
+                  parallel_kwargs=dict(sequence_parallel=True))
+
+
+@pytest.mark.timeout(300)
 def test_3d_pp2_dp_shard2_tp2_on_8_ranks_matches_one_process():
     # data x pipeline x tensor parallel on one 2x2x2 mesh (8 processes on 2 cores: 3 steps)
     assert_parity("pp=2,dp_shard=2,tp=2", 8, steps=3, fns=GPT4_FNS, micro_batch_size=4)
