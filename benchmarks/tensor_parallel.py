@@ -147,17 +147,17 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
 
     # gloo's cost of one all-reduce of an activation (batch x seq x d_model fp32), and of 1
     # float; and of the all-gather and reduce-scatter sequence parallel uses in its place
-    latency = {}
+    latency = {}  # (torch 2.13's names; older ones have the *_tensor ones alone)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     act = torch.randn(cfg.batch_size * cfg.seq_len * cfg.d_model)
     half, one = torch.empty(act.numel() // TP), torch.ones(1)
     for name, group in ((transport, mesh.get_group("tp")), ("gloo", gloo_mesh.get_group("tp"))):
         for label, run in (
                 ("activation all-reduce", lambda: dist.all_reduce(act, group=group)),
                 ("1-float all-reduce", lambda: dist.all_reduce(one, group=group)),
-                ("activation all-gather",
-                 lambda: dist.all_gather_into_tensor(act, half, group=group)),
-                ("activation reduce-scatter",
-                 lambda: dist.reduce_scatter_tensor(half, act, group=group))):
+                ("activation all-gather", lambda: all_gather(act, half, group=group)),
+                ("activation reduce-scatter", lambda: reduce_scatter(half, act, group=group))):
             latency[f"{name} {label}"] = 1e3 * median_time(run, before=dist.barrier)
 
     opt_s = [0.0]  # time in optimizer.step + zero_grad, summed
