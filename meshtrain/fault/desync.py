@@ -14,6 +14,8 @@ DeviceMesh groups, FSDP2, DDP's reducer and functional ``all_reduce``; not check
 all_gather / reduce_scatter / all_to_all (DTensor redistribution, TP) and point-to-point ops. A
 skipped collective among identical ones is seen when another rank waits for it: the monitored
 barrier names the missing rank after the group's timeout. Cost: ~3-8 ms more per collective.
+With the checks on, meshtrain's shared-memory groups (``local_comm``) are not made: the pipeline,
+FSDP and the tp axis keep gloo's, which the checks wrap.
 """
 
 from __future__ import annotations

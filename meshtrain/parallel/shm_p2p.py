@@ -360,9 +360,11 @@ def can_share_memory(group=None) -> bool:
 
 def applies(device_type: str, mode: str) -> bool:
     """Whether shared memory carries what it can for this job (every rank calls it together):
-    ``mode`` "auto", CPU tensors, more than one rank on gloo, all sharing memory."""
+    ``mode`` "auto", CPU tensors, more than one rank on gloo, all sharing memory, and torch's
+    collective checks off (``debug_collectives``: they wrap gloo's groups, not these)."""
     return (mode == "auto" and device_type == "cpu" and dist.get_world_size() > 1
-            and dist.get_backend() == "gloo" and can_share_memory())
+            and dist.get_backend() == "gloo"
+            and dist.get_debug_level() != dist.DebugLevel.DETAIL and can_share_memory())
 
 
 def local_p2p_group(groups: list[list[int]], device: torch.device, mode: str):

@@ -204,6 +204,24 @@ def test_the_trainer_gives_the_tp_axis_shared_memory_on_cpu(local_comm, backend)
             assert sum(calls.values()) == 0
 
 
+def _checked_worker():
+    import torch.distributed as dist
+
+    from meshtrain.fault.desync import enable_collective_checks
+    from meshtrain.parallel.layout import Layout
+    from meshtrain.parallel.mesh import ParallelMesh
+
+    enable_collective_checks()  # debug_collectives: torch's checks wrap gloo's groups only
+    join_gloo()
+    mesh = ParallelMesh(Layout.parse("tp=2", 2), "cpu")
+    return end_together(dist.get_backend(mesh.mesh.get_group("tp")))
+
+
+@pytest.mark.timeout(60)
+def test_under_collective_checks_the_tp_axis_keeps_gloo():
+    assert run_workers(_checked_worker, 2, timeout=50) == ["gloo"] * 2
+
+
 @pytest.mark.timeout(200)
 def test_sequence_parallel_on_gloo_collectives_matches_one_process():
     # (test_tensor_parallel_trainer.py runs every tp layout on the shared-memory group)
