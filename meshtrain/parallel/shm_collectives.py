@@ -28,13 +28,32 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshtrain.parallel.shm_p2p import LocalP2PGroup, _Sent
+from meshtrain.parallel.shm_p2p import LocalP2PGroup
 
 BACKEND = "meshtrain_shm"
 # what is delegated to the gloo group as it is (the arguments c10d passes a backend)
 _GLOO = ("broadcast", "allgather", "allgather_coalesced", "allreduce_coalesced", "alltoall",
          "alltoall_base", "barrier", "gather", "reduce", "reduce_scatter", "scatter",
          "monitored_barrier", "recv_anysource")
+
+
+class _Done(dist.Work):
+    """A collective done when it returned; its future holds its output tensors, as gloo's."""
+
+    def __init__(self, outputs: list[torch.Tensor]):
+        super().__init__()
+        self.outputs = outputs
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future = torch.futures.Future()
+        future.set_result(self.outputs)
+        return future
 
 
 class SharedMemoryCollectives(LocalP2PGroup):
@@ -64,13 +83,13 @@ class SharedMemoryCollectives(LocalP2PGroup):
             return self._gloo.allreduce(tensors, opts)
         for tensor in tensors:
             self._all_reduce(tensor, average)
-        return _Sent()
+        return _Done(tensors)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for out, inp in zip(outputs, inputs):
             self.all_gather_on(out.view(-1) if out.is_contiguous() else out, inp.reshape(-1)
                                if out.is_contiguous() else inp, 0)
-        return _Sent()
+        return _Done(outputs)
 
     def all_gather_single(self, output, inp, opts=None):
         return self.allgather_into_tensor_coalesced([output], [inp], opts)
@@ -86,7 +105,7 @@ class SharedMemoryCollectives(LocalP2PGroup):
                 self.reduce_scatter_on(out.view(-1) if out.is_contiguous() else out,
                                        inp.reshape(-1) if out.is_contiguous() else inp, 0,
                                        average=average)
-        return _Sent()
+        return _Done(outputs)
 
     def reduce_scatter_single(self, output, inp, opts=None):
         return self.reduce_scatter_tensor_coalesced([output], [inp], opts)

@@ -83,6 +83,11 @@ def _collectives_worker():
     checks["funcol all_reduce"] = torch.allclose(
         funcol.wait_tensor(funcol.all_reduce(x, "sum", group)), seen["sum"], atol=0)
 
+    # an async caller's future (DDP's comm hooks chain on it) holds the outputs, as gloo's
+    y = torch.ones(3)
+    future = dist.all_reduce(y, group=group, async_op=True).get_future()
+    checks["future"] = torch.equal(future.wait()[0], torch.full((3,), float(n)))
+
     # on a later dim (sequence parallel's): chunks received into and sent from strided places
     act = torch.randn(3, 2 * n, 5, generator=gen)  # (batch, sequence, width)
     everyone = [torch.empty_like(act) for _ in range(n)]
