@@ -28,9 +28,10 @@ from meshtrain.errors import ConfigError
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 # What meshtrain sends through shared memory between the CPU processes of one host
 # (local_comm="auto", parallel/shm_p2p.py): FSDP2's all-gather and reduce-scatter
-# (parallel/fsdp_comm.py) and the pipeline's sends; measured again that way, up to SHARED_MAX
-# bytes (each pair of ranks maps rings of a few of the largest message)
-SHARED_OPS = ("all_gather", "reduce_scatter", "send_recv")
+# (parallel/fsdp_comm.py), the pipeline's sends and the tp axis's all-reduces
+# (parallel/shm_collectives.py); measured again that way, up to SHARED_MAX bytes (each pair
+# of ranks maps rings of a few of the largest message)
+SHARED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 KIB = 1024
 SHARED_MAX = 64 * KIB ** 2
 
@@ -88,7 +89,7 @@ def _operation(op: str, size: int, dist, device, rank: int, n: int, p2p=None):
         buf = torch.full((numel,), fill, device=device)
         def run():
             buf.fill_(fill)
-            dist.all_reduce(buf)
+            dist.all_reduce(buf, group=p2p)  # (p2p: the tp axis's shared-memory group)
         return run, lambda: buf[0].item() == n * (n + 1) / 2
     if op == "all_gather":
         out, mine = torch.empty(numel, device=device), torch.full((chunk,), fill, device=device)
@@ -224,16 +225,16 @@ def table_rows(rows: list[dict]) -> list[str]:
 def measure_shared(ops, sizes) -> list[dict]:
     """The :data:`SHARED_OPS` among ``ops`` through shared memory, when every rank of the gloo
     job shares this host's memory (else no rows): what a CPU job with local_comm="auto" pays."""
-    import torch
+    import torch.distributed as dist
 
-    from meshtrain.parallel.shm_p2p import local_p2p_group
+    from meshtrain.parallel import shm_collectives, shm_p2p
 
     shared = [op for op in ops if op in SHARED_OPS]
-    p2p = local_p2p_group([list(range(torch.distributed.get_world_size()))],
-                          torch.device("cpu"), "auto") if shared else None
-    if p2p is None:
+    if not shared or not shm_p2p.applies("cpu", "auto"):
         return []
-    return measure(shared, [size for size in sizes if size <= SHARED_MAX], p2p=p2p)
+    # the tp axis's group: its all-reduce, and the sends FSDP's and the pipeline's are made of
+    group = dist.new_group(list(range(dist.get_world_size())), backend=shm_collectives.BACKEND)
+    return measure(shared, [size for size in sizes if size <= SHARED_MAX], p2p=group)
 
 
 def _job(ops, sizes, json_path):
@@ -259,7 +260,8 @@ def _job(ops, sizes, json_path):
         print(table(rows, result["world_size"], backend), flush=True)
         if result["shared_rows"]:
             print("through shared memory, as meshtrain runs them on one host "
-                  "(local_comm='auto': FSDP2's all-gather and reduce-scatter, pipeline sends)",
+                  "(local_comm='auto': FSDP2's all-gather and reduce-scatter, pipeline sends, "
+                  "the tp axis's all-reduce)",
                   *table_rows(result["shared_rows"]), sep="\n", flush=True)
         print(f"drift: a collective between 10 ms bursts of compute waits "
               f"{result['drift_seconds'] * 1e3:.2f} ms more than back to back", flush=True)

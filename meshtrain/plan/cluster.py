@@ -61,8 +61,8 @@ class Cluster:
         sends through shared memory when its ranks share a host (a measured ``shared_table``)."""
         if ranks <= 1 or size <= 0:
             return 0.0
-        table = self.shared_table if shared and not crosses_nodes and self.shared_table \
-            else self.comm_table
+        table = self.shared_table if shared and not crosses_nodes and op in (
+            self.shared_table or {}) else self.comm_table  # (a table from before: gloo's rows)
         if table and op in table:
             measured = _interpolate(table[op], size)
             return measured * bus_factor(op, ranks) / bus_factor(op, self.table_ranks)

@@ -179,7 +179,7 @@ class Estimator:
                           max(probe.last.saved, (2 + (pp > 1)) * logits) if last else 0,
                           probe.block.saved - kept if c.activation_checkpointing else 0),
                       "reserved": cl.reserved,
-                      "transport": self._transport(layout, c, r, blocks, v),
+                      "transport": self._transport(layout, c, r, blocks, v, probe),
                       "step_temporaries": self._step_temporaries(layout, state.params)}
             if worst_memory is None or peak(memory, m > 1 or pp > 1) > peak(worst_memory,
                                                                                m > 1 or pp > 1):
@@ -235,12 +235,14 @@ class Estimator:
         outside = (probe.first.saved if first else 0) + (probe.last.saved if last else 0)
         return chunks * per_chunk * kept + max(1.0, micro_batches) * outside
 
-    def _transport(self, layout: Layout, c: Candidate, rank: int, blocks: int, v: int) -> float:
+    def _transport(self, layout: Layout, c: Candidate, rank: int, blocks: int, v: int,
+                   probe) -> float:
         """Bytes of the shared-memory rings a rank maps where its peers share the host and
         memory (a cluster measured with ``shared_table``: this machine, local_comm="auto"): per
         peer one it writes and one it reads (meshtrain/parallel/shm_p2p.py), each holding
-        RING_MESSAGES of the largest message: FSDP's share of its largest unit, or a pipeline's
-        activation of one micro-batch."""
+        RING_MESSAGES of the largest message: FSDP's share of its largest unit, a pipeline's
+        activation of one micro-batch, the tp axis's largest collective of one micro-batch
+        (an all-reduce sends its whole tensor to each peer with 2 ranks)."""
         if not self.cluster.shared_table:
             return 0.0
         from meshtrain.parallel.shm_p2p import MIN_RING, RING_MESSAGES
@@ -255,6 +257,9 @@ class Estimator:
             total += rings(shards - 1, max(self._fsdp_units(layout, whole, blocks)) / shards)
         if layout.degree("pp") > 1:
             total += rings(min(2, layout.degree("pp") - 1), self._stage_message(layout, c))
+        tp = [coll.bytes for coll in (*probe.block.comm, *probe.last.comm) if coll.axis == "tp"]
+        if tp:
+            total += rings(layout.degree("tp") - 1, max(tp) * c.micro_batch)
         return total
 
     def _fsdp_units(self, layout: Layout, whole: float, blocks: int) -> list[float]:
@@ -299,9 +304,9 @@ class Estimator:
         dpn = cl.devices_per_node
         inner = layout.degree("tp") * layout.degree("cp")
         tp_cp = 0.0
-        for coll in (*probe.block.comm * blocks, *probe.last.comm):
+        for coll in (*probe.block.comm * blocks, *probe.last.comm):  # tp's: shared memory
             tp_cp += cl.drift + cl.comm_seconds(coll.op, coll.bytes * c.micro_batch, coll.ranks,
-                                                crosses_nodes=inner > dpn)
+                                                crosses_nodes=inner > dpn, shared=coll.axis == "tp")
         pp = layout.degree("pp")
         p2p = 0.0
         if pp > 1:

@@ -28,7 +28,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from meshtrain.parallel.activation_checkpointing import SAVE_OPS
-from meshtrain.parallel.apply import ParallelOptions
 from meshtrain.parallel.layout import Layout
 from meshtrain.plan.simulate import default_options, fake_world, this_ranks_modules
 
@@ -47,11 +46,13 @@ _CPU_FLASH = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (4, 0)
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective: ``op`` as ``meshtrain bench comm`` names it, ``bytes`` as nccl-tests
-    sizes it (all_gather: the output; reduce_scatter: the input), over ``ranks`` ranks."""
+    sizes it (all_gather: the output; reduce_scatter: the input), over ``ranks`` ranks of mesh
+    axis ``axis`` ("tp", or "" for any other group)."""
 
     op: str
     bytes: int
     ranks: int
+    axis: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +88,9 @@ class Probe:
 class _Recorder(TorchDispatchMode):
     """FLOPs (on each rank's local shapes), collectives, and which op made each tensor."""
 
-    def __init__(self) -> None:
+    def __init__(self, tp_group: str | None = None) -> None:
         super().__init__()
+        self.tp_group = tp_group  # the name of the tp axis's group: its collectives are tagged
         self.flops = 0
         self.comm: list[Collective] = []
         self.saved_by_policy: set[int] = set()  # storages made by ops selective checkpointing keeps
@@ -127,7 +129,8 @@ class _Recorder(TorchDispatchMode):
         size = tensor.numel() * tensor.element_size()
         if _OPS[name] == "all_gather":
             size *= ranks
-        self.comm.append(Collective(_OPS[name], size, ranks))
+        self.comm.append(Collective(_OPS[name], size, ranks,
+                                    "tp" if group == self.tp_group else ""))
 
 
 def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -166,14 +169,17 @@ def _measure(spec, num_layers: int, tp: int, cp: int, sequence_parallel: bool, s
             model = spec.build(num_layers).to(dtype)
         options, pipeline = default_options(layout, None, None,
                                             sequence_parallel=sequence_parallel)
+        tp_group = None
         if layout.degrees:
             from meshtrain.parallel.mesh import ParallelMesh
 
-            (model,) = this_ranks_modules(model, ParallelMesh(layout, "cpu"), options, pipeline)
+            mesh = ParallelMesh(layout, "cpu")
+            (model,) = this_ranks_modules(model, mesh, options, pipeline)
+            tp_group = mesh.axis("tp").get_group().group_name if tp > 1 else None
         params = {_storage(p) for p in model.parameters()}
         blocks = spec.blocks(model)
         saved: dict[int, int] = {}
-        recorder = _Recorder()
+        recorder = _Recorder(tp_group)
         marks: dict[str, tuple[int, int]] = {}
         inputs = []
 

@@ -36,6 +36,7 @@ def test_tensor_parallel_collectives_are_megatrons():
     one, tp = probe_model(spec, seq_len=S), probe_model(spec, tp=2, seq_len=S)
     # two all-reduces of the hidden state forward, two backward, per block
     assert [(c.op, c.bytes, c.ranks) for c in tp.block.comm] == [("all_reduce", S * D * 4, 2)] * 4
+    assert {c.axis for c in tp.block.comm} == {"tp"}  # on the tp axis's group (shared memory)
     assert tp.block.saved < one.block.saved and tp.block.flops * 2 == one.block.flops
     sp = probe_model(spec, tp=2, sequence_parallel=True, seq_len=S)
     # the hidden state is gathered and scattered instead (the small all-reduces are the
@@ -190,3 +191,31 @@ def test_shared_memory_prices_fsdp_and_pipeline_sends_and_its_rings_count():
     assert Estimator(spec, shm, job).estimate(Candidate("pp=2,dp=4", 1)).memory["transport"] \
         == 2 * 1 * max(MIN_RING, RING_MESSAGES * activation)
     assert Estimator(spec, shm, job).estimate(Candidate("dp=8", 1)).memory["transport"] == 0
+
+
+def test_shared_memory_prices_the_tp_axis_when_its_table_has_all_reduce():
+    """The tp axis's collectives go through shared memory on one host (shm_collectives.py):
+    a shared table with all_reduce prices them (a table measured before has none: gloo's rows
+    then), and the rings its ranks map count."""
+    import dataclasses
+
+    from meshtrain.parallel.layout import Layout
+    from meshtrain.parallel.shm_p2p import MIN_RING, RING_MESSAGES
+
+    spec, job = ModelSpec.load(GPT), Job(16, S)
+    ops = ("all_gather", "reduce_scatter", "send_recv", "all_reduce")
+    gloo = dataclasses.replace(Cluster.preset("8xh100"), name="cpu", dtype="fp32",
+                               comm_table={op: [(1, 1e-3), (2**30, 1.0)] for op in ops})
+    before = dataclasses.replace(gloo, shared_table={op: [(1, 1e-5), (2**30, 0.01)]
+                                                     for op in ops[:3]})
+    shm = dataclasses.replace(gloo, shared_table={op: [(1, 1e-5), (2**30, 0.01)] for op in ops})
+    layout, candidate = "dp=4,tp=2", Candidate("dp=4,tp=2", 1)
+    slow = Estimator(spec, gloo, job).estimate(candidate).seconds["tp_cp_comm"]
+    fast = Estimator(spec, shm, job).estimate(candidate).seconds["tp_cp_comm"]
+    # without all_reduce rows only the logits' all-gather is priced by the shared table
+    assert fast < slow / 5 < Estimator(spec, before, job).estimate(candidate).seconds[
+        "tp_cp_comm"] < slow
+    probe = Estimator(spec, shm, job).probe(Layout.parse(layout, 8), candidate)
+    largest = max(c.bytes for c in (*probe.block.comm, *probe.last.comm) if c.axis == "tp")
+    assert Estimator(spec, shm, job).estimate(candidate).memory["transport"] == \
+        2 * 1 * max(MIN_RING, RING_MESSAGES * largest)
