@@ -7,8 +7,9 @@ rank measures its step time (median of the timed steps; the faster of two passes
 layouts, the slowest rank's) and its peak resident memory during
 ``fit`` above its resident size before (``meshtrain.observe.memory.peak_rss.PeakRSS``); a second run of
 2 steps measures the peak bytes of live tensors (``meshtrain.observe.memory.tensor_peak.TensorPeak``,
-which slows every operator, so not in the timed run): what the estimate counts, with the
-cluster's ``reserved`` allowance at 0. The resident peak is reported beside it (it adds what
+which slows every operator, so not in the timed run) plus the rings the tp axis's
+shared-memory group maps (written inside c10d's operators, where TensorPeak cannot see them):
+what the estimate counts, with the cluster's ``reserved`` allowance at 0. The resident peak is reported beside it (it adds what
 glibc's heap keeps after frees, the libraries' own buffers, gloo's threads). Reported:
 
 * pick/best: measured step time of the planner's pick over the fastest measured (goal <= 1.10);
@@ -34,7 +35,7 @@ from harness import end_process_group, machine, table, write_json
 
 from meshtrain.launch.spawn import run_workers
 from meshtrain.plan.cluster import Cluster
-from meshtrain.plan.estimate import Candidate, Estimator, Job
+from meshtrain.plan.estimate import Estimator, Job
 from meshtrain.plan.model_spec import ModelSpec
 from meshtrain.plan.planner import plan
 
@@ -70,9 +71,24 @@ def worker(model: str, settings: dict, steps: int, tensors: bool = False) -> dic
         trainer.fit(lambda: spec.build(), data,
                     optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
                     loss_fn=losses.cross_entropy())
+        rings = tp_rings(trainer) if tensors else 0  # (RSS holds the pages it touched)
         end_process_group()
     gaps = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
-    return {"step_s": statistics.median(gaps[1:] or gaps), "peak": peak.bytes}
+    return {"step_s": statistics.median(gaps[1:] or gaps), "peak": peak.bytes + rings,
+            "tp_rings": rings}
+
+
+def tp_rings(trainer) -> int:
+    """Bytes of the rings the tp axis's shared-memory group maps (shm_collectives.py): memory
+    the estimate counts that TensorPeak cannot see (they are written inside c10d's operators;
+    FSDP's and the pipeline's rings it sees)."""
+    from meshtrain.parallel.shm_collectives import SharedMemoryCollectives
+
+    mesh = trainer.mesh
+    if mesh is None or mesh.layout.degree("tp") == 1:
+        return 0
+    group = mesh.mesh.get_group("tp")
+    return group.mapped_bytes() if isinstance(group, SharedMemoryCollectives) else 0
 
 
 def measure(model: str, settings: dict, steps: int) -> dict:

@@ -293,6 +293,11 @@ class LocalP2PGroup(dist.ProcessGroup):
         for inbound in self._in.values():
             inbound.spin_s = seconds
 
+    def mapped_bytes(self) -> int:
+        """Bytes of the rings this rank maps now: the ones it writes and the ones it reads."""
+        return (sum(out.capacity for out in self._out.values())
+                + sum(inb.view.numel() for inb in self._in.values() if inb.view is not None))
+
     def set_timeout(self, timeout: timedelta) -> None:
         """How long a receive waits for its message before it fails."""
         for inbound in self._in.values():

@@ -257,7 +257,8 @@ class Estimator:
             total += rings(shards - 1, max(self._fsdp_units(layout, whole, blocks)) / shards)
         if layout.degree("pp") > 1:
             total += rings(min(2, layout.degree("pp") - 1), self._stage_message(layout, c))
-        tp = [coll.bytes for coll in (*probe.block.comm, *probe.last.comm) if coll.axis == "tp"]
+        tp = [_message(coll) for coll in (*probe.block.comm, *probe.last.comm)
+              if coll.axis == "tp"]
         if tp:
             total += rings(layout.degree("tp") - 1, max(tp) * c.micro_batch)
         return total
@@ -379,6 +380,12 @@ class Estimator:
             seconds += tensors * cl.comm_seconds("broadcast", state.params / tensors, ranks,
                                                  crosses_nodes=crosses)
         return seconds
+
+
+def _message(coll) -> float:
+    """The bytes a rank sends each peer at once in ``coll`` through shared memory
+    (shm_collectives.py): an all-reduce of 2 ranks its whole tensor, else a chunk."""
+    return coll.bytes if coll.op == "all_reduce" and coll.ranks == 2 else coll.bytes / coll.ranks
 
 
 def _block_bytes(spec: ModelSpec) -> int:

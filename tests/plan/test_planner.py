@@ -202,20 +202,23 @@ def test_shared_memory_prices_the_tp_axis_when_its_table_has_all_reduce():
     from meshtrain.parallel.layout import Layout
     from meshtrain.parallel.shm_p2p import MIN_RING, RING_MESSAGES
 
-    spec, job = ModelSpec.load(GPT), Job(16, S)
+    spec, job = ModelSpec.load(GPT), Job(32, S)
     ops = ("all_gather", "reduce_scatter", "send_recv", "all_reduce")
     gloo = dataclasses.replace(Cluster.preset("8xh100"), name="cpu", dtype="fp32",
                                comm_table={op: [(1, 1e-3), (2**30, 1.0)] for op in ops})
     before = dataclasses.replace(gloo, shared_table={op: [(1, 1e-5), (2**30, 0.01)]
                                                      for op in ops[:3]})
     shm = dataclasses.replace(gloo, shared_table={op: [(1, 1e-5), (2**30, 0.01)] for op in ops})
-    layout, candidate = "dp=4,tp=2", Candidate("dp=4,tp=2", 1)
+    layout, candidate = "dp=4,tp=2", Candidate("dp=4,tp=2", 8)  # a rank's 8 samples at once
     slow = Estimator(spec, gloo, job).estimate(candidate).seconds["tp_cp_comm"]
     fast = Estimator(spec, shm, job).estimate(candidate).seconds["tp_cp_comm"]
     # without all_reduce rows only the logits' all-gather is priced by the shared table
     assert fast < slow / 5 < Estimator(spec, before, job).estimate(candidate).seconds[
         "tp_cp_comm"] < slow
     probe = Estimator(spec, shm, job).probe(Layout.parse(layout, 8), candidate)
-    largest = max(c.bytes for c in (*probe.block.comm, *probe.last.comm) if c.axis == "tp")
+    # the largest message a rank sends its peer: the logits' all-gather, half of them
+    largest = max(c.bytes / 2 for c in probe.last.comm if c.op == "all_gather")
+    assert largest == S * spec.vocab_size * 4 / 2
+    assert RING_MESSAGES * largest * 8 > MIN_RING
     assert Estimator(spec, shm, job).estimate(candidate).memory["transport"] == \
-        2 * 1 * max(MIN_RING, RING_MESSAGES * largest)
+        2 * 1 * RING_MESSAGES * largest * 8  # a ring it writes and one it reads
