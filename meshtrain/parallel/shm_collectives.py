@@ -10,15 +10,16 @@ methods, so the group itself has to be the fast one: :class:`SharedMemoryCollect
 process-group backend ("meshtrain_shm", ``init_device_mesh(..., backend_override=...)``) built
 on :class:`~meshtrain.parallel.shm_p2p.LocalP2PGroup`'s sends and receives.
 
-What goes through shared memory: ``all_reduce`` (sum and average), ``all_gather_into_tensor``
-and ``reduce_scatter_tensor`` (sum and average), functional or not, and the same two on any dim
-(:meth:`~SharedMemoryCollectives.all_gather_on`, :meth:`~SharedMemoryCollectives.
-reduce_scatter_on`: sequence parallel's, ``sequence_parallel.py``). Everything else the axis
-is asked for (broadcast, scatter, barrier, object collectives, max/min reductions, all-to-all)
-goes to a gloo group over the same ranks that this group holds. Each collective is done when
-it returns (a send is one copy into the peer's ring and never waits; a receive waits for its
-message), on the calling thread. Every rank gets the same bits: with 2 ranks both add the same
-two tensors, with more each chunk is summed on one rank and then gathered.
+What goes through shared memory: ``all_reduce``, ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` (sum, average, max, min, product), functional or not, and the same
+two on any dim (:meth:`~SharedMemoryCollectives.all_gather_on`,
+:meth:`~SharedMemoryCollectives.reduce_scatter_on`: sequence parallel's,
+``sequence_parallel.py``). Everything else the axis is asked for (broadcast, scatter, barrier,
+object collectives, all-to-all) goes to a gloo group over the same ranks that this group
+holds. Each collective is done when it returns (a send is one copy into the peer's ring and
+never waits; a receive waits for its message), on the calling thread. Every rank gets the same
+bits: with 2 ranks both combine the same two tensors, with more each chunk is reduced on one
+rank and then gathered.
 """
 
 from __future__ import annotations
@@ -78,11 +79,11 @@ class SharedMemoryCollectives(LocalP2PGroup):
 
     # -- in shared memory --------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        average = _sum_or_average(opts, tensors)
-        if average is None:
+        reduction = _reduction(opts, tensors)
+        if reduction is None:
             return self._gloo.allreduce(tensors, opts)
         for tensor in tensors:
-            self._all_reduce(tensor, average)
+            self._all_reduce(tensor, *reduction)
         return _Done(tensors)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -95,16 +96,17 @@ class SharedMemoryCollectives(LocalP2PGroup):
         return self.allgather_into_tensor_coalesced([output], [inp], opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        average = _sum_or_average(opts, inputs)
+        reduction = _reduction(opts, inputs)
         for out, inp in zip(outputs, inputs):
-            if average is None:  # other reductions: gloo's all-reduce of a copy, then our part
-                whole = inp.clone()
+            if reduction is None:  # what shared memory does not take: gloo's all-reduce of a
+                whole = inp.clone()  # copy, then this rank's part
                 self._gloo.allreduce([whole], _allreduce_options(opts)).wait()
                 out.copy_(whole.view(-1).chunk(self.size())[self.rank()].view_as(out))
             else:
+                combine, average = reduction
                 self.reduce_scatter_on(out.view(-1) if out.is_contiguous() else out,
                                        inp.reshape(-1) if out.is_contiguous() else inp, 0,
-                                       average=average)
+                                       combine=combine, average=average)
         return _Done(outputs)
 
     def reduce_scatter_single(self, output, inp, opts=None):
@@ -135,32 +137,32 @@ class SharedMemoryCollectives(LocalP2PGroup):
             self.recv([chunks[r]], r, 0).wait()
 
     def reduce_scatter_on(self, out: torch.Tensor, inp: torch.Tensor, dim: int, *,
-                          average: bool = False) -> None:
-        """``out`` becomes this rank's chunk on ``dim`` of the sum (or mean) of every rank's
-        ``inp``: the other chunks sent straight from their place, the peers' parts of this one
-        added where they lie in shared memory."""
+                          combine: str = "sum", average: bool = False) -> None:
+        """``out`` becomes this rank's chunk on ``dim`` of the sum (or mean, max, min,
+        product) of every rank's ``inp``: the other chunks sent straight from their place, the
+        peers' parts of this one combined where they lie in shared memory."""
         parts = inp.chunk(self.size(), dim)
         for r in self._peers():
             self.send([parts[r]], r, 0)
         out.copy_(parts[self.rank()])
         for r in self._peers():
-            self.recv([out], r, 0, reduce=out.add_).wait()
+            self.recv([out], r, 0, reduce=_into(out, combine)).wait()
         if average:
             out.div_(self.size())
 
-    def _all_reduce(self, tensor: torch.Tensor, average: bool) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, combine: str, average: bool) -> None:
         n, me = self.size(), self.rank()
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-        if n == 2:  # one exchange: both ranks add the same two tensors (a + b == b + a)
+        if n == 2:  # one exchange: both ranks combine the same two tensors (a + b == b + a)
             peer = 1 - me
             self.send([flat], peer, 0)
-            self.recv([flat], peer, 0, reduce=flat.add_).wait()
-        else:  # each rank sums one chunk (reduce-scatter), then every chunk goes to all
+            self.recv([flat], peer, 0, reduce=_into(flat, combine)).wait()
+        else:  # each rank reduces one chunk (reduce-scatter), then every chunk goes to all
             parts = flat.tensor_split(n)
             for r in self._peers():
                 self.send([parts[r]], r, 0)
             for r in self._peers():
-                self.recv([parts[me]], r, 0, reduce=parts[me].add_).wait()
+                self.recv([parts[me]], r, 0, reduce=_into(parts[me], combine)).wait()
             for r in self._peers():
                 self.send([parts[me]], r, 0)
             for r in self._peers():
@@ -171,16 +173,30 @@ class SharedMemoryCollectives(LocalP2PGroup):
             tensor.copy_(flat.view_as(tensor))
 
 
-def _sum_or_average(opts, tensors) -> bool | None:
-    """True for an average, False for a sum, None for what goes to gloo (another reduction,
-    or tensors shared memory does not take: not on the CPU, booleans)."""
+_COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
+
+
+def _into(out: torch.Tensor, combine: str):
+    """``out`` combined in place with a message (where it lies in shared memory)."""
+    op = _COMBINE[combine]
+    return lambda message: op(out, message, out=out)
+
+
+def _reduction(opts, tensors) -> tuple[str, bool] | None:
+    """(how two values combine, whether the result is divided by the ranks: an average), or
+    None for what goes to gloo (another reduction, or tensors shared memory does not take:
+    not on the CPU, booleans, an average of integers, max / min of complex numbers)."""
     op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
     if any(t.device.type != "cpu" or t.dtype == torch.bool for t in tensors):
         return None
-    if op == dist.ReduceOp.SUM:
-        return False
-    if op == dist.ReduceOp.AVG and all(t.is_floating_point() or t.is_complex() for t in tensors):
-        return True
+    floating = all(t.is_floating_point() or t.is_complex() for t in tensors)
+    ordered = not any(t.is_complex() for t in tensors)
+    for kind, combine, average, allowed in (
+            (dist.ReduceOp.SUM, "sum", False, True), (dist.ReduceOp.AVG, "sum", True, floating),
+            (dist.ReduceOp.MAX, "max", False, ordered), (dist.ReduceOp.MIN, "min", False, ordered),
+            (dist.ReduceOp.PRODUCT, "product", False, True)):
+        if op == kind:
+            return (combine, average) if allowed else None
     return None
 
 

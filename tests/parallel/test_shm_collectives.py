@@ -48,9 +48,13 @@ def _collectives_worker():
     dist.all_reduce(avg, op=dist.ReduceOp.AVG, group=group)  # (gloo has no average)
     checks["all_reduce avg"] = torch.allclose(avg, theirs / n, atol=1e-6)
     seen["avg"] = avg
-    ours, theirs = both(lambda: x.clone(), reduced(dist.ReduceOp.MAX))  # gloo's, delegated
-    checks["all_reduce max"] = torch.equal(ours, theirs)
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+        ours, theirs = both(lambda: x.clone(), reduced(op))
+        checks[f"all_reduce {op}"] = torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+        seen[f"{op}"] = ours
     ints = torch.randint(-1000, 1000, (37,), generator=gen)
+    ours, theirs = both(lambda: ints.clone(), reduced(dist.ReduceOp.MAX))
+    checks["all_reduce max int64"] = torch.equal(ours, theirs)
     ours, theirs = both(lambda: ints.clone(), reduced(dist.ReduceOp.SUM))
     checks["all_reduce int64"] = torch.equal(ours, theirs)
     grid = torch.randn(6, 5, generator=gen)
@@ -80,6 +84,9 @@ def _collectives_worker():
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=gloo)
     dist.reduce_scatter_tensor(out, whole, op=dist.ReduceOp.MAX, group=group)
     checks["reduce_scatter max"] = torch.equal(out, peak.chunk(n)[rank])
+    flags = torch.tensor([rank % 2 == 0, True, False])  # booleans: gloo's, delegated
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    checks["all_reduce bool"] = flags.tolist() == [True, True, False]
     checks["funcol all_reduce"] = torch.allclose(
         funcol.wait_tensor(funcol.all_reduce(x, "sum", group)), seen["sum"], atol=0)
 
