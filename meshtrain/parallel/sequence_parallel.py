@@ -7,9 +7,8 @@ column-parallel pair they are all-gathered (backward: the partial input gradient
 reduce-scattered back to shards); after a row-parallel pair the partial sums are
 reduce-scattered (backward: the shards' gradients are all-gathered). DTensor's
 ``redistribute`` does the same with a plan per call and, on a dim other than 0, one more copy
-of the activation (functional collectives gather on dim 0, then ``torch.cat`` the chunks):
-1.3x the collectives' own time on 2 CPU ranks here (``benchmarks/README.md``,
-tensor_parallel.py). On the tp axis's shared-memory group (``shm_collectives.py``) the chunks
+of the activation (functional collectives gather on dim 0, then ``torch.cat`` the chunks; the
+reduce-scatter the other way round). On the tp axis's shared-memory group (``shm_collectives.py``) the chunks
 are received straight into their place in the output and sent straight from theirs; on any
 other group torch's functional collectives do it (NCCL, gloo), as DTensor would, without the
 planning. Under ``CommDebugMode`` (``tp_debug.comm_counts``) the functional path is taken so
