@@ -240,9 +240,14 @@ class _Inbound:
         assert self.pending, f"a message from rank {self.peer} with no receive posted for it"
         work = self.pending.popleft()
         out = work.tensor
-        assert work.tag == tag and out.numel() * out.element_size() == nbytes, (
-            f"message from rank {self.peer} (tag {tag}, {nbytes} bytes) does not match the "
-            f"receive posted first (tag {work.tag}, {tuple(out.shape)} {out.dtype})")
+        if work.tag != tag or out.numel() * out.element_size() != nbytes:
+            # the ranks called different operations (a collective of another size, a skipped
+            # one): as gloo, an error on the spot, not a misread
+            raise RuntimeError(
+                f"meshtrain_p2p: the message from rank {self.peer} (tag {tag}, {nbytes} bytes) "
+                f"does not match what this rank waits for (tag {work.tag}, {tuple(out.shape)} "
+                f"{out.dtype}, {out.numel() * out.element_size()} bytes): the ranks called "
+                "different collectives or sends (a desync; debug_collectives=True names where)")
         chunk = self.view[at:at + nbytes]
         if work.reduce is not None:
             work.reduce(chunk.view(out.dtype).view(out.shape))

@@ -170,6 +170,29 @@ def _timeout_worker():
     return end_together((error, time.perf_counter() - t0))
 
 
+def _mismatch_worker():
+    import torch.distributed as dist
+
+    from meshtrain.parallel import shm_collectives
+
+    rank, _ = join_gloo()
+    group = dist.new_group([0, 1], backend=shm_collectives.BACKEND)
+    error = None
+    try:  # the ranks disagree on the size: a desync
+        dist.all_reduce(torch.ones(3 + rank), group=group)
+    except RuntimeError as e:
+        error = str(e)
+    return end_together(error)
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_of_another_size_on_each_rank_is_an_error_naming_both():
+    for rank, error in enumerate(run_workers(_mismatch_worker, 2, timeout=50)):
+        mine, theirs = 4 * (3 + rank), 4 * (3 + 1 - rank)
+        assert f"({theirs} bytes)" in error.replace("tag 0, ", "") and f"{mine} bytes" in error
+        assert "desync" in error
+
+
 @pytest.mark.timeout(60)
 def test_a_rank_that_never_joins_times_out_after_the_collective_timeout():
     _, (error, seconds) = run_workers(_timeout_worker, 2, timeout=50)
