@@ -1,4 +1,4 @@
-"""How evenly the pipeline splits of ``meshtrain.parallel.partition.partition_blocks`` spread
+"""How evenly the pipeline splits of ``meshtrain.parallel.pipeline.partition.partition_blocks`` spread
 the forward + backward time over the stages.
 
 A pipeline's step is set by its slowest stage, so for K stages the split's max/mean stage time is
@@ -44,7 +44,7 @@ from harness import WallClock, machine, table, write_json
 from torch import nn
 
 from meshtrain.models.gpt import GPT, Block, GPTConfig
-from meshtrain.parallel.partition import partition_blocks
+from meshtrain.parallel.pipeline.partition import partition_blocks
 
 HIDDEN = [64, 64, 64, 64, 448, 256, 256, 256]  # the old unit test's uneven blocks
 STAGES = (2, 4)

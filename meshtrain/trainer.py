@@ -39,7 +39,7 @@ from meshtrain.observe.step_timer import TimedBatches
 from meshtrain.parallel.apply import ParallelOptions
 from meshtrain.parallel.engine import plan_batches
 from meshtrain.parallel.mesh import ParallelMesh
-from meshtrain.parallel.pipeline_engine import PipelineOptions
+from meshtrain.parallel.pipeline.engine import PipelineOptions
 from meshtrain.plan.auto import auto_pins
 from meshtrain.sweep.trial import trial_callbacks
 

@@ -128,7 +128,7 @@ def test_compile_on_cuda_matches_eager(mode):
 
 # -- block timing with CUDA events --------------------------------------------------------------
 def test_block_times_on_cuda_come_from_events_and_rank_the_blocks():
-    from meshtrain.parallel.partition import _clock_for, _CudaEventClock, block_time_costs
+    from meshtrain.parallel.pipeline.partition import _clock_for, _CudaEventClock, block_time_costs
 
     assert isinstance(_clock_for(torch.device("cuda", 0)), _CudaEventClock)
     small, large = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)

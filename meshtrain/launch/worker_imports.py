@@ -28,8 +28,8 @@ import meshtrain.optim
 import meshtrain.parallel.context_parallel
 import meshtrain.parallel.data_parallel
 import meshtrain.parallel.local_sgd
-import meshtrain.parallel.partition
-import meshtrain.parallel.pipeline_check
+import meshtrain.parallel.pipeline.partition
+import meshtrain.parallel.pipeline.check
 import meshtrain.parallel.shm_p2p
 import meshtrain.parallel.sync_batchnorm
 import meshtrain.parallel.tp_debug

@@ -89,9 +89,9 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
     """Checks that need the model but no process group (run on a meta-device copy; None when
     the model cannot be built there: then only what needs no model). ``sample_inputs`` and
     ``original`` (the user's module or factory): the pipeline's check against the model's
-    forward, run once before the processes start (pipeline_check.py)."""
+    forward, run once before the processes start (pipeline/check.py)."""
     if layout.degree("pp") > 1 and pipeline is not None:
-        from meshtrain.parallel.pipeline_engine import check_pipeline_layout
+        from meshtrain.parallel.pipeline.engine import check_pipeline_layout
 
         check_pipeline_layout(model, layout, pipeline, loss_fn=loss_fn,
                               num_microbatches=num_microbatches, batch_size=batch_size,
@@ -217,7 +217,7 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
         model = model.to(device)
     common = dict(device=device, options=options, precision=precision, loss_fn=loss_fn)
     if mesh.layout.degree("pp") > 1:
-        from meshtrain.parallel.pipeline_engine import apply_pipeline
+        from meshtrain.parallel.pipeline.engine import apply_pipeline
 
         engine = apply_pipeline(model, mesh, pipeline=pipeline, num_microbatches=grad_accum_steps,
                                 sample_inputs=sample_inputs, log=log, run_dir=run_dir,

@@ -10,7 +10,7 @@ Trainer's loop calls, for each optimizer step::
 
 and ``engine.eval_loss(batch)`` for validation, ``engine.mesh.mean_loss(x)`` for logging. This
 class serves data, sharded, tensor and context parallel layouts, where the loop's micro-batches
-accumulate gradients; :class:`~meshtrain.parallel.pipeline_engine.PipelineEngine` serves ``pp``,
+accumulate gradients; :class:`~meshtrain.parallel.pipeline.engine.PipelineEngine` serves ``pp``,
 where a schedule runs the micro-batches.
 """
 

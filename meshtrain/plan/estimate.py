@@ -138,7 +138,7 @@ class Estimator:
     def pipeline(self, stages_per_rank: int, schedule: str):
         """The PipelineOptions of a candidate (Hugging Face models: their own adapter)."""
         from meshtrain.models.hf import hf_pp_support
-        from meshtrain.parallel.pipeline_engine import PipelineOptions
+        from meshtrain.parallel.pipeline.engine import PipelineOptions
 
         return PipelineOptions(adapter=hf_pp_support, schedule=schedule,
                                stages_per_rank=stages_per_rank)

@@ -122,7 +122,7 @@ class ModelStateSizes:
     def _stage_names(self, layout: Layout, pp_rank: int, pipeline=None) -> set[str]:
         """The parameter names pipeline rank ``pp_rank``'s stages hold: the blocks of its stages
         (split as the Trainer splits them), the embedding on the first and the head on the last."""
-        from meshtrain.parallel.partition import partition_blocks
+        from meshtrain.parallel.pipeline.partition import partition_blocks
         from meshtrain.parallel.pipeline import rank_stages
         from meshtrain.plan.simulate import default_options
 
@@ -147,7 +147,7 @@ class ModelStateSizes:
         into two stages, learned once."""
         if self._roles is None:
             from meshtrain.parallel.pipeline import pipeline_blocks, split_model
-            from meshtrain.parallel.pipeline_engine import pipeline_adapter
+            from meshtrain.parallel.pipeline.engine import pipeline_adapter
 
             def stage(index: int | None):
                 with torch.device("meta"):

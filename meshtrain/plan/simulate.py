@@ -101,7 +101,7 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
 def default_options(layout: Layout, options, pipeline, *, sequence_parallel: bool = False):
     """``options`` and ``pipeline``, or as the Trainer makes them (Hugging Face models: their
     own plans)."""
-    from meshtrain.parallel.pipeline_engine import PipelineOptions
+    from meshtrain.parallel.pipeline.engine import PipelineOptions
 
     if options is None:
         from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_tp_plans
@@ -136,9 +136,9 @@ def this_ranks_modules(model, mesh: ParallelMesh, options, pipeline) -> list[tor
     if mesh.layout.degree("pp") == 1:
         parallelize(model, mesh, device=cpu, options=options, ddp=False)
         return [model]
-    from meshtrain.parallel.partition import partition_blocks
+    from meshtrain.parallel.pipeline.partition import partition_blocks
     from meshtrain.parallel.pipeline import pipeline_blocks, rank_stages, split_model
-    from meshtrain.parallel.pipeline_engine import pipeline_adapter
+    from meshtrain.parallel.pipeline.engine import pipeline_adapter
 
     if pipeline.balance != "params" and pipeline.split_points is None:
         raise ConfigError(f"pp_balance={pipeline.balance!r} measures the blocks on real data; "

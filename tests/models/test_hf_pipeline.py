@@ -15,8 +15,8 @@ from meshtrain.models.hf import pipeline as hf_pipeline
 from meshtrain.models.hf import (
     causal_lm_loss, hf_pp_support, random_token_data, tiny_causal_lm, tiny_gpt2, tiny_llama,
 )
-from meshtrain.parallel.pipeline_engine import merge_stages
-from meshtrain.parallel.pipeline_check import check_stage_forward
+from meshtrain.parallel.pipeline.engine import merge_stages
+from meshtrain.parallel.pipeline.check import check_stage_forward
 
 torch.set_num_threads(1)
 STEPS, BATCH, MICRO = 6, 8, 2

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from meshtrain.errors import ConfigError
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel import partition
-from meshtrain.parallel.partition import (
+from meshtrain.parallel.pipeline import partition
+from meshtrain.parallel.pipeline.partition import (
     block_memory_costs, block_param_counts, block_time_costs, min_max_partition,
     partition_blocks, stage_costs,
 )

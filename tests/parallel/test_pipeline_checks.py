@@ -127,7 +127,7 @@ def test_positional_term_added_in_forward_is_refused_before_any_process(
 
 def test_a_factory_too_big_to_build_is_checked_on_its_meta_copy(monkeypatch):
     from meshtrain.checks import inspect_model
-    from meshtrain.parallel import pipeline_check
+    from meshtrain.parallel.pipeline import check as pipeline_check
 
     monkeypatch.setattr(pipeline_check, "BUILD_LIMIT", 0)
     built = []
@@ -168,7 +168,7 @@ def test_shared_module_tie_is_refused_before_any_process(rank_0_of_two, tmp_path
 
 # ---- (d) conventional models pass ---------------------------------------------------------------
 def test_conventional_models_pass_the_check(monkeypatch):
-    from meshtrain.parallel import pipeline_check
+    from meshtrain.parallel.pipeline import check as pipeline_check
 
     inputs = token_data().tensors[0][:2]
     pipeline_check.check_stage_forward(tiny_gpt(num_layers=4), inputs)
@@ -181,7 +181,7 @@ def test_conventional_models_pass_the_check(monkeypatch):
 
 
 def test_trainer_runs_the_check_and_an_ordinary_gpt_passes(rank_0_of_two, tmp_path, monkeypatch):
-    from meshtrain.parallel import pipeline_check
+    from meshtrain.parallel.pipeline import check as pipeline_check
 
     checked = []
     original = pipeline_check.check_stage_forward
@@ -195,7 +195,7 @@ def test_trainer_runs_the_check_and_an_ordinary_gpt_passes(rank_0_of_two, tmp_pa
 
 # ---- (c) time/memory balancing: one split on every rank -----------------------------------------
 def _split_with_rank_dependent_costs(run_dir, balance):
-    from meshtrain.parallel import partition
+    from meshtrain.parallel.pipeline import partition
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])

@@ -161,7 +161,7 @@ UNEQUAL_FNS = dict(model_fn=UnequalModel, data_fn=token_data, loss_fn=lm_loss,
 
 def test_the_unequal_model_costs_give_three_different_splits():
     """The premise of the Trainer tests below, checked on the costs themselves (one process)."""
-    from meshtrain.parallel.partition import partition_blocks
+    from meshtrain.parallel.pipeline.partition import partition_blocks
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

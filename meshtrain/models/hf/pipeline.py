@@ -12,7 +12,7 @@ after them on the last stage only. It runs the model's *own* forward, so masks (
 window, per-layer attention types), positions and rotary embeddings are computed as the model
 computes them: the first stage from ``input_ids``, the others from ``inputs_embeds`` (the hidden
 state), each with the config's ``layer_types`` cut to its layers; the last stage returns the
-logits. pipeline_check.py verifies before any process starts, on samples of the configured
+logits. pipeline/check.py verifies before any process starts, on samples of the configured
 length, that stages of one layer each compose to the model's forward, and refuses the model
 otherwise (e.g. a forward that scales ``inputs_embeds`` again on every stage).
 

@@ -60,7 +60,7 @@ def pipeline_adapter(model, options: PipelineOptions):
     model: meshtrain.models.hf.pipeline), or None. An adapter has ``blocks(model)``,
     ``split(model, split_points, stage_index)`` (as :func:`~meshtrain.parallel.pipeline.
     split_model`), ``split_batch(batch) -> (inputs, targets)``, ``loss_fn`` (used when fit gets
-    none), and for pipeline_check.py ``stage_forward(model, x)``, ``model_output(output)``,
+    none), and for pipeline/check.py ``stage_forward(model, x)``, ``model_output(output)``,
     ``example_inputs(model)`` and ``post_modules``."""
     if options.adapter is None or model is None:
         return None
@@ -72,7 +72,7 @@ def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
                           original=None) -> None:
     """Checks on the model (a meta-device copy, or None when it cannot be built there) and the
     settings, before any process group exists. With ``sample_inputs`` (once, before the
-    processes start), also that the stages compute the model's forward (pipeline_check.py;
+    processes start), also that the stages compute the model's forward (pipeline/check.py;
     ``original``: the module or factory the user gave)."""
     from meshtrain.parallel.pipeline import check_pipeline, pipeline_blocks
 
@@ -95,7 +95,7 @@ def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
                        schedule=options.schedule, num_microbatches=num_microbatches,
                        stages_per_rank=options.stages_per_rank, batch_size=batch_size)
     if sample_inputs is not None:
-        from meshtrain.parallel.pipeline_check import check_before_start
+        from meshtrain.parallel.pipeline.check import check_before_start
 
         check_before_start(model, original, sample_inputs, adapter)
 
@@ -122,7 +122,7 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
                    parallelize: Callable) -> PipelineEngine:
     """Split ``model`` into stages, keep this rank's, ``parallelize`` each (TP, checkpointing,
     FSDP as for a whole model), and build the schedule."""
-    from meshtrain.parallel.partition import partition_blocks
+    from meshtrain.parallel.pipeline.partition import partition_blocks
     from meshtrain.parallel.pipeline import (
         PipelineRunner, pipeline_blocks, rank_stages, split_model,
     )

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.pipeline import _POST, pipeline_blocks
+from meshtrain.parallel.pipeline.stages import _POST, pipeline_blocks
 
 #: a factory's model is built for real (once, before the processes) up to this many parameter
 #: elements; a larger one is checked on its meta-device copy: uses and shapes, not values
