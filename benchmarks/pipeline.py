@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from harness import (
-    WallClock, end_process_group, hang_guard, in_ms, init_gloo, machine, mean_time,
+    WallClock, end_process_group, fmt, hang_guard, in_ms, init_gloo, machine, mean_time,
     median_time, paired_ratio, slower_rank, table, write_json,
 )
 
@@ -300,7 +300,7 @@ def host_per_action(ranks: list[dict], name: str, actions: int) -> dict:
 
 
 def summarize(cfg: Config, ranks: list[dict]) -> dict:
-    from meshtrain.parallel.pipeline import bubble_fraction, ideal_bubble_fraction
+    from meshtrain.parallel.pipeline import bubble_fraction, ideal_bubble_fraction, replay
 
     step_s = slower_rank(ranks, "step_s")  # the baselines ran on rank 0 only
     summary: dict[str, dict] = {}
@@ -323,9 +323,20 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
             chosen = min(range(len(bubbles)), key=lambda i: abs(bubbles[i] - median_bubble))
             events = _events(timelines[chosen])
             times = step_s[name]
+            host = host_per_action(ranks, name, 2 * v * m)
+            handoff_ms = statistics.median(h[-1] for t in timelines for h in handoffs(t))
+            # the same recorded actions replayed: with free communication and no host work
+            # (what the schedule and these stage times leave), and with the handoff and the host
+            # time per action measured here (how much of the bubble those two explain)
+            replayed = [bubble_fraction(replay(_events(t))) for t in timelines]
+            with_costs = [bubble_fraction(replay(_events(t), handoff_s=handoff_ms / 1e3,
+                                                 host_s=host["host_ms_per_action"] / 1e3))
+                          for t in timelines]
             summary[name] = {
                 "schedule": schedule, "m": m, "v": v,
                 "bubble": median_bubble, "bubbles": bubbles, "formula": formula,
+                "replay_bubble": statistics.median(replayed),
+                "replay_with_costs_bubble": statistics.median(with_costs),
                 **in_ms(times),
                 "x_gpipe": paired_ratio(times, gpipe),
                 # meshtrain's row against the raw schedule's, where one ran
@@ -347,13 +358,13 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 "l_ms": 1e3 * statistics.mean(e.end - e.start for e in events if e.kind == "L"),
                 "span_ms": 1e3 * (max(e.end for e in events) - min(e.start for e in events)),
                 "excess_ms_per_action": 1e3 * statistics.median(excess),
-                "handoff_ms": statistics.median(h[-1] for t in timelines for h in handoffs(t)),
+                "handoff_ms": handoff_ms,
                 # the first of the step: stage 0's first forward output to stage 1
                 "first_handoff_ms": statistics.median(
                     h[-1] for t in timelines for h in handoffs(t) if h[:3] == (1, 0, "F")),
                 # per F or B action (2*v*m per rank), the slower rank's median: host time
                 # (posting p2p + the schedule's Python + meshtrain's), and its posting part
-                **host_per_action(ranks, name, 2 * v * m),
+                **host,
                 "send_ms": send_ms,  # one activation (or its gradient) to the other rank
                 "shm_send_ms": shm_send_ms,  # the same through shared memory
                 "timeline": timelines[chosen],
@@ -367,10 +378,12 @@ def format_table(summary: dict) -> str:
     """Two tables: the bubble (and what it is made of), then step times and their ratios."""
     cases = [row for row in summary.values() if "schedule" in row]
     bubble = table(
-        ("schedule", "v", "m", "bubble", "formula", "excess/action ms", "F ms", "L ms", "B ms",
-         "host/action ms", "post/action ms", "send ms", "shm send ms", "handoff ms",
-         "1st handoff ms"),
+        ("schedule", "v", "m", "bubble", "formula", "x formula", "replay", "replay+costs",
+         "excess/action ms", "F ms", "L ms", "B ms", "host/action ms", "post/action ms",
+         "send ms", "shm send ms", "handoff ms", "1st handoff ms"),
         [(r["schedule"], str(r["v"]), str(r["m"]), f"{r['bubble']:.3f}", f"{r['formula']:.3f}",
+          f"{r['bubble'] / r['formula']:.2f}", fmt(r.get("replay_bubble"), ".3f"),
+          fmt(r.get("replay_with_costs_bubble"), ".3f"),
           f"{r['excess_ms_per_action']:.2f}", f"{r['f_ms']:.1f}",
           f"{r.get('l_ms', float('nan')):.2f}", f"{r['b_ms']:.1f}",
           f"{r.get('host_ms_per_action', float('nan')):.3f}",

@@ -12,7 +12,7 @@ from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.pipeline import (
     SCHEDULES, PipelineRunner, TimelineEvent, bubble_fraction, check_pipeline, clip_grad_norm_,
-    ideal_bubble_fraction, pipeline_blocks, plot_timeline, rank_stages, split_model,
+    ideal_bubble_fraction, pipeline_blocks, plot_timeline, rank_stages, replay, split_model,
 )
 
 CONFIG = dict(vocab_size=16, seq_len=8, num_layers=4, d_model=16, num_heads=2)
@@ -248,6 +248,14 @@ def test_timeline_records_every_action_and_plots_and_steps_accumulate(tmp_path):
                 assert done["F"].end <= done["L"].start <= done["L"].end <= backward.start
         bubble = bubble_fraction(events)
         assert 0 < bubble < 1
+        # the same actions replayed with free communication: each starts no later, so the
+        # bubble left by the schedule and these stage times is at most the measured one
+        again = replay(events)
+        assert sorted((e.rank, e.stage, e.microbatch, e.kind, round(e.end - e.start, 9))
+                      for e in again) == sorted((e.rank, e.stage, e.microbatch, e.kind,
+                                                 round(e.end - e.start, 9)) for e in events)
+        assert bubble_fraction(again) <= bubble + 1e-9
+        assert bubble_fraction(replay(events, handoff_s=0.01)) > bubble_fraction(again)
         png = tmp_path / f"{schedule}.png"
         plot_timeline(events, png, title=f"{schedule}: measured {bubble:.2f}, ideal "
                                         f"{ideal_bubble_fraction(PP, MICRO, v):.2f}")
@@ -264,3 +272,44 @@ def test_bubble_fraction_of_an_ideal_gpipe_timeline():
             events.append(TimelineEvent(rank, rank, mb, "B", start, start + 1))
     assert bubble_fraction(events) == pytest.approx(ideal_bubble_fraction(p, m))
     assert ideal_bubble_fraction(4, 8) == pytest.approx(3 / 11)
+
+
+def one_f_one_b(stretch: float) -> list[TimelineEvent]:
+    """p=2, m=4 in torch's 1F1B order (F 1 unit, B 2, the loss 0.5 on the last stage), each
+    action started ``stretch`` after the previous one of its rank ended (gaps: host time)."""
+    orders = {0: ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
+              1: ["F0", "L0", "B0", "F1", "L1", "B1", "F2", "L2", "B2", "F3", "L3", "B3"]}
+    events = []
+    for rank, order in orders.items():
+        t = rank * 5.0  # the recorded starts need not be feasible times: only their order counts
+        for action in order:
+            kind, mb = action[0], int(action[1:])
+            t += stretch
+            events.append(TimelineEvent(rank, rank, mb, kind, t, t + {"F": 1, "L": .5, "B": 2}[kind]))
+            t = events[-1].end
+    return events
+
+
+def test_replay_of_equal_stages_with_free_communication_gives_the_formula():
+    events = one_f_one_b(stretch=0.7)
+    again = replay(events)
+    # worked by hand: rank 1 ends B3 at 15 (F3 waits for B2, 11.5), rank 0's B3 runs 15-17
+    busy = {0: 4 * 3.0, 1: 4 * 3.5}
+    span = max(e.end for e in again) - min(e.start for e in again)
+    assert span == pytest.approx(17.0)
+    assert bubble_fraction(again) == pytest.approx(1 - (busy[0] + busy[1]) / 2 / span)
+    no_loss = [e for e in events if e.kind != "L"]
+    assert bubble_fraction(replay(no_loss)) == pytest.approx(ideal_bubble_fraction(2, 4))
+    assert bubble_fraction(events) > bubble_fraction(again)
+    # host time before every action and a handoff between ranks lengthen it accordingly
+    slow = replay(no_loss, handoff_s=0.25, host_s=0.1)
+    assert bubble_fraction(slow) > bubble_fraction(replay(no_loss, host_s=0.1)) > (
+        ideal_bubble_fraction(2, 4))
+
+
+def test_replay_refuses_an_order_that_cannot_run():
+    events = one_f_one_b(stretch=0.0)
+    b0 = next(e for e in events if (e.rank, e.kind, e.microbatch) == (0, "B", 0))
+    early = [TimelineEvent(0, 0, 0, "B", -1.0, 1.0) if e is b0 else e for e in events]
+    with pytest.raises(ValueError, match="cannot run in their order"):
+        replay(early)
