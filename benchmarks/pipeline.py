@@ -19,11 +19,11 @@ formula is ``ideal_bubble_fraction``: (p-1)/(m+p-1), and (p-1)/(v*m+p-1) interle
 Sends: meshtrain's rows pass activations and gradients through shared memory, as the Trainer
 does for CPU stages on one host (``local_comm="auto"``, meshtrain/parallel/shm_p2p.py); the
 ``gloo-p2p-*`` rows run the same stages on gloo's own send/recv (``local_comm="backend"``), the
-``no-poll-*`` rows run them on shared memory whose receivers sleep at once instead of polling
-first (``LocalP2PGroup.set_spin(0)``), the ``raw-*`` rows drive torch.distributed.pipelining
-directly on gloo (pipeline_peers.py). Host time
-per action: a step's wall time minus its F/L/B compute minus the time spent waiting for p2p
-(``_wait_batch_p2p``), per F or B action: posting p2p, the schedule's Python, meshtrain's work.
+``torch-loop-*`` row runs interleaved 1F1B on shared memory through torch's own action loop
+instead of meshtrain's leaner one (meshtrain/parallel/pipeline/runtime.py), the ``raw-*`` rows
+drive torch.distributed.pipelining directly on gloo (pipeline_peers.py). Host time per action: a
+step's wall time minus its F/L/B compute minus the time spent waiting for p2p, per F or B
+action: posting p2p, the schedule's Python, meshtrain's work.
 
 Step time: forward + backward over all micro-batches + AdamW step + zero_grad, timed over
 ``--steps`` consecutive steps after ``--warmup`` untimed ones (the slower rank's clock). The
@@ -64,8 +64,8 @@ PLOT_M = 4  # the timelines drawn (else the smallest m run)
 RAW = (("1f1b", 1), ("interleaved-1f1b", 2))  # raw torch.distributed.pipelining, at the largest m
 # meshtrain's stages on gloo's own send/recv (local_comm="backend"), at the largest m: the "before"
 GLOO_P2P = (("1f1b", 1), ("interleaved-1f1b", 2))
-# the same on shared memory, its receivers sleeping at once instead of polling first
-NO_POLL = (("1f1b", 1), ("interleaved-1f1b", 2))
+# the same on shared memory through torch's own action loop (1F1B and GPipe have only that)
+TORCH_LOOP = (("interleaved-1f1b", 2),)
 
 
 @dataclass(frozen=True)
@@ -136,10 +136,8 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
                 for m in cfg.microbatches for schedule, v in SCHEDULES]
     variants += [(schedule, v, top, None, case_name(f"gloo-p2p-{schedule}", top))
                  for schedule, v in GLOO_P2P]
-    sleeper = local_p2p_group([list(range(cfg.pp))], torch.device("cpu"), "auto")
-    sleeper.set_spin(0.0)
-    variants += [(schedule, v, top, sleeper, case_name(f"no-poll-{schedule}", top))
-                 for schedule, v in NO_POLL]
+    variants += [(schedule, v, top, shm, case_name(f"torch-loop-{schedule}", top))
+                 for schedule, v in TORCH_LOOP]
     for schedule, v, m, p2p, name in variants:
         num_stages = cfg.pp * v
         indices = rank_stages(rank, cfg.pp, v, schedule)
@@ -149,6 +147,7 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
         runner = PipelineRunner(stages, indices, num_stages, group, torch.device("cpu"),
                                 schedule=schedule, num_microbatches=m, loss_fn=lm_loss,
                                 p2p_group=p2p)
+        runner.schedule.lean = not name.startswith("torch-loop")
         runners[name] = runner, adamw(runner.parameters())
     for schedule, v in RAW:  # the peer (pipeline_peers.py), on the same stage modules
         num_stages, m = cfg.pp * v, max(cfg.microbatches)
@@ -192,7 +191,7 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
     baselines = {"1proc": 1, **{f"1proc x{m}": m for m in cfg.microbatches}}
     cases = [case_name(schedule, m) for m in cfg.microbatches for schedule, _ in SCHEDULES]
     cases += [case_name(f"gloo-p2p-{schedule}", top) for schedule, _ in GLOO_P2P]
-    cases += [case_name(f"no-poll-{schedule}", top) for schedule, _ in NO_POLL]
+    cases += [case_name(f"torch-loop-{schedule}", top) for schedule, _ in TORCH_LOOP]
     cases += [case_name(f"raw-{schedule}", top) for schedule, _ in RAW]
     for _ in range(repeats):
         for name in cases:
@@ -227,10 +226,13 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
 
 def host_split(runner, x, y) -> tuple[float, float, float, float]:
     """One step of ``runner`` on this rank, split (seconds): wall, F/B compute, posting p2p
-    (``torch.distributed.pipelining``'s ``_batch_p2p``) and waiting for it (``_wait_batch_p2p``:
-    the other rank's turn, the transfer, the copy out). What is left of the wall is the
+    (``torch.distributed.pipelining``'s ``_batch_p2p``, or meshtrain's loop's ``_post``) and
+    waiting for it (``_wait_batch_p2p`` or ``_wait``: the other rank's turn, the transfer, the
+    copy out). What is left of the wall is the
     schedule's own Python and meshtrain's work around it; with the posting, the host time."""
     from torch.distributed.pipelining import schedules
+
+    from meshtrain.parallel.pipeline import runtime
 
     spent = {"post": 0.0, "wait": 0.0}
 
@@ -244,13 +246,16 @@ def host_split(runner, x, y) -> tuple[float, float, float, float]:
         return wrapper
 
     post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+    lean_post, lean_wait = runtime._post, runtime._wait  # meshtrain's loop (runtime.py)
     schedules._batch_p2p, schedules._wait_batch_p2p = timed(post, "post"), timed(wait, "wait")
+    runtime._post, runtime._wait = timed(lean_post, "post"), timed(lean_wait, "wait")
     try:
         start = time.perf_counter()
         _, compute = runner.step_compute_time(x, y)
         wall = time.perf_counter() - start
     finally:
         schedules._batch_p2p, schedules._wait_batch_p2p = post, wait
+        runtime._post, runtime._wait = lean_post, lean_wait
     return wall, compute, spent["post"], spent["wait"]
 
 
@@ -309,7 +314,7 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
         gpipe = step_s[case_name("gpipe", m)]
         send_ms, shm_send_ms = ranks[0]["send_recv_ms"][m], ranks[0]["shm_send_recv_ms"][m]
         raw = [(f"gloo-p2p-{schedule}", v) for schedule, v in GLOO_P2P] if m == top else []
-        raw += [(f"no-poll-{schedule}", v) for schedule, v in NO_POLL] if m == top else []
+        raw += [(f"torch-loop-{schedule}", v) for schedule, v in TORCH_LOOP] if m == top else []
         raw += [(f"raw-{schedule}", v) for schedule, v in RAW] if m == top else []
         for schedule, v in [*SCHEDULES, *raw]:
             name = case_name(schedule, m)
@@ -345,9 +350,10 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 # against the same stages on gloo's send/recv (local_comm="backend"), where one ran
                 "x_gloo_p2p": (paired_ratio(times, step_s[case_name(f"gloo-p2p-{schedule}", m)])
                                if (schedule, v) in GLOO_P2P and m == top else None),
-                # against the same with receivers that sleep at once (no polling)
-                "x_no_poll": (paired_ratio(times, step_s[case_name(f"no-poll-{schedule}", m)])
-                              if (schedule, v) in NO_POLL and m == top else None),
+                # against the same stages run by torch's own action loop
+                "x_torch_loop": (paired_ratio(times,
+                                              step_s[case_name(f"torch-loop-{schedule}", m)])
+                                 if (schedule, v) in TORCH_LOOP and m == top else None),
                 "x_1proc": paired_ratio(times, step_s["1proc"]),
                 "x_1proc_accum": paired_ratio(times, step_s[f"1proc x{m}"]),
                 # with equal stages and no communication: (v*m+p-1)/(p*v*m) of one process
@@ -396,11 +402,11 @@ def format_table(summary: dict) -> str:
              f"{r['formula_x_1proc_accum']:.3f}",
              "-" if r.get("x_raw") is None else f"{r['x_raw']:.3f}",
              "-" if r.get("x_gloo_p2p") is None else f"{r['x_gloo_p2p']:.3f}",
-             "-" if r.get("x_no_poll") is None else f"{r['x_no_poll']:.3f}") for r in cases]
+             "-" if r.get("x_torch_loop") is None else f"{r['x_torch_loop']:.3f}") for r in cases]
     rows += [(name, "-", "-", f"{row['median_ms']:.1f}", "-", "-", "-", "-", "-", "-", "-")
              for name, row in summary.items() if "schedule" not in row]
     times = table(("schedule", "v", "m", "ms/step", "x gpipe", "x 1proc", "x 1proc xm",
-                   "ideal x 1proc xm", "x raw", "x gloo p2p", "x no poll"), rows)
+                   "ideal x 1proc xm", "x raw", "x gloo p2p", "x torch loop"), rows)
     return f"{bubble}\n\n{times}"
 
 

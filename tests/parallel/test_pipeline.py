@@ -175,7 +175,8 @@ def parity_worker(cases):
         eval_loss = runner.eval_loss(x[STEPS], y[STEPS])
         params = {n: p.detach().clone() for m in runner.modules for n, p in m.named_parameters()}
         results[schedule, v] = dict(params=params, losses=losses, norms=norms,
-                                    eval=None if eval_loss is None else eval_loss.item())
+                                    eval=None if eval_loss is None else eval_loss.item(),
+                                    lean=getattr(runner.schedule, "_plan", None) is not None)
     return results
 
 
@@ -202,6 +203,10 @@ def test_every_schedule_matches_one_process():
         assert abs(last[0]["eval"] - ref_eval) <= 1e-6, case
         for part in parts:  # the clipping norm is global: the same on every stage
             assert max(abs(a - b) / b for a, b in zip(part["norms"], ref_norms)) <= 1e-5, case
+        # the multi-stage schedules ran meshtrain's own action loop (runtime.py); GPipe and 1F1B
+        # have a loop of their own, dualpipev's fused forward-backward actions need torch's
+        lean = case[0] not in ("gpipe", "1f1b", "dualpipev")
+        assert all(p["lean"] == lean for p in parts), (case, [p["lean"] for p in parts])
 
 
 # ---------------------------------------------------------------------------------------------

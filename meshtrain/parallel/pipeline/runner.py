@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from meshtrain.data.batch import describe
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline.runtime import lean
 from meshtrain.parallel.pipeline.stages import SCHEDULES, SINGLE_STAGE, rank_stages
 from meshtrain.parallel.pipeline.timeline import TimelineEvent
 
@@ -54,7 +55,7 @@ class PipelineRunner:
         p2p = self.group if p2p_group is None else p2p_group
         self.stages = [PipelineStage(m, i, num_stages, device, group=p2p)
                        for m, i in zip(self.modules, self.indices)]
-        cls = SCHEDULES[schedule]
+        cls = lean(SCHEDULES[schedule])  # torch's schedule, its action loop made leaner
         target = self.stages[0] if schedule in SINGLE_STAGE else self.stages
         self.schedule = cls(target, num_microbatches, loss_fn=self._train_loss,
                             scale_grads=False)
