@@ -32,6 +32,7 @@ class ParallelMesh:
     def __init__(self, layout: Layout, device_type: str, *, local_comm: str = "auto"):
         self.layout, self.local_comm = layout, local_comm
         self._local_p2p: dict[tuple[str, ...], object] = {}
+        self._shm: dict[str, bool] = {}  # device type -> whether shared memory applies
         self.mesh = layout.build_mesh(device_type, self._axis_backends(device_type))
         self.batch = self._flat(layout.batch_axes, "batch")
         self.loss = self.batch if layout.loss_axes == layout.batch_axes else self._flat(
@@ -53,11 +54,19 @@ class ParallelMesh:
         one host, ``local_comm="auto"``: ``shm_collectives.py``)."""
         if self.layout.degree("tp") == 1 or not dist.is_initialized():
             return {}
-        from meshtrain.parallel import shm_collectives, shm_p2p
+        from meshtrain.parallel import shm_collectives
 
-        if not shm_p2p.applies(device_type, self.local_comm):
+        if not self._shm_applies(device_type):
             return {}
         return {"tp": shm_collectives.BACKEND}
+
+    def _shm_applies(self, device_type: str) -> bool:
+        """``shm_p2p.applies``, asked once (it probes the ranks' shared memory together)."""
+        from meshtrain.parallel import shm_p2p
+
+        if device_type not in self._shm:
+            self._shm[device_type] = shm_p2p.applies(device_type, self.local_comm)
+        return self._shm[device_type]
 
     def loss_group(self):
         """The process group of the ranks whose losses are averaged (batch axes and cp), or
@@ -96,7 +105,8 @@ class ParallelMesh:
             for i in inner:
                 size *= self.mesh.mesh.shape[i]
             groups = self.mesh.mesh.permute(*outer, *inner).reshape(-1, size).tolist()
-            self._local_p2p[axes] = local_p2p_group(groups, device, self.local_comm)
+            self._local_p2p[axes] = local_p2p_group(groups, device, self.local_comm,
+                                                    known=self._shm_applies(device.type))
         return self._local_p2p[axes]
 
     def axis(self, name: str):

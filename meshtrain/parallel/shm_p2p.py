@@ -382,12 +382,15 @@ def applies(device_type: str, mode: str) -> bool:
             and dist.get_debug_level() != dist.DebugLevel.DETAIL and can_share_memory())
 
 
-def local_p2p_group(groups: list[list[int]], device: torch.device, mode: str):
+
+def local_p2p_group(groups: list[list[int]], device: torch.device, mode: str,
+                    known: bool | None = None):
     """This rank's :class:`LocalP2PGroup` among ``groups`` (the global ranks of every group
     along a mesh axis; every rank calls this, as ``new_group``) when ``mode`` is "auto", the
     job runs on gloo with CPU tensors and all ranks share memory; else None (use the axis's
-    gloo group: NCCL, a simulated world's fake group, several hosts, ...)."""
-    if not applies(device.type, mode):
+    gloo group: NCCL, a simulated world's fake group, several hosts, ...). ``known``: what
+    :func:`applies` answered, where the caller has asked already (its probe is collective)."""
+    if not (applies(device.type, mode) if known is None else known):
         return None
     mine = None
     for ranks in groups:  # in the same order on every rank: each name is new (no reuse)

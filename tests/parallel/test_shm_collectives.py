@@ -262,3 +262,25 @@ def test_sequence_parallel_on_gloo_collectives_matches_one_process():
     # (test_tensor_parallel_trainer.py runs every tp layout on the shared-memory group)
     assert_parity("tp=2", 2, steps=5, fns=GPT_FNS,
                   parallel_kwargs=dict(sequence_parallel=True, local_comm="backend"))
+
+
+def _probed_once_worker():
+    import torch.distributed as dist
+
+    from meshtrain.parallel import shm_p2p
+    from meshtrain.parallel.layout import Layout
+    from meshtrain.parallel.mesh import ParallelMesh
+
+    join_gloo()
+    probes, probe = [], shm_p2p.can_share_memory
+    shm_p2p.can_share_memory = lambda *a: probes.append(1) or probe(*a)
+    mesh = ParallelMesh(Layout.parse("tp=2", 2), "cpu")  # the tp axis's backend asks
+    group = mesh.local_p2p(("tp",), torch.device("cpu"))  # so do the p2p groups: asked once
+    return end_together((len(probes), dist.get_backend(mesh.mesh.get_group("tp")),
+                         type(group).__name__))
+
+
+@pytest.mark.timeout(60)
+def test_the_mesh_probes_shared_memory_once_for_all_its_groups():
+    assert run_workers(_probed_once_worker, 2, timeout=50) == [
+        (1, "meshtrain_shm", "LocalP2PGroup")] * 2
