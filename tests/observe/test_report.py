@@ -71,7 +71,7 @@ def make_run(root: Path, *, straggler: int = 3, steps=(10, 20, 30), status="fini
     run_files.append_event(run, "straggler", f"rank {straggler} is slow", steps[-1])
     run_files.write_json(run / run_files.PIPELINE, {
         "schedule": "1f1b", "pp": 2, "microbatches": 4, "stages_per_rank": 1, "step": 5,
-        "measured_bubble": 0.27, "formula_bubble": 0.2,
+        "measured_bubble": 0.27, "formula_bubble": 0.2, "free_comm_bubble": 0.23,
         "events": [[r, r, m, k, 0.01 * (2 * m + r + (k == "B") * 8),
                     0.01 * (2 * m + r + (k == "B") * 8) + 0.009]
                    for r in range(2) for m in range(4) for k in "FB"]})
@@ -115,6 +115,8 @@ def test_a_complete_run_has_every_section_with_its_figure(complete):
     assert "final validation loss 0.7668" in summary  # 4.2 / sqrt(30)
     assert "989" in found["throughput"] and "H100 SXM bf16 dense" in found["throughput"]
     assert "measured bubble 0.27" in text(found["pipeline"])
+    assert "bubble with free communication (the stages' own times) 0.23" in text(
+        found["pipeline"])
     assert "1 checkpoints 1 restarts 1 skipped steps 0 rollbacks" in text(found["events"])
     assert "[trainer]" in found["config"] and "plan_cluster none" in text(found["config"])
     assert "&lt;params&gt;" in found["memory"]  # memory.txt escaped in its <pre>

@@ -1,5 +1,6 @@
 """Pipeline layouts through the Trainer reproduce one-process training (a 4-block GPT)."""
 
+import json
 import os
 
 import pytest
@@ -48,6 +49,8 @@ def test_pp2_validation_loss_and_checkpoint_match_one_process(tmp_path):
     val_pp, train_pp = run_workers(_fit_with_validation, 2, (str(tmp_path / "pp"), "pp=2"))[0]
     val_one, train_one = _fit_with_validation(str(tmp_path / "one"), None)
     assert (tmp_path / "pp" / "pipeline_timeline.png").stat().st_size > 0  # steps 3-4: diagram
+    recorded = json.loads((tmp_path / "pp" / "pipeline.json").read_text())
+    assert 0 < recorded["free_comm_bubble"] <= recorded["measured_bubble"] < 1
     assert val_pp == pytest.approx(val_one, abs=1e-5)
     assert train_pp == pytest.approx(train_one, abs=1e-5)
     # both stages' shards are in the checkpoint: it exports to the whole model

@@ -210,6 +210,7 @@ def _pipeline(run: Run) -> dict:
         ("schedule", "schedule"), ("pp", "pipeline ranks (p)"),
         ("microbatches", "micro-batches (m)"), ("stages_per_rank", "stages per rank (v)"),
         ("step", "recorded step"), ("measured_bubble", "measured bubble"),
+        ("free_comm_bubble", "bubble with free communication (the stages' own times)"),
         ("formula_bubble", "formula bubble (p-1)/(v*m+p-1)"))]
     figure = figures.pipeline_figure(pipeline)
     return {"figure": figure, "rows": rows, "title": figures.pipeline_title(pipeline),

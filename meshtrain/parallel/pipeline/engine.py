@@ -230,7 +230,7 @@ class PipelineEngine(Engine):
         """The pipeline diagram of one step, and its measured bubble beside the formula."""
         from meshtrain.observe.run_files import PIPELINE, write_json
         from meshtrain.parallel.pipeline import (
-            bubble_fraction, ideal_bubble_fraction, plot_timeline,
+            bubble_fraction, ideal_bubble_fraction, plot_timeline, replay,
         )
 
         if self.run_dir is None or torch.distributed.get_rank() != 0:
@@ -238,7 +238,10 @@ class PipelineEngine(Engine):
         pp, m = self.layout.degree("pp"), self.num_microbatches
         ideal = ideal_bubble_fraction(pp, m, self.pipeline.stages_per_rank)
         self._bubbles = [*getattr(self, "_bubbles", []), bubble_fraction(events)]
+        # the same step replayed with free communication: what the stages' own times leave
+        self._free = [*getattr(self, "_free", []), bubble_fraction(replay(events))]
         measured = statistics.median(self._bubbles)  # (a step killed early keeps what it has)
+        free = statistics.median(self._free)
         path = self.run_dir / "pipeline_timeline.png"
         plot_timeline(events, path, title=f"{self.pipeline.schedule}, p={pp}, m={m}, step "
                       f"{self._num_calls}: bubble {self._bubbles[-1]:.2f} (formula {ideal:.2f})")
@@ -246,11 +249,13 @@ class PipelineEngine(Engine):
             "schedule": self.pipeline.schedule, "pp": pp, "microbatches": m,
             "stages_per_rank": self.pipeline.stages_per_rank, "step": self._num_calls,
             "measured_bubble": measured, "bubbles": self._bubbles, "formula_bubble": ideal,
+            "free_comm_bubble": free,
             "events": [[e.rank, e.stage, e.microbatch, e.kind, e.start, e.end] for e in events]})
         if self._num_calls == self.RECORDED[-1]:
             self.log(f"pipeline steps {self.RECORDED[0]}-{self._num_calls}: measured bubble "
-                     f"{measured:.2f} (median), formula (p-1)/(v*m+p-1) = {ideal:.2f}; "
-                     f"timeline: {path}")
+                     f"{measured:.2f} (median), {free:.2f} with free communication (what the "
+                     f"stages' times leave), formula (p-1)/(v*m+p-1) = {ideal:.2f}; timeline: "
+                     f"{path}")
 
 
 def merge_stages(stages: list[torch.nn.Module]) -> torch.nn.Module:
