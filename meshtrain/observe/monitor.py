@@ -64,8 +64,9 @@ class RunMonitor:
     # -- the run --------------------------------------------------------------------------------
     def start(self, *, flops_per_item: float, peak_setting: float | None, layout: str,
               settings: dict | None = None) -> None:
-        """Record the environment (rank zero). The peak MFU is measured against is found at
-        the first logging interval (a CPU's is measured then: rank zero alone computes MFU)."""
+        """Record the environment (rank zero), and the peak MFU is measured against (rank zero
+        alone computes MFU): a CPU's is a 50 ms matmul measurement, made here at start-up
+        rather than in the middle of the first logging interval's step."""
         self.flops_per_item, self._peak_setting = flops_per_item, peak_setting
         if not self.is_zero:
             return
@@ -79,6 +80,15 @@ class RunMonitor:
             nodes=env.nodes if env else 1,
             processes_per_node=env.local_world_size if env else self.world_size, layout=layout, flops_per_item=flops_per_item, started=run_files.now(), finished=None,
             status="running", error=None, settings=settings)
+        if flops_per_item:
+            self._find_peak()
+
+    def _find_peak(self) -> None:
+        from meshtrain.observe.flops import peak_tflops
+
+        self.peak, self.peak_source = peak_tflops(self.device, self._peak_setting)
+        run_files.update_environment(self.run_dir, peak_tflops=self.peak,
+                                     peak_source=self.peak_source)
 
     def finish(self, error: BaseException | None = None) -> None:
         """The run ended (``error``: how it failed); stops a profiler still running."""
@@ -137,11 +147,7 @@ class RunMonitor:
         if not self.is_zero or not self.flops_per_item or unit not in ("tokens", "samples"):
             return {}
         if self.peak is None:
-            from meshtrain.observe.flops import peak_tflops
-
-            self.peak, self.peak_source = peak_tflops(self.device, self._peak_setting)
-            run_files.update_environment(self.run_dir, peak_tflops=self.peak,
-                                         peak_source=self.peak_source)
+            self._find_peak()
         achieved, fraction = mfu(self.flops_per_item, items_per_s, self.world_size, self.peak)
         return {"train/tflops": achieved, "train/mfu": fraction}
 

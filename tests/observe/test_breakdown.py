@@ -221,3 +221,26 @@ def test_breakdown_off(tmp_path):
     run_dir = _fit(tmp_path, max_steps=6, breakdown_every_n_steps=None)
     assert run_files.read_breakdown(run_dir) == []
     assert (run_dir / "report.html").exists()
+
+
+def test_the_peak_for_mfu_is_measured_at_start_up_not_inside_a_step(tmp_path, monkeypatch):
+    # a CPU's peak is a ~50 ms matmul measurement: made before the first step, it does not
+    # land in the first logging interval's step (nor in its breakdown and straggler check)
+    from meshtrain.callbacks import Callback
+    from meshtrain.observe import flops
+
+    calls = []
+    measure = flops.measured_cpu_peak.__wrapped__
+    monkeypatch.setattr(flops, "measured_cpu_peak", lambda *a: calls.append(1) or measure(*a))
+
+    class Steps(Callback):
+        def on_train_step_start(self, trainer, *args):
+            if trainer.global_step == 0:
+                calls.append("first step")
+
+    trainer = quiet_trainer(tmp_path, max_steps=4, log_every_n_steps=2, callbacks=[Steps()])
+    trainer.fit(MLP(), Regression(n=64), optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+                loss_fn=F.mse_loss)
+    assert calls == [1, "first step"]
+    env = json.loads((tmp_path / run_files.ENVIRONMENT).read_text())
+    assert env["peak_tflops"] > 0 and env["peak_source"].startswith("CPU")
