@@ -139,6 +139,9 @@ class StepClock:
             "rank": int(os.environ.get("RANK", 0)),
             "mean_step_s": (window[-1] - window[0]) / self.steps,
             "median_step_s": statistics.median(deltas),
+            # the slowest timed step (1-based step number, seconds): a one-off shows here
+            "slowest_step": max(((self.warmup + 1 + i, d) for i, d in enumerate(deltas)),
+                                key=lambda pair: pair[1]),
             "cpu_step_s": (self.cpu[1] - self.cpu[0]) / self.steps,
         }
 
@@ -288,7 +291,8 @@ def run_variant(variant: str, cfg: Config, log_every_n_steps: int, timeout: floa
     return {
         key: max(r[key] for r in ranks)
         for key in ("mean_step_s", "median_step_s", "cpu_step_s")
-    } | {"ranks": ranks}
+    } | {"slowest_step": max((r["slowest_step"] for r in ranks), key=lambda pair: pair[1]),
+         "ranks": ranks}
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -368,7 +372,9 @@ def main(argv=None) -> int:
         variants, args.repeats,
         lambda variant: run_variant(variant, cfg, args.log_every_n_steps, args.timeout),
         lambda variant, res: (f"{variant:<10} {1e3 * res['mean_step_s']:8.3f} ms/step, median "
-                              f"single step {1e3 * res['median_step_s']:.3f} ms, cpu "
+                              f"single step {1e3 * res['median_step_s']:.3f} ms, slowest "
+                              f"step {res['slowest_step'][0]}: "
+                              f"{1e3 * res['slowest_step'][1]:.1f} ms, cpu "
                               f"{1e3 * res['cpu_step_s']:.3f} ms/step"))
 
     summary = summarize(runs)
