@@ -1,5 +1,6 @@
-"""How evenly the pipeline splits of ``meshtrain.parallel.pipeline.partition.partition_blocks`` spread
-the forward + backward time over the stages.
+"""How evenly the pipeline splits of
+``meshtrain.parallel.pipeline.partition.partition_blocks`` spread the forward + backward time over
+the stages.
 
 A pipeline's step is set by its slowest stage, so for K stages the split's max/mean stage time is
 its efficiency loss (1.0: perfectly even). For each block sequence and K in (2, 4) the split

@@ -55,6 +55,7 @@ from harness import (
     median_time, paired_ratio, slower_rank, table, write_json,
 )
 
+from pipeline_measure import timeline_events, handoffs, host_per_action, host_split
 from pipeline_peers import RawSchedule
 
 from meshtrain.launch.spawn import run_workers
@@ -224,41 +225,6 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
     return out
 
 
-def host_split(runner, x, y) -> tuple[float, float, float, float]:
-    """One step of ``runner`` on this rank, split (seconds): wall, F/B compute, posting p2p
-    (``torch.distributed.pipelining``'s ``_batch_p2p``, or meshtrain's loop's ``_post``) and
-    waiting for it (``_wait_batch_p2p`` or ``_wait``: the other rank's turn, the transfer, the
-    copy out). What is left of the wall is the
-    schedule's own Python and meshtrain's work around it; with the posting, the host time."""
-    from torch.distributed.pipelining import schedules
-
-    from meshtrain.parallel.pipeline import runtime
-
-    spent = {"post": 0.0, "wait": 0.0}
-
-    def timed(fn, key):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[key] += time.perf_counter() - start
-        return wrapper
-
-    post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
-    lean_post, lean_wait = runtime._post, runtime._wait  # meshtrain's loop (runtime.py)
-    schedules._batch_p2p, schedules._wait_batch_p2p = timed(post, "post"), timed(wait, "wait")
-    runtime._post, runtime._wait = timed(lean_post, "post"), timed(lean_wait, "wait")
-    try:
-        start = time.perf_counter()
-        _, compute = runner.step_compute_time(x, y)
-        wall = time.perf_counter() - start
-    finally:
-        schedules._batch_p2p, schedules._wait_batch_p2p = post, wait
-        runtime._post, runtime._wait = lean_post, lean_wait
-    return wall, compute, spent["post"], spent["wait"]
-
-
 def run(cfg: Config, repeats: int, timeout: float) -> list[dict]:
     return run_workers(pipeline_worker, cfg.pp, (cfg, repeats, max(1.0, timeout - 10)),
                        timeout=timeout, threads=1)
@@ -267,43 +233,6 @@ def run(cfg: Config, repeats: int, timeout: float) -> list[dict]:
 # -------------------------------------------------------------------------------------------------
 # summary, table, charts
 # -------------------------------------------------------------------------------------------------
-def _events(rows):
-    from meshtrain.parallel.pipeline import TimelineEvent
-
-    return [TimelineEvent(*row) for row in rows]
-
-
-def handoffs(rows) -> list[tuple[int, int, str, float]]:
-    """(stage, micro-batch, kind, ms) for every F (B) whose input comes from the previous (next)
-    stage on the other rank and whose rank sat idle when that stage finished: the time from the
-    producer's end to this action's start. With nothing else in the way, this is what handing
-    one activation (gradient) over costs inside the schedule: the send/recv and the schedule's
-    own work around it. The ranks' clocks are aligned by the barrier that starts the step, to
-    about 0.5 ms (values slightly below 0 are that skew; with more ranks than cores, as
-    ``--pp 4`` on 2 cores, the skew is milliseconds and the handoffs mean nothing)."""
-    events = _events(rows)
-    by_key = {(e.stage, e.microbatch, e.kind): e for e in events}
-    out = []
-    for e in events:
-        producer = by_key.get((e.stage - 1 if e.kind == "F" else e.stage + 1, e.microbatch,
-                               e.kind))
-        if producer is None or producer.rank == e.rank:
-            continue
-        before = [o.end for o in events if o.rank == e.rank and o.end <= e.start]
-        if not before or max(before) <= producer.end:  # waiting for the producer
-            out.append((e.stage, e.microbatch, e.kind, 1e3 * (e.start - producer.end)))
-    return out
-
-
-def host_per_action(ranks: list[dict], name: str, actions: int) -> dict:
-    host, post = [], []
-    for rank in ranks:
-        splits = rank["host"][name]
-        host.append(statistics.median((w - c - wt) / actions for w, c, _, wt in splits))
-        post.append(statistics.median(p / actions for _, _, p, _ in splits))
-    return {"host_ms_per_action": 1e3 * max(host), "post_ms_per_action": 1e3 * max(post)}
-
-
 def summarize(cfg: Config, ranks: list[dict]) -> dict:
     from meshtrain.parallel.pipeline import bubble_fraction, ideal_bubble_fraction, replay
 
@@ -319,22 +248,22 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
         for schedule, v in [*SCHEDULES, *raw]:
             name = case_name(schedule, m)
             timelines = ranks[0]["timelines"][name]
-            bubbles = [bubble_fraction(_events(t)) for t in timelines]
+            bubbles = [bubble_fraction(timeline_events(t)) for t in timelines]
             spans = [max(e[5] for e in t) - min(e[4] for e in t) for t in timelines]
             formula = ideal_bubble_fraction(cfg.pp, m, v)
             # idle time beyond the formula's, per F or B action of a rank (2*v*m of them)
             excess = [(b - formula) * s / (2 * v * m) for b, s in zip(bubbles, spans)]
             median_bubble = statistics.median(bubbles)
             chosen = min(range(len(bubbles)), key=lambda i: abs(bubbles[i] - median_bubble))
-            events = _events(timelines[chosen])
+            events = timeline_events(timelines[chosen])
             times = step_s[name]
             host = host_per_action(ranks, name, 2 * v * m)
             handoff_ms = statistics.median(h[-1] for t in timelines for h in handoffs(t))
             # the same recorded actions replayed: with free communication and no host work
             # (what the schedule and these stage times leave), and with the handoff and the host
             # time per action measured here (how much of the bubble those two explain)
-            replayed = [bubble_fraction(replay(_events(t))) for t in timelines]
-            with_costs = [bubble_fraction(replay(_events(t), handoff_s=handoff_ms / 1e3,
+            replayed = [bubble_fraction(replay(timeline_events(t))) for t in timelines]
+            with_costs = [bubble_fraction(replay(timeline_events(t), handoff_s=handoff_ms / 1e3,
                                                  host_s=host["host_ms_per_action"] / 1e3))
                           for t in timelines]
             summary[name] = {
@@ -416,7 +345,7 @@ def plot_all(summary: dict, out_dir: Path, title: str, pp: int) -> list[Path]:
 
     runs = {row["m"] for row in summary.values() if isinstance(row, dict) and "m" in row}
     plot_m = PLOT_M if PLOT_M in runs else min(runs)
-    return [*plot_timelines(summary, out_dir, SCHEDULES, plot_m, pp, case_name, _events),
+    return [*plot_timelines(summary, out_dir, SCHEDULES, plot_m, pp, case_name, timeline_events),
             plot_bubble(summary, out_dir, title, SCHEDULES)]
 
 

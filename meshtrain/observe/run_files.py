@@ -22,8 +22,8 @@ files.
 * ``pipeline.json`` (``pp`` layouts): ``schedule``, ``pp``, ``microbatches``,
   ``stages_per_rank``, ``step`` (the recorded step), ``measured_bubble``, ``formula_bubble``,
   ``free_comm_bubble`` (the recorded steps replayed with free communication and no host work:
-  what the stages' own times leave), and ``events``: every F/B/W action of that step as ``[rank, stage, microbatch, kind, start_s,
-  end_s]``.
+  what the stages' own times leave), and ``events``: every F/B/W action of that step as
+  ``[rank, stage, microbatch, kind, start_s, end_s]``.
 * ``traces/rank<r>.json``: the torch profiler's Chrome trace of the ``profile_steps`` (every
   rank writes its own).
 """

@@ -290,7 +290,8 @@ def one_f_one_b(stretch: float) -> list[TimelineEvent]:
         for action in order:
             kind, mb = action[0], int(action[1:])
             t += stretch
-            events.append(TimelineEvent(rank, rank, mb, kind, t, t + {"F": 1, "L": .5, "B": 2}[kind]))
+            duration = {"F": 1, "L": .5, "B": 2}[kind]
+            events.append(TimelineEvent(rank, rank, mb, kind, t, t + duration))
             t = events[-1].end
     return events
 

@@ -174,7 +174,8 @@ def test_a_sender_never_overwrites_a_message_its_receiver_has_not_acknowledged(t
         while i >= len(script) and unacked and rng.random() < (0.35 if i // 40 % 2 else 0.7):
             unacked.pop(0)
             os.write(ack_w, shm_p2p.ACK.pack(0))
-    assert wraps > (50 if ack_batch == 0 else 5) and out.gen >= 1  # it wrapped around live messages, and grew
+    # it wrapped around live messages, and grew
+    assert wraps > (50 if ack_batch == 0 else 5) and out.gen >= 1
     # no receiver opened these rings: the group's finalizer (at exit) removes them
     assert len(list(tmp_path.glob("ring-*"))) == out.gen + 1
     shm_p2p._unlink_unread([out])
