@@ -24,16 +24,17 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import schedules as _torch
 
-FORWARD, FULL_BACKWARD = _torch._ComputationType.FORWARD, _torch._ComputationType.FULL_BACKWARD
-BACKWARD_INPUT = _torch._ComputationType.BACKWARD_INPUT
-BACKWARD_WEIGHT = _torch._ComputationType.BACKWARD_WEIGHT
-SEND_F, SEND_B = _torch._ComputationType.SEND_F, _torch._ComputationType.SEND_B
-RECV_F, RECV_B = _torch._ComputationType.RECV_F, _torch._ComputationType.RECV_B
-NO_OPS = (_torch._ComputationType.UNSHARD, _torch._ComputationType.RESHARD)  # without FSDP
-REDUCE_GRAD = _torch._ComputationType.REDUCE_GRAD
-SUPPORTED = (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_F, SEND_B, RECV_F,
-             RECV_B, REDUCE_GRAD, *NO_OPS)
 TORCH = "2.13."  # the torch whose private runtime this loop was written against
+# (looked up by name: on another torch a missing kind is None and its schedules run torch's loop)
+_KINDS = {name: getattr(getattr(_torch, "_ComputationType", None), name, None) for name in (
+    "FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_F", "SEND_B",
+    "RECV_F", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")}
+FORWARD, FULL_BACKWARD = _KINDS["FORWARD"], _KINDS["FULL_BACKWARD"]
+BACKWARD_INPUT, BACKWARD_WEIGHT = _KINDS["BACKWARD_INPUT"], _KINDS["BACKWARD_WEIGHT"]
+SEND_F, SEND_B, RECV_F, RECV_B = (_KINDS[k] for k in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"))
+NO_OPS = (_KINDS["UNSHARD"], _KINDS["RESHARD"])  # without FSDP
+REDUCE_GRAD = _KINDS["REDUCE_GRAD"]
+SUPPORTED = tuple(kind for kind in _KINDS.values() if kind is not None)
 
 
 def _post(ops) -> list:
@@ -69,7 +70,8 @@ class LeanRuntime:
         return self._plan
 
     def _make_plan(self) -> list | None:
-        if not torch.__version__.startswith(TORCH) or self._comp_type_to_function_map:
+        if (not torch.__version__.startswith(TORCH) or None in _KINDS.values()
+                or self._comp_type_to_function_map):
             return None
         stages = {stage.stage_index: stage for stage in self._stages}
         if any(isinstance(stage.submod, FSDPModule) for stage in stages.values()):
@@ -149,7 +151,8 @@ _LEAN: dict[type, type] = {}
 def lean(schedule_class: type) -> type:
     """``schedule_class`` with :class:`LeanRuntime`'s loop where it runs torch's runtime (the
     multi-stage schedules); a single-stage schedule (GPipe, 1F1B: a loop of its own) as it is."""
-    if not issubclass(schedule_class, _torch._PipelineScheduleRuntime):
+    runtime = getattr(_torch, "_PipelineScheduleRuntime", None)
+    if runtime is None or not issubclass(schedule_class, runtime):
         return schedule_class
     if schedule_class not in _LEAN:
         _LEAN[schedule_class] = type(schedule_class.__name__, (LeanRuntime, schedule_class),
