@@ -39,18 +39,50 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+FEW_TENSORS = 16  # up to this many (flattened) gradients are summed one by one
+
+
+def _flattened(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads`` as few tensors: gradients that tile a run of one storage with no gap (DDP's
+    buckets under ``gradient_as_bucket_view``, a flat parameter's views) as one flat view of
+    exactly that run (never the storage's other bytes); any other as it is."""
+    runs: dict[tuple, list[torch.Tensor]] = {}
+    out = []
+    for g in grads:
+        if g.is_contiguous():
+            runs.setdefault((g.untyped_storage().data_ptr(), g.dtype, g.device), []).append(g)
+        else:
+            out.append(g)
+    for group in runs.values():
+        group.sort(key=lambda g: g.storage_offset())
+        start = end = group[0].storage_offset()
+        for g in group:
+            if g.storage_offset() != end:  # a gap or an overlap: each as it is
+                out.extend(group)
+                break
+            end += g.numel()
+        else:
+            out.append(group[0].as_strided((end - start,), (1,), start) if len(group) > 1
+                       else group[0])
+    return out
+
+
 def nonfinite_flag(loss: torch.Tensor, params: Iterable[torch.nn.Parameter],
                    check_grads: bool = True) -> torch.Tensor:
     """A 0-dim int tensor (no host sync): bit 1 set if ``loss`` is NaN/Inf, bit 2 if a local
     gradient is. The loss says where a problem started: data-parallel gradients are averaged,
-    so one rank's NaN reaches every rank's gradients."""
+    so one rank's NaN reaches every rank's gradients. A sum is NaN or infinite when an element
+    is (or when finite values overflow float32 together, far beyond any trainable gradient):
+    half the work of a norm; few tensors (DDP's flat buckets) are summed one by one, many with
+    one fused norm."""
     flag = (~torch.isfinite(_local(loss.detach()).float()).all()).to(torch.int32)
     if check_grads:
         grads = [_local(p.grad) for p in params if p.grad is not None]
-        grads = [g for g in grads if g.numel()]
+        grads = _flattened([g for g in grads if g.numel()])
         if grads:
-            norms = torch._foreach_norm(grads)  # one fused pass over the gradients
-            flag = flag + 2 * (~torch.isfinite(torch.stack(norms)).all()).to(torch.int32)
+            totals = ([g.sum(dtype=torch.float32) for g in grads] if len(grads) <= FEW_TENSORS
+                      else torch._foreach_norm(grads))
+            flag = flag + 2 * (~torch.isfinite(torch.stack(totals)).all()).to(torch.int32)
     return flag
 
 

@@ -88,3 +88,42 @@ def test_no_checkpoint_with_non_finite_values_is_written(tmp_path):
                "--nan-index", str(NAN_INDEX), "--nan-policy", "none"])
     saved = checkpoints_are_finite(tmp_path, mlp)
     assert [p.name for p in saved] == [f"step_{s:08d}" for s in range(1, step)]
+
+
+def _grads_in(storage: torch.Tensor, spans) -> list[torch.nn.Parameter]:
+    """Parameters whose gradients are views of ``storage`` at ``spans`` [(offset, shape)], as
+    DDP's buckets hold them under gradient_as_bucket_view."""
+    params = []
+    for offset, shape in spans:
+        p = torch.nn.Parameter(torch.zeros(shape))
+        p.grad = storage[offset:offset + torch.Size(shape).numel()].view(shape)
+        params.append(p)
+    return params
+
+
+def test_the_gradient_check_reads_exactly_the_gradients_and_flags_any_nan_or_inf():
+    from meshtrain.fault.nonfinite import FEW_TENSORS, nonfinite_flag
+
+    loss = torch.tensor(1.0)
+    spans = [(0, (4, 3)), (12, (5,)), (17, (2, 2))]  # tiling [0, 21) of a bucket of 24
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 13, 20):
+            bucket = torch.randn(24)
+            bucket[where] = bad
+            assert nonfinite_flag(loss, _grads_in(bucket, spans)).item() == 2, (bad, where)
+        bucket = torch.randn(24)
+        bucket[21:] = bad  # the bucket's tail, past every gradient: not a gradient
+        assert nonfinite_flag(loss, _grads_in(bucket, spans)).item() == 0
+        bucket = torch.randn(24)
+        bucket[12:17] = bad  # a hole between two gradients: each read on its own
+        assert nonfinite_flag(loss, _grads_in(bucket, [spans[0], spans[2]])).item() == 0
+    # large but finite gradients are not flagged (a norm's squares would overflow float32)
+    assert nonfinite_flag(loss, _grads_in(torch.full((24,), 1e30), spans)).item() == 0
+    # many separate gradients: one fused pass; and the loss's own bit
+    many = [torch.nn.Parameter(torch.zeros(3)) for _ in range(FEW_TENSORS + 5)]
+    for p in many:
+        p.grad = torch.randn(3)
+    assert nonfinite_flag(loss, many).item() == 0
+    many[-2].grad[1] = float("nan")
+    assert nonfinite_flag(loss, many).item() == 2
+    assert nonfinite_flag(loss * float("nan"), many).item() == 3
