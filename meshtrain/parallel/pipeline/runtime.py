@@ -32,7 +32,7 @@ _KINDS = {name: getattr(getattr(_torch, "_ComputationType", None), name, None) f
 FORWARD, FULL_BACKWARD = _KINDS["FORWARD"], _KINDS["FULL_BACKWARD"]
 BACKWARD_INPUT, BACKWARD_WEIGHT = _KINDS["BACKWARD_INPUT"], _KINDS["BACKWARD_WEIGHT"]
 SEND_F, SEND_B, RECV_F, RECV_B = (_KINDS[k] for k in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"))
-NO_OPS = (_KINDS["UNSHARD"], _KINDS["RESHARD"])  # without FSDP
+NO_WORK = (_KINDS["UNSHARD"], _KINDS["RESHARD"])  # what they do is FSDP's: left out of the plan
 REDUCE_GRAD = _KINDS["REDUCE_GRAD"]
 SUPPORTED = tuple(kind for kind in _KINDS.values() if kind is not None)
 
@@ -81,6 +81,8 @@ class LeanRuntime:
             kind, index = action.computation_type, action.stage_index
             if kind not in SUPPORTED or action.sub_actions is not None:
                 return None
+            if kind in NO_WORK:
+                continue
             stage = stages[index]
             if kind == FORWARD:
                 wait = not stage.is_first and index - 1 not in stages
