@@ -360,6 +360,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="recorded steps per case and repeat for the bubble (3)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (5)")
     parser.add_argument("--d-model", type=int, default=192, help="GPT width (192)")
+    parser.add_argument("--num-layers", type=int,
+                        help="GPT blocks, split evenly over the stages (4, or 2 per rank with "
+                             "--pp above 2; at least 2 per rank)")
     parser.add_argument("--microbatches", default="2,4,8", help="values of m (2,4,8)")
     parser.add_argument("--pp", type=int, default=2,
                         help="ranks (2; more: a GPT of 2 blocks per rank, results in "
@@ -380,6 +383,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     batch = Config.global_batch_size
     if args.pp < 2:
         parser.error("--pp must be at least 2")
+    args.num_layers = args.num_layers or max(Config.num_layers, 2 * args.pp)
+    if args.num_layers < 2 * args.pp:
+        parser.error(f"--num-layers must be at least 2 per rank ({2 * args.pp} for --pp "
+                     f"{args.pp}): interleaved 1F1B puts 2 stages on each rank")
     if any(m % args.pp or batch % m for m in args.microbatches):
         parser.error(f"micro-batch counts must be multiples of {args.pp} that divide the global "
                      f"batch of {batch}")
@@ -399,7 +406,7 @@ def main(argv=None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"
     cfg = Config(steps=args.steps, warmup=args.warmup, timelines=args.timelines,
                  d_model=args.d_model, microbatches=args.microbatches, pp=args.pp,
-                 num_layers=max(Config.num_layers, 2 * args.pp))
+                 num_layers=args.num_layers)
     if args.pp != 2:
         out_dir = out_dir / f"pp{args.pp}"
     from meshtrain.models.gpt import GPT
