@@ -17,7 +17,7 @@ waiting for the other rank, but also the sends and receives and the schedule's o
 formula is ``ideal_bubble_fraction``: (p-1)/(m+p-1), and (p-1)/(v*m+p-1) interleaved.
 
 Sends: meshtrain's rows pass activations and gradients through shared memory, as the Trainer
-does for CPU stages on one host (``local_comm="auto"``, meshtrain/parallel/shm_p2p.py); the
+does for CPU stages on one host (``local_comm="auto"``, meshtrain/parallel/shm/p2p.py); the
 ``gloo-p2p-*`` rows run the same stages on gloo's own send/recv (``local_comm="backend"``), the
 ``torch-loop-*`` row runs interleaved 1F1B on shared memory through torch's own action loop
 instead of meshtrain's leaner one (meshtrain/parallel/pipeline/runtime.py), the ``raw-*`` rows
@@ -119,7 +119,7 @@ def _pipeline_cases(cfg: Config, repeats: int, rank: int) -> dict:
 
     from meshtrain.models.gpt import GPT
     from meshtrain.parallel.pipeline import PipelineRunner, rank_stages, split_model
-    from meshtrain.parallel.shm_p2p import local_p2p_group
+    from meshtrain.parallel.shm.p2p import local_p2p_group
 
     group = dist.group.WORLD
     shm = local_p2p_group([list(range(cfg.pp))], torch.device("cpu"), "auto")  # the Trainer's

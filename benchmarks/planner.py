@@ -79,10 +79,10 @@ def worker(model: str, settings: dict, steps: int, tensors: bool = False) -> dic
 
 
 def tp_rings(trainer) -> int:
-    """Bytes of the rings the tp axis's shared-memory group maps (shm_collectives.py): memory
+    """Bytes of the rings the tp axis's shared-memory group maps (shm/collectives.py): memory
     the estimate counts that TensorPeak cannot see (they are written inside c10d's operators;
     FSDP's and the pipeline's rings it sees)."""
-    from meshtrain.parallel.shm_collectives import SharedMemoryCollectives
+    from meshtrain.parallel.shm.collectives import SharedMemoryCollectives
 
     mesh = trainer.mesh
     if mesh is None or mesh.layout.degree("tp") == 1:

@@ -10,7 +10,7 @@ by ``meshtrain.parallel.tensor_parallel.apply_tp`` in three variants:
 
 The mesh is built as the Trainer builds it (``ParallelMesh``, ``local_comm="auto"``: on CPU
 processes of one host the tp axis's collectives go through shared memory,
-``meshtrain/parallel/shm_collectives.py``); ``tp gloo`` and ``tp+sp gloo`` run the same on the
+``meshtrain/parallel/shm/collectives.py``); ``tp gloo`` and ``tp+sp gloo`` run the same on the
 axis's gloo group (``local_comm="backend"``), for step time only.
 
 Communication: ``comm_counts`` counts the collectives one rank issues in one forward + backward

@@ -56,7 +56,7 @@ def check_settings_apply(layout, settings: dict) -> None:
     check_local_sgd(layout, settings["local_sgd_every"], settings["outer_lr"],
                     settings["outer_momentum"])
     if layout.num_servers:
-        from meshtrain.parallel.ps_layout import check_ps_layout
+        from meshtrain.parallel.ps.layout import check_ps_layout
 
         check_ps_layout(layout, settings)
 

@@ -150,7 +150,7 @@ DEFINITIONS = [
     _S("local_comm", "parallel", "auto", "choice",
        'How CPU processes of one host pass pipeline activations and gradients, FSDP\'s '
        "shards and the tp axis's all-reduces, all-gathers and reduce-scatters: \"auto\" "
-       "through shared memory (meshtrain/parallel/shm_p2p.py, shm_collectives.py; gloo's "
+       "through shared memory (meshtrain/parallel/shm/p2p.py, shm/collectives.py; gloo's "
        "send/recv cost 0.1-0.4 ms each to post) when the job runs on gloo and every rank can "
        'map the same /dev/shm, else the process group\'s own collectives; "backend": always '
        "the latter.", choices=LOCAL_COMM,

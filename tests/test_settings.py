@@ -154,7 +154,7 @@ def test_choices_agree_with_the_code_that_implements_them():
     from meshtrain.parallel.fully_shard import OFFLOADS
     from meshtrain.parallel.pipeline.partition import BALANCES
     from meshtrain.parallel.pipeline import SCHEDULES
-    from meshtrain.parallel.shm_p2p import MODES as P2P_MODES
+    from meshtrain.parallel.shm.p2p import MODES as P2P_MODES
     from meshtrain.precision import PRECISIONS
 
     assert SETTINGS["nan_policy"].choices == tuple(NAN_POLICIES)

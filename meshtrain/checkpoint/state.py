@@ -116,7 +116,7 @@ def _state(model, optimizer, *, for_load: bool) -> dict:
 
 
 def _on_servers(optimizer) -> bool:
-    """A ps layout's optimizer (meshtrain/parallel/ps_layout.py), whose state is on servers."""
+    """A ps layout's optimizer (meshtrain/parallel/ps/layout.py), whose state is on servers."""
     return hasattr(optimizer, "fetch") and hasattr(optimizer, "local")
 
 

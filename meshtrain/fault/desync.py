@@ -71,7 +71,7 @@ def set_collective_timeout(seconds: float, groups=None) -> list:
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    from meshtrain.parallel.shm_p2p import LocalP2PGroup
+    from meshtrain.parallel.shm.p2p import LocalP2PGroup
 
     if groups is None:
         groups = list(dist.distributed_c10d._world.pg_map)

@@ -30,6 +30,6 @@ import meshtrain.parallel.data_parallel
 import meshtrain.parallel.local_sgd
 import meshtrain.parallel.pipeline.partition
 import meshtrain.parallel.pipeline.check
-import meshtrain.parallel.shm_p2p
+import meshtrain.parallel.shm.p2p
 import meshtrain.parallel.sync_batchnorm
 import meshtrain.parallel.tp_debug

@@ -76,7 +76,7 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
     """Start the other processes if needed (a plain script becomes rank 0), pick the device
     and create the default process group (gloo on CPU, NCCL on GPU). With ``num_servers``
     (layout ps=S) the last S processes are parameter servers: in no process group, only in the
-    RPC world that every process then joins (meshtrain/parallel/ps_layout.py)."""
+    RPC world that every process then joins (meshtrain/parallel/ps/layout.py)."""
     workers = None
     if world_size > 1 and env is None:
         workers = ScriptWorkers(world_size, timedelta(seconds=init_timeout_s))
@@ -114,7 +114,7 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
 def _start_ps_world(world_size, num_servers, env, device, workers, timeout, backend,
                     notes: str) -> World:
     from meshtrain.launch.spawn import job_store, register_shutdown
-    from meshtrain.parallel.ps_layout import join_workers
+    from meshtrain.parallel.ps.layout import join_workers
 
     store = job_store(env, timeout)
     num_workers = world_size - num_servers

@@ -1,7 +1,7 @@
 """What ``Trainer.fit`` does before its loop: check the inputs, start the processes, build the
 model under the layout, the optimizer and the data loaders, and resume when a checkpoint is due.
 
-Under a ``ps`` layout (meshtrain/parallel/ps_layout.py) the server processes stop after the
+Under a ``ps`` layout (meshtrain/parallel/ps/layout.py) the server processes stop after the
 checks and the world: :func:`serve` keeps them answering the workers until training ends.
 """
 
@@ -200,7 +200,7 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
         t.optimizer = build_optimizer(t.model, optimizer_factory, t.mesh)
         checks.check_optimizer(t.optimizer)
     if t.layout.num_servers:  # the optimizer runs on the servers
-        from meshtrain.parallel.ps_layout import start_servers
+        from meshtrain.parallel.ps.layout import start_servers
 
         t.optimizer = t.engine.averager = start_servers(t.model, t.optimizer, t.layout,
                                                         t._settings)
@@ -231,7 +231,7 @@ def build(model) -> torch.nn.Module:
 def serve(t, model) -> torch.nn.Module:
     """(A ``ps`` server process.) Serve until the workers finish; then hold the trained model
     and evaluate alone on the whole data (``validate``/``test`` give the workers' numbers)."""
-    from meshtrain.parallel.ps_layout import serve_job
+    from meshtrain.parallel.ps.layout import serve_job
 
     result = serve_job(t.ps_server, t.rank, t.layout.num_processes, t._store)
     t.ps_stats = result["stats"]  # bytes received and sent, optimizer steps, staleness seen

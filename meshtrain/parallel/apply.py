@@ -126,7 +126,7 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
             f"to train{' or shard' if layout.is_sharded else ''}"
         )
     if layout.num_servers:
-        from meshtrain.parallel.ps_layout import check_ps_model
+        from meshtrain.parallel.ps.layout import check_ps_model
 
         check_ps_model(model, layout.num_servers)
     if options.activation_checkpointing and not model_blocks(model, options):
@@ -237,7 +237,7 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
     if options.compile is not None:
         what = "each repeated block" if options.compile == "blocks" else "the whole forward"
         log(f"torch.compile: {what} (Inductor); the first steps include compiling")
-    if mesh.layout.num_servers:  # the optimizer (ps_layout.ServerOptimizer) ends the training
+    if mesh.layout.num_servers:  # the optimizer (ps/layout.py's ServerOptimizer) ends the training
         log(f"parameter servers: {mesh.layout.num_servers} server(s), "
             f"{mesh.layout.world_size} worker(s); the optimizer runs on the servers")
     if on_meta:

@@ -238,7 +238,7 @@ class Engine:
     timer = None  # the Trainer's StepTimer (meshtrain/observe/step_timer.py), when measuring
 
     # local SGD (local_sgd.py): parameters averaged after some steps instead; under ps the
-    # ServerOptimizer (ps_layout.py), which leaves the servers when training ends
+    # ServerOptimizer (ps/layout.py), which leaves the servers when training ends
     averager = None
 
     @property

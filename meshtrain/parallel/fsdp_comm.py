@@ -24,7 +24,7 @@ all-gather and reduce-scatter blocks the training thread, and gloo's own ``all_g
 Together (with ``shard_unit_mb``'s grouping) they took zero2 / zero3 from 1.92 / 2.43 to 1.42 /
 1.65 x DDP's step time on 2 ranks; what is left is FSDP2's own copies on a CPU-bound machine.
 
-Where the ranks share a host (``local_comm="auto"``, a ``shm_p2p.LocalP2PGroup``), the same two
+Where the ranks share a host (``local_comm="auto"``, a ``shm.p2p.LocalP2PGroup``), the same two
 collectives run on its sends and receives instead of gloo's broadcasts and all-to-all: a send is
 one copy into shared memory, a receive one copy out, with no gloo thread or socket between
 (:class:`SharedMemoryAllGather`, and the reduce-scatter's ``p2p``).

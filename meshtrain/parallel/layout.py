@@ -29,7 +29,7 @@ ZeRO names are aliases that also pick what is sharded (Rajbhandari et al., SC 20
 Hybrid sharding: ``dp_replicate=2,dp_shard=2`` (or ``dp_replicate=2,zero2=2``).
 
 Parameter servers: ``ps=S,dp=W`` starts S + W processes; the last S hold the parameters and the
-optimizer (meshtrain/parallel/ps_layout.py) and are not in the mesh, the first W are the
+optimizer (meshtrain/parallel/ps/layout.py) and are not in the mesh, the first W are the
 data-parallel workers (``dp=auto`` when left out). ``ps`` combines with ``dp`` only.
 
 Composition: any combination on one mesh, e.g. ``pp=2,dp_shard=2,tp=2``. With ``pp``, ``tp`` or
@@ -202,7 +202,7 @@ class Layout:
 
 
 def _servers(raw: dict, world_size: int, spec) -> int:
-    """``ps=S`` (parameter servers, meshtrain/parallel/ps_layout.py) taken out of ``raw``: the
+    """``ps=S`` (parameter servers, meshtrain/parallel/ps/layout.py) taken out of ``raw``: the
     last S processes serve, the others are plain data-parallel workers."""
     if "ps" not in raw:
         return 0

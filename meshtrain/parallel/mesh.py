@@ -13,7 +13,7 @@ of the step needs, so no other module flattens or slices the mesh itself:
 ========== =====================================================================================
 
 :meth:`ParallelMesh.local_p2p` adds, for CPU processes of one host, a shared-memory group over
-the same ranks as a (possibly flattened) axis (``shm_p2p.py``): pipeline sends, FSDP's shards.
+the same ranks as a (possibly flattened) axis (``shm/p2p.py``): pipeline sends, FSDP's shards.
 """
 
 from __future__ import annotations
@@ -51,18 +51,18 @@ class ParallelMesh:
 
     def _axis_backends(self, device_type: str) -> dict[str, str]:
         """The tp axis's collectives through shared memory where it applies (CPU processes of
-        one host, ``local_comm="auto"``: ``shm_collectives.py``)."""
+        one host, ``local_comm="auto"``: ``shm/collectives.py``)."""
         if self.layout.degree("tp") == 1 or not dist.is_initialized():
             return {}
-        from meshtrain.parallel import shm_collectives
+        from meshtrain.parallel.shm import collectives as shm_collectives
 
         if not self._shm_applies(device_type):
             return {}
         return {"tp": shm_collectives.BACKEND}
 
     def _shm_applies(self, device_type: str) -> bool:
-        """``shm_p2p.applies``, asked once (it probes the ranks' shared memory together)."""
-        from meshtrain.parallel import shm_p2p
+        """``shm.p2p.applies``, asked once (it probes the ranks' shared memory together)."""
+        from meshtrain.parallel.shm import p2p as shm_p2p
 
         if device_type not in self._shm:
             self._shm[device_type] = shm_p2p.applies(device_type, self.local_comm)
@@ -89,11 +89,11 @@ class ParallelMesh:
         return self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]._flatten(name)
 
     def local_p2p(self, axes: tuple[str, ...], device: torch.device):
-        """This rank's shared-memory group (``shm_p2p.LocalP2PGroup``) over the ranks that
+        """This rank's shared-memory group (``shm.p2p.LocalP2PGroup``) over the ranks that
         ``axes`` of the mesh span together (e.g. ``("dp_shard", "cp")``: FSDP's flattened
         axis), or None where it does not apply (``local_comm="backend"``, not CPU and gloo,
         ranks that cannot share memory). Every rank calls it the same way; made once per axes."""
-        from meshtrain.parallel.shm_p2p import local_p2p_group
+        from meshtrain.parallel.shm.p2p import local_p2p_group
 
         if self.mesh is None:
             return None

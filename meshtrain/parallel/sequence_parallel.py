@@ -8,7 +8,7 @@ reduce-scattered back to shards); after a row-parallel pair the partial sums are
 reduce-scattered (backward: the shards' gradients are all-gathered). DTensor's
 ``redistribute`` does the same with a plan per call and, on a dim other than 0, one more copy
 of the activation (functional collectives gather on dim 0, then ``torch.cat`` the chunks; the
-reduce-scatter the other way round). On the tp axis's shared-memory group (``shm_collectives.py``) the chunks
+reduce-scatter the other way round). On the tp axis's shared-memory group (``shm/collectives.py``) the chunks
 are received straight into their place in the output and sent straight from theirs; on any
 other group torch's functional collectives do it (NCCL, gloo), as DTensor would, without the
 planning. Under ``CommDebugMode`` (``tp_debug.comm_counts``) the functional path is taken so
@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.profiler import record_function
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from meshtrain.parallel.shm_collectives import SharedMemoryCollectives
+from meshtrain.parallel.shm.collectives import SharedMemoryCollectives
 
 # torch 2.13's names; older ones (the GPU image's 2.11) have the *_tensor ones alone
 _ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor

@@ -27,9 +27,9 @@ from meshtrain.errors import ConfigError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 # What meshtrain sends through shared memory between the CPU processes of one host
-# (local_comm="auto", parallel/shm_p2p.py): FSDP2's all-gather and reduce-scatter
+# (local_comm="auto", parallel/shm/p2p.py): FSDP2's all-gather and reduce-scatter
 # (parallel/fsdp_comm.py), the pipeline's sends and the tp axis's all-reduces
-# (parallel/shm_collectives.py); measured again that way, up to SHARED_MAX bytes (each pair
+# (parallel/shm/collectives.py); measured again that way, up to SHARED_MAX bytes (each pair
 # of ranks maps rings of a few of the largest message)
 SHARED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 KIB = 1024
@@ -227,7 +227,7 @@ def measure_shared(ops, sizes) -> list[dict]:
     job shares this host's memory (else no rows): what a CPU job with local_comm="auto" pays."""
     import torch.distributed as dist
 
-    from meshtrain.parallel import shm_collectives, shm_p2p
+    from meshtrain.parallel.shm import collectives as shm_collectives, p2p as shm_p2p
 
     shared = [op for op in ops if op in SHARED_OPS]
     if not shared or not shm_p2p.applies("cpu", "auto"):

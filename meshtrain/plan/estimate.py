@@ -239,13 +239,13 @@ class Estimator:
                    probe) -> float:
         """Bytes of the shared-memory rings a rank maps where its peers share the host and
         memory (a cluster measured with ``shared_table``: this machine, local_comm="auto"): per
-        peer one it writes and one it reads (meshtrain/parallel/shm_p2p.py), each holding
+        peer one it writes and one it reads (meshtrain/parallel/shm/p2p.py), each holding
         RING_MESSAGES of the largest message: FSDP's share of its largest unit, a pipeline's
         activation of one micro-batch, the tp axis's largest collective of one micro-batch
         (an all-reduce sends its whole tensor to each peer with 2 ranks)."""
         if not self.cluster.shared_table:
             return 0.0
-        from meshtrain.parallel.shm_p2p import MIN_RING, RING_MESSAGES
+        from meshtrain.parallel.shm.p2p import MIN_RING, RING_MESSAGES
 
         def rings(peers: int, message: float) -> float:
             return 2 * peers * max(MIN_RING, RING_MESSAGES * message)
@@ -384,7 +384,7 @@ class Estimator:
 
 def _message(coll) -> float:
     """The bytes a rank sends each peer at once in ``coll`` through shared memory
-    (shm_collectives.py): an all-reduce of 2 ranks its whole tensor, else a chunk."""
+    (shm/collectives.py): an all-reduce of 2 ranks its whole tensor, else a chunk."""
     return coll.bytes if coll.op == "all_reduce" and coll.ranks == 2 else coll.bytes / coll.ranks
 
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from meshtrain.checkpoint import writer_process
 from meshtrain.checkpoint.manager import CheckpointManager, CheckpointWriteError
 from meshtrain.launch.spawn import run_workers
-from meshtrain.parallel.shm_p2p import _alive
+from meshtrain.parallel.shm.p2p import _alive
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning")  # DCP's thread, in one process

@@ -29,8 +29,8 @@ def _comm_worker():
         dist.reduce_scatter_single(gloo, x.clone(), group=group, op=op)
         results[name] = (ours - gloo).abs().max().item()
 
-    # the same through shared memory (shm_p2p.py), all-gather too, synchronous and async
-    from meshtrain.parallel import shm_p2p
+    # the same through shared memory (shm/p2p.py), all-gather too, synchronous and async
+    from meshtrain.parallel.shm import p2p as shm_p2p
     from meshtrain.parallel.fsdp_comm import SharedMemoryAllGather
 
     p2p = shm_p2p.local_p2p_group([[0, 1]], torch.device("cpu"), "auto")

@@ -1,4 +1,4 @@
-"""Parameter-server training (meshtrain.parallel.parameter_server) over torch.distributed.rpc:
+"""Parameter-server training (meshtrain.parallel.ps.server) over torch.distributed.rpc:
 sync equals one process on the global batch (parameters and the servers' optimizer state),
 async with a staleness bound keeps the bound and lands near sync; settings and shard plans."""
 
@@ -14,7 +14,7 @@ from torch.distributed import rpc
 
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import DistEnv, job_store, run_workers
-from meshtrain.parallel.parameter_server import (
+from meshtrain.parallel.ps.server import (
     ParameterServer,
     check_ps_settings,
     join_as_worker,
@@ -23,7 +23,7 @@ from meshtrain.parallel.parameter_server import (
     serve,
     server_name,
 )
-from meshtrain.parallel.ps_client import PSClient, to_index_keyed
+from meshtrain.parallel.ps.client import PSClient, to_index_keyed
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 

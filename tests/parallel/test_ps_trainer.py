@@ -1,4 +1,4 @@
-"""The ``ps`` layout behind the Trainer (meshtrain/parallel/ps_layout.py): synchronous
+"""The ``ps`` layout behind the Trainer (meshtrain/parallel/ps/layout.py): synchronous
 parameter servers train exactly as one process (1 and 2 servers), a ps checkpoint resumes under
 dp and back, async ps lands near sync, and bad settings are refused before any process."""
 
@@ -124,7 +124,7 @@ def test_a_server_count_that_does_not_split_the_parameters_is_refused(num_server
 
 
 def test_several_parameter_groups_are_refused():
-    from meshtrain.parallel.ps_layout import ServerOptimizer
+    from meshtrain.parallel.ps.layout import ServerOptimizer
 
     model = mlp()
     groups = [{"params": [model[0].weight]}, {"params": [model[0].bias], "weight_decay": 0.0}]

@@ -1,4 +1,4 @@
-"""The tp axis's collectives through shared memory (meshtrain/parallel/shm_collectives.py): every
+"""The tp axis's collectives through shared memory (meshtrain/parallel/shm/collectives.py): every
 collective the group is asked for gives gloo's result (functional or not, DTensor's), the same
 bits on every rank, the rest goes to gloo, a missing rank times out; the Trainer gives it to
 the tp axis on CPU (the tensor-parallel parity tests run on it; one of them on gloo instead)."""
@@ -19,7 +19,7 @@ def _collectives_worker():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from meshtrain.parallel import shm_collectives
+    from meshtrain.parallel.shm import collectives as shm_collectives
 
     rank, n = join_gloo()
     group = dist.new_group(list(range(n)), backend=shm_collectives.BACKEND)
@@ -155,7 +155,7 @@ def _timeout_worker():
     import torch.distributed as dist
 
     from meshtrain.fault import set_collective_timeout
-    from meshtrain.parallel import shm_collectives
+    from meshtrain.parallel.shm import collectives as shm_collectives
 
     join_gloo()
     group = dist.new_group([0, 1], backend=shm_collectives.BACKEND)  # 30 min by default
@@ -173,7 +173,7 @@ def _timeout_worker():
 def _mismatch_worker():
     import torch.distributed as dist
 
-    from meshtrain.parallel import shm_collectives
+    from meshtrain.parallel.shm import collectives as shm_collectives
 
     rank, _ = join_gloo()
     group = dist.new_group([0, 1], backend=shm_collectives.BACKEND)
@@ -208,7 +208,7 @@ def _trainer_worker(local_comm: str):
     from parity import GPT_FNS
 
     from meshtrain import Trainer
-    from meshtrain.parallel.shm_collectives import SharedMemoryCollectives
+    from meshtrain.parallel.shm.collectives import SharedMemoryCollectives
 
     calls = Counter()  # the sequence dim's exchanges the shared-memory group runs itself
     for name in ("all_gather_on", "reduce_scatter_on"):
@@ -267,7 +267,7 @@ def test_sequence_parallel_on_gloo_collectives_matches_one_process():
 def _probed_once_worker():
     import torch.distributed as dist
 
-    from meshtrain.parallel import shm_p2p
+    from meshtrain.parallel.shm import p2p as shm_p2p
     from meshtrain.parallel.layout import Layout
     from meshtrain.parallel.mesh import ParallelMesh
 

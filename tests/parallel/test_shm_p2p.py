@@ -1,4 +1,4 @@
-"""Pipeline send/recv through shared memory (meshtrain/parallel/shm_p2p.py): the bytes arrive as
+"""Pipeline send/recv through shared memory (meshtrain/parallel/shm/p2p.py): the bytes arrive as
 sent whatever the size, dtype, layout and order of the waits, rings grow and wrap, nothing is
 left in /dev/shm, a missing message times out, and the Trainer uses it for a CPU pipeline (the
 pipeline parity tests run on it; one of them on gloo's own send/recv instead)."""
@@ -16,7 +16,7 @@ from meshtrain.launch.spawn import run_workers
 def _transfer_worker():
     import torch.distributed as dist
 
-    from meshtrain.parallel import shm_p2p
+    from meshtrain.parallel.shm import p2p as shm_p2p
 
     join_gloo()
     shm_p2p.MIN_RING = 4096  # small rings: the messages below make them wrap and grow
@@ -85,7 +85,7 @@ def _timeout_worker():
 
     import torch.distributed as dist
 
-    from meshtrain.parallel import shm_p2p
+    from meshtrain.parallel.shm import p2p as shm_p2p
 
     join_gloo()
     group = dist.new_group([0, 1], backend=shm_p2p.BACKEND, timeout=timedelta(seconds=1))
@@ -138,7 +138,7 @@ def test_a_sender_never_overwrites_a_message_its_receiver_has_not_acknowledged(t
     import os
     import random
 
-    from meshtrain.parallel import shm_p2p
+    from meshtrain.parallel.shm import p2p as shm_p2p
 
     monkeypatch.setattr(shm_p2p, "MIN_RING", 1024)
     if ack_batch != "default":
@@ -190,7 +190,7 @@ def _dead_peer_worker(out: str):
 
     import torch.distributed as dist
 
-    from meshtrain.parallel import shm_p2p
+    from meshtrain.parallel.shm import p2p as shm_p2p
 
     join_gloo()
     group = dist.new_group([0, 1], backend=shm_p2p.BACKEND)  # the default timeout: 30 min
@@ -224,7 +224,7 @@ def test_a_full_shared_memory_is_a_clear_error_and_leaves_no_file(tmp_path, monk
     import errno
     import os
 
-    from meshtrain.parallel import shm_p2p
+    from meshtrain.parallel.shm import p2p as shm_p2p
 
     def full(fd, offset, size):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -244,7 +244,7 @@ def test_a_waiting_receiver_polls_before_it_sleeps(monkeypatch):
     import threading
     import time
 
-    from meshtrain.parallel import shm_p2p
+    from meshtrain.parallel.shm import p2p as shm_p2p
 
     def record_later(fd):
         time.sleep(0.02)
@@ -272,7 +272,7 @@ def test_a_waiting_receiver_polls_before_it_sleeps(monkeypatch):
 
 
 def test_receivers_poll_only_where_every_process_has_a_core(monkeypatch):
-    from meshtrain.parallel import shm_p2p
+    from meshtrain.parallel.shm import p2p as shm_p2p
 
     monkeypatch.setattr(shm_p2p.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert shm_p2p.spin_seconds(world_size=2) == shm_p2p.SPIN_S > 0

@@ -168,7 +168,7 @@ def test_shared_memory_prices_fsdp_and_pipeline_sends_and_its_rings_count():
     (a GPU preset) nothing changes."""
     import dataclasses
 
-    from meshtrain.parallel.shm_p2p import MIN_RING, RING_MESSAGES
+    from meshtrain.parallel.shm.p2p import MIN_RING, RING_MESSAGES
 
     spec, job = ModelSpec.load(GPT), Job(16, S)
     gloo = dataclasses.replace(Cluster.preset("8xh100"), name="cpu", dtype="fp32",
@@ -194,13 +194,13 @@ def test_shared_memory_prices_fsdp_and_pipeline_sends_and_its_rings_count():
 
 
 def test_shared_memory_prices_the_tp_axis_when_its_table_has_all_reduce():
-    """The tp axis's collectives go through shared memory on one host (shm_collectives.py):
+    """The tp axis's collectives go through shared memory on one host (shm/collectives.py):
     a shared table with all_reduce prices them (a table measured before has none: gloo's rows
     then), and the rings its ranks map count."""
     import dataclasses
 
     from meshtrain.parallel.layout import Layout
-    from meshtrain.parallel.shm_p2p import MIN_RING, RING_MESSAGES
+    from meshtrain.parallel.shm.p2p import MIN_RING, RING_MESSAGES
 
     spec, job = ModelSpec.load(GPT), Job(32, S)
     ops = ("all_gather", "reduce_scatter", "send_recv", "all_reduce")

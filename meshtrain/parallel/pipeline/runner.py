@@ -51,7 +51,7 @@ class PipelineRunner:
         self.num_microbatches = num_microbatches
         self.stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(expected),
                                                                         schedule)}
-        # p2p_group: the stages' sends and receives (shm_p2p.py), if not the pp group's own
+        # p2p_group: the stages' sends and receives (shm/p2p.py), if not the pp group's own
         p2p = self.group if p2p_group is None else p2p_group
         self.stages = [PipelineStage(m, i, num_stages, device, group=p2p)
                        for m, i in zip(self.modules, self.indices)]

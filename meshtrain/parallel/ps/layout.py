@@ -3,8 +3,8 @@
 The first W processes are the workers: an ordinary data-parallel job of W ranks (their own
 process group and mesh, data sharded over them, no DDP), whose optimizer is a
 :class:`ServerOptimizer`: its ``step`` pushes the worker's gradients to the servers and copies
-back the parameters they return (:class:`~meshtrain.parallel.ps_client.PSClient`). The last S
-processes are the parameter servers (:func:`~meshtrain.parallel.parameter_server.serve`): they
+back the parameters they return (:class:`~meshtrain.parallel.ps.client.PSClient`). The last S
+processes are the parameter servers (:func:`~meshtrain.parallel.ps.server.serve`): they
 join no process group, only the RPC world of all S + W processes, hold the parameters and run
 the optimizer (Li et al., OSDI 2014). Worker 0 gives them the initial parameters and an
 optimizer of the user's class and hyperparameters; the workers' learning-rate scheduler still
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed import rpc
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel import parameter_server as ps
-from meshtrain.parallel.ps_client import PSClient, to_index_keyed
+from meshtrain.parallel.ps import server as ps
+from meshtrain.parallel.ps.client import PSClient, to_index_keyed
 
 
 
@@ -57,7 +57,7 @@ def check_ps_layout(layout, settings: dict) -> None:
 
 
 def check_ps_model(model: torch.nn.Module, num_servers: int, max_imbalance: float = 2.0) -> None:
-    """Whole parameters go to servers (:func:`~meshtrain.parallel.parameter_server.plan_shards`):
+    """Whole parameters go to servers (:func:`~meshtrain.parallel.ps.server.plan_shards`):
     refuse a server count that leaves a server empty, or gives one more than ``max_imbalance``
     times its fair share (the largest tensor then sets the step time; more servers don't help)."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
@@ -85,7 +85,7 @@ def check_ps_model(model: torch.nn.Module, num_servers: int, max_imbalance: floa
 
 def serve_job(index: int, rank: int, num_processes: int, store) -> dict:
     """Be server ``ps{index}`` until the workers shut the RPC world down; return what
-    :func:`~meshtrain.parallel.parameter_server.serve` returns (``final``: the full model)."""
+    :func:`~meshtrain.parallel.ps.server.serve` returns (``final``: the full model)."""
     return ps.serve(index, rank, num_processes, store)
 
 

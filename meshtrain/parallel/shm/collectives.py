@@ -8,7 +8,7 @@ memory a fraction of that (``benchmarks/README.md``, tensor_parallel.py). DTenso
 torch's functional collectives, which look a group up by its registered name and call its
 methods, so the group itself has to be the fast one: :class:`SharedMemoryCollectives` is a
 process-group backend ("meshtrain_shm", ``init_device_mesh(..., backend_override=...)``) built
-on :class:`~meshtrain.parallel.shm_p2p.LocalP2PGroup`'s sends and receives.
+on :class:`~meshtrain.parallel.shm.p2p.LocalP2PGroup`'s sends and receives.
 
 What goes through shared memory: ``all_reduce``, ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor`` (sum, average, max, min, product), functional or not, and the same
@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshtrain.parallel.shm_p2p import LocalP2PGroup
+from meshtrain.parallel.shm.p2p import LocalP2PGroup
 
 BACKEND = "meshtrain_shm"
 # what is delegated to the gloo group as it is (the arguments c10d passes a backend)

@@ -1,4 +1,4 @@
-"""The worker side of parameter-server training (meshtrain/parallel/parameter_server.py):
+"""The worker side of parameter-server training (meshtrain/parallel/ps/server.py):
 :class:`PSClient` pushes a worker's gradients to the servers that hold them and copies back the
 parameters they return; it also gathers and restores the servers' state for checkpoints."""
 
@@ -8,7 +8,7 @@ import torch
 from torch.distributed import rpc
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.parameter_server import (
+from meshtrain.parallel.ps.server import (
     OptimizerFactory, _nbytes, _rpc_call, _rpc_init, _rpc_pull, _rpc_push, check_ps_settings,
     plan_shards,
 )

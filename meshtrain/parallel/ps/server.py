@@ -22,7 +22,7 @@ return. Two consistency models:
 
 Roles: :func:`serve` makes a process a server (it answers RPCs until every process has called
 ``rpc.shutdown``); :func:`join_as_worker` a worker, which drives a ``PSClient``
-(meshtrain/parallel/ps_client.py). Worker 0 initialises the servers (``init_servers``: its
+(meshtrain/parallel/ps/client.py). Worker 0 initialises the servers (``init_servers``: its
 initial parameters and a picklable optimizer factory); every worker then calls ``pull`` (which
 waits for that). A process hosts at most one server (a module-level registry that the RPC
 functions reach).
@@ -295,7 +295,7 @@ def _rpc_push(worker, step, grads, lr) -> torch.futures.Future:
 
 
 def _rpc_keep_final(state: dict) -> None:
-    """The trained model's full state, which :func:`serve` returns (ps_layout.py)."""
+    """The trained model's full state, which :func:`serve` returns (ps/layout.py)."""
     _HOST["final"] = state
 
 
