@@ -44,7 +44,7 @@ def check_stop(settings: dict) -> None:
 def check_settings_apply(layout, settings: dict) -> None:
     """A setting that would do nothing under ``layout`` (or no way to stop) is an error, not
     silently ignored. ``settings``: the Trainer's, checked one by one already. What each
-    setting needs is its definition's ``needs`` (meshtrain/setting_table.py)."""
+    setting needs is its definition's ``needs`` (meshtrain/settings/table.py)."""
     from meshtrain.settings import unmet_needs
 
     check_stop(settings)

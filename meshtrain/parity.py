@@ -167,7 +167,7 @@ def layout_world_size(layout: str) -> int:
 def run_settings(job: dict, layout: str | None, steps: int, run_dir: str) -> dict:
     """The Trainer settings of one run: the job's, quiet, under ``layout`` (one process when
     None). A setting that needs what this layout lacks (``tp_plan`` without tp, a pipeline
-    schedule without pp, a DDP hook without DDP: its ``needs`` in meshtrain/setting_table.py)
+    schedule without pp, a DDP hook without DDP: its ``needs`` in meshtrain/settings/table.py)
     is left out, so that the one-process reference and every other layout train without it."""
     from meshtrain import settings as table
     from meshtrain.parallel.layout import Layout

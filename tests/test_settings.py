@@ -1,4 +1,4 @@
-"""Settings defined once (meshtrain/settings.py): every Trainer keyword has one definition whose
+"""Settings defined once (meshtrain/settings/): every Trainer keyword has one definition whose
 check rejects a bad value by name; configs, overrides, the reference and the docstring follow."""
 
 import inspect
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 import meshtrain
-from meshtrain import Trainer, reference, settings
+from meshtrain import Trainer, settings
+from meshtrain.settings import reference
 from meshtrain.config import dumps_toml, resolve
 from meshtrain.errors import ConfigError
-from meshtrain.setting_types import at_default
+from meshtrain.settings.kinds import at_default
 from meshtrain.settings import SECTIONS, SETTINGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def _trainer_takes_any_keyword() -> bool:
 def test_every_trainer_keyword_is_defined_once_with_its_default():
     params = _trainer_parameters()
     assert set(params) <= set(SETTINGS), (
-        "Trainer keywords missing from meshtrain/setting_table.py: "
+        "Trainer keywords missing from meshtrain/settings/table.py: "
         f"{sorted(set(params) - set(SETTINGS))}")
     if not _trainer_takes_any_keyword():
         assert set(SETTINGS) == set(params), (
@@ -243,7 +244,7 @@ def test_the_reference_lists_every_trainer_and_callback_argument():
     for name, cls in callbacks.items():
         params = set(inspect.signature(cls).parameters)
         assert set(reference.CALLBACK_ARGS.get(name, {})) == params, (
-            f"{name}'s arguments and CALLBACK_ARGS in meshtrain/reference.py disagree")
+            f"{name}'s arguments and CALLBACK_ARGS in meshtrain/settings/reference.py disagree")
         section = _section(text, f"### {name}")
         for param in params:
             assert f"| `{param}` |" in section, f"{name}({param}=) is missing from the reference"
@@ -278,7 +279,7 @@ WITHOUT_FACT = {"ddp": "zero3=2", "plain_dp": "zero1=2", "sharded": "dp=2", "ps"
 
 def _meet(need: str, parts: list, values: dict) -> None:
     """Add to ``parts`` (of a layout) and ``values`` what meets ``need`` (its first choice)."""
-    from meshtrain.setting_types import need_atom
+    from meshtrain.settings.kinds import need_atom
 
     kind, name, value = need_atom(need.split("|")[0])
     if kind == "axis":
@@ -293,7 +294,7 @@ def _meet(need: str, parts: list, values: dict) -> None:
 
 def _break(need: str, parts: list, values: dict) -> None:
     """Change ``parts`` and ``values`` so that no choice of ``need`` is met."""
-    from meshtrain.setting_types import need_atom
+    from meshtrain.settings.kinds import need_atom
 
     for atom in need.split("|"):
         kind, name, _ = need_atom(atom)

@@ -1,4 +1,4 @@
-"""Write docs/reference.md (every Trainer setting and callback argument) from meshtrain/settings.py.
+"""Write docs/reference.md (every Trainer setting and callback argument) from meshtrain/settings/.
 
     python tools/gen_reference.py           write it
     python tools/gen_reference.py --check   exit 1 if it is stale (as tests/test_settings.py)

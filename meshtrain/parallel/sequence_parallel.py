@@ -8,12 +8,13 @@ reduce-scattered back to shards); after a row-parallel pair the partial sums are
 reduce-scattered (backward: the shards' gradients are all-gathered). DTensor's
 ``redistribute`` does the same with a plan per call and, on a dim other than 0, one more copy
 of the activation (functional collectives gather on dim 0, then ``torch.cat`` the chunks; the
-reduce-scatter the other way round). On the tp axis's shared-memory group (``shm/collectives.py``) the chunks
-are received straight into their place in the output and sent straight from theirs; on any
-other group torch's functional collectives do it (NCCL, gloo), as DTensor would, without the
-planning. Under ``CommDebugMode`` (``tp_debug.comm_counts``) the functional path is taken so
-that the collectives are counted; in a graph torch.compile traces, DTensor's redistribution is
-used as before (the autograd functions there gave wrong gradients in torch 2.13).
+reduce-scatter the other way round). On the tp axis's shared-memory group
+(``shm/collectives.py``) the chunks are received straight into their place in the output and
+sent straight from theirs; on any other group torch's functional collectives do it (NCCL,
+gloo), as DTensor would, without the planning. Under ``CommDebugMode``
+(``tp_debug.comm_counts``) the functional path is taken so that the collectives are counted; in
+a graph torch.compile traces, DTensor's redistribution is used as before (the autograd
+functions there gave wrong gradients in torch 2.13).
 
 The replicated parameters used on sequence shards (the norms) get a partial gradient on each
 rank: :func:`complete_partial_grads` sums them all once per step (the Trainer, after the last

@@ -8,7 +8,7 @@ import inspect
 import textwrap
 
 from meshtrain.config import toml_value
-from meshtrain.setting_types import need_words
+from meshtrain.settings.kinds import need_words
 from meshtrain.settings import SECTIONS, SETTINGS, Setting
 
 # The public callbacks' arguments, one line each; defaults and types come from the signatures
@@ -94,8 +94,8 @@ def reference_markdown() -> str:
     out = [
         "# Settings reference",
         "",
-        "<!-- Generated from meshtrain/setting_table.py by `python tools/gen_reference.py`; do not "
-        "edit by hand. -->",
+        "<!-- Generated from meshtrain/settings/table.py by `python tools/gen_reference.py`; "
+        "do not edit by hand. -->",
         "",
         "Every `Trainer` keyword argument. In a recipe's TOML config each one lives in the "
         "section named below (`[trainer]`, `[parallel]`, ...) and can be overridden on the "
@@ -136,7 +136,7 @@ def reference_markdown() -> str:
                 p.annotation, "__name__", str(p.annotation))
             default = toml_value(p.default) if p.default is not p.empty else "(required)"
             doc_text = docs.get(p.name, "UNDOCUMENTED: add it to CALLBACK_ARGS in "
-                                        "meshtrain/reference.py")
+                                        "meshtrain/settings/reference.py")
             out.append(_row(f"`{p.name}`", kind.replace("None", "none"), f"`{default}`",
                             doc_text))
         out.append("")

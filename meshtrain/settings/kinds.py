@@ -1,7 +1,7 @@
 """The kinds of value a Trainer setting takes, what a setting needs to have any effect, and
 :class:`Setting`, one setting's definition.
 
-The settings themselves are in meshtrain/setting_table.py; meshtrain/settings.py is the API.
+The settings themselves are in table.py of this package; its __init__.py is the API.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The Python API (``Trainer(**keywords)``), the TOML sections of a recipe's config
 ``--section.key=value`` overrides, the ``--dry-run`` listing, the Trainer's ``Args:`` docstring
 and ``docs/reference.md`` (``python tools/gen_reference.py``) all come from :data:`SETTINGS`.
 
-The table is meshtrain/setting_table.py, the kinds of value meshtrain/setting_types.py.
+The table is meshtrain/settings/table.py, the kinds of value meshtrain/settings/kinds.py.
 A setting's check there looks at its own value only (type, range, choices). What a setting needs
 to have any effect (an axis, a layout fact, another setting) is part of its definition too
 (``Setting.needs``): :func:`unmet_needs` finds the settings that would do nothing under a layout
@@ -20,8 +20,8 @@ import difflib
 
 from meshtrain.config import unknown_key_message
 from meshtrain.errors import ConfigError
-from meshtrain.setting_table import DEFINITIONS
-from meshtrain.setting_types import (
+from meshtrain.settings.table import DEFINITIONS
+from meshtrain.settings.kinds import (
     AXIS_KINDS, LAYOUT_FACTS, SECTIONS, Setting, at_default, is_layout_need, need_atom, need_met,
     need_settings, unmet_message,
 )
@@ -131,16 +131,16 @@ def flatten(config: dict) -> dict:
     return flat
 
 
-# -- documentation, written by meshtrain/reference.py from the definitions above ---------------
+# -- documentation, written by reference.py from the definitions above ------------------------
 def reference_markdown() -> str:
     """The text of docs/reference.md: every setting by section, then the callbacks' arguments."""
-    from meshtrain.reference import reference_markdown as text
+    from meshtrain.settings.reference import reference_markdown as text
 
     return text()
 
 
 def docstring() -> str:
     """An ``Args:`` block for the Trainer's docstring, by section (defaults as Python)."""
-    from meshtrain.reference import docstring as text
+    from meshtrain.settings.reference import docstring as text
 
     return text()

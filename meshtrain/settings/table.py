@@ -1,11 +1,11 @@
 """Every Trainer setting: name, section, default, type, one-line doc, check, and what it needs to
 have any effect (meshtrain.settings reads this table; the kinds of value and the words of a need
-are in meshtrain/setting_types.py)."""
+are in meshtrain/settings/kinds.py)."""
 
 from __future__ import annotations
 
 from meshtrain.errors import ConfigError
-from meshtrain.setting_types import Setting
+from meshtrain.settings.kinds import Setting
 
 
 # -- checks that are more than a type: each names its setting ---------------------------------
