@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 
 import torch
 import torch.distributed as dist

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import threading
 from collections.abc import Callable
 from urllib.parse import urlparse
