@@ -149,21 +149,28 @@ def reference():
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms, eval_loss
 
 
-def build_runner(mesh, schedule, v):
+def build_runner(mesh, schedule, v, p2p_group=None):
     rank, num_stages = mesh.get_local_rank(), PP * v
     indices = rank_stages(rank, PP, v, schedule)
     points = even_splits(CONFIG["num_layers"], num_stages)
     model = tiny_gpt()
     modules = [split_model(model, points, i) for i in indices]
     return PipelineRunner(modules, indices, num_stages, mesh["pp"], torch.device("cpu"),
-                          schedule=schedule, num_microbatches=MICRO, loss_fn=lm_loss)
+                          schedule=schedule, num_microbatches=MICRO, loss_fn=lm_loss,
+                          p2p_group=p2p_group)
 
 
-def parity_worker(cases):
+def parity_worker(cases, transport):
+    from meshtrain.parallel.shm.p2p import LocalP2PGroup, local_p2p_group
+
     mesh = gloo_mesh((PP,), ("pp",))
+    p2p = None
+    if transport == "shm":  # the Trainer's sends between CPU processes of one host
+        p2p = local_p2p_group([list(range(PP))], torch.device("cpu"), "auto")
+        assert isinstance(p2p, LocalP2PGroup)
     (x, y), results = data(), {}
     for schedule, v in cases:
-        runner = build_runner(mesh, schedule, v)
+        runner = build_runner(mesh, schedule, v, p2p)
         opt = torch.optim.AdamW(runner.parameters(), lr=LR)
         losses, norms = [], []
         for step in range(STEPS):
@@ -181,11 +188,12 @@ def parity_worker(cases):
 
 
 @pytest.mark.timeout(120)
-def test_every_schedule_matches_one_process():
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_every_schedule_matches_one_process(transport):
     ref_params, ref_losses, ref_norms, ref_eval = reference()
     initial = dict(tiny_gpt().named_parameters())
     assert max((ref_params[n] - initial[n]).abs().max().item() for n in initial) > 1e-4
-    ranks = run_workers(parity_worker, PP, (CASES,), timeout=110)
+    ranks = run_workers(parity_worker, PP, (CASES, transport), timeout=110)
     for case in CASES:
         parts = [r[case] for r in ranks]
         names = [set(p["params"]) for p in parts]
