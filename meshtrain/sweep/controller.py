@@ -20,12 +20,8 @@ from pathlib import Path
 from meshtrain.config import toml_value
 from meshtrain.errors import ConfigError
 from meshtrain.sweep.slots import check_layout_fits, machine_devices, preexec, split
-from meshtrain.sweep.space import SweepSpec, load_spec
+from meshtrain.sweep.space import SweepSpec, load_spec, param_overrides
 from meshtrain.sweep.trial import ENV, RESULT
-
-
-def param_overrides(params: dict) -> list[str]:
-    return [f"--{key}={toml_value(value)}" for key, value in sorted(params.items())]
 
 
 def _check_config(config: str, overrides: list[str], spec: SweepSpec):

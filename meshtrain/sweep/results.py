@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshtrain.config import dumps_toml
 from meshtrain.parity_verdict import table
+from meshtrain.sweep.space import param_overrides
 
 BEST = "best.toml"
 
@@ -58,7 +59,6 @@ def write_best_config(study, sweep) -> Path | None:
     """The best trial's config, every setting resolved, as ``best.toml`` in the sweep folder:
     its parameters and seed; a fresh run folder (not the trial's) and no resume."""
     from meshtrain.recipes import resolve_config
-    from meshtrain.sweep.controller import param_overrides
 
     try:
         best = study.best_trial

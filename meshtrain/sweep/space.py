@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from meshtrain.config import load_toml
+from meshtrain.config import load_toml, toml_value
 from meshtrain.errors import ConfigError
 
 SWEEP_DEFAULTS = {"trials": 8, "devices_per_trial": 1, "concurrent": 0, "sampler": "tpe",
@@ -199,3 +199,8 @@ def _check(spec: SweepSpec, origin: str) -> None:
         if not isinstance(values, dict) or not set(values) <= keys:
             raise ConfigError(f"{origin}: [[enqueue]] #{i + 1} may only set searched keys "
                               f"({', '.join(sorted(keys))}), got {values!r}")
+
+
+def param_overrides(params: dict) -> list[str]:
+    """A trial's parameters as the ``--key=value`` overrides of the job's config it runs."""
+    return [f"--{key}={toml_value(value)}" for key, value in sorted(params.items())]
