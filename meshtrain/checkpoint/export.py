@@ -16,26 +16,8 @@ from pathlib import Path
 
 import torch
 
+from meshtrain.checkpoint.safe_load import read_model_state
 from meshtrain.errors import ConfigError
-
-
-def read_model_state(checkpoint_dir: str | os.PathLike,
-                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model entries of the checkpoint ``checkpoint_dir`` as full tensors, read in this one
-    process (no process group), floating-point ones converted to ``dtype`` when given."""
-    from meshtrain.checkpoint.safe_load import check_checkpoint_files, load_dcp_keys
-
-    checkpoint_dir = Path(checkpoint_dir)
-    if not (checkpoint_dir / ".metadata").is_file():
-        raise ConfigError(
-            f"{checkpoint_dir} is not a distributed checkpoint (no .metadata file); pass a "
-            "checkpoint folder such as runs/<name>/<time>/checkpoints/final"
-        )
-    check_checkpoint_files(checkpoint_dir)  # a poisoned checkpoint is refused, not passed on
-    state = load_dcp_keys(checkpoint_dir, {"model"})["model"]
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    return state
 
 
 def export_model(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike,

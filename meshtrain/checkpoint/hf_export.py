@@ -16,6 +16,7 @@ import torch
 from meshtrain.checkpoint.hf_weights import (
     _TOKENIZER_FILES, SAFE_INDEX, SAFE_WEIGHTS, _clean, _few, _model_tensors,
 )
+from meshtrain.checkpoint.safe_load import read_model_state
 from meshtrain.errors import ConfigError
 
 
@@ -92,8 +93,6 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     (and is recorded in config.json). Reads the checkpoint in this one process (no process
     group); the names and shapes are checked against ``config`` before anything is written.
     """
-    from meshtrain.checkpoint.export import read_model_state
-
     out_dir = Path(out_dir)
     config = _resolve_config(config)
     if max_shard_bytes < 1:

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import enum
 import io
+import os
 import pickle
 import re
 from pathlib import Path
@@ -223,3 +224,19 @@ def load_dcp_keys(folder: str | Path, keys: set[str]) -> dict:
                          planner=_SafeEmptyPlanner(folder, keys=keys))
     return state
 
+
+def read_model_state(checkpoint_dir: str | os.PathLike,
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model entries of the checkpoint ``checkpoint_dir`` as full tensors, read in this one
+    process (no process group), floating-point ones converted to ``dtype`` when given."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / ".metadata").is_file():
+        raise ConfigError(
+            f"{checkpoint_dir} is not a distributed checkpoint (no .metadata file); pass a "
+            "checkpoint folder such as runs/<name>/<time>/checkpoints/final"
+        )
+    check_checkpoint_files(checkpoint_dir)  # a poisoned checkpoint is refused, not passed on
+    state = load_dcp_keys(checkpoint_dir, {"model"})["model"]
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return state
