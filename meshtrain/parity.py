@@ -30,6 +30,7 @@ import torch
 from meshtrain.callbacks import Callback
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.layout import _parse_pairs
+from meshtrain.parallel.whole_state import whole_state
 from meshtrain.parity_verdict import HEADER, GradSizes, Row, compare, float64_job, table
 
 __all__ = ["HEADER", "Row", "Source", "compare", "parity", "table", "train"]
@@ -55,24 +56,6 @@ class Curves(Callback):
             self.losses.append(metrics["train/loss"])
         norm = trainer.grad_norm
         self.grad_norms.append(float(norm) if norm is not None else float("nan"))
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) parameter gathered whole (collective); a plain tensor as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def whole_state(model: torch.nn.Module, pp_degree: int) -> dict[str, torch.Tensor]:
-    """Collective: the full model's state on every rank (DTensors gathered, and under pipeline
-    parallel every rank's stages put together; stages keep full-model names)."""
-    state = {k: full_tensor(v).detach().cpu().clone() for k, v in model.state_dict().items()}
-    if pp_degree > 1:
-        import torch.distributed as dist
-
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, state)
-        state = {k: v for part in parts for k, v in part.items()}
-    return state
 
 
 # -- the job: what to train -------------------------------------------------------------------

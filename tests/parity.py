@@ -18,7 +18,8 @@ from torch.utils.data import TensorDataset
 
 from meshtrain import Trainer
 from meshtrain.launch.spawn import run_workers
-from meshtrain.parity import Curves, whole_state
+from meshtrain.parallel.whole_state import whole_state
+from meshtrain.parity import Curves
 
 NUM_SAMPLES, IN_FEATURES, OUT_FEATURES = 96, 12, 3
 

@@ -137,7 +137,7 @@ class ModelSpec:
         config = load_config(path)
         recipe = config["job"].get("recipe")
         if recipe == "causal_lm":
-            from meshtrain.recipes.causal_lm import model_config
+            from meshtrain.models.from_config import model_config
 
             m = config["model"]
             vocab = m.get("vocab_size") or 32000  # the tokenizer's, rounded: not known here

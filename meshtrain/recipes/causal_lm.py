@@ -26,15 +26,12 @@ from meshtrain import losses, settings
 from meshtrain.callbacks import Callback
 from meshtrain.config import dumps_toml
 from meshtrain.errors import ConfigError
+from meshtrain.models.from_config import model_config, model_factory
 from meshtrain.optim import AdamW
-from meshtrain.parity import whole_state
+from meshtrain.parallel.whole_state import whole_state
 from meshtrain.plan.auto import resolved_config
 from meshtrain.recipes.char_lm import cosine_with_warmup
 from meshtrain.trainer import Trainer
-
-ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                 "mistral": ("MistralConfig", "MistralForCausalLM"), "gpt": None}
 
 TRAINER_DEFAULTS = {
     "trainer": {"layout": "dp=2", "devices": 2, "max_steps": 300, "grad_clip_norm": 1.0,
@@ -111,70 +108,7 @@ def unigram_baseline(train_set, val_set, vocab_size: int, max_tokens: int = 50_0
     return float(-(val * logp).sum() / max(1, val.sum()))
 
 
-# -- model ---------------------------------------------------------------------------------------
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("the causal_lm recipe builds Hugging Face models: pip install "
-                          "'meshtrain[hf]' (transformers), or set model.architecture = \"gpt\"")
-    return transformers
-
-
-def model_config(config: dict, tokenizer_vocab: int):
-    """The model's config: a ``transformers`` config, or a GPTConfig for ``gpt``; checked
-    against the tokenizer's vocabulary and ``seq_len`` before any process starts."""
-    from meshtrain.data.tokens import check_model_vocab
-
-    m, seq_len = config["model"], config["data"]["seq_len"]
-    if m["architecture"] not in ARCHITECTURES:
-        raise ConfigError(f"model.architecture {m['architecture']!r} is not one of "
-                          f"{', '.join(ARCHITECTURES)}; or give model.hf_config (a config.json)")
-    vocab = m["vocab_size"] or -(-tokenizer_vocab // m["vocab_multiple"]) * m["vocab_multiple"]
-    if m["architecture"] == "gpt":
-        from meshtrain.models.gpt import GPTConfig
-
-        cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, num_layers=m["num_layers"],
-                        num_heads=m["num_heads"], d_model=m["hidden_size"])
-        check_model_vocab({"vocab_size": tokenizer_vocab}, cfg.vocab_size, key="model.vocab_size")
-        return cfg
-    tf = _transformers()
-    source = m["hf_config"] or m["pretrained"]
-    if source:
-        if not Path(source).exists():
-            raise ConfigError(f"model.{'hf_config' if m['hf_config'] else 'pretrained'} "
-                              f"{source} does not exist; give a local config.json or model folder")
-        cfg = tf.AutoConfig.from_pretrained(source)
-        key = "the vocab_size of " + str(source)
-    else:
-        config_class = getattr(tf, ARCHITECTURES[m["architecture"]][0])
-        hidden = m["hidden_size"]
-        inner = m["intermediate_size"] or 64 * math.ceil(8 * hidden / 3 / 64)
-        cfg = config_class(vocab_size=vocab, hidden_size=hidden, intermediate_size=inner,
-                           num_hidden_layers=m["num_layers"], num_attention_heads=m["num_heads"],
-                           num_key_value_heads=m["num_kv_heads"],
-                           max_position_embeddings=m["max_position_embeddings"],
-                           tie_word_embeddings=m["tie_word_embeddings"])
-        key = "model.vocab_size"
-    check_model_vocab({"vocab_size": tokenizer_vocab}, cfg.vocab_size, key=key)
-    if seq_len > cfg.max_position_embeddings:
-        raise ConfigError(f"data.seq_len={seq_len} is above the model's maximum "
-                          f"max_position_embeddings={cfg.max_position_embeddings}; use a "
-                          "shorter seq_len (or a larger model.max_position_embeddings)")
-    return cfg
-
-
-def model_factory(config: dict, cfg, seed: int):
-    if config["model"]["architecture"] == "gpt":
-        from meshtrain.models.gpt import GPT
-
-        return lambda: GPT(cfg, seed=seed)
-    from meshtrain.models.hf.init import HFCausalLM
-
-    model_class = getattr(_transformers(), type(cfg).__name__.replace("Config", "ForCausalLM"))
-    return HFCausalLM(model_class, cfg, seed)  # sharded from the start under zero3 / dp_shard
-
-
+# -- model (its config and factory: meshtrain/models/from_config.py) ---------------------------
 def _tokenizer_vocab(tokenizer_path: Path) -> int:
     from tokenizers import Tokenizer
 

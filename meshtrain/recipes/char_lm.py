@@ -24,7 +24,7 @@ from meshtrain.config import dumps_toml
 from meshtrain.data.text import CharChunks, CharTokenizer, split_tokens, stdlib_text, unigram_cross_entropy
 from meshtrain.errors import ConfigError
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parity import whole_state
+from meshtrain.parallel.whole_state import whole_state
 from meshtrain.plan.auto import resolved_config
 from meshtrain.trainer import Trainer
 
