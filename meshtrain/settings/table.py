@@ -19,7 +19,7 @@ def _check_loggers(value) -> None:
             raise ConfigError(f"unknown logger {name!r} in loggers; choose from {_LOGGER_NAMES} "
                               "(or an empty list for none)")
         if name in ("mlflow", "wandb"):  # optional extras: is the package there? (no import)
-            from meshtrain.observe.external_loggers import missing_package
+            from meshtrain.observe.loggers.external import missing_package
 
             message = missing_package(name)
             if message is not None:

@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 from meshtrain import settings
 from meshtrain.errors import ConfigError
-from meshtrain.observe.external_loggers import MLflowLogger, WandbLogger, wandb_mode
+from meshtrain.observe.loggers.external import MLflowLogger, WandbLogger, wandb_mode
 from meshtrain.observe.loggers import Logger, make_loggers, read_metrics_csv
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from meshtrain.errors import ConfigError
-from meshtrain.observe.loggers import Logger, _check_metrics, flatten_params
+from meshtrain.observe.loggers.base import Logger, _check_metrics, flatten_params
 
 __all__ = ["EXTERNAL_LOGGERS", "MLflowLogger", "WandbLogger", "make_external_logger",
            "missing_package"]

@@ -1,74 +1,17 @@
-"""Metric loggers used by the Trainer on global rank zero only.
-
-A logger receives hyperparameters once and scalar metrics by step. ``Logger`` itself does nothing,
-so a Trainer can hold one on every rank and call it unconditionally. ``CSVLogger`` keeps a plain
-``metrics.csv`` that survives a crash (every row is flushed); ``TensorBoardLogger`` writes event
-files for ``tensorboard --logdir``. MLflow and Weights & Biases loggers (optional extras) are in
-``meshtrain/observe/external_loggers.py``. Nothing here touches ``torch.distributed``.
-"""
+"""The loggers that write files in the run folder: ``CSVLogger`` (a plain ``metrics.csv`` that
+survives a crash: every row is flushed; :func:`read_metrics_csv` reads it back) and
+``TensorBoardLogger`` (event files for ``tensorboard --logdir``)."""
 
 from __future__ import annotations
 
 import csv
-import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import ConfigError
-
-__all__ = [
-    "EXTERNAL_LOGGERS",
-    "CSVLogger",
-    "Logger",
-    "TensorBoardLogger",
-    "flatten_params",
-    "make_loggers",
-    "read_metrics_csv",
-]
-
-
-class Logger:
-    """Base logger: every method is a no-op (used as-is on non-zero ranks)."""
-
-    def log_hparams(self, params: dict) -> None:
-        """Record the run's hyperparameters / resolved config."""
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Record scalar ``metrics`` (name -> number) at optimizer ``step``."""
-
-    def finalize(self) -> None:
-        """Flush and close files; safe to call more than once."""
-
-
-def _to_float(name: str, value: Any) -> float:
-    """``float(value)`` (works for Python numbers and one-element tensors) or a ConfigError."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"metric {name!r} has a value of type {type(value).__name__} ({value!r:.60}) that is "
-            "not a number; log only numbers or one-element tensors (call .item() on others)"
-        ) from None
-
-
-def _check_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Convert metric values to floats and reject reserved or non-string names."""
-    out: dict[str, float] = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"metric names must be non-empty strings, got {name!r}")
-        if name == "step":
-            raise ConfigError(
-                "'step' is reserved for the step column; pass the step as the `step` argument "
-                "and give the metric another name"
-            )
-        out[name] = _to_float(name, value)
-    return out
-
-
-# -- CSV -------------------------------------------------------------------------------------------
+from meshtrain.observe.loggers.base import Logger, _check_metrics, flatten_params
 
 
 class CSVLogger(Logger):
@@ -174,24 +117,6 @@ def read_metrics_csv(path: str | os.PathLike) -> list[dict]:
 # -- TensorBoard -----------------------------------------------------------------------------------
 
 
-def flatten_params(params: Any, prefix: str = "") -> dict[str, Any]:
-    """Flatten nested dicts / dataclasses into ``{"a.b.c": value}`` (lists and others kept as-is)."""
-    if dataclasses.is_dataclass(params) and not isinstance(params, type):
-        params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-    if not isinstance(params, Mapping):
-        return {prefix or "value": params}
-    flat: dict[str, Any] = {}
-    for key, value in params.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, Mapping) or (
-            dataclasses.is_dataclass(value) and not isinstance(value, type)
-        ):
-            flat.update(flatten_params(value, name))
-        else:
-            flat[name] = value
-    return flat
-
-
 def _markdown_table(flat: Mapping[str, Any]) -> str:
     """Two-column markdown table (TensorBoard renders text summaries as markdown)."""
 
@@ -238,37 +163,3 @@ class TensorBoardLogger(Logger):
             raise ConfigError(
                 "TensorBoardLogger was used after finalize(); create a new logger for a new run"
             )
-
-
-LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
-# optional extras (pip install 'meshtrain[loggers]'), in meshtrain/observe/external_loggers.py
-EXTERNAL_LOGGERS = ("mlflow", "wandb")
-
-
-def make_loggers(names, run_dir: Path, hparams: dict, *, record: bool = True) -> list[Logger]:
-    """The loggers named in ``names`` (``"csv"``, ``"tensorboard"``, ``"mlflow"``, ``"wandb"``),
-    each given ``hparams``; MLflow's experiment and W&B's project are the job's name
-    (``hparams["name"]``). ``record=False``: loggers opened again on a run that recorded its
-    hparams already (metrics.csv appended, a new TensorBoard event file in the same folder, the
-    same MLflow or W&B run continued)."""
-    names = [names] if isinstance(names, str) else list(names)
-    loggers: list[Logger] = []
-    try:
-        for name in names:
-            if name in LOGGERS:
-                loggers.append(LOGGERS[name](run_dir))
-            elif name in EXTERNAL_LOGGERS:
-                from meshtrain.observe.external_loggers import make_external_logger
-
-                loggers.append(make_external_logger(name, run_dir, hparams.get("name")))
-            else:
-                raise ConfigError(f"unknown logger {name!r} in loggers; choose from "
-                                  + ", ".join(repr(n) for n in (*LOGGERS, *EXTERNAL_LOGGERS)))
-        for logger in loggers:
-            if record:
-                logger.log_hparams(hparams)
-    except BaseException:
-        for logger in loggers:  # close what was opened (an MLflow / W&B run ends)
-            logger.finalize()
-        raise
-    return loggers
