@@ -13,6 +13,7 @@ import json
 import math
 import os
 import tomllib
+from collections.abc import Collection
 from pathlib import Path
 
 from meshtrain.errors import ConfigError
@@ -44,17 +45,17 @@ def parse_override(text: str) -> tuple[str, str, object]:
     return section, key, value
 
 
-def unknown_key_message(known: dict[str, dict], section: str, key: str, origin: str) -> str:
+def unknown_key_message(known: dict[str, dict], section: str, key: str, origin: str,
+                        python_only: Collection[str] = ()) -> str:
     """Why ``[section] key`` is not in ``known`` (a two-level defaults mapping), and the fix:
-    the section it belongs in, the closest known key, or that it is a Python-only setting."""
+    the section it belongs in, the closest known key, or that it is one of the Trainer's
+    ``python_only`` settings (meshtrain.settings.python_only())."""
     elsewhere = [name for name, keys in known.items() if key in keys and name != section]
     if elsewhere:
         right = elsewhere[0]
         return (f"{section}.{key} in {origin}: {key} is a [{right}] setting, not [{section}]; "
                 f"write it under [{right}] (or --{right}.{key}=...)")
-    from meshtrain.settings import SETTINGS
-
-    if key in SETTINGS and not SETTINGS[key].config:
+    if key in python_only:
         return (f"{section}.{key} in {origin}: {key} is a Python-only Trainer setting (a config "
                 f"file cannot hold it); pass Trainer({key}=...) in your recipe's run()")
     message = f"unknown key {section}.{key} in {origin}"
@@ -68,9 +69,11 @@ def unknown_key_message(known: dict[str, dict], section: str, key: str, origin: 
     return message + f" known keys of [{section}]: {', '.join(known.get(section, {}))}"
 
 
-def resolve(defaults: dict, file_config: dict, overrides: list[str]) -> dict:
+def resolve(defaults: dict, file_config: dict, overrides: list[str],
+            python_only: Collection[str] = ()) -> dict:
     """Merge ``file_config`` and ``overrides`` onto ``defaults``; reject unknown keys (naming
-    the right section of a key written in the wrong one, or the closest known key)."""
+    the right section of a key written in the wrong one, the closest known key, or that it is
+    one of ``python_only``: see :func:`unknown_key_message`)."""
     config = copy.deepcopy(defaults)
 
     def put(section: str, key: str, value, origin: str) -> None:
@@ -82,7 +85,7 @@ def resolve(defaults: dict, file_config: dict, overrides: list[str]) -> dict:
                 f"{', '.join(config)}"
             )
         if key not in config[section]:
-            raise ConfigError(unknown_key_message(config, section, key, origin))
+            raise ConfigError(unknown_key_message(config, section, key, origin, python_only))
         config[section][key] = value
 
     for section, values in file_config.items():

@@ -128,7 +128,7 @@ def _apply_overrides(flat: dict, overrides) -> dict:
         setting = settings.SETTINGS.get(key)
         if setting is None or setting.section != section:
             raise ConfigError(unknown_key_message(settings.config_sections(), section, key,
-                                                  f"override {text!r}"))
+                                                  f"override {text!r}", settings.python_only()))
         flat[key] = value
     return flat
 

@@ -204,7 +204,7 @@ def test_resolve_names_the_section_of_a_misplaced_key_and_the_closest_one():
                                           r"\[pipeline\]"):
         resolve(defaults, {"pipelin": {"pp_schedule": "gpipe"}}, [])
     with pytest.raises(ConfigError, match="tp_plan is a Python-only Trainer setting"):
-        resolve(defaults, {}, ["--parallel.tp_plan={}"])
+        resolve(defaults, {}, ["--parallel.tp_plan={}"], settings.python_only())
 
 
 def test_dumps_toml_shows_none_as_a_comment_and_reads_back():

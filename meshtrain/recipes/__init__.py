@@ -99,7 +99,7 @@ def resolve_config(path: str, overrides: list[str]):
     recipe = load_recipe(name, origin=path)
     defaults = copy.deepcopy(recipe.DEFAULTS)
     defaults.setdefault("job", {}).setdefault("recipe", name)
-    config = resolve(defaults, file_config, overrides)
+    config = resolve(defaults, file_config, overrides, settings.python_only())
     if config.get("logging", {}).get("name") == "auto":  # the job is named after its config
         config["logging"]["name"] = os.path.splitext(os.path.basename(path))[0]
     flat = settings.flatten(config)

@@ -112,6 +112,12 @@ def config_sections() -> dict[str, dict]:
     return sections
 
 
+def python_only() -> frozenset[str]:
+    """The settings a config file cannot hold (objects: a model, callbacks, a loss function):
+    passed as ``Trainer(name=...)`` only."""
+    return frozenset(name for name, s in SETTINGS.items() if not s.config)
+
+
 def flatten(config: dict) -> dict:
     """The Trainer sections of a resolved config -> Trainer keywords. Other sections (a
     recipe's own, e.g. [model]) are ignored; TOML stand-ins are converted: ``"none"`` -> None
@@ -122,7 +128,7 @@ def flatten(config: dict) -> dict:
             setting = SETTINGS.get(name)
             if setting is None or setting.section != section or not setting.config:
                 raise ConfigError(unknown_key_message(config_sections(), section, name,
-                                                      "the config"))
+                                                      "the config", python_only()))
             if isinstance(value, str) and setting.none and value.strip().lower() in ("none", ""):
                 value = None
             elif isinstance(value, tuple):
