@@ -54,7 +54,7 @@ def _check_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def flatten_params(params: Any, prefix: str = "") -> dict[str, Any]:
-    """Flatten nested dicts / dataclasses into ``{"a.b.c": value}`` (lists and others kept as-is)."""
+    """Nested dicts / dataclasses as ``{"a.b.c": value}`` (lists and others kept as they are)."""
     if dataclasses.is_dataclass(params) and not isinstance(params, type):
         params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
     if not isinstance(params, Mapping):

@@ -15,7 +15,7 @@ from meshtrain.observe.loggers.base import Logger, _check_metrics, flatten_param
 
 
 class CSVLogger(Logger):
-    """Write metrics to ``run_dir/metrics.csv``: column ``step`` then metric names, first seen first.
+    """Metrics to ``run_dir/metrics.csv``: column ``step``, then metric names, first seen first.
 
     Each ``log_metrics`` call appends one row and flushes it. When a call brings a metric name that
     was not seen before, the file is rewritten (atomically, via a temporary file) with the wider
