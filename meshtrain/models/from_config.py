@@ -15,12 +15,13 @@ ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
 
 
 def _transformers():
+    """``transformers`` (models/hf's import), or what to install, or meshtrain's own GPT."""
+    from meshtrain.models.hf import _transformers as load
+
     try:
-        import transformers
-    except ImportError:
-        raise ConfigError("the causal_lm recipe builds Hugging Face models: pip install "
-                          "'meshtrain[hf]' (transformers), or set model.architecture = \"gpt\"")
-    return transformers
+        return load()
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; or set model.architecture = \"gpt\"") from None
 
 
 def model_config(config: dict, tokenizer_vocab: int):
