@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshtrain.errors import ConfigError
-from meshtrain.observe.loggers.base import Logger, flatten_params
 from meshtrain.observe.loggers import external
-from meshtrain.observe.loggers.external import make_external_logger
+from meshtrain.observe.loggers.base import Logger, flatten_params
 from meshtrain.observe.loggers.local import CSVLogger, TensorBoardLogger, read_metrics_csv
 
 __all__ = [
@@ -47,7 +46,7 @@ def make_loggers(names, run_dir: Path, hparams: dict, *, record: bool = True) ->
             if name in LOGGERS:
                 loggers.append(LOGGERS[name](run_dir))
             elif name in EXTERNAL_LOGGERS:
-                loggers.append(make_external_logger(name, run_dir, hparams.get("name")))
+                loggers.append(external.make_external_logger(name, run_dir, hparams.get("name")))
             else:
                 raise ConfigError(f"unknown logger {name!r} in loggers; choose from "
                                   + ", ".join(repr(n) for n in (*LOGGERS, *EXTERNAL_LOGGERS)))
