@@ -31,6 +31,7 @@ from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
 from meshtrain.launch.world import collective_checks, drain_collectives, resolve_world_size
 from meshtrain.launch.slurm import requeue_callbacks
+from meshtrain.loop.seeding import seed_everything
 from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow
 from meshtrain.module.log_buffer import LogBuffer
 from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_pp_support, hf_tp_plans
@@ -60,6 +61,7 @@ class Trainer:
         from meshtrain.settings import check
 
         self._settings = s = check(settings)
+        seed_everything(s["seed"])  # a model built after this starts the same on every rank
         self.device_type = checks.resolve_device_type(s)
         self._env = DistEnv.from_environ()
         checks.check_stop(s)
@@ -86,6 +88,7 @@ class Trainer:
         self.ps_server = self._store = self.ps_stats = None  # ps=S: server index, its counters
         self.start_notes = ""  # torch threads and network interface, and why (launch/world.py)
         self._model_shapes = None  # the whole model's state names and shapes (resume.py)
+        self._whole_template = None  # what whole_model() fills (parallel/whole_state.py)
         self.run_log = RunLog(self.rank == 0)
         self.checkpoints = None  # the CheckpointManager: every save goes through it
         self._guard: StepGuard | None = None  # NaN/Inf, watchdog, periodic saves (fault/)
@@ -183,6 +186,15 @@ class Trainer:
             if self.report:  # run_dir/report.html, also after a failure
                 self.run_log.report(self.monitor)
         return self.model
+
+    def whole_model(self) -> torch.nn.Module:
+        """The trained model whole, under any layout (collective: call it on every rank after
+        ``fit``): the module ``fit`` returned when it is whole already (one process, dp, zero1,
+        zero2), else a new one on the CPU, of the same class, holding the gathered weights
+        (zero3/FSDP2 shards, tp's DTensors, every pipeline stage)."""
+        from meshtrain.parallel.whole_state import whole_model
+
+        return whole_model(self.model, self._whole_template, self.layout.degree("pp"))
 
     def lr_find(self, model: ModelLike, train_data: DataLike, *, optimizer: Callable,
                 loss_fn: Callable | None = None, min_lr: float = 1e-6, max_lr: float = 1.0,

@@ -22,12 +22,14 @@ from meshtrain.data.sampler import train_loaders
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.world import start_world
+from meshtrain.loop.seeding import agree_on_initial_state
 from meshtrain.module.core import attach, check_module, configured_optimizers, is_manual
 from meshtrain.observe.flops import flops_per_item
 from meshtrain.observe.monitor import RunMonitor
 from meshtrain.parallel.apply import apply_layout, build_optimizer, check_model
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelMesh
+from meshtrain.parallel.whole_state import skeleton
 from meshtrain.precision import Precision
 
 
@@ -170,15 +172,20 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
     from meshtrain.parallel.fully_shard import builds_on_meta, initializer_of
 
     torch.manual_seed(t.seed)  # identical initial parameters on every rank
+    factory = model
     on_meta = builds_on_meta(t.layout, t.meta_init, model, meta_model)
     if on_meta and initializer_of(model) is not None:  # the factory fills the shards
         t.parallel_options = dataclasses.replace(t.parallel_options,
                                                  initializer=initializer_of(model))
     model = meta_model if on_meta else build(model)
+    if not on_meta:  # a model object built before the Trainer: rank 0's weights everywhere
+        agree_on_initial_state(model, t.mesh.everyone(), t.device, t.print)
     check_module(model, optimizer=optimizer_factory, loss_fn=loss_fn, val_data=t._val_data,
                  pp=t.layout.degree("pp"), metrics=t.metrics)  # a factory built for real
     check_model_layout(t, model, loss_fn)
     t._model_shapes = model_shapes(model)  # before a pipeline keeps only its stages
+    # what Trainer.whole_model fills with the trained weights (a factory: built again)
+    t._whole_template = factory if on_meta else skeleton(model)
     t.precision = Precision(t.precision_name, t.device_type)
     t.engine = apply_layout(
         model, t.mesh, device=t.device, options=t.parallel_options,

@@ -112,8 +112,10 @@ DEFINITIONS = [
        choices=PRECISIONS,
        error="unknown precision {value!r}; choose one of fp32, bf16-mixed, fp16-mixed"),
     _S("seed", "trainer", 0, "int",
-       "Seeds the initial parameters (the same on every rank), the data order and each rank's "
-       "dropout."),
+       "Seeds Python's random, NumPy and torch when the Trainer is built (a model object built "
+       "after it starts the same on every rank and in one process), a factory's model, the data "
+       "order and each rank's dropout. Ranks whose models still differ get rank 0's weights, "
+       "with a warning."),
     _S("shuffle", "trainer", True, "bool",
        "Shuffle the training data each epoch (one seeded order, independent of the number of "
        "ranks)."),

@@ -1,0 +1,122 @@
+"""The README's first example, as a user runs it: a script started with ``python``, the model
+passed to ``fit`` as an object built after ``Trainer(...)`` (no seed of the user's), a validation
+set, the default settings. Every rank of every layout must start from the same weights as one
+process (torch's own default seed differs per process: the Trainer seeds it) and train to the
+same model, which ``trainer.whole_model()`` gives whole under any layout. A model built before
+the Trainer gets rank 0's weights on every rank, with a warning."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import script_env
+
+TIMEOUT = 120
+
+SCRIPT = """
+import os, sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.data import TensorDataset
+
+from meshtrain import Trainer
+
+out, layout, when = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+(out / f"{os.getpid()}.pid").write_text(str(os.getpid()))
+
+
+class MyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 32)
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def tp_plan(self, tp_degree, *, sequence_parallel=False, loss_parallel=False):
+        return {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(96, 8, generator=g)
+y = (x[:, :4].argmax(1) + (x[:, 4] > 0).long()) % 4
+train_dataset, val_dataset = TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])
+
+early = MyModel() if when == "before" else None  # built before the Trainer seeds torch
+devices = 1 if layout == "none" else 2
+trainer = Trainer(layout=None if layout == "none" else layout, devices=devices, max_steps=6,
+                  global_batch_size=16, micro_batch_size=8, run_dir=out / "run", loggers=(),
+                  report=False, progress_bar=False)
+model = early if early is not None else MyModel()
+if when != "before" and when != "after":  # a saved start: the weights of another run's rank 0
+    model.load_state_dict(torch.load(when)["initial"])
+initial = {k: v.clone() for k, v in model.state_dict().items()}
+model = trainer.fit(model, train_dataset, val_dataset,
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+                    loss_fn=F.cross_entropy)
+whole = trainer.whole_model()  # collective: every rank
+torch.save({"initial": initial, "final": {k: v.detach().clone() for k, v in
+                                          whole.state_dict().items()},
+            "val": trainer.callback_metrics["val/loss"], "class": type(whole).__name__},
+           out / f"rank{trainer.rank}.pt")
+"""
+
+
+def _run(tmp_path, layout: str, when: str = "after") -> tuple[list[dict], str]:
+    out = tmp_path / f"{layout}-{when if when in ('before', 'after') else 'from'}"
+    out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    try:
+        done = subprocess.run([sys.executable, str(script), str(out), layout, when],
+                              env=script_env(), capture_output=True, text=True, timeout=TIMEOUT,
+                              cwd=tmp_path)
+    finally:  # rank 1 runs in its own session: end it if it is still there
+        for pid_file in out.glob("*.pid"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = sorted(out.glob("rank*.pt"))
+    return [torch.load(path) for path in ranks], done.stdout
+
+
+@pytest.mark.timeout(4 * TIMEOUT)
+def test_a_model_object_starts_and_trains_the_same_in_every_layout(tmp_path):
+    (one,), _ = _run(tmp_path, "none")
+    moved = max((one["final"][k] - one["initial"][k]).abs().max() for k in one["initial"])
+    assert moved > 1e-2  # training changed the weights: agreeing below proves something
+    for layout in ("dp=2", "zero3=2", "tp=2"):
+        ranks, _ = _run(tmp_path, layout)
+        assert len(ranks) == 2, layout
+        for rank, got in enumerate(ranks):
+            where = f"{layout} rank {rank}"
+            assert got["class"] == "MyModel", where  # the user's own class, whole
+            for name, want in one["initial"].items():  # bit for bit the same start
+                assert torch.equal(got["initial"][name], want), f"{where}: initial {name}"
+            for name, want in one["final"].items():
+                torch.testing.assert_close(got["final"][name], want, rtol=0, atol=1e-6,
+                                           msg=lambda m, w=where, n=name: f"{w} {n}: {m}")
+            assert abs(got["val"] - one["val"]) < 1e-6, (where, got["val"], one["val"])
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_a_model_built_before_the_trainer_gets_rank_0s_weights_with_a_warning(tmp_path):
+    ranks, stdout = _run(tmp_path, "zero3=2", when="before")
+    first = ranks[0]["initial"]
+    assert any(not torch.equal(ranks[1]["initial"][k], first[k]) for k in first)  # as built
+    assert "initial weights differed between ranks (rank(s) [1]" in stdout
+    assert "fit(lambda: MyModel(), ...)" in stdout  # the fix
+    # one model trained, rank 0's: one process started from its weights ends the same
+    (one,), _ = _run(tmp_path, "none", when=str(tmp_path / "zero3=2-before" / "rank0.pt"))
+    for name, want in one["final"].items():
+        torch.testing.assert_close(ranks[0]["final"][name], want, rtol=0, atol=1e-6)
