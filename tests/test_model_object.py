@@ -120,3 +120,74 @@ def test_a_model_built_before_the_trainer_gets_rank_0s_weights_with_a_warning(tm
     (one,), _ = _run(tmp_path, "none", when=str(tmp_path / "zero3=2-before" / "rank0.pt"))
     for name, want in one["final"].items():
         torch.testing.assert_close(ranks[0]["final"][name], want, rtol=0, atol=1e-6)
+
+
+class TiedModel(torch.nn.Module):
+    """A tied embedding and head, and a buffer outside the state dict (a rotary table's kind)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.mix = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((8,), 0.5), persistent=False)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mix(self.embed(x))) * self.scale)
+
+
+def _fit_whole(layout, run_dir):
+    from parity import lm_loss, token_data
+
+    from meshtrain import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(layout=layout, max_steps=3, global_batch_size=8, loggers=(), report=False,
+                      progress_bar=False, save_final_checkpoint=False, run_dir=run_dir)
+    trainer.fit(TiedModel(), token_data(), loss_fn=lm_loss,
+                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+    whole = trainer.whole_model()
+    tokens = token_data()[:4][0]
+    return (whole.head.weight is whole.embed.weight, whole.scale.clone(),
+            {k: v.detach().clone() for k, v in whole.state_dict().items()},
+            whole(tokens).detach())
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_whole_model_under_zero3_keeps_ties_and_buffers(tmp_path):
+    from meshtrain.launch.spawn import run_workers
+
+    one = _fit_whole(None, tmp_path / "one")
+    tied, scale, state, output = run_workers(_fit_whole, 2, ("zero3=2", tmp_path / "z"),
+                                             timeout=TIMEOUT)[1]  # (rank 1: not only rank 0)
+    assert tied and torch.equal(scale, torch.full((8,), 0.5))
+    assert state.keys() == one[2].keys()
+    for name, want in one[2].items():
+        torch.testing.assert_close(state[name], want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(output, one[3], rtol=0, atol=1e-5)
+
+
+def _fit_gpt_whole(layout, run_dir):
+    from parity import GPT4_FNS, token_data
+
+    from meshtrain import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(layout=layout, max_steps=2, global_batch_size=8, loggers=(), report=False,
+                      progress_bar=False, save_final_checkpoint=False, run_dir=run_dir)
+    trainer.fit(GPT4_FNS["model_fn"], token_data(), loss_fn=GPT4_FNS["loss_fn"],
+                optimizer=GPT4_FNS["optimizer_fn"])
+    whole = trainer.whole_model()
+    return len(whole.layers), whole(token_data()[:4][0]).detach()
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_whole_model_under_pp_holds_every_stage(tmp_path):
+    from meshtrain.launch.spawn import run_workers
+
+    layers, want = _fit_gpt_whole(None, tmp_path / "one")
+    for rank, (got_layers, got) in enumerate(run_workers(
+            _fit_gpt_whole, 2, ("pp=2", tmp_path / "pp"), timeout=TIMEOUT)):
+        assert got_layers == layers == 4, rank  # fit returns 2 of them on each rank
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
