@@ -57,6 +57,32 @@ def test_test_sees_the_whole_test_set_even_with_limit_val_batches(tmp_path):
     assert result["test/loss"] == pytest.approx(full_loss(model, test_set), rel=1e-6)
 
 
+def _validate_limited(run_dir, layout):
+    from parity import GPT4_FNS, token_data
+
+    torch.set_num_threads(1)
+    trainer = quiet_trainer(run_dir, layout=layout, max_steps=2, global_batch_size=8,
+                            limit_val_batches=2)  # 2 global batches: samples 0-15
+    val, fns = RecordingDataset(token_data(seed=3)), GPT4_FNS
+    trainer.fit(fns["model_fn"], token_data(), val, optimizer=fns["optimizer_fn"],
+                loss_fn=fns["loss_fn"])
+    fetched = sorted(val.fetched)
+    return trainer.callback_metrics["val/loss"], fetched, trainer.test(val)["test/loss"]
+
+
+@pytest.mark.timeout(120)
+def test_limit_val_batches_validates_the_same_samples_under_any_layout(tmp_path):
+    want, fetched, whole = _validate_limited(tmp_path / "one", None)
+    assert fetched == list(range(16))
+    assert abs(whole - want) > 1e-3  # the data tells a limited validation from a whole one
+    for layout in ("dp=2", "pp=2"):  # pp: micro-batches of 2 (4 per step), not 8
+        ranks = run_workers(_validate_limited, 2, (tmp_path / layout, layout), timeout=100)
+        for rank, (got, _, _) in enumerate(ranks):
+            assert got == pytest.approx(want, abs=1e-5), (layout, rank)
+        seen = sorted(i for _, part, _ in ranks for i in part)
+        assert set(seen) == set(range(16)), (layout, seen)
+
+
 TEST_SIZES = (23, 17, 1)  # eval batches of 2 x 4: 7 left over; 1 (rank 1 gets none of it); 1
 
 

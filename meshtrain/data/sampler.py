@@ -286,17 +286,19 @@ def train_loaders(dataset, original, *, global_batch_size: int, micro_batch_size
 
 
 def eval_loader(dataset, original, *, micro_batch_size: int, dp_rank: int, dp_degree: int,
-                num_workers: int, loader_seed: int, pin_memory: bool):
-    """This rank's evaluation micro-batches: every sample once over all ranks, none dropped."""
+                num_workers: int, loader_seed: int, pin_memory: bool,
+                max_samples: int | None = None):
+    """This rank's evaluation micro-batches: every sample once over all ranks, none dropped
+    (of the first ``max_samples`` samples, when given: the same ones whatever the ranks)."""
     from meshtrain.data.stream import is_stream, stream_eval_loader
 
     if is_stream(dataset):
         return stream_eval_loader(dataset, original, micro_batch_size=micro_batch_size,
                                   dp_rank=dp_rank, dp_degree=dp_degree,
                                   num_workers=num_workers, seed=loader_seed,
-                                  pin_memory=pin_memory)
+                                  pin_memory=pin_memory, max_samples=max_samples)
     sampler = GlobalBatchSampler(
-        len(dataset), global_batch_size=dp_degree * micro_batch_size,
+        min(len(dataset), max_samples or len(dataset)), global_batch_size=dp_degree * micro_batch_size,
         micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
         shuffle=False, last_batch="partial")
     return make_loader(dataset, original, sampler, num_workers=num_workers, seed=loader_seed,

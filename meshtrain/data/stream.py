@@ -97,13 +97,14 @@ class _EvalSlices(IterableDataset):
     """Evaluation: consecutive micro-batches of ``M`` items go to the ranks in turn (the last
     may be short); every item is seen once over all ranks."""
 
-    def __init__(self, dataset, *, micro_batch_size, dp_rank, dp_degree):
+    def __init__(self, dataset, *, micro_batch_size, dp_rank, dp_degree, max_samples=None):
         self.dataset, self.micro, self.rank, self.ways = (
             dataset, micro_batch_size, dp_rank, dp_degree)
+        self.max_samples = max_samples  # the first items only (the same ones on any ranks)
 
     def __iter__(self):
         worker, workers = _worker()
-        items = _pass_from(self.dataset, 0, 0)
+        items = islice(_pass_from(self.dataset, 0, 0), self.max_samples)
         t = 0
         while chunk := list(islice(items, self.micro)):
             if t % self.ways == self.rank and (t // self.ways) % workers == worker:
@@ -230,15 +231,15 @@ def stream_loaders(dataset, original, *, global_batch_size, micro_batch_size, dp
 
 
 def stream_eval_loader(dataset, original, *, micro_batch_size, dp_rank, dp_degree,
-                       num_workers, seed, pin_memory) -> DataLoader:
+                       num_workers, seed, pin_memory, max_samples=None) -> DataLoader:
     """This rank's evaluation micro-batches of a stream (already batched: each item is a list
-    of samples, collated by the DataLoader)."""
+    of samples, collated by the DataLoader), of its first ``max_samples`` items when given."""
     import torch
     from torch.utils.data import default_collate
 
     collate = original.collate_fn if isinstance(original, DataLoader) else default_collate
     workers = original.num_workers if isinstance(original, DataLoader) else num_workers
     return DataLoader(_EvalSlices(dataset, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
-                                  dp_degree=dp_degree),
+                                  dp_degree=dp_degree, max_samples=max_samples),
                       batch_size=None, collate_fn=collate, num_workers=workers,
                       pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))

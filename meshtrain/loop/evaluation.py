@@ -12,12 +12,15 @@ from meshtrain.module.log_buffer import LogBuffer
 
 
 def evaluate(t, data, prefix: str) -> dict[str, float]:
-    """``{prefix}/loss`` and ``{prefix}/<metric>`` over ``data`` (in validation only the first
-    ``limit_val_batches`` micro-batches per rank), and the values logged meanwhile."""
+    """``{prefix}/loss`` and ``{prefix}/<metric>`` over ``data`` (in validation only its first
+    ``limit_val_batches`` x ``global_batch_size`` samples: the same ones under any layout),
+    and the values logged meanwhile."""
     limit = t.limit_val_batches if prefix == "val" else None
     loader = eval_loader(checks.dataset_of(data, prefix), data,
                          micro_batch_size=t.micro_batch_size, dp_rank=t.dp_rank,
-                         dp_degree=t.mesh.layout.batch_degree, **t._loader_options())
+                         dp_degree=t.mesh.layout.batch_degree,
+                         max_samples=limit and limit * t.global_batch_size,
+                         **t._loader_options())
     if t.engine.step_call is not None:
         step = STEP_OF[prefix]
         if not callable(getattr(t.model, step, None)):
@@ -26,7 +29,7 @@ def evaluate(t, data, prefix: str) -> dict[str, float]:
         t.engine.eval_step = step
     training_logs, t._logs = t._logs, LogBuffer()  # what the evaluation logs, on its own
     try:
-        values = t.engine.evaluate(loader, limit, t.metrics)
+        values = t.engine.evaluate(loader, t.metrics)
         logged = t._logs.take("window", t.mesh.loss_group(), t.device)
     finally:
         t._logs = training_logs

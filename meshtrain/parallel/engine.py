@@ -293,8 +293,8 @@ class Engine:
     eval_step = "validation_step"  # what a research module evaluates with (or "test_step")
     eval_idx = 0  # its batch_idx: the batches of this evaluation so far
     @torch.no_grad()
-    def evaluate(self, batches, limit: int | None = None, metrics=()) -> dict[str, float]:
-        """``{"loss": ..., <metric>: ...}`` over ``batches`` (at most ``limit`` of them here),
+    def evaluate(self, batches, metrics=()) -> dict[str, float]:
+        """``{"loss": ..., <metric>: ...}`` over ``batches`` (this rank's of an evaluation),
         summed over the stages and loss ranks so every sample of every rank counts once. The
         loss is weighted by samples for a mean loss, by items for a global-mean loss;
         ``metrics``: names or meshtrain.metrics.Metric objects, reduced the same way."""
@@ -308,9 +308,7 @@ class Engine:
         # loss sum, weight, then every metric's sums: one all-reduce for all of them
         totals = torch.zeros(2 + sum(sizes), dtype=torch.float64, device=self.device)
         sums = list(totals[2:].split(sizes)) if metrics else []
-        for i, batch in enumerate(batches):
-            if limit is not None and i >= limit:
-                break
+        for batch in batches:
             batch = to_device(batch, self.device)
             loss = self.eval_loss(batch, with_output=bool(metrics))
             if loss is None:  # a pipeline rank without the last stage

@@ -123,7 +123,8 @@ DEFINITIONS = [
        "Validate every N optimizer steps and at the end of fit; none: at the end only.",
        none=True, minimum=1),
     _S("limit_val_batches", "trainer", None, "int",
-       "Use at most this many validation micro-batches per rank; none: all of them.",
+       "Validate on the first this-many x global_batch_size samples of the validation set (the "
+       "same samples under any layout); none: all of them. test() always sees all.",
        none=True, minimum=1),
     _S("metrics", "trainer", (), "metrics",
        'Validation and test metrics besides the loss: "perplexity", "token_accuracy" or '
