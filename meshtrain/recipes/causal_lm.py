@@ -99,10 +99,10 @@ def load_data(config: dict):
 
 def metrics(config: dict) -> list[str]:
     """The names a run of this job logs (``meshtrain sweep`` checks its objective against them
-    before any trial): the Trainer's, over token ids; validation ones when the data have a val
-    split."""
-    path = config["data"]["path"]
-    validation = bool(path) and (Path(path) / "val" / "meta.json").is_file()
+    before any trial): the Trainer's, over token ids; validation ones when the prepared data
+    (checked to exist, as a run would) have a val split."""
+    _, val, _ = data_paths(config["data"])
+    validation = (val / "meta.json").is_file()
     return fit_metric_names(settings.flatten(config), unit="tokens", validation=validation)
 
 
