@@ -95,3 +95,20 @@ def resolve(metrics) -> list[Metric]:
     if len(set(names)) != len(names) or "loss" in names:
         raise ConfigError(f"metrics must have distinct names other than 'loss', got {names}")
     return out
+
+
+def fit_metric_names(settings: dict, *, unit: str = "tokens",
+                     validation: bool = True) -> list[str]:
+    """The names ``Trainer.fit`` logs under ``settings`` (Trainer keywords, e.g. a config's
+    ``meshtrain.settings.flatten``) when its training data are counted in ``unit`` ("tokens"
+    for token ids, else "samples"), with or without validation data. What a model logs itself
+    (``self.log``) is not in it. A recipe's ``metrics(config)`` (what ``meshtrain sweep`` checks
+    its objective against before any trial) starts from these."""
+    names = ["epoch", "train/loss", f"train/{unit}_per_s", "train/tflops", "train/mfu"]
+    if settings.get("log_grad_norm"):
+        names.append("train/grad_norm")
+    if settings.get("nan_policy") in ("skip", "rollback"):  # once a step was skipped
+        names.append("train/skipped_steps")
+    if validation:
+        names += ["val/loss", *(f"val/{m.name}" for m in resolve(settings.get("metrics")))]
+    return names

@@ -9,6 +9,7 @@ import torch
 
 from meshtrain import cli
 from meshtrain.data.prepare import prepare
+from meshtrain.recipes import causal_lm, resolve_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,6 +52,10 @@ def test_llama_trains_and_samples(corpus, tmp_path, capsys):
     run = next((tmp_path / "llama_tiny").iterdir())
     assert (run / "hf_config" / "config.json").is_file() and (run / "tokenizer.json").is_file()
     assert (run / "checkpoints" / "final").is_dir()
+    # the names the recipe says it logs (a sweep's check before any trial) are what it logged
+    config = resolve_config("examples/llama_tiny.toml", [f"--data.path={corpus}", *TINY])[1]
+    header = (run / "metrics.csv").open().readline().strip().split(",")[1:]
+    assert set(header) == set(causal_lm.metrics(config)), header
 
 
 def test_gpt_architecture_trains(corpus, tmp_path):

@@ -18,7 +18,10 @@ current directory or ``PYTHONPATH``. A recipe is a module or object with
   has ``job(config)``, runs ``Trainer.check`` on that job;
 - optionally ``job(config)``, which ``meshtrain parity`` calls: a mapping with ``model`` (a
   factory), ``train_data``, ``optimizer`` (a factory), ``loss_fn`` and ``lr_scheduler`` (see
-  meshtrain/parity.py).
+  meshtrain/parity.py);
+- optionally ``metrics(config)``: every metric name ``run`` logs (the Trainer's are
+  ``meshtrain.metrics.fit_metric_names``; add what the model logs itself), so that
+  ``meshtrain sweep`` checks its objective before any trial instead of in the first one.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from meshtrain import losses, settings
 from meshtrain.callbacks import Callback
 from meshtrain.config import dumps_toml
 from meshtrain.errors import ConfigError
+from meshtrain.metrics import fit_metric_names
 from meshtrain.models.from_config import model_config, model_factory
 from meshtrain.optim import AdamW
 from meshtrain.parallel.whole_state import whole_state
@@ -94,6 +95,15 @@ def load_data(config: dict):
     train_set = PackedTokens(train, seq_len, dict_batches=hf)
     val_set = PackedTokens(val, seq_len, dict_batches=hf) if (val / "meta.json").is_file() else None
     return train_set, val_set, train_set.meta
+
+
+def metrics(config: dict) -> list[str]:
+    """The names a run of this job logs (``meshtrain sweep`` checks its objective against them
+    before any trial): the Trainer's, over token ids; validation ones when the prepared data
+    (checked to exist, as a run would) have a val split."""
+    _, val, _ = data_paths(config["data"])
+    validation = (val / "meta.json").is_file()
+    return fit_metric_names(settings.flatten(config), unit="tokens", validation=validation)
 
 
 def unigram_baseline(train_set, val_set, vocab_size: int, max_tokens: int = 50_000_000) -> float:

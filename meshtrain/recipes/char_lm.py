@@ -23,6 +23,7 @@ from meshtrain.callbacks import Callback
 from meshtrain.config import dumps_toml
 from meshtrain.data.text import CharChunks, CharTokenizer, split_tokens, stdlib_text, unigram_cross_entropy
 from meshtrain.errors import ConfigError
+from meshtrain.metrics import fit_metric_names
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.parallel.whole_state import whole_state
 from meshtrain.plan.auto import resolved_config
@@ -93,6 +94,12 @@ def check(config: dict, mode: str = "train") -> str:
         ("layout", "layout"), ("processes", "world_size"), ("micro-batch", "micro_batch_size"),
         ("accumulation", "grad_accum_steps")) if hasattr(trainer, attr)]
     return ", ".join(facts)
+
+
+def metrics(config: dict) -> list[str]:
+    """The names a run of this job logs (``meshtrain sweep`` checks its objective against them
+    before any trial): the Trainer's, over token ids, with validation (val_fraction > 0)."""
+    return fit_metric_names(settings.flatten(config), unit="tokens", validation=True)
 
 
 def load_text(data: dict) -> str:

@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--study", help="the study's name (default: the job's name)")
     p.add_argument("--dir", help="the sweep folder (default: root_dir/name/sweep)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the split of the machine and the space; start nothing")
+                   help="check the space and the objective against the job, print the split of "
+                   "the machine and the space; start nothing")
     return p
 
 

@@ -2,9 +2,14 @@
 ``meshtrain train CONFIG --key=value ...`` in that slot, and tell the study how it ended.
 
 Every rank of a trial reads its hyperparameters from the same command line (they are drawn
-once, here), so a ``dp=2`` trial cannot train two different models. A restarted sweep (same
-command, same folder or storage) first runs again the trials the last one left running: each has
-its own run folder, so ``resume="auto"`` continues it from its last checkpoint."""
+once, here), and the trial checks what each rank's Trainer and optimizer hold
+(meshtrain/sweep/ranks.py). The objective metric is checked against what the job logs before
+any trial when its recipe says (``metrics(config)``), else at the first trial's first validation
+(meshtrain/sweep/objective.py). A trial that fails such a check (``SweepStop``) stops the sweep:
+no further trial starts, the running ones end on their own, the results are written and
+:func:`run_sweep` raises the reason. A restarted sweep (same command, same folder or storage)
+first runs again the trials the last one left running: each has its own run folder, so
+``resume="auto"`` continues it from its last checkpoint."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from pathlib import Path
 
 from meshtrain.config import toml_value
 from meshtrain.errors import ConfigError
+from meshtrain.sweep.objective import declared_metrics, missing_metric
 from meshtrain.sweep.slots import check_layout_fits, machine_devices, preexec, split
 from meshtrain.sweep.space import SweepSpec, load_spec, param_overrides
 from meshtrain.sweep.trial import ENV, RESULT
@@ -26,17 +32,20 @@ from meshtrain.sweep.trial import ENV, RESULT
 
 def _check_config(config: str, overrides: list[str], spec: SweepSpec):
     """Every searched key and value against the job's config (unknown keys, bad values), before
-    anything runs; the resolved base config."""
+    anything runs; (the resolved base config, its Trainer keywords, the metric names the job
+    logs under any searched value when its recipe says, else None)."""
     from meshtrain.recipes import resolve_config
 
-    _, base, flat = resolve_config(config, list(overrides))
+    recipe, base, flat = resolve_config(config, list(overrides))
+    configs = [base]
     for param in spec.params:
         for value in param.examples():
             try:
-                resolve_config(config, [*overrides, f"--{param.key}={toml_value(value)}"])
+                configs.append(resolve_config(
+                    config, [*overrides, f"--{param.key}={toml_value(value)}"])[1])
             except ConfigError as error:
                 raise ConfigError(f"[params] {param.key!r} = {value!r}: {error}") from None
-    return base, flat
+    return base, flat, declared_metrics(recipe, configs)
 
 
 def _processes(config: str, overrides: list[str], spec: SweepSpec) -> dict[str, int]:
@@ -69,7 +78,10 @@ class Sweep:
         from meshtrain.sweep.study import open_storage, storage_url
 
         self.config, self.spec, self.overrides, self.log = str(config), spec, list(overrides), log
-        self.base, flat = _check_config(self.config, self.overrides, spec)
+        self.base, flat, self.metrics = _check_config(self.config, self.overrides, spec)
+        if self.metrics is not None and spec.metric not in self.metrics:
+            raise ConfigError(missing_metric(spec.metric, self.metrics,
+                                             f"the job {Path(self.config).name}"))
         self.name = spec.study or self.base["logging"]["name"]
         self.dir = Path(sweep_dir or Path(self.base["logging"]["root_dir"]) / self.name / "sweep")
         kind, devices = machine_devices(flat.get("accelerator", "auto"))
@@ -80,6 +92,7 @@ class Sweep:
         self.owner = f"{socket.gethostname()}:{self.dir.resolve()}"
         if spec.storage:  # a URL of the user's: opened now, so a bad one fails before any trial
             open_storage(self.url)
+        self.stopped: str | None = None  # why a trial stopped the sweep (SweepStop)
 
     def describe(self) -> str:
         lines = [f"sweep {self.name!r}: {self.spec.trials} trials, {len(self.slots)} at a time, "
@@ -88,6 +101,13 @@ class Sweep:
         lines += [f"  {slot.describe()}" for slot in self.slots]
         lines.append("space:")
         lines += [f"  {p.key}: {p.describe()}" for p in self.spec.params]
+        if self.metrics is not None:
+            lines.append(f"objective: {self.spec.metric} is logged by the job (its recipe "
+                         f"logs {', '.join(self.metrics)})")
+        else:
+            lines.append(f"objective: {self.spec.metric} is checked at the first trial's first "
+                         "validation (the job's recipe does not say what it logs: give it "
+                         "metrics(config) to check before any trial)")
         lines.append(f"pruner: {self.spec.pruner}; sampler: {self.spec.sampler} (seed "
                      f"{self.spec.seed}; trial k trains with seed {self.spec.seed} + k)")
         return "\n".join(lines)
@@ -121,6 +141,8 @@ class Sweep:
                 for slot in self.slots:
                     if slot.index in running:
                         continue
+                    if self.stopped is not None:  # a trial found a mistake: no more trials
+                        break
                     if left:
                         trial = left.pop(0)
                         number, trial_id, params = trial.number, trial._trial_id, trial.params
@@ -132,6 +154,8 @@ class Sweep:
                         number, trial_id, params = trial.number, trial._trial_id, trial.params
                     else:
                         break
+                    busy = {d for s in self.slots if s.index in running for d in s.devices}
+                    assert not busy & set(slot.devices), (slot, busy)  # trials never share
                     proc = self._launch(study, number, trial_id, params, slot)
                     running[slot.index] = (number, trial_id, proc, time.monotonic())
                 if not running:
@@ -145,11 +169,13 @@ class Sweep:
 
     @staticmethod
     def _started(study) -> int:
-        """Trials asked for so far (not those only enqueued, which wait for their turn)."""
+        """Trials asked for so far (not those only enqueued, which wait for their turn, nor
+        those that stopped a sweep: its mistake, once fixed, costs no trial of the budget)."""
         import optuna
 
         waiting = optuna.trial.TrialState.WAITING
-        return sum(t.state != waiting for t in study.get_trials(deepcopy=False))
+        return sum(t.state != waiting and not t.user_attrs.get("stopped_sweep")
+                   for t in study.get_trials(deepcopy=False))
 
     def _trial_dir(self, number: int) -> Path:
         return self.dir / f"trial_{number:04d}"
@@ -178,6 +204,7 @@ class Sweep:
         trial.set_user_attr("command", " ".join(command[1:]))
         trial.set_user_attr("starts", trial.user_attrs.get("starts", 0) + 1)
         trial.set_user_attr("started_at", time.time())
+        trial.set_user_attr("slot", list(slot.devices))
         self.log(f"sweep: trial {number} on {slot.describe()}: "
                  f"{', '.join(f'{k}={v!r}' for k, v in sorted(params.items()))}")
         with open(folder / "log.txt", "a") as log:
@@ -213,18 +240,38 @@ class Sweep:
         trial.set_user_attr("ended_at", time.time())
         trial.set_user_attr("steps", result.get("step"))
         trial.set_user_attr("exit_code", code)
-        value = result.get("value")
-        if result.get("pruned"):
+        value, error = result.get("value"), result.get("error")
+        if result.get("pruned") and not error:
             study.tell(number, state=State.PRUNED)
             status = "pruned"
-        elif code == 0 and value is not None and math.isfinite(value):
+        elif code == 0 and not error and value is not None and math.isfinite(value):
             study.tell(number, value)
             status = f"{self.spec.metric} = {value:.6g}"
         else:
+            log = self._trial_dir(number) / "log.txt"
+            reason = error or (f"exit code {code}: {_last_line(log)} (see {log})" if code else
+                               f"it ended with {self.spec.metric} = {value} (see {log})")
+            stops = bool(result.get("stop_sweep")) and error is not None
+            trial.set_user_attr("fail_reason", reason)
+            trial.set_user_attr("stopped_sweep", stops)
             study.tell(number, state=State.FAIL)
-            status = (f"failed (exit code {code}; see {self._trial_dir(number) / 'log.txt'})"
-                      if code else f"no {self.spec.metric} logged (is it a validation metric?)")
+            status = f"failed: {reason}"
+            if stops and self.stopped is None:
+                self.stopped = f"trial {number} failed: {reason}"
+                self.log(f"sweep: trial {number} {status}")
+                self.log("sweep: stopping: no further trial starts (the running ones end on "
+                         "their own); fix the job or the space and run the sweep again")
+                return
         self.log(f"sweep: trial {number} {status}")
+
+
+def _last_line(path: Path) -> str:
+    """The last line a failed trial wrote (its error), at most 300 characters."""
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][-300:] if lines else "no output"
 
 
 def _stop(proc) -> None:
@@ -244,7 +291,9 @@ def run_sweep(config: str, space: str | None = None, *, table: dict | None = Non
               overrides=(), sweep_dir=None, dry_run: bool = False, log=print, **flags):
     """Run (or continue) the sweep of ``space`` (a SPACE.toml path, or the same as a mapping
     ``table``) over the job ``config``; ``flags``: the ``[sweep]`` keys. Returns the Optuna
-    study (None for ``dry_run``, which prints the split of the machine and the space)."""
+    study (None for ``dry_run``, which prints the split of the machine and the space, after
+    every check made before a trial). Raises ``ConfigError`` when a check fails, before any
+    trial, or when a trial stopped the sweep (after writing its results)."""
     from meshtrain.sweep.results import summarize
 
     spec = load_spec(space, table=table, **flags)
@@ -255,4 +304,6 @@ def run_sweep(config: str, space: str | None = None, *, table: dict | None = Non
         return None
     study = sweep.run()
     summarize(study, sweep, log=log)
+    if sweep.stopped is not None:
+        raise ConfigError(f"the sweep stopped: {sweep.stopped}")
     return study

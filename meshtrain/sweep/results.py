@@ -1,6 +1,6 @@
-"""What a sweep leaves: a ranked table of its trials, the best trial's whole config as a TOML
-that ``meshtrain train`` takes, and Optuna's plots (history, parameter importance, parallel
-coordinates) as images in the sweep folder."""
+"""What a sweep leaves: a ranked table of its trials (and why each failed one failed), the best
+trial's whole config as a TOML that ``meshtrain train`` takes, and Optuna's plots (history,
+parameter importance, parallel coordinates) as images in the sweep folder."""
 
 from __future__ import annotations
 
@@ -42,6 +42,14 @@ def trial_rows(study, spec) -> tuple[list[str], list[tuple]]:
     return ["trial", *keys, spec.metric, "status", "steps", "wall s"], rows
 
 
+def failures(study) -> list[tuple[int, str]]:
+    """(trial number, why it failed) of each failed trial, in trial order."""
+    import optuna
+
+    return [(t.number, t.user_attrs.get("fail_reason", "no reason recorded"))
+            for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))]
+
+
 def trial_table(study, spec) -> str:
     header, rows = trial_rows(study, spec)
     return table([header, *[list(row) for row in rows]])
@@ -77,10 +85,14 @@ def write_best_config(study, sweep) -> Path | None:
 
 
 def save_plots(study, folder: Path) -> list[str]:
-    """Optuna's plots as PNG files in ``folder``; the names written (a plot that needs more
-    finished trials or parameters than there are is left out)."""
+    """Optuna's plots as PNG files in ``folder``; the names written (none without a finished
+    trial; a plot that needs more finished trials or parameters than there are is left out)."""
     import warnings
 
+    import optuna
+
+    if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,7 +144,8 @@ def write_report(study, sweep, best: Path | None, plots: list[str]) -> Path:
         name=sweep.name, direction=sweep.spec.direction, metric=sweep.spec.metric,
         url=sweep.url, counts=", ".join(f"{n} {state}" for state, n in sorted(counts.items())),
         best={"number": best_number, "value": _fmt(study.best_value), "config": best}
-        if best is not None else None, header=header, rows=cells, plots=uris)
+        if best is not None else None, header=header, rows=cells, plots=uris,
+        failures=failures(study), stopped=sweep.stopped)
     out = sweep.dir / "report.html"
     out.write_text(html, encoding="utf-8")
     return out
@@ -140,6 +153,8 @@ def write_report(study, sweep, best: Path | None, plots: list[str]) -> Path:
 
 def summarize(study, sweep, log=print) -> None:
     log(trial_table(study, sweep.spec))
+    for number, reason in failures(study):
+        log(f"trial {number} failed: {reason}")
     path = write_best_config(study, sweep)
     if path is not None:
         log(f"best: trial {study.best_trial.number}, {sweep.spec.metric} = "

@@ -59,8 +59,11 @@ def split(kind: str, devices: list[int], per_trial: int, concurrent: int) -> lis
                           f"{concurrent * per_trial}, but there are {len(devices)}; use "
                           f"concurrent <= {fit} or fewer devices_per_trial")
     count = concurrent or fit
-    return [Slot(i, kind, tuple(devices[i * per_trial:(i + 1) * per_trial]))
-            for i in range(count)]
+    slots = [Slot(i, kind, tuple(devices[i * per_trial:(i + 1) * per_trial]))
+             for i in range(count)]
+    used = [d for slot in slots for d in slot.devices]  # each device in one slot at most
+    assert len(set(used)) == len(used) == count * per_trial and set(used) <= set(devices), slots
+    return slots
 
 
 def check_layout_fits(slot_size: int, kind: str, processes: int, layout: str) -> None:
