@@ -240,7 +240,7 @@ class Trainer:
         self.run_log.start_progress(total, enabled=self.progress_bar)
         memory = MemoryProbe(self.model, self.optimizer, self.layout) if self.is_global_zero else None
         timer = self.monitor.timer
-        state.window = MetricWindow(torch.zeros((), device=self.device))
+        state.window = MetricWindow(torch.zeros((), dtype=torch.float64, device=self.device))
         validated_at = None  # the step of the last validation
         guard.start()
         try:

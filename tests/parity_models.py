@@ -143,3 +143,63 @@ def cnn_unsynced_job() -> dict:
     job = cnn_job()
     job["settings"]["sync_batchnorm"] = False
     return job
+
+
+# A transformer written for tensor parallel by its user: heads reshaped with local sizes, a
+# per-head norm on the queries (Qwen3's q_norm), and its own plan. ``tp_missing_sum_job``: the
+# same plan without the norm's entry, so the norm sees this rank's heads only and its gradient
+# is a share nobody sums (the tp guard would stop it at step 1; it is off there, so that
+# `meshtrain parity`'s own verdict is what tells).
+class TPAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head_dim = WIDTH // HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
+        self.q_norm = nn.LayerNorm(self.head_dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(self.q_norm(q), k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class TPBlock(Block):
+    def __init__(self):
+        super().__init__()
+        self.attn = TPAttention()
+
+
+class TPTransformer(TinyTransformer):
+    def __init__(self, layers: int = 2, norm_entry: bool = True):
+        super().__init__(layers)
+        self.layers = nn.ModuleList(TPBlock() for _ in range(layers))
+        self.norm_entry = norm_entry
+
+    def tp_plan(self, tp_degree, *, sequence_parallel=False, loss_parallel=False):
+        from meshtrain.parallel.tensor_parallel import ReplicateParallel, attention_plan, mlp_plan
+
+        plan = {}
+        for i in range(len(self.layers)):
+            plan.update(attention_plan(f"layers.{i}.attn", "q", "k", "v", "o"))
+            plan.update(mlp_plan(f"layers.{i}.mlp", "0", "2"))
+            if self.norm_entry:  # its gradient: this rank's heads' share, summed over tp
+                plan[f"layers.{i}.attn.q_norm"] = ReplicateParallel(local_input=True)
+        return plan
+
+
+def tp_transformer_job() -> dict:
+    def model():
+        torch.manual_seed(0)
+        return TPTransformer()
+    return dict(model=model, train_data=tokens(), optimizer=adamw, loss_fn=lm_loss,
+                settings=dict(global_batch_size=8))
+
+
+def tp_missing_sum_job() -> dict:
+    def model():
+        torch.manual_seed(0)
+        return TPTransformer(norm_entry=False)
+    return dict(model=model, train_data=tokens(), optimizer=adamw, loss_fn=lm_loss,
+                settings=dict(global_batch_size=8, tp_check_steps=0))

@@ -47,6 +47,18 @@ def test_entry_point_and_refused_layout():
     assert good.ok and good.max_param_diff <= 1e-5 and good.first_divergence is None
     assert good.worst_param.endswith(("weight", "bias"))
     assert not refused.ok and "refused before start" in refused.error and "zero1" in refused.error
+    assert good.rel64 <= 1e-9 and not good.fp32_verdict  # judged in float64
+
+
+def test_one_layout_with_commas_is_said_to_be_one():
+    """`--layouts "dp=2,tp=2"` (a comma where ';' was meant) is one 4-process layout: the plan
+    line says so and how to write two."""
+    lines = []
+    parity(Source("parity:regression_job"), ["dp=2,tp=2"], 2, out=lines.append)
+    assert "separated by ';'" in lines[0] and '"dp=2;tp=2" is two' in lines[0], lines
+    lines.clear()
+    parity(Source("parity:regression_job"), ["dp=2", "zero1=2,tp=2"], 1, out=lines.append)
+    assert "separated by ';'" not in lines[0]
 
 
 def test_compare_names_first_step_and_worst_parameter():

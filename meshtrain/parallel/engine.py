@@ -172,7 +172,8 @@ class Engine:
         accumulate; synchronised on the last one). Returns (the step's loss here, tokens): a
         mean loss is divided by the micro-batches; a global-mean loss (meshtrain.losses) by the
         items of the whole step, counted first."""
-        accum, total = self.grad_accum_steps, torch.zeros((), device=self.device)
+        accum = self.grad_accum_steps
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # float64 runs: exact
         micro = [to_device(next(batches), self.device) for _ in range(accum)]
         tokens = sum(count_tokens(batch) for batch in micro)
         self.unit = throughput_unit(micro[0])  # what tokens counts: the progress bar's unit

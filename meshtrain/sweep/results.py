@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from meshtrain.config import dumps_toml
-from meshtrain.parity_verdict import table
+from meshtrain.parity.verdict import table
 from meshtrain.sweep.space import param_overrides
 
 BEST = "best.toml"

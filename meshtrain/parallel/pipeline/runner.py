@@ -209,7 +209,7 @@ def clip_grad_norm_(parameters, max_norm: float | None, pp_group) -> torch.Tenso
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
     if hasattr(norm, "full_tensor"):  # DTensor gradients (FSDP2): sum over the shards first
         norm = norm.full_tensor()
-    squared = norm.float() ** 2
+    squared = norm.to(torch.promote_types(norm.dtype, torch.float32)) ** 2  # (float64 stays)
     dist.all_reduce(squared, group=group)
     total = squared.sqrt()
     if max_norm is not None:

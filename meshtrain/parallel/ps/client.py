@@ -10,7 +10,7 @@ from torch.distributed import rpc
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.ps.server import (
     OptimizerFactory, _nbytes, _rpc_call, _rpc_init, _rpc_pull, _rpc_push, check_ps_settings,
-    plan_shards,
+    master, plan_shards,
 )
 
 
@@ -45,7 +45,7 @@ class PSClient:
     def init_servers(self, optimizer_factory: OptimizerFactory) -> None:
         """(Worker 0, once.) Give each server its parameters and the optimizer factory."""
         self._wait([rpc.rpc_async(s, _rpc_init, args=(
-            {n: self.params[n].detach().float().clone() for n in shard}, optimizer_factory,
+            {n: master(self.params[n].detach()).clone() for n in shard}, optimizer_factory,
             self.num_workers, self.mode, self.staleness))
             for s, shard in zip(self.servers, self.shards)])
 

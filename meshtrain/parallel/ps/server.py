@@ -94,14 +94,19 @@ def _nbytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values() if t is not None)
 
 
+def master(tensor: torch.Tensor) -> torch.Tensor:
+    """A server's copy's dtype: at least float32 (bf16/fp16 gradients), float64 kept."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 class ParameterServer:
-    """One server's shard: fp32 parameters by full name, an optimizer over them, version counter
+    """One server's shard: fp32 parameters (float64 for a float64 model) by full name, an optimizer over them, version counter
     (optimizer steps taken), the workers' clocks (async) and byte counters."""
 
     def __init__(self, params: dict[str, torch.Tensor], optimizer_factory: OptimizerFactory,
                  num_workers: int, mode: str = "sync", staleness: int | None = None):
         check_ps_settings(1, num_workers, mode, staleness, None)
-        self.params = {n: t.detach().to(torch.float32).clone().requires_grad_(True)
+        self.params = {n: master(t.detach()).clone().requires_grad_(True)
                        for n, t in params.items()}
         self.optimizer = optimizer_factory(list(self.params.values()))
         self.num_workers, self.mode, self.staleness = num_workers, mode, staleness
@@ -218,7 +223,7 @@ class ParameterServer:
             return []
         del self.rounds[step]
         ordered = [round_[w] for w in sorted(round_)]  # fixed summation order: deterministic
-        parts = {n: [g[n].float() for g, _, _ in ordered if g.get(n) is not None]
+        parts = {n: [master(g[n]) for g, _, _ in ordered if g.get(n) is not None]
                  for n in self.params}  # a name no worker has a gradient for stays None
         self._apply({n: sum(ps) / self.num_workers for n, ps in parts.items() if ps},
                     ordered[0][1])
@@ -230,7 +235,7 @@ class ParameterServer:
         self.max_staleness = max(self.max_staleness, clock - self.read_clock[worker])
         self.max_missed_updates = max(self.max_missed_updates,
                                       self.version - self.read_version[worker])
-        self._apply({n: g.to(torch.float32) for n, g in grads.items()}, lr)
+        self._apply({n: master(g) for n, g in grads.items()}, lr)
         self.clocks[worker] = clock + 1
         self.waiting.append((worker, fut))
         return self._release()
