@@ -203,3 +203,38 @@ def tp_missing_sum_job() -> dict:
         return TPTransformer(norm_entry=False)
     return dict(model=model, train_data=tokens(), optimizer=adamw, loss_fn=lm_loss,
                 settings=dict(global_batch_size=8, tp_check_steps=0))
+
+
+# A model that computes its norms in float32 on purpose, as Gemma's RMSNorm does (x.float()):
+# cast to float64 it is float64 everywhere else, so its float64 runs part by ~1e-8 under any
+# change of the order of sums (its own floor), which `meshtrain parity` measures and judges by.
+class Float32RMSNorm(nn.Module):
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (y * self.weight.float()).type_as(x)
+
+
+def float32_norm_transformer():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    for block in model.layers:
+        block.ln1, block.ln2 = Float32RMSNorm(), Float32RMSNorm()
+    model.norm = Float32RMSNorm()
+    return model
+
+
+def float32_norm_job() -> dict:
+    return dict(model=float32_norm_transformer, train_data=tokens(), optimizer=adamw,
+                loss_fn=lm_loss, settings=dict(global_batch_size=8))
+
+
+def float32_norm_bug_job() -> dict:
+    """The same model with gradients doubled on 2 processes: its floor must not hide a bug."""
+    job = float32_norm_job()
+    job["settings"]["callbacks"] = [DoubledGradients()]
+    return job

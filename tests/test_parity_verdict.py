@@ -57,6 +57,19 @@ def test_a_users_own_tensor_parallel_plan_passes_and_a_missing_gradient_sum_fail
     assert bad.worst_param in bad.cells()[-1]
 
 
+def test_a_model_that_computes_in_float32_on_purpose_is_judged_by_its_own_floor():
+    """Norms computed in float32 even when the model is cast (Gemma's RMSNorm): its float64
+    runs part by ~1e-8 under another micro-batch split, dp=2 as much; judged by 10 x that
+    floor it passes, and doubled gradients still fail at step 1."""
+    lines = []
+    row, = parity(Source("parity_models:float32_norm_job"), ["dp=2"], 10, out=lines.append)
+    assert row.ok and 1e-10 < row.rel64 <= row.bound, "\n".join(lines)
+    assert 1e-9 < row.bound <= 1e-5, row.bound  # 10 x a floor that is there, and small
+    assert any("the model's own floor" in line for line in lines), lines
+    bug, = parity(Source("parity_models:float32_norm_bug_job"), ["dp=2"], 10, **QUIET)
+    assert not bug.ok and bug.first_divergence == 1 and bug.rel64 > 100 * bug.bound
+
+
 @pytest.mark.parametrize("job", ["attention_bug_job", "cnn_unsynced_job"])
 def test_real_bugs_still_fail_at_their_first_step(job):
     """Gradients doubled on 2 processes (AdamW hides most of it in the parameters: the
