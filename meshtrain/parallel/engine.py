@@ -129,6 +129,10 @@ class Engine:
                         else loss_counter(model, loss_fn, options.loss_items))
         # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
         self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
+        if not self.tp_checks_left:  # no check will read what split-input modules saw
+            from meshtrain.parallel.tp_debug import stop_watching
+
+            stop_watching(model)
         self._steps_synced = 0
         # the ranks reading different samples: items are counted and gather_batch gathers here
         self.batch_pg = mesh.batch.get_group() if mesh.batch is not None else None
@@ -274,11 +278,13 @@ class Engine:
             allreduce_gradients(self.parameters(), self.mesh.loss.get_group())
         self._steps_synced += 1
         if self.tp_checks_left > 0:
-            from meshtrain.parallel.tp_debug import check_replicated_grads
+            from meshtrain.parallel.tp_debug import check_replicated_grads, check_split_inputs
 
             self.tp_checks_left -= 1
-            check_replicated_grads(self.model, self.mesh.axis("tp").get_group(),
-                                   step=self._steps_synced)
+            group = self.mesh.axis("tp").get_group()
+            check_split_inputs(self.model, group, step=self._steps_synced,
+                               last=self.tp_checks_left == 0)
+            check_replicated_grads(self.model, group, step=self._steps_synced)
 
     def clip_grad_norm(self, max_norm: float | None, params=None) -> torch.Tensor:
         """The gradients' global L2 norm before clipping (over every shard and stage, the same

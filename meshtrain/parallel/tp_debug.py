@@ -1,6 +1,7 @@
 """Seeing whether tensor parallel computes what one process computes: the first steps' check
-that parameters replicated over the tp ranks got the same gradient on each, a plain answer for
-a forward that mixes plain tensors with DTensors, and counts of the collectives a step issues.
+that parameters replicated over the tp ranks got the same gradient on each, and that modules
+declared to see split activations saw them; a plain answer for a forward that mixes plain
+tensors with DTensors, and counts of the collectives a step issues.
 
 Why the check: a plan can be wrong and still run. A module left whole (replicated) inside a
 split region sees only this rank's part of the activations (a per-head norm after a
@@ -9,6 +10,12 @@ gradient is a partial sum that nobody adds up; training goes on, slightly wrong.
 tp group must hold the same gradient for a replicated parameter once meshtrain's own reductions
 ran, so a few numbers per parameter (sums with fixed weights), compared over the tp group with
 one all-reduce, tell a wrong plan at the first step, naming the parameter.
+
+The opposite mistake leaves the gradients equal, so that check cannot see it: a module declared
+to see this rank's part of split activations (``ReplicateParallel(local_input=True)``: its
+gradient is summed over the tp ranks) that really sees whole ones gets tp times its gradient on
+every rank. So such a module fingerprints its inputs in the first steps, and the same all-reduce
+tells whether they were the same on every rank.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ def replicated_over_tp(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _fingerprints(grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per gradient: three weighted sums (float64) and the scale each is judged against."""
+    """Per gradient (or input): three weighted sums (float64) and the scale each is judged
+    against."""
     stats, scales = [], []
     for grad in grads:
         g = torch.zeros(1, dtype=torch.float64) if grad is None else \
@@ -53,6 +61,59 @@ def _fingerprints(grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch
         stats.append(torch.stack([(g * ramp).sum(), (g * ramp.cos()).sum(), square]))
         scales.append(torch.stack([absolute, absolute, square]))
     return torch.stack(stats), torch.stack(scales)
+
+
+class InputFingerprints:
+    """A module's inputs in the first steps, as fixed-weight sums (see :func:`_fingerprints`)."""
+
+    def __init__(self):
+        self.stats = self.scales = None
+
+    def add(self, tensor: torch.Tensor) -> None:
+        stats, scales = _fingerprints([tensor.detach().to_local() if isinstance(tensor, DTensor)
+                                       else tensor.detach()])
+        self.stats = stats if self.stats is None else self.stats + stats
+        self.scales = scales if self.scales is None else self.scales + scales
+
+
+def check_split_inputs(model: nn.Module, tp_group, *, step: int = 1, last: bool = True) -> None:
+    """Raise ``ConfigError`` on every rank when a module declared to see split activations
+    (``ReplicateParallel(local_input=True)``) received the same inputs on every tp rank since
+    the last check (one all-reduce over ``tp_group``); ``last``: stop fingerprinting."""
+    modules = [(name, m) for name, m in model.named_modules()
+               if getattr(m, "_tp_split_inputs", None) is not None]
+    if not modules:
+        return
+    none = torch.zeros(1, 3, dtype=torch.float64)
+    seen = [m._tp_split_inputs for _, m in modules]
+    stats = torch.cat([none if s.stats is None else s.stats.cpu() for s in seen])
+    scales = torch.cat([none if s.scales is None else s.scales.cpu() for s in seen])
+    for _, module in modules:
+        module._tp_split_inputs = None if last else InputFingerprints()
+    both = torch.cat([stats, -stats]).to(next(model.parameters()).device)
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+    high, low = both.cpu().chunk(2)
+    spread = ((high + low) / scales.clamp(min=torch.finfo(torch.float64).tiny)).amax(1)
+    whole = [name for (name, _), s, scale in zip(modules, spread, scales.amax(1))
+             if scale > 0 and float(s) <= 1e-12]
+    if whole:
+        size = torch.distributed.get_world_size(tp_group)
+        raise ConfigError(
+            f"tensor parallel: in step {step} {whole[0]}"
+            f"{f' (and {len(whole) - 1} more: ' + ', '.join(whole[1:4]) + ')' if len(whole) > 1 else ''}"
+            " received the same input on every tp rank, but its plan entry, "
+            "ReplicateParallel(local_input=True), says it sees this rank's part of split "
+            f"activations and sums its gradient over the tp ranks: it would train with {size}x "
+            "its gradient on every rank. Give it ReplicateParallel() (a module that sees whole "
+            "activations, e.g. a norm on the residual stream), or leave it out of the plan; "
+            "then check the plan with meshtrain parity. (tp_check_steps=0 turns this check off.)")
+
+
+def stop_watching(model: nn.Module) -> None:
+    """No more input fingerprints (the checks are over, or off)."""
+    for module in model.modules():
+        if getattr(module, "_tp_split_inputs", None) is not None:
+            module._tp_split_inputs = None
 
 
 def check_replicated_grads(model: nn.Module, tp_group, *, step: int = 1) -> None:

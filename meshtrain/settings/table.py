@@ -214,8 +214,10 @@ DEFINITIONS = [
        "model's tp_plan().", none=True, config=False, needs=("tp",)),
     _S("tp_check_steps", "parallel", 1, "int",
        "Tensor parallel: in the first N steps, check that every parameter replicated over the "
-       "tp ranks got the same gradient on each (one small all-reduce), so a wrong plan stops "
-       "with the parameter named instead of training differently; 0: off.", minimum=0,
+       "tp ranks got the same gradient on each, and that every module declared to see split "
+       "activations (ReplicateParallel(local_input=True)) saw them (small all-reduces), so a "
+       "wrong plan stops with the module named instead of training differently; 0: off.",
+       minimum=0,
        needs=("tp",)),
     # -- pipeline -----------------------------------------------------------------------------
     _S("pp_schedule", "pipeline", "1f1b", "choice",

@@ -136,6 +136,43 @@ def test_a_replicated_norm_inside_a_split_region_stops_at_step_1_naming_it():
         run_workers(_wrong_plan_rank, 2, timeout=100)
 
 
+class InNormNet(HeadNormNet):
+    """HeadNormNet with a LayerNorm on its whole input, before the split projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_norm = torch.nn.LayerNorm(12)
+
+    def forward(self, x):
+        return super().forward(self.in_norm(x))
+
+
+def _over_summed_rank():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from parity import train_state
+
+    from meshtrain.parallel.tensor_parallel import ReplicateParallel
+
+    # in_norm sees the whole input on every rank, but is declared to see a split one: its
+    # gradient would be summed over the tp ranks, 2x on each (the gradients stay equal)
+    plan = {"proj": ColwiseParallel(), "out": RowwiseParallel(),
+            "head_norm": ReplicateParallel(local_input=True),
+            "in_norm": ReplicateParallel(local_input=True)}
+    train_state(dict(layout="tp=2", max_steps=3, global_batch_size=16, tp_plan=plan),
+                **dict(HEAD_NORM_FNS, model_fn=InNormNet))
+
+
+@pytest.mark.timeout(120)
+def test_a_module_declared_to_see_split_inputs_that_sees_whole_ones_stops_at_step_1():
+    """The class of wrong plan whose gradients agree across the tp ranks (each one tp times
+    the true one), so the replicated-gradient check cannot see it: the inputs tell."""
+    from meshtrain.errors import WorkerFailed
+
+    with pytest.raises(WorkerFailed, match=r"in step 1 in_norm received the same input on every "
+                                           r"tp rank.*2x its gradient on every rank"):
+        run_workers(_over_summed_rank, 2, timeout=100)
+
+
 @pytest.mark.timeout(200)
 def test_the_right_plan_for_the_norm_matches_one_process():
     # (tp under FSDP: the plain tp=2 case adds nothing the 4-rank one does not check)
