@@ -5,8 +5,12 @@ tests reuse it.
 Per step it compares the logged loss and the global gradient norm before clipping (on every
 rank); at the end every rank's parameters (each data-parallel replica, each pipeline stage). The
 gradient norm is what sees a gradient-scale bug that AdamW or clipping would hide in the
-parameters; :func:`sgd` makes the parameters themselves expose one. tests/test_parity_harness.py
-injects such bugs and checks that :func:`assert_parity` fails on each.
+parameters. :func:`assert_parity` trains both sides in float64 where the model allows (the
+model ``.double()``, the floating data cast, fp32 precision): an exact layout then agrees to
+~1e-12 and is judged to :data:`F64_TOL` relative, where a real bug stays 1e-3..1e-5 away, so
+rounding neither hides nor fakes a difference; ``float64=False`` (and any mixed precision) keeps
+the fp32 comparison to ``tol``. tests/test_parity_harness.py injects bugs and checks that
+:func:`assert_parity` fails on each.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from torch.utils.data import TensorDataset
 from meshtrain import Trainer
 from meshtrain.launch.spawn import run_workers
 from meshtrain.parallel.whole_state import whole_state
-from meshtrain.parity import Curves
+from meshtrain.parity import F64_TOL, Curves
+from meshtrain.parity.verdict import FLOOR_SLACK, Float64Samples
 
 NUM_SAMPLES, IN_FEATURES, OUT_FEATURES = 96, 12, 3
 
@@ -55,14 +60,17 @@ def sgd(params):
 
 def train_state(trainer_kwargs: dict, model_fn=mlp, data_fn=regression_data,
                 optimizer_fn=adamw, loss_fn=torch.nn.functional.mse_loss, setup=None,
-                whole_model: bool = True) -> dict:
+                whole_model: bool = True, float64: bool = False) -> dict:
     """Train in this process (or as one rank of a job) and return the parameters, under
     ``LOSSES`` the loss of every step (averaged over the ranks, as the Trainer logs it) and,
     with ``log_grad_norm=True``, under ``GRAD_NORMS`` every step's gradient norm before clipping.
 
     ``setup()`` runs first and may return extra callbacks (the harness self-tests inject faults
-    with it). Under ``pp`` each rank holds its own stages: ``whole_model`` gathers them all."""
+    with it). Under ``pp`` each rank holds its own stages: ``whole_model`` gathers them all.
+    ``float64``: the model built then cast with ``.double()``, the data's floating tensors cast."""
     torch.set_num_threads(1)
+    if float64:
+        model_fn, data_fn = _cast_model(model_fn), _cast_data(data_fn)
     curve = Curves()
     extra = list(setup() or ()) if setup is not None else []
     with tempfile.TemporaryDirectory() as run_dir:
@@ -78,6 +86,18 @@ def train_state(trainer_kwargs: dict, model_fn=mlp, data_fn=regression_data,
         if trainer.log_grad_norm:
             state[GRAD_NORMS] = torch.tensor(curve.grad_norms, dtype=torch.float64)
         return state
+
+
+def _cast_model(model_fn):
+    def build():
+        return model_fn().double()
+    return build
+
+
+def _cast_data(data_fn):
+    def build():
+        return Float64Samples(data_fn())
+    return build
 
 
 def params_of(state: dict) -> dict:
@@ -101,7 +121,7 @@ def run_layout(trainer_kwargs: dict, num_procs: int, timeout: float = 120, **fns
 
 
 def _train_rank(trainer_kwargs, fns):
-    return train_state(trainer_kwargs, whole_model=False, **fns)
+    return train_state(trainer_kwargs, **{"whole_model": False, **fns})
 
 
 def max_param_diff(a: dict, b: dict) -> float:
@@ -111,10 +131,11 @@ def max_param_diff(a: dict, b: dict) -> float:
 
 
 def compare_ranks(reference: dict, ranks: list[dict], *, tol: float = 1e-5,
-                  label: str = "layout") -> float:
+                  label: str = "layout", relative: bool = False) -> float:
     """Check every rank's state against the one-process ``reference``: its parameters, its
     per-step losses and (when recorded) gradient norms; together the ranks must hold every
-    parameter. Returns the largest parameter difference."""
+    parameter. Returns the largest parameter difference. ``relative``: each parameter's, loss's
+    and norm's difference is judged relative to its size (float64: ``tol`` = F64_TOL)."""
     names = set(params_of(reference))
     held = set().union(*(params_of(state) for state in ranks))
     assert held == names, (f"{label}: the ranks hold {sorted(held - names)} beyond and miss "
@@ -126,39 +147,53 @@ def compare_ranks(reference: dict, ranks: list[dict], *, tol: float = 1e-5,
                 continue
             want, got = reference[key], state[key]
             assert len(got) == len(want), f"{label}: rank {rank} ran {len(got)} steps, not {len(want)}"
-            # gradient norms relative to their size; losses as they are
-            limit = max(tol, 1e-5) * (want.abs().clamp(min=1) if rel else 1)
+            # gradient norms relative to their size; losses as they are (float64: both relative)
+            if relative:
+                limit = tol * want.abs().clamp(min=1e-300)
+            else:
+                limit = max(tol, 1e-5) * (want.abs().clamp(min=1) if rel else 1)
             bad = ((got - want).abs() > limit) | (got.isnan() != want.isnan())
             if bad.any() and (first is None or int(bad.nonzero()[0]) < first[0]):
                 i = int(bad.nonzero()[0])
                 first = (i, what, float(got[i]), float(want[i]))
         if first is not None:
             i, what, got, want = first
-            raise AssertionError(f"{label}: rank {rank}'s {what} at step {i + 1} is {got:.6g}, "
-                                 f"one process has {want:.6g} (ratio {got / want:.4g})")
+            raise AssertionError(f"{label}: rank {rank}'s {what} at step {i + 1} is {got:.12g}, "
+                                 f"one process has {want:.12g} (ratio {got / want:.4g}, "
+                                 f"relative difference {abs(got - want) / abs(want):.1e})")
     worst = 0.0
     for rank, state in enumerate(ranks):
         for name in params_of(state):
-            diff = (state[name].double() - reference[name].double()).abs().max().item()
+            want = reference[name].double()
+            diff = (state[name].double() - want).abs().max().item() if want.numel() else 0.0
+            if relative:  # relative to the tensor's size
+                diff /= max(want.abs().max().item(), 1e-300) if want.numel() else 1.0
             assert diff <= tol, (f"{label}: rank {rank}'s {name} differs from one process by "
-                                 f"{diff:.3e} (tolerance {tol:.0e})")
+                                 f"{diff:.3e}{' (relative)' if relative else ''} "
+                                 f"(tolerance {tol:.0e})")
             worst = max(worst, diff)
     return worst
 
 
 def assert_parity(layout: str, num_procs: int, *, tol: float = 1e-5, steps: int = 20,
                   global_batch_size: int = 16, micro_batch_size: int | None = None,
-                  fns: dict | None = None, setup=None, **kwargs):
+                  fns: dict | None = None, setup=None, float64: bool | None = None, **kwargs):
     """Compare ``layout`` on ``num_procs`` ranks against one process; return the largest
-    parameter difference.
+    parameter difference (relative in float64).
 
+    ``float64`` (default: unless a mixed precision is asked for): both sides train in float64
+    and every tensor, loss and norm must agree to F64_TOL relative; else in fp32 to ``tol``.
     ``fns`` may replace the model, data, optimizer or loss (see ``train_state``); ``kwargs`` go
     to the Trainer of both runs (the reference runs in fp32 unless ``reference_kwargs`` says).
     ``setup`` runs on every rank of the layout's run only (for injecting faults).
     """
-    fns = fns or {}
+    fns = dict(fns or {})
     reference_kwargs = kwargs.pop("reference_kwargs", {})
     parallel_kwargs = kwargs.pop("parallel_kwargs", {})  # e.g. pipeline options
+    if float64 is None:
+        float64 = kwargs.get("precision", "fp32") == "fp32" and \
+            reference_kwargs.get("precision", "fp32") == "fp32"
+    fns["float64"] = float64
     common = dict(max_steps=steps, global_batch_size=global_batch_size, log_grad_norm=True,
                   **kwargs)
     reference = train_state(dict(common, **reference_kwargs), **fns)
@@ -167,7 +202,34 @@ def assert_parity(layout: str, num_procs: int, *, tol: float = 1e-5, steps: int 
     moved = max_param_diff(reference, train_state(dict(common, max_steps=1), **fns))
     assert moved > 2 * tol, "training barely moved the parameters: the test would prove nothing"
     assert len(reference[LOSSES]) == steps
-    return compare_ranks(reference, ranks, tol=tol, label=f"{layout} on {num_procs} ranks")
+    label = f"{layout} on {num_procs} ranks{' in float64' if float64 else ''}"
+    if not float64:
+        return compare_ranks(reference, ranks, tol=tol, label=label)
+    try:
+        return compare_ranks(reference, ranks, tol=F64_TOL, label=label, relative=True)
+    except AssertionError:  # a model that computes in float32 on purpose: judged by its floor
+        floor = model_floor(reference, dict(common, **reference_kwargs), fns, global_batch_size)
+        if floor is None:
+            raise
+        return compare_ranks(reference, ranks, tol=max(F64_TOL, FLOOR_SLACK * floor),
+                             label=f"{label} (the model's own float64 floor {floor:.1e})",
+                             relative=True)
+
+
+def model_floor(reference: dict, kwargs: dict, fns: dict, global_batch_size: int):
+    """The model's own float64 floor, as `meshtrain parity` measures it (verdict.model_floor):
+    how far one process moves with half the micro-batch; None when it cannot tell (an odd
+    batch) or when that changes the training itself (batch statistics)."""
+    from meshtrain.parity.verdict import model_floor as floor_of
+
+    if global_batch_size % 2:
+        return None
+    split = train_state(dict(kwargs, micro_batch_size=global_batch_size // 2), **fns)
+
+    def run(state):
+        return {"params": params_of(state), "losses": state[LOSSES],
+                "grad_norms": state.get(GRAD_NORMS, torch.zeros(len(state[LOSSES])))}
+    return floor_of(run(reference), run(split))
 
 
 # A tiny GPT on random tokens: blocks in model.layers and an init_weights() for meta-device builds.

@@ -49,6 +49,20 @@ def test_gradients_doubled_under_active_clipping_are_caught():
                       setup=double_gradients)
 
 
+def scale_gradients_by_a_millionth():
+    return [_ScaleGradients(1 + 1e-6)]
+
+
+@pytest.mark.timeout(150)
+def test_in_float64_a_gradient_off_by_a_millionth_fails_where_fp32_cannot_tell():
+    # fp32 rounding is ~1e-7 per operation, so the fp32 comparison (tolerance 1e-5) passes a
+    # gradient scaled by 1 + 1e-6; in float64 an exact layout agrees to ~1e-14 and it parts
+    assert_parity("dp=2", 2, steps=6, setup=scale_gradients_by_a_millionth, float64=False)
+    with pytest.raises(AssertionError, match=r"in float64.*: rank 0's gradient norm at step 1 .*"
+                                             r"relative difference 1\.0e-06"):
+        assert_parity("dp=2", 2, steps=6, setup=scale_gradients_by_a_millionth)
+
+
 def clip_each_stage_by_its_own_norm():
     """The pipeline's clipping without the sum over stages: each rank's local norm."""
     import meshtrain.parallel.pipeline as pipeline

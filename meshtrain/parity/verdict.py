@@ -94,7 +94,7 @@ class Float64Samples(torch.utils.data.Dataset):
         return _to_float64(self.data[index])
 
     def __getattr__(self, name):  # the dataset's own attributes (tokens per sample, ...)
-        if name == "data":
+        if name in ("data", "__getitems__"):  # (a batched fetch would skip the cast)
             raise AttributeError(name)
         return getattr(self.data, name)
 

@@ -130,8 +130,11 @@ def test_compiled_pipeline_matches_one_eager_process():
 def test_compiled_hf_llama_under_tp_matches_one_eager_process():
     # the first block's input is the vocabulary-parallel embedding's to_local() view: compile.py
     # copies it before the graph (without, DTensor's backward fails in torch 2.13)
+    # (in fp32: compiled kernels against eager ones, where transformers' own float32 loss
+    # leaves float64 runs 1e-6 apart; the eager layouts are checked in float64 elsewhere)
     assert_parity("tp=2", 2, steps=6, global_batch_size=8, tol=5e-5, fns=LLAMA_FNS,
-                  parallel_kwargs=dict(compile=True), setup=compiled_on_every_rank)
+                  parallel_kwargs=dict(compile=True), setup=compiled_on_every_rank,
+                  float64=False)
 
 
 @pytest.mark.timeout(240)
