@@ -117,6 +117,74 @@ def test_the_module_trains_like_one_process(tmp_path, one_process, layout, proce
         assert metrics[name] == pytest.approx(reference_metrics[name], abs=1e-5), name
 
 
+class BlockMNIST(MNISTLike):
+    """The same research code with its layers as pipeline blocks (model.layers, a head), so
+    that pp can cut it; the step flattens the images before calling the model (work the
+    pipeline's first stage must not skip) and logs accuracy on the output."""
+
+    def __init__(self):
+        super().__init__()
+        del self.fc1, self.fc2
+        self.layers = torch.nn.ModuleList([
+            torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU()),
+            torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU())])
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return super().training_step((x.flatten(1), y), batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return super().validation_step((x.flatten(1), y), batch_idx)
+
+
+def _block_fit(run_dir, layout=None):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    kwargs = dict(max_steps=STEPS, global_batch_size=BATCH, log_every_n_steps=1,
+                  val_every_n_steps=3, limit_val_batches=None, shuffle=False)
+    steps = StepMetrics()
+    trainer = quiet_trainer(run_dir, **({"layout": layout} if layout else {}), **kwargs,
+                            callbacks=[steps])
+    trainer.fit(BlockMNIST, images(), images(64, seed=1))
+    whole = trainer.whole_model()
+    return state_of(whole), {**trainer.callback_metrics, "steps": steps.seen}
+
+
+class StepMetrics(meshtrain.Callback):
+    """Every step's logged metrics (log_every_n_steps=1)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_step_end(self, trainer, metrics):
+        self.seen.append({k: metrics[k] for k in ("train/loss", "train_acc") if k in metrics})
+
+
+@pytest.mark.timeout(200)
+def test_the_module_trains_under_pp_like_one_process(tmp_path):
+    """Its training_step split around the pipeline: the first stage runs the step up to
+    self(x), the last runs the rest on the pipeline's output; logged values reach rank 0."""
+    reference, reference_metrics = _block_fit(tmp_path / "one")
+    for rank, (state, metrics) in enumerate(run_workers(
+            _block_fit, 2, (tmp_path / "pp", "pp=2"), timeout=150)):
+        assert set(state) == set(reference)
+        for name, value in reference.items():
+            torch.testing.assert_close(state[name], value, atol=1e-6, rtol=0)
+        for name in ("train_acc", "val/loss", "val_acc", "train/loss"):
+            assert metrics[name] == pytest.approx(reference_metrics[name], abs=1e-6), (rank, name)
+        assert len(metrics["steps"]) == STEPS  # every step's loss and accuracy, on every rank
+        for step, (got, want) in enumerate(zip(metrics["steps"], reference_metrics["steps"])):
+            assert got.keys() == want.keys() == {"train/loss", "train_acc"}, (rank, step)
+            assert got == pytest.approx(want, abs=1e-6), (rank, step + 1)
+
+
 class SequenceLM(meshtrain.TrainingModule):
     """A language model's step on the model; context parallel through the hook it passes on
     to the GPT it holds (a model supplies its own cp hooks)."""
@@ -220,7 +288,8 @@ def test_early_stopping_on_a_logged_metric(tmp_path):
 # -- refused before any process --------------------------------------------------------------
 def test_what_a_module_cannot_do_is_refused_before_any_process(tmp_path):
     data = images()
-    with pytest.raises(ConfigError, match="under pp the pipeline schedule runs"):
+    with pytest.raises(ConfigError, match="cannot pipeline MNISTLike: it needs its blocks in "
+                                          "model.layers"):  # (BlockMNIST can: above)
         quiet_trainer(tmp_path, layout="pp=2", devices=2, max_steps=2).check(MNISTLike, data)
     with pytest.raises(ConfigError, match="computes the loss: drop loss_fn"):
         quiet_trainer(tmp_path, max_steps=2).check(MNISTLike, data, loss_fn=F.cross_entropy)

@@ -30,7 +30,8 @@ def evaluate(t, data, prefix: str) -> dict[str, float]:
     training_logs, t._logs = t._logs, LogBuffer()  # what the evaluation logs, on its own
     try:
         values = t.engine.evaluate(loader, t.metrics)
-        logged = t._logs.take("window", t.mesh.loss_group(), t.device)
+        logged = t._logs.take("window", t.mesh.loss_group(), t.device,
+                              t.mesh.stage_group())
     finally:
         t._logs = training_logs
     return {**{f"{prefix}/{k}": v for k, v in values.items()}, **logged}

@@ -196,7 +196,9 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
     start_monitor(t, flops_per_item(model))  # model: whole, before a pipeline split
     if t.init_from is not None:  # pretrained weights: each rank reads its own shards
         load_hf_weights(t.model, t.init_from, partial=t.layout.degree("pp") > 1)
-    attach(t.model, t)  # its self.log and self.trainer
+    stages = getattr(getattr(t.engine, "runner", None), "modules", [])  # (under pp)
+    for module in [t.model, *stages]:
+        attach(module, t)  # its self.log and self.trainer
     if optimizer_factory is None:  # the model's own, on the parameters as laid out
         optimizer_factory, own_scheduler = configured_optimizers(
             t.model, zero1=t.layout.zero_stage == 1 and t.layout.degree("dp") > 1)

@@ -24,7 +24,8 @@ def end_step(t, total: int) -> None:
             t.should_stop, t.stop_reason = True, "max_time"
             t.print(f"step {step}: max_time_minutes={t.max_time_minutes:g} reached; "
                     "stopping with a checkpoint (run again to continue)")
-        metrics.update(t._logs.take("window", t.mesh.loss_group(), t.device))
+        metrics.update(t._logs.take("window", t.mesh.loss_group(), t.device,
+                                    t.mesh.stage_group()))
         if t.log_grad_norm and t.grad_norm is not None:
             metrics["train/grad_norm"] = float(t.grad_norm)
         if t.num_skipped_steps:
@@ -39,7 +40,7 @@ def end_step(t, total: int) -> None:
 
 def end_epoch(t) -> None:
     """Values logged with ``on_epoch`` go out (every rank takes part), then the hook."""
-    if epoch := t._logs.take("epoch", t.mesh.loss_group(), t.device):
+    if epoch := t._logs.take("epoch", t.mesh.loss_group(), t.device, t.mesh.stage_group()):
         t.callback_metrics.update(epoch)
         t.log_metrics(epoch)
     t.engine.batch_idx = 0

@@ -230,12 +230,11 @@ def check_module(model, *, optimizer, loss_fn, val_data, pp: int, metrics,
     if not has_steps(model):
         return
     name = type(model).__name__
-    if pp > 1:
+    if pp > 1 and is_manual(model):
         raise ConfigError(
-            f"{name} trains through training_step, but under pp the pipeline schedule runs the "
-            "forward and backward of each micro-batch itself and computes the loss on the last "
-            "stage from loss_fn: pass loss_fn= (and let the model return its output), or use a "
-            "layout without pp")
+            f"{name} steps its optimizers itself (automatic_optimization = False), which a "
+            "pipeline cannot do: its schedule runs the forward and backward of every "
+            "micro-batch on every stage; use dp=N or zero3=N")
     if loss_fn is not None:
         raise ConfigError(f"{name}.training_step computes the loss: drop loss_fn (it would not "
                           "be used)")

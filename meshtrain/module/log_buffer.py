@@ -10,7 +10,8 @@ micro-batch's mean loss or accuracy gives the global batch's when micro-batches 
 evaluation; at an epoch's end the epoch's values go out as ``name`` (``name_epoch`` when also
 logged per step).
 The names are gathered from every rank first, so a rank that logged nothing still takes part
-in the same collectives.
+in the same collectives. Under pp a module's steps run on the last stage only: its values reach
+the other stages (rank 0 writes them) through ``stages``.
 """
 
 from __future__ import annotations
@@ -56,9 +57,23 @@ class LogBuffer:
         if on_step and on_epoch:
             self.both.add(name)
 
-    def take(self, which: str, group, device) -> dict[str, float]:
+    def take(self, which: str, group, device, stages=None) -> dict[str, float]:
         """The window's (or epoch's) values reduced over ``group`` (None: this process alone);
-        empties it. Collective over ``group``."""
+        empties it. Collective over ``group``, and over ``stages`` (the pipeline's group), where
+        each name takes the value of the last stage that logged it (a module's steps run on the
+        last stage; a callback's values are the same on every stage)."""
+        out = self._reduce(which, group, device)
+        if stages is None:
+            return out
+        gathered = [None] * dist.get_world_size(stages)
+        dist.all_gather_object(gathered, (out, sorted(self.prog_bar)), group=stages)
+        merged = {}
+        for values, prog_bar in gathered:  # in stage order: the last one's win
+            merged.update(values)
+            self.prog_bar.update(prog_bar)
+        return merged
+
+    def _reduce(self, which: str, group, device) -> dict[str, float]:
         values = self.window if which == "window" else self.epoch
         mine = sorted(values)
         names = mine

@@ -73,6 +73,11 @@ class ParallelMesh:
         None with one such rank: what logged values are reduced over."""
         return self.loss.get_group() if self.loss is not None else None
 
+    def stage_group(self):
+        """The pipeline's process group (None without pp): logged values cross it (a
+        module's steps run on the last stage only)."""
+        return self.mesh.get_group("pp") if self.layout.degree("pp") > 1 else None
+
     def everyone(self):
         """The process group of every rank of the mesh (None with one rank): the default
         group, unless parameter servers stand outside the mesh (a ps layout's mesh is 1-D)."""

@@ -23,7 +23,9 @@ import torch
 from meshtrain.data.batch import count_tokens, plain, throughput_unit, to_device
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.batch_gather import batch_group
+from meshtrain.module.core import has_steps
 from meshtrain.parallel.engine import Engine
+from meshtrain.parallel.pipeline.step_split import StepLoss, forward_input, micro_batches
 
 SHARDING_BREAKS = ("zero-bubble", "zbv", "dualpipev")  # wrong gradients with zero3 (not zero2)
 
@@ -77,7 +79,8 @@ def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
     from meshtrain.parallel.pipeline import check_pipeline, pipeline_blocks
 
     adapter = pipeline_adapter(model if model is not None else original, options)
-    if loss_fn is None and getattr(adapter, "loss_fn", None) is None:
+    steps = has_steps(model if model is not None else original)  # step_split.py: the loss
+    if loss_fn is None and getattr(adapter, "loss_fn", None) is None and not steps:
         raise ConfigError(
             "pipeline layouts need loss_fn: the last stage computes loss_fn(output, targets) "
             "on each micro-batch; pass loss_fn= to fit")
@@ -132,6 +135,8 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
     adapter = pipeline_adapter(model, pipeline)
     blocks_of = adapter.blocks if adapter is not None else pipeline_blocks
     loss_fn = loss_fn if loss_fn is not None else getattr(adapter, "loss_fn", None)
+    step_loss = StepLoss() if loss_fn is None and has_steps(model) else None
+    loss_fn = step_loss or loss_fn
     split = partition_blocks(blocks_of(model), num_stages, balance=pipeline.balance,
                              sample_input=_sample_block_input(model, pipeline, sample_inputs,
                                                               device, adapter),
@@ -156,7 +161,13 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
                             loss_fn=loss_fn, options=options, grad_accum_steps=1)
     engine.runner, engine.pipeline, engine.split_points = runner, pipeline, split
     engine.adapter = adapter
-    if engine.counter is not None:  # a global-mean loss_fn: its targets may come from a dict
+    if step_loss is not None:  # a research module's steps, split around the pipeline
+        by_index = dict(zip(indices, stages))
+        step_loss.module = by_index.get(num_stages - 1)
+        engine.step_loss, engine.first_stage = step_loss, by_index.get(0)
+        engine.step_call = step_loss  # (what evaluation asks for: the module has steps)
+        engine.counter = getattr(model, "count_loss_items", None)
+    elif engine.counter is not None:  # a global-mean loss_fn: its targets may come from a dict
         engine.counter = lambda batch: loss_fn.count(engine._split(batch)[1])
     engine.num_microbatches, engine.log, engine.run_dir = num_microbatches, log, run_dir
     return engine
@@ -166,19 +177,24 @@ class PipelineEngine(Engine):
     """This rank's stages under a schedule: one loader draw is the step's whole batch."""
 
     runner = pipeline = split_points = log = run_dir = adapter = None
+    step_loss = first_stage = None  # a research module's: step_split.py
     num_microbatches, _num_calls = 1, 0
     RECORDED = (3, 4, 5)  # the steps whose timeline is recorded (1-based calls)
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, int]:
-        inputs, targets = self._split(to_device(next(batches), self.device))
+        batch = to_device(next(batches), self.device)
+        if self.step_loss is not None:
+            inputs, targets = self._step_inputs(batch, "training_step", self.num_microbatches)
+        else:
+            inputs, targets = self._split(batch)
         self._num_calls += 1
         record = self._num_calls in self.RECORDED  # past one-time start-up costs
         self.runner.scale_loss = self.precision.scale_loss  # the schedule runs the backward
-        if not self._checked_loss:
+        if not self._checked_loss and self.step_loss is None:
             self._check_loss((inputs, targets), self.num_microbatches)
         if self.counter is not None:  # global mean: each micro-batch's sum over the step's
             # items, times the micro-batches (the schedule divides the gradients by them)
-            items = self.global_items(self.loss_fn.count(targets))
+            items = self.global_items(self.counter(batch))
             self.runner.num_items = lambda: items.divisor() / self.num_microbatches
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             if record:  # collective: every rank records the same step
@@ -195,9 +211,25 @@ class PipelineEngine(Engine):
                 self.timer.move(time.perf_counter() - start - busy, "compute", "bubble")
             else:  # None unless this rank has the last stage
                 loss = self.runner.step(inputs, targets)
+        if self.step_loss is not None and self.step_loss.module is not None:
+            self.step_loss.commit(self.num_microbatches)  # what the micro-batches' steps logged
         loss = loss.detach() if loss is not None else torch.zeros((), device=self.device)
-        self.unit = throughput_unit(inputs)
-        return loss, count_tokens(inputs)
+        self.unit = throughput_unit(inputs if inputs is not None else batch)
+        return loss, count_tokens(inputs if inputs is not None else batch)
+
+    def _step_inputs(self, batch, step: str, num: int):
+        """A research module's step: (the model's input for the first stage, the micro-batches'
+        indices for the last, whose loss runs the rest of the step: step_split.py)."""
+        micro = micro_batches(batch, num)
+        first = self.batch_idx if step == "training_step" else self.eval_idx
+        self.step_loss.step, self.step_loss.batches, self.step_loss.first_idx = step, micro, first
+        inputs = None
+        if self.first_stage is not None:
+            inputs = torch.cat([forward_input(self.first_stage, step, part, first + i)
+                                for i, part in enumerate(micro)])
+        if step == "training_step":
+            self.batch_idx += num
+        return inputs, torch.arange(num, device=self.device)
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """Each rank holds its stages: the squared norms are summed over the pp group."""
@@ -207,6 +239,16 @@ class PipelineEngine(Engine):
 
     @torch.no_grad()
     def eval_loss(self, batch, with_output: bool = False) -> torch.Tensor | None:
+        if self.step_loss is not None:  # its validation_step / test_step around the stages
+            inputs, index = self._step_inputs(batch, self.eval_step, 1)
+            with self.precision.autocast(), batch_group(self.batch_pg):
+                out = self.runner.forward_only(inputs)
+                loss = self.step_loss(out, index) if out is not None else None
+            if out is not None:
+                self.step_loss.commit(1)
+            self.eval_idx += 1
+            self.eval_seen = None
+            return loss.detach() if loss is not None else None
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             loss = self.runner.eval_loss(*self._split(batch))
         self.eval_seen = (self.runner.eval_output, batch) if with_output else None
