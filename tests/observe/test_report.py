@@ -39,7 +39,7 @@ def breakdown_row(step: int, rank: int, compute: float, comm: float = 0.1) -> di
 
 def make_run(root: Path, *, straggler: int = 3, steps=(10, 20, 30), status="finished") -> Path:
     """A finished 4-rank dp=2;pp=2 run of ``steps``; ``straggler``'s compute is 50% longer
-    in the last interval."""
+    in every interval."""
     run = root / "tiny" / "20260101-000000"
     run.mkdir(parents=True)
     config = {"trainer": {"layout": "dp=2;pp=2", "max_steps": steps[-1], "plan_cluster": None},
@@ -57,8 +57,7 @@ def make_run(root: Path, *, straggler: int = 3, steps=(10, 20, 30), status="fini
                             "epoch": 0.0}, step)
         logger.log_metrics({"val/loss": 4.2 / step ** 0.5}, step)
         run_files.append_breakdown(run, [
-            breakdown_row(step, r, 0.6 if r == straggler and step == steps[-1] else 0.4)
-            for r in range(4)])
+            breakdown_row(step, r, 0.6 if r == straggler else 0.4) for r in range(4)])
     logger.finalize()
     (run / "checkpoints" / "step_10").mkdir(parents=True)
     (run / "stacks").mkdir()
@@ -125,21 +124,36 @@ def test_a_complete_run_has_every_section_with_its_figure(complete):
 
 @pytest.mark.parametrize("straggler", [1, 3])
 def test_the_straggler_rank_is_named_in_the_breakdown(tmp_path, straggler):
-    found = sections(write_report(make_run(tmp_path, straggler=straggler)).read_text())
+    run = make_run(tmp_path, straggler=straggler, steps=(10, 20, 30, 40))
+    found = sections(write_report(run).read_text())
     breakdown = text(found["breakdown"])
-    assert (f"Slowest rank at step 30: rank {straggler}, its own work (step minus comm and "
-            "bubble, where a rank waits for the others) 0.66 s per step, 43% above") in breakdown
-    (slow_row,) = re.findall(r'<tr class="slowest"><td>(\d+)', found["breakdown"])
+    assert (f"Straggler at step 40: rank {straggler}, its own work (step minus comm and "
+            "bubble, where a rank waits for the others) 0.66 s per step, 43% above the other "
+            "ranks' median (0.46 s), and above it by more than 0.092 s: the largest of 20% of "
+            "that median, the other ranks' spread and 3x its jitter (0 s, the median change "
+            "of its lead over them from one interval to the next) in each of the last 4 "
+            "logging intervals.") in breakdown
+    (slow_row,) = re.findall(r'<tr class="straggler"><td>(\d+)', found["breakdown"])
     assert int(slow_row) == straggler
     for part, doc in run_files.PART_DOCS.items():
         assert f"{part} {doc}" in breakdown
 
 
+def test_three_intervals_are_too_few_to_name_a_straggler(complete):
+    breakdown = text(sections(complete[1])["breakdown"])  # rank 3 slower in all three
+    assert ("All 4 ranks: 0.81 s per step at step 30; their own work (step minus comm and "
+            "bubble) 0.46-0.66 s: 3 logging interval(s), too few to tell a straggler from "
+            "noise (a rank is named after 3 in a row, with 4 recorded).") in breakdown
+
+
 def test_ranks_equally_fast_name_no_straggler(tmp_path):
-    breakdown = sections(write_report(make_run(tmp_path, straggler=-1)).read_text())["breakdown"]
-    assert ("All 4 ranks: 0.61 s per step at step 30; their own work (step minus comm and "
-            "bubble) within 20% of the median (0.46-0.46 s): no straggler.") in text(breakdown)
-    assert "slowest" not in breakdown
+    run = make_run(tmp_path, straggler=-1, steps=(10, 20, 30, 40))
+    breakdown = sections(write_report(run).read_text())["breakdown"]
+    assert ("All 4 ranks: 0.61 s per step at step 40; their own work (step minus comm and "
+            "bubble) 0.46-0.46 s: no straggler (none above the other ranks' median by more "
+            "than a straggler's lead, 3 logging intervals in a row; rank 0's would be more "
+            "than 0.092 s") in text(breakdown)
+    assert "straggler<" not in breakdown and 'class="straggler"' not in breakdown
 
 
 def test_event_links_are_relative_and_point_at_existing_files(complete):

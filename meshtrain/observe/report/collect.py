@@ -205,6 +205,14 @@ def _read_metrics(path: Path, missing: list[str]) -> list[dict]:
                           lambda folder: read_metrics_csv(folder / "metrics.csv"), missing)
 
 
+def setting(run: Run, key: str):
+    """A setting as the run recorded it (config.toml, else environment.json), or None."""
+    for values in run.config.values():
+        if isinstance(values, dict) and key in values:
+            return values[key]
+    return None
+
+
 def has_values(rows: list[dict], key: str) -> bool:
     return any(row.get(key) is not None for row in rows)
 

@@ -77,7 +77,7 @@ def throughput_figure(rows: Sequence[Mapping], unit: str, peak_tflops: float | N
     return data_uri(fig)
 
 
-def _stacked_bars(ax, rows: Sequence[Mapping], slowest: int | None, title: str) -> None:
+def _stacked_bars(ax, rows: Sequence[Mapping], straggler: int | None, title: str) -> None:
     """One horizontal bar per rank (rank 0 on top), its parts stacked in PARTS order."""
     ranks = [row["rank"] for row in rows]
     ys = range(len(rows))[::-1]
@@ -86,14 +86,14 @@ def _stacked_bars(ax, rows: Sequence[Mapping], slowest: int | None, title: str) 
         widths = [row[f"{part}_s"] for row in rows]
         ax.barh(ys, widths, left=left, color=PART_COLORS[part], label=part, height=0.7)
         left = [a + b for a, b in zip(left, widths)]
-    ax.set_yticks(ys, [f"rank {r}" + (" (slowest)" if r == slowest else "") for r in ranks])
+    ax.set_yticks(ys, [f"rank {r}" + (" (straggler)" if r == straggler else "") for r in ranks])
     for y, row in zip(ys, rows):
-        is_slowest = row["rank"] == slowest
+        is_straggler = row["rank"] == straggler
         ax.text(row["step_s"], y, f" {row['step_s']:.3g} s", va="center", fontsize=8,
-                color=SLOWEST_COLOR if is_slowest else "black",
-                fontweight="bold" if is_slowest else "normal")
+                color=SLOWEST_COLOR if is_straggler else "black",
+                fontweight="bold" if is_straggler else "normal")
     for label in ax.get_yticklabels():
-        if label.get_text().endswith("(slowest)"):
+        if label.get_text().endswith("(straggler)"):
             label.set_color(SLOWEST_COLOR)
             label.set_fontweight("bold")
     ax.set_xlim(0, 1.15 * max((row["step_s"] for row in rows), default=1.0) or 1.0)
@@ -103,7 +103,7 @@ def _stacked_bars(ax, rows: Sequence[Mapping], slowest: int | None, title: str) 
 
 
 def breakdown_figure(latest: Sequence[Mapping], mean: Sequence[Mapping], step: int,
-                     slowest: int | None) -> str | None:
+                     straggler: int | None) -> str | None:
     """Step-time breakdown per rank: the latest interval beside the mean over the run.
     ``latest``/``mean``: one breakdown row per rank, in rank order."""
     if not latest:
@@ -111,7 +111,7 @@ def breakdown_figure(latest: Sequence[Mapping], mean: Sequence[Mapping], step: i
     fig = _new_figure((10.0, 1.6 + 0.35 * len(latest)))
     fig.set_layout_engine("constrained")  # room for the legend outside the axes
     left, right = fig.subplots(1, 2, sharey=True)
-    _stacked_bars(left, latest, slowest, f"latest interval (step {step})")
+    _stacked_bars(left, latest, straggler, f"latest interval (step {step})")
     _stacked_bars(right, mean, None, "mean over the run")
     handles, labels = left.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(PARTS), fontsize=8)
