@@ -10,9 +10,7 @@ logging interval, when the loss is averaged anyway.
 
 from __future__ import annotations
 
-import os
 import platform
-import resource
 import socket
 import statistics
 import time
@@ -23,19 +21,10 @@ import torch.distributed as dist
 
 from meshtrain.launch.spawn import DistEnv
 from meshtrain.observe import run_files, stragglers
+from meshtrain.observe.memory.limit import limit_description, memory_peak_and_limit
 from meshtrain.observe.run_files import PARTS
 from meshtrain.observe.step_timer import make_step_timer
 from meshtrain.observe.stragglers import own_work
-
-
-def memory_peak_and_limit(device: torch.device) -> tuple[int, int]:
-    """(this process's peak memory, the device's) in bytes: the allocator's peak and the
-    GPU's memory on CUDA; on CPU the process's peak resident size and the machine's memory."""
-    if device.type == "cuda":
-        return (torch.cuda.max_memory_allocated(device),
-                torch.cuda.get_device_properties(device).total_memory)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return peak, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class RunMonitor:
@@ -76,8 +65,9 @@ class RunMonitor:
             platform=platform.platform(), hostname=socket.gethostname(),
             device_type=self.device.type, device_name=device_name, world_size=self.world_size,
             nodes=env.nodes if env else 1,
-            processes_per_node=env.local_world_size if env else self.world_size, layout=layout, flops_per_item=flops_per_item, started=run_files.now(), finished=None,
-            status="running", error=None, settings=settings)
+            processes_per_node=env.local_world_size if env else self.world_size, layout=layout,
+            flops_per_item=flops_per_item, started=run_files.now(), finished=None,
+            status="running", error=None, settings=settings, **limit_description(self.device))
         if flops_per_item:
             self._find_peak()
 

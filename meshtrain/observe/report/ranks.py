@@ -1,5 +1,5 @@
 """The report's per-rank sections, from breakdown.csv: where each rank's step time goes (and
-whether one rank is a straggler), and each rank's peak memory."""
+whether one rank is a straggler), and each rank's peak memory against what it may use."""
 
 from __future__ import annotations
 
@@ -99,13 +99,61 @@ def size(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
+def _share(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole > 0 else "–"
+
+
+def _nodes(run: Run, ranks: list[int]) -> list[list[int]]:
+    """The ranks by node: launchers number a node's ranks in a row (node n holds ranks
+    n*per_node to (n+1)*per_node - 1)."""
+    env = run.environment
+    per_node = env.get("processes_per_node") or env.get("world_size") or len(ranks)
+    try:
+        per_node = max(1, int(per_node))
+    except (TypeError, ValueError):
+        per_node = len(ranks)
+    nodes: dict[int, list[int]] = {}
+    for rank in ranks:
+        nodes.setdefault(rank // per_node, []).append(rank)
+    return list(nodes.values())
+
+
 def memory(run: Run) -> dict | None:
+    """Each rank's peak against what it may use: its own GPU's memory, or on CPU the node's
+    memory (a cgroup limit when one is set), which the node's ranks share: there the node's
+    ranks' peaks are also summed against it (at most what they held at once)."""
     ranks = per_rank(run.breakdown)
     if not ranks:
         return None
-    peaks = [max(row["mem_peak_bytes"] for row in history) for history in ranks.values()]
-    limits = [history[-1]["mem_limit_bytes"] for history in ranks.values()]
-    table = [(rank, size(peak), size(limit),
-              f"{100 * peak / limit:.0f}%" if limit > 0 else "–")
-             for rank, peak, limit in zip(ranks, peaks, limits)]
-    return {"figure": figures.memory_figure(list(ranks), peaks, limits), "table": table}
+    env = run.environment
+    peaks = {rank: max(row["mem_peak_bytes"] for row in history)
+             for rank, history in ranks.items()}
+    limits = {rank: history[-1]["mem_limit_bytes"] for rank, history in ranks.items()}
+    scope = env.get("memory_limit_scope") or (
+        "device" if env.get("device_type") == "cuda" else "node")
+    source = env.get("memory_limit_source") or (
+        "the GPU's memory" if scope == "device" else "the machine's physical memory")
+    table = [(rank, size(peaks[rank]), size(limits[rank]), _share(peaks[rank], limits[rank]))
+             for rank in ranks]
+    if scope == "device":
+        return {"scope": scope, "source": source, "limit_label": "its GPU's memory",
+                "table": table, "nodes": [],
+                "figure": figures.memory_figure(
+                    [(f"rank {r}", [(r, peaks[r])], limits[r]) for r in ranks],
+                    "peak memory per rank against its GPU's memory")}
+    nodes = []
+    for index, members in enumerate(_nodes(run, list(ranks))):
+        limit = max(limits[rank] for rank in members)
+        total = sum(peaks[rank] for rank in members)
+        nodes.append({"label": f"node {index}" if len(ranks) > len(members) else "the node",
+                      "ranks": members, "limit": limit, "total": total,
+                      "text": (f"ranks {members[0]}-{members[-1]}" if len(members) > 1
+                               else f"rank {members[0]}"),
+                      "sum": size(total), "size": size(limit), "share": _share(total, limit)})
+    return {"scope": scope, "source": source, "table": table, "nodes": nodes,
+            "limit_label": "the node's memory, shared by its ranks",
+            "figure": figures.memory_figure(
+                [(node["label"], [(r, peaks[r]) for r in node["ranks"]], node["limit"])
+                 for node in nodes],
+                "peak resident memory of each node's ranks (stacked) against the node's "
+                "memory")}
