@@ -23,7 +23,9 @@ files.
   share (meshtrain/observe/memory/limit.py).
 * ``events.jsonl``: one JSON object per line: ``time`` (ISO), ``step``, ``kind`` (one of
   :data:`EVENT_KINDS`), ``message``, and ``path`` (a file or folder in the run folder the
-  event refers to: a checkpoint, a stack dump, a trace) or null.
+  event refers to: a checkpoint, a stack dump, a trace) or null. ``removed``: a checkpoint
+  folder deleted on purpose (a best-k one that a better one replaced); the periodic ones
+  ``keep_last_k`` rotates away are told from the settings and the later checkpoints.
 * ``pipeline.json`` (``pp`` layouts): ``schedule``, ``pp``, ``microbatches``,
   ``stages_per_rank``, ``step`` (the recorded step), ``measured_bubble``, ``formula_bubble``,
   ``free_comm_bubble`` (the recorded steps replayed with free communication and no host work:
@@ -54,7 +56,7 @@ PART_DOCS = {
 BREAKDOWN_COLUMNS = ("step", "rank", "wall_s", "step_s", *(f"{p}_s" for p in PARTS),
                      "mem_peak_bytes", "mem_limit_bytes")
 EVENT_KINDS = ("checkpoint", "restart", "skip", "rollback", "watchdog", "desync",
-               "straggler", "profile", "failure", "pruned")
+               "straggler", "profile", "failure", "pruned", "removed")
 
 ENVIRONMENT, BREAKDOWN, EVENTS, PIPELINE = ("environment.json", "breakdown.csv",
                                             "events.jsonl", "pipeline.json")

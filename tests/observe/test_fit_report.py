@@ -91,6 +91,14 @@ def test_the_summary_names_the_best_checkpoint(tmp_path, capsys):
     score = best.best_k[best.best_model_path]
     assert f"best checkpoint: {best.best_model_path} (val/loss {score:.4g})" in \
         capsys.readouterr().out
+    # the best-k folders a better one replaced are gone, and said so: not missing
+    removed = [e for e in run_files.read_events(tmp_path) if e["kind"] == "removed"]
+    assert removed and best.best_model_path.is_dir()
+    for event in removed:
+        assert event["path"].startswith("checkpoints/best_step_")
+        assert not (tmp_path / event["path"]).exists()
+        assert "no longer among the best 1 (ModelCheckpoint's save_top_k)" in event["message"]
+    assert not any("best_step" in sentence for sentence in collect(tmp_path).missing)
 
 
 def _pp_summary_rank(run_dir):

@@ -179,6 +179,30 @@ def test_an_event_whose_file_is_gone_is_not_linked_and_is_listed_missing(tmp_pat
            "folder" in text(found["missing"])
 
 
+def test_checkpoints_keep_last_k_rotated_away_are_not_missing_but_a_deleted_one_is(tmp_path):
+    """keep_last_k = 2 and checkpoints at steps 10, 20, 30: the writer removed step 10 (two
+    newer ones were saved); step 20 is gone too, by hand: that one is missing."""
+    run = make_run(tmp_path)
+    config = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(config + "\n[checkpoint]\nkeep_last_k = 2\n")
+    for step in (20, 30):
+        (run / "checkpoints" / f"step_{step}").mkdir()
+        run_files.append_event(run, "checkpoint", "saved", step, run / "checkpoints" /
+                               f"step_{step}")
+    shutil.rmtree(run / "checkpoints" / "step_10")
+    shutil.rmtree(run / "checkpoints" / "step_20")
+    found = sections(write_report(run).read_text())
+    events, missing = text(found["events"]), text(found["missing"])
+    assert ("checkpoints/step_10 (removed: rotated away by keep_last_k = 2 (the newest 2 "
+            "periodic checkpoints are kept))") in events
+    assert ("Checkpoints the run removed on purpose (normal, not missing): checkpoints/step_10 "
+            "(rotated away by keep_last_k = 2") in events
+    assert "step_10" not in missing
+    assert "checkpoints/step_20 (not found)" in events
+    assert ("checkpoints/step_20 (named by a checkpoint event at step 20) is not in the run "
+            "folder, and the run did not remove it") in missing
+
+
 def test_the_page_loads_nothing_from_the_network(complete):
     _, html = complete
     for url in re.findall(r'(?:src|href)\s*=\s*"([^"]*)"', html, re.I):

@@ -156,8 +156,10 @@ def _events(run: Run) -> dict:
             counts[kind] = n
     rows = [{"time": _text(e.get("time")), "step": _text(e.get("step")),
              "kind": _text(e.get("kind")), "message": _text(e.get("message")),
-             "path": e.get("path"), "href": _href(run, e.get("path"))} for e in run.events]
-    return {"counts": counts, "rows": rows,
+             "path": e.get("path"), "href": _href(run, e.get("path")),
+             "removed": e.get("removed")} for e in run.events]
+    removed = {e["path"]: e["removed"] for e in run.events if e.get("removed")}
+    return {"counts": counts, "rows": rows, "removed": sorted(removed.items()),
             "traces": [(path, quote(path)) for path in run.traces],
             "checkpoints": [(path, quote(path)) for path in run.checkpoints]}
 
