@@ -209,8 +209,8 @@ class RunMonitor:
                  f" steps/s; {self.items / max(self.train_s, 1e-9):,.0f} {unit}/s over the "
                  f"training steps)" + (f", {t.num_skipped_steps} skipped" if t.num_skipped_steps
                                        else "")]
-        final = {k: v for k, v in t.callback_metrics.items()
-                 if k in ("train/loss", "val/loss") or not k.startswith(("train/", "epoch"))}
+        final = {k: v for k, v in t.callback_metrics.items()  # the user's own included
+                 if k not in run_files.NOT_SUMMARISED}
         if final:
             lines.append("final: " + ", ".join(f"{k} {v:.4g}" for k, v in final.items()))
         for cb in t.callbacks:

@@ -57,6 +57,11 @@ BREAKDOWN_COLUMNS = ("step", "rank", "wall_s", "step_s", *(f"{p}_s" for p in PAR
                      "mem_peak_bytes", "mem_limit_bytes")
 EVENT_KINDS = ("checkpoint", "restart", "skip", "rollback", "watchdog", "desync",
                "straggler", "profile", "failure", "pruned", "removed")
+# metrics meshtrain logs that the run's summaries (the report's, the lines fit ends with) leave
+# to the throughput section and the fit line; every other metric, the user's own
+# (self.log / trainer.log) included, is summarised with its last value
+NOT_SUMMARISED = ("train/tokens_per_s", "train/samples_per_s", "train/tflops", "train/mfu",
+                  "train/skipped_steps", "epoch")
 
 ENVIRONMENT, BREAKDOWN, EVENTS, PIPELINE = ("environment.json", "breakdown.csv",
                                             "events.jsonl", "pipeline.json")

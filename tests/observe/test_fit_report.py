@@ -3,6 +3,8 @@ failure with what the run had, through the Trainer as a user calls it."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 
 import pytest
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from conftest import quiet_trainer
 from torch.utils.data import TensorDataset
 
+import meshtrain
 from meshtrain.observe import run_files
 from meshtrain.observe.report.collect import collect
 
@@ -124,3 +127,56 @@ def test_the_model_summary_counts_what_each_rank_holds(tmp_path, capfd):
     assert found, out
     first, second = (int(g.replace(",", "")) for g in found.groups())
     assert first + second == total and first != second  # two pipeline stages, each its own
+
+
+class Classifier(meshtrain.TrainingModule):
+    """A user's module: a linear classifier, its accuracy logged with self.log."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def _step(self, batch, name: str):
+        x, y = batch
+        logits = self(x)
+        self.log(name, (logits.argmax(1) == y).float().mean())
+        return F.cross_entropy(logits, y)
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, "train/acc")
+
+    def validation_step(self, batch, batch_idx):
+        return self._step(batch, "val_acc")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory, one_thread_per_module):
+    """A real fit that leaves its run folder as `make demo` does (its defaults: the report,
+    the final checkpoint), shrunk to 1 process and 6 steps: checkpoints every 2 steps with
+    keep_last_k = 1 (the demo: every 100 of 400, 2 kept), validation every 3. The run folder,
+    the Trainer and what fit printed."""
+    root = tmp_path_factory.mktemp("runs")
+    x = torch.randn(96, 8, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, (x.sum(1) > 0).long())
+    trainer = meshtrain.Trainer(
+        root_dir=str(root), name="tiny", accelerator="cpu", seed=0, max_steps=6,
+        global_batch_size=16, log_every_n_steps=1, val_every_n_steps=3,
+        checkpoint_every_n_steps=2, keep_last_k=1, loggers=("csv",), progress_bar=False)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        trainer.fit(Classifier(), data, TensorDataset(*data[:32]))
+    assert (trainer.run_dir / "report.html").is_file()
+    return trainer.run_dir, trainer, out.getvalue()
+
+
+def test_the_lines_fit_ends_with_name_the_users_metrics(real_run):
+    _, trainer, out = real_run
+    (final,) = [line for line in out.splitlines() if line.startswith("final: ")]
+    for name in ("train/loss", "val/loss", "train/acc", "val_acc"):
+        assert f"{name} {trainer.callback_metrics[name]:.4g}" in final, final
+    assert "samples_per_s" not in final and "epoch" not in final

@@ -39,7 +39,7 @@ def breakdown_row(step: int, rank: int, compute: float, comm: float = 0.1) -> di
 
 def make_run(root: Path, *, straggler: int = 3, steps=(10, 20, 30), status="finished") -> Path:
     """A finished 4-rank dp=2;pp=2 run of ``steps``; ``straggler``'s compute is 50% longer
-    in every interval."""
+    in every interval; the user logged ``val_acc`` and ``train/acc``."""
     run = root / "tiny" / "20260101-000000"
     run.mkdir(parents=True)
     config = {"trainer": {"layout": "dp=2;pp=2", "max_steps": steps[-1], "plan_cluster": None},
@@ -55,7 +55,8 @@ def make_run(root: Path, *, straggler: int = 3, steps=(10, 20, 30), status="fini
         logger.log_metrics({"train/loss": 4.0 / step ** 0.5, "train/tokens_per_s": 5e4 + step,
                             "train/mfu": 0.3 + step / 1000, "train/tflops": 300.0,
                             "epoch": 0.0}, step)
-        logger.log_metrics({"val/loss": 4.2 / step ** 0.5}, step)
+        logger.log_metrics({"val/loss": 4.2 / step ** 0.5, "val_acc": 0.5 + step / 100}, step)
+        logger.log_metrics({"train/acc": 0.25 + step / 100}, step)
         run_files.append_breakdown(run, [
             breakdown_row(step, r, 0.6 if r == straggler else 0.4) for r in range(4)])
     logger.finalize()
@@ -177,6 +178,13 @@ def test_an_event_whose_file_is_gone_is_not_linked_and_is_listed_missing(tmp_pat
     assert "Checkpoints in the run folder" not in found["events"]
     assert "checkpoints/step_10 (named by a checkpoint event at step 10) is not in the run " \
            "folder" in text(found["missing"])
+
+
+def test_the_summary_has_every_metric_the_user_logged(complete):
+    summary = text(sections(complete[1])["summary"])
+    assert "final val_acc 0.8 (step 30)" in summary
+    assert "final train/acc 0.55 (step 30)" in summary  # under train/, and still the user's
+    assert "tokens_per_s" not in summary and "final epoch" not in summary  # (elsewhere)
 
 
 def test_checkpoints_keep_last_k_rotated_away_are_not_missing_but_a_deleted_one_is(tmp_path):

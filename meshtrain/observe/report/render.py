@@ -88,12 +88,28 @@ def _summary(run: Run) -> list[tuple[str, str]]:
             ("steps", step),
             ("final train loss", _num(_last(run.metrics, "train/loss"))),
             ("final validation loss", _num(_last(run.metrics, "val/loss"))),
+            *_final_metrics(run.metrics),
             ("layout", _text(env.get("layout") or run.config.get("trainer", {}).get("layout"))),
             ("world size", _world(env)),
             ("started", _text(env.get("started"))), ("finished", _text(env.get("finished")))]
     if run.error is not None:
         rows.insert(3, ("error", run.error))
     return rows
+
+
+def _final_metrics(rows: Sequence[dict]) -> list[tuple[str, str]]:
+    """("final <name>", "<value> (step <n>)") for every other metric the run logged (the
+    user's own, ``self.log``/``trainer.log``, included), in the order first logged; the
+    throughput's are in their own section."""
+    names = dict.fromkeys(key for row in rows for key in row)
+    rows_out = []
+    for name in names:
+        if name in ("step", "train/loss", "val/loss") or name in run_files.NOT_SUMMARISED:
+            continue
+        last = next((row for row in reversed(rows) if row.get(name) is not None), None)
+        if last is not None:
+            rows_out.append((f"final {name}", f"{_num(last[name])} (step {last.get('step')})"))
+    return rows_out
 
 
 def _world(env: dict) -> str:
