@@ -1,11 +1,16 @@
 """The report a fit leaves (meshtrain/observe/report/): written at the end of fit, and after a
-failure with what the run had, through the Trainer as a user calls it."""
+failure with what the run had, through the Trainer as a user calls it; a real fit's report
+opened in headless Chromium."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import re
+import shutil
+import subprocess
+from html import unescape
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,11 +19,15 @@ from conftest import quiet_trainer
 from torch.utils.data import TensorDataset
 
 import meshtrain
+from meshtrain.checkpoint.manager import checkpoint_name
 from meshtrain.observe import run_files
+from meshtrain.observe.loggers import read_metrics_csv
+from meshtrain.observe.report import figures
 from meshtrain.observe.report.collect import collect
 
 SECTIONS = ("summary", "config", "environment", "loss", "throughput", "breakdown", "memory",
             "pipeline", "events", "traces", "missing")
+PNG = '<img src="data:image/png;base64,'
 
 
 class FailsAt(torch.nn.Module):
@@ -43,6 +52,11 @@ def _data():
 
 def _sections(html: str) -> dict[str, str]:
     return dict(re.findall(r'<section id="([a-z]+)"[^>]*>(.*?)</section>', html, re.S))
+
+
+def _text(html: str) -> str:
+    """The visible text, tags removed and spaces collapsed."""
+    return " ".join(unescape(re.sub(r"<[^>]+>", " ", html)).split())
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -180,3 +194,63 @@ def test_the_lines_fit_ends_with_name_the_users_metrics(real_run):
     for name in ("train/loss", "val/loss", "train/acc", "val_acc"):
         assert f"{name} {trainer.callback_metrics[name]:.4g}" in final, final
     assert "samples_per_s" not in final and "epoch" not in final
+
+
+def test_a_real_runs_report_tells_rotated_checkpoints_from_missing_ones(real_run):
+    run, _, _ = real_run
+    found = _sections((run / "report.html").read_text())
+    # step 2's removed by the checkpoint writer once step 4's was saved (step 6's is final/)
+    name = f"checkpoints/{checkpoint_name(2)}"
+    assert not (run / name).exists() and (run / "checkpoints" / checkpoint_name(4)).is_dir()
+    assert f"{name} (removed: rotated away by keep_last_k = 1" in _text(found["events"])
+    assert "step_" not in found["missing"]
+
+
+def test_a_cpu_runs_memory_limit_is_its_nodes_shared_by_its_ranks(real_run):
+    from meshtrain.observe.memory.limit import host_memory_limit
+
+    run, _, _ = real_run
+    limit, source = host_memory_limit()
+    env = run_files.read_json(run / run_files.ENVIRONMENT)
+    assert (env["memory_limit_scope"], env["memory_limit_source"]) == ("node", source)
+    assert {row["mem_limit_bytes"] for row in run_files.read_breakdown(run)} == {limit}
+    memory = _text(_sections((run / "report.html").read_text())["memory"])
+    assert f"the limit is the node's ({source}), not each rank's" in memory
+
+
+def chromium_console(page: Path) -> tuple[str, list[str]]:
+    """The DOM headless Chromium builds from ``page``, and the console lines it logged (a
+    JavaScript error, a figure that does not decode)."""
+    out = subprocess.run(
+        ["chromium", "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+         "--v=0", "--dump-dom", page.resolve().as_uri()],
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout, [line for line in out.stderr.splitlines() if ":CONSOLE" in line]
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None,
+                    reason="chromium is not installed (.ci/run installs Debian's chromium)")
+def test_a_real_runs_report_opens_in_headless_chromium_with_its_loss_and_metrics(real_run,
+                                                                                  tmp_path):
+    run, trainer, _ = real_run
+    dom, console = chromium_console(run / "report.html")
+    assert console == []  # no JavaScript error, every figure decoded
+    found = _sections(dom)
+    assert tuple(found) == SECTIONS
+    summary = _text(found["summary"])
+    metrics = read_metrics_csv(run / "metrics.csv")
+    losses = [row["train/loss"] for row in metrics if row.get("train/loss") is not None]
+    assert len(losses) == 6 and "status finished" in summary and "steps 6 of 6" in summary
+    assert f"final train loss {losses[-1]:.4g}" in summary
+    for name in ("train/acc", "val_acc"):  # logged by the user's module
+        assert f"final {name} {trainer.callback_metrics[name]:.4g} (step 6)" in summary
+    # the loss figure the browser shows is the one drawn from this run's metrics.csv
+    assert re.findall(r'<img src="([^"]+)" alt="loss"', found["loss"]) == [
+        figures.loss_figure(metrics)]
+    assert "Straggler" not in dom and "One rank:" in _text(found["breakdown"])
+    html = (run / "report.html").read_text()
+    broken = tmp_path / "broken.html"  # a figure that does not decode is caught
+    broken.write_text(html.replace(PNG, PNG + "AAAA", 1))
+    _, console = chromium_console(broken)
+    assert len(console) == 1 and "broken figure: loss" in console[0], console
