@@ -229,7 +229,7 @@ def removed_on_purpose(run: Run) -> dict[str, str]:
         return removed
     saved = sorted({int(m[1]): e["path"] for e in run.events if e.get("kind") == "checkpoint"
                     and (m := _PERIODIC.fullmatch(str(e.get("path") or "")))}.items())
-    for index, (step, path) in enumerate(saved):
+    for index, (_, path) in enumerate(saved):
         if len(saved) - index - 1 >= keep:
             removed.setdefault(path, f"rotated away by keep_last_k = {keep} (the newest {keep} "
                                      "periodic checkpoints are kept)")
