@@ -158,9 +158,14 @@ class ModelCheckpoint(Callback):
             worst_path = worst(self.best_k, key=self.best_k.get)
             if not _improved(value, self.best_k[worst_path], self.mode):
                 return
-            del self.best_k[worst_path]
+            worst_value = self.best_k.pop(worst_path)
             if trainer.is_global_zero:
                 shutil.rmtree(worst_path, ignore_errors=True)
+            if trainer.monitor is not None:
+                trainer.monitor.event(  # the report tells it from a missing checkpoint
+                    "removed", f"replaced by a better one: {self.monitor} {worst_value:.4g} "
+                    f"no longer among the best {self.save_top_k} (ModelCheckpoint's "
+                    "save_top_k)", trainer.global_step, worst_path)
         name = f"best_step_{trainer.global_step:07d}"
         path = trainer.save_checkpoint(self._dir(trainer) / name)
         if path is None:  # not written: the weights hold NaN/Inf

@@ -9,6 +9,8 @@ imports them with ``from conftest import ...``; the fixtures need no import.
   ``run_workers``; ``max_diff``, ``assert_matches_one_process``: its parameters against one
   process's. (Trainer-level parity with one process is ``parity.py``'s.)
 * ``ROOT``, ``script_env``: scripts started as processes of their own.
+* with ``CI`` set (the CI's run), a test that skips for want of a program, server or package
+  fails instead, saying what is missing; only ``gpu`` tests skip there (``ci_skips.py``).
 
 Functions that run in worker processes may live here: the workers import this module by name.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
 from torch.utils.data import Dataset
 
 from meshtrain import Callback

@@ -10,9 +10,7 @@ logging interval, when the loss is averaged anyway.
 
 from __future__ import annotations
 
-import os
 import platform
-import resource
 import socket
 import statistics
 import time
@@ -22,23 +20,11 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.launch.spawn import DistEnv
-from meshtrain.observe import run_files
+from meshtrain.observe import run_files, stragglers
+from meshtrain.observe.memory.limit import limit_description, memory_peak_and_limit
 from meshtrain.observe.run_files import PARTS
 from meshtrain.observe.step_timer import make_step_timer
-
-STRAGGLER_PATIENCE = 2  # logging intervals in a row before a rank is called a straggler
-STRAGGLER_MIN_S = 0.002  # and at least this much slower per step (timer noise on tiny steps)
-WAITS = ("comm", "bubble")  # parts where a rank waits for the others
-
-
-def memory_peak_and_limit(device: torch.device) -> tuple[int, int]:
-    """(this process's peak memory, the device's) in bytes: the allocator's peak and the
-    GPU's memory on CUDA; on CPU the process's peak resident size and the machine's memory."""
-    if device.type == "cuda":
-        return (torch.cuda.max_memory_allocated(device),
-                torch.cuda.get_device_properties(device).total_memory)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return peak, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+from meshtrain.observe.stragglers import own_work
 
 
 class RunMonitor:
@@ -50,7 +36,8 @@ class RunMonitor:
         self.timer = make_step_timer(every, device)
         self.flops_per_item = self.peak = None
         self.peak_source = ""
-        self._slow_intervals = [0] * world_size
+        self._own_work: list[dict[int, float]] = []  # the latest intervals' own work by rank
+        self._straggler_named = None  # the straggler already warned of
         self._profile_steps = sorted(profile_steps or ())
         self._profiler = None
         self._unit = None
@@ -78,8 +65,9 @@ class RunMonitor:
             platform=platform.platform(), hostname=socket.gethostname(),
             device_type=self.device.type, device_name=device_name, world_size=self.world_size,
             nodes=env.nodes if env else 1,
-            processes_per_node=env.local_world_size if env else self.world_size, layout=layout, flops_per_item=flops_per_item, started=run_files.now(), finished=None,
-            status="running", error=None, settings=settings)
+            processes_per_node=env.local_world_size if env else self.world_size, layout=layout,
+            flops_per_item=flops_per_item, started=run_files.now(), finished=None,
+            status="running", error=None, settings=settings, **limit_description(self.device))
         if flops_per_item:
             self._find_peak()
 
@@ -177,38 +165,39 @@ class RunMonitor:
                          "mem_peak_bytes": int(row[-2]), "mem_limit_bytes": int(row[-1])})
         if rows:
             run_files.append_breakdown(self.run_dir, rows)
-            self._look_for_straggler(step, rows)
+            self.look_for_straggler(step, rows)
         return rows
 
-    def _look_for_straggler(self, step: int, rows: list[dict]) -> None:
-        """A rank whose own work (its step minus its waits for the others) stays above the
-        other ranks' median by more than ``straggler_margin``, ``STRAGGLER_PATIENCE``
-        intervals in a row: named, with the part where it spends the most beyond them. (In
-        synchronous training every rank's step lasts as long as the slowest's: the others
-        spend the difference waiting in collectives, so the waits are left out.)"""
+    def look_for_straggler(self, step: int, rows: list[dict]) -> None:
+        """A rank that :func:`meshtrain.observe.stragglers.judge` calls a straggler (its own
+        work above the other ranks' by more than ``straggler_margin``, their spread and the
+        run's jitter, ``PATIENCE`` intervals in a row): named once, when it becomes one, with
+        the part where it spends the most beyond the others."""
         if self.margin is None or len(rows) < 2:
             return
-        busy = {r["rank"]: r["step_s"] - sum(r[f"{w}_s"] for w in WAITS) for r in rows}
+        self._own_work.append({r["rank"]: own_work(r) for r in rows})
+        del self._own_work[:-stragglers.WINDOW]
+        verdict = stragglers.judge(self._own_work, self.margin)
+        rank, named = verdict.straggler, self._straggler_named
+        self._straggler_named = rank
+        if rank is None or rank == named:
+            return
         by_rank = {r["rank"]: r for r in rows}
-        for rank, mine in busy.items():
-            others = statistics.median(v for r, v in busy.items() if r != rank)
-            if mine <= others * (1 + self.margin) or mine - others < STRAGGLER_MIN_S:
-                self._slow_intervals[rank] = 0
-                continue
-            self._slow_intervals[rank] += 1
-            if self._slow_intervals[rank] != STRAGGLER_PATIENCE:
-                continue
-            excess = {p: by_rank[rank][f"{p}_s"] - statistics.median(
-                by_rank[r][f"{p}_s"] for r in busy if r != rank)
-                for p in PARTS if p not in WAITS}
-            part = max(excess, key=excess.get)
-            message = (f"rank {rank} is a straggler: its own work takes {mine * 1e3:.1f} ms per "
-                       f"step against {others * 1e3:.1f} ms on the other ranks (median), "
-                       f"{mine / max(others, 1e-12):.2f}x; the slow part is {part} "
-                       f"(+{excess[part] * 1e3:.1f} ms per step; the others wait for it in "
-                       "their comm/bubble)")
-            self.log(f"warning: step {step}: {message}")
-            self.event("straggler", message, step)
+        excess = {p: by_rank[rank][f"{p}_s"] - statistics.median(
+            by_rank[r][f"{p}_s"] for r in by_rank if r != rank)
+            for p in PARTS if p not in stragglers.WAITS}
+        part = max(excess, key=excess.get)
+        mine, others = verdict.own, verdict.others
+        message = (f"rank {rank} is a straggler: its own work takes {mine * 1e3:.1f} ms per "
+                   f"step against {others * 1e3:.1f} ms on the other ranks (median), "
+                   f"{mine / max(others, 1e-12):.2f}x, {verdict.slow_intervals} logging "
+                   f"intervals in a row (beyond the margin, the other ranks' spread and "
+                   f"{stragglers.NOISE_TIMES}x its jitter of {verdict.jitter * 1e3:.1f} ms); "
+                   f"the slow part is {part} "
+                   f"(+{excess[part] * 1e3:.1f} ms per step; the others wait for it in "
+                   "their comm/bubble)")
+        self.log(f"warning: step {step}: {message}")
+        self.event("straggler", message, step)
 
     def summary(self, t, wall_s: float) -> str:
         """The lines ``fit`` ends with on rank zero: time, steps, mean throughput, the best
@@ -220,8 +209,8 @@ class RunMonitor:
                  f" steps/s; {self.items / max(self.train_s, 1e-9):,.0f} {unit}/s over the "
                  f"training steps)" + (f", {t.num_skipped_steps} skipped" if t.num_skipped_steps
                                        else "")]
-        final = {k: v for k, v in t.callback_metrics.items()
-                 if k in ("train/loss", "val/loss") or not k.startswith(("train/", "epoch"))}
+        final = {k: v for k, v in t.callback_metrics.items()  # the user's own included
+                 if k not in run_files.NOT_SUMMARISED}
         if final:
             lines.append("final: " + ", ".join(f"{k} {v:.4g}" for k, v in final.items()))
         for cb in t.callbacks:

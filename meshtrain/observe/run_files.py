@@ -6,19 +6,26 @@ files.
 
 * ``environment.json``: what ran where, and how the run ended (rewritten at the start and the
   end): ``torch``, ``python``, ``platform``, ``hostname``, ``device_type``, ``device_name``,
-  ``world_size``, ``layout``, ``unit`` ("tokens" or "samples"), ``flops_per_item`` (model
-  FLOPs per token or sample, forward and backward), ``peak_tflops`` and ``peak_source`` (the
-  peak MFU is measured against, per rank), ``started``/``finished`` (ISO times),
+  ``world_size``, ``nodes``, ``processes_per_node``, ``layout``, ``memory_limit_scope``
+  ("device": each rank's own GPU; "node": the node's memory, which its ranks share) and
+  ``memory_limit_source`` (what ``mem_limit_bytes`` below is), ``unit`` ("tokens" or
+  "samples"), ``flops_per_item`` (model FLOPs per token or sample, forward and backward),
+  ``peak_tflops`` and ``peak_source`` (the peak MFU is measured against, per rank),
+  ``started``/``finished`` (ISO times),
   ``status`` ("running", "finished" or "failed"), ``error`` (the exception, or null) and
   ``settings`` (the Trainer's settings, shown when there is no ``config.toml``).
 * ``breakdown.csv``: one row per rank per logging interval: ``step``, ``rank``, then seconds
   per optimizer step averaged over the interval: ``wall_s`` (the loop's own clock: the
   interval's wall time, validation excepted, over its steps), ``step_s`` (the measured steps)
-  and its parts :data:`PARTS` (``<part>_s``), which add up to ``step_s``; ``mem_peak_bytes`` (this rank's
-  peak so far) and ``mem_limit_bytes`` (the device's memory, or the machine's on CPU).
+  and its parts :data:`PARTS` (``<part>_s``), which add up to ``step_s``; ``mem_peak_bytes``
+  (this rank's peak so far) and ``mem_limit_bytes``: on a GPU its device's memory, on a CPU
+  the node's (its cgroup's limit when one is set, else the machine's), which the node's ranks
+  share (meshtrain/observe/memory/limit.py).
 * ``events.jsonl``: one JSON object per line: ``time`` (ISO), ``step``, ``kind`` (one of
   :data:`EVENT_KINDS`), ``message``, and ``path`` (a file or folder in the run folder the
-  event refers to: a checkpoint, a stack dump, a trace) or null.
+  event refers to: a checkpoint, a stack dump, a trace) or null. ``removed``: a checkpoint
+  folder deleted on purpose (a best-k one that a better one replaced); the periodic ones
+  ``keep_last_k`` rotates away are told from the settings and the later checkpoints.
 * ``pipeline.json`` (``pp`` layouts): ``schedule``, ``pp``, ``microbatches``,
   ``stages_per_rank``, ``step`` (the recorded step), ``measured_bubble``, ``formula_bubble``,
   ``free_comm_bubble`` (the recorded steps replayed with free communication and no host work:
@@ -49,7 +56,12 @@ PART_DOCS = {
 BREAKDOWN_COLUMNS = ("step", "rank", "wall_s", "step_s", *(f"{p}_s" for p in PARTS),
                      "mem_peak_bytes", "mem_limit_bytes")
 EVENT_KINDS = ("checkpoint", "restart", "skip", "rollback", "watchdog", "desync",
-               "straggler", "profile", "failure", "pruned")
+               "straggler", "profile", "failure", "pruned", "removed")
+# metrics meshtrain logs that the run's summaries (the report's, the lines fit ends with) leave
+# to the throughput section and the fit line; every other metric, the user's own
+# (self.log / trainer.log) included, is summarised with its last value
+NOT_SUMMARISED = ("train/tokens_per_s", "train/samples_per_s", "train/tflops", "train/mfu",
+                  "train/skipped_steps", "epoch")
 
 ENVIRONMENT, BREAKDOWN, EVENTS, PIPELINE = ("environment.json", "breakdown.csv",
                                             "events.jsonl", "pipeline.json")

@@ -205,6 +205,37 @@ def _read_metrics(path: Path, missing: list[str]) -> list[dict]:
                           lambda folder: read_metrics_csv(folder / "metrics.csv"), missing)
 
 
+def setting(run: Run, key: str):
+    """A setting as the run recorded it (config.toml, else environment.json), or None."""
+    for values in run.config.values():
+        if isinstance(values, dict) and key in values:
+            return values[key]
+    return None
+
+
+_PERIODIC = re.compile(r"checkpoints/step_(\d+)")
+
+
+def removed_on_purpose(run: Run) -> dict[str, str]:
+    """{path: why} for the checkpoint folders the run's events name that the run itself
+    deleted: a ``removed`` event's (a best-k checkpoint a better one replaced), and the
+    periodic ``checkpoints/step_*`` folders ``keep_last_k`` rotated away: the checkpoint
+    writer keeps the newest k, so a periodic folder is gone by rotation once k newer ones were
+    saved after it."""
+    removed = {e["path"]: str(e.get("message") or "removed by the run")
+               for e in run.events if e.get("kind") == "removed" and e.get("path")}
+    keep = setting(run, "keep_last_k")
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        return removed
+    saved = sorted({int(m[1]): e["path"] for e in run.events if e.get("kind") == "checkpoint"
+                    and (m := _PERIODIC.fullmatch(str(e.get("path") or "")))}.items())
+    for index, (_, path) in enumerate(saved):
+        if len(saved) - index - 1 >= keep:
+            removed.setdefault(path, f"rotated away by keep_last_k = {keep} (the newest {keep} "
+                                     "periodic checkpoints are kept)")
+    return removed
+
+
 def has_values(rows: list[dict], key: str) -> bool:
     return any(row.get(key) is not None for row in rows)
 
@@ -232,9 +263,13 @@ def _note_missing(run: Run) -> None:
             "step's schedule")
     if run.memory_text is None:
         say("no memory.txt: the run stopped before the end of its first step")
+    removed = removed_on_purpose(run)
     for event in run.events:
         target = event.get("path")
         event["found"] = bool(target) and (run.path / target).exists()
-        if target and not event["found"]:
+        event["removed"] = None if event["found"] else removed.get(target)
+        if target and not event["found"] and not event["removed"]:
             say(f"{target} (named by a {event.get('kind')} event at step {event.get('step')}) "
-                "is not in the run folder")
+                "is not in the run folder, and the run did not remove it (not rotated away by "
+                "keep_last_k, nor replaced by a better best-k checkpoint): it was deleted or "
+                "moved since, or never written whole")

@@ -77,7 +77,7 @@ def throughput_figure(rows: Sequence[Mapping], unit: str, peak_tflops: float | N
     return data_uri(fig)
 
 
-def _stacked_bars(ax, rows: Sequence[Mapping], slowest: int | None, title: str) -> None:
+def _stacked_bars(ax, rows: Sequence[Mapping], straggler: int | None, title: str) -> None:
     """One horizontal bar per rank (rank 0 on top), its parts stacked in PARTS order."""
     ranks = [row["rank"] for row in rows]
     ys = range(len(rows))[::-1]
@@ -86,14 +86,14 @@ def _stacked_bars(ax, rows: Sequence[Mapping], slowest: int | None, title: str) 
         widths = [row[f"{part}_s"] for row in rows]
         ax.barh(ys, widths, left=left, color=PART_COLORS[part], label=part, height=0.7)
         left = [a + b for a, b in zip(left, widths)]
-    ax.set_yticks(ys, [f"rank {r}" + (" (slowest)" if r == slowest else "") for r in ranks])
+    ax.set_yticks(ys, [f"rank {r}" + (" (straggler)" if r == straggler else "") for r in ranks])
     for y, row in zip(ys, rows):
-        is_slowest = row["rank"] == slowest
+        is_straggler = row["rank"] == straggler
         ax.text(row["step_s"], y, f" {row['step_s']:.3g} s", va="center", fontsize=8,
-                color=SLOWEST_COLOR if is_slowest else "black",
-                fontweight="bold" if is_slowest else "normal")
+                color=SLOWEST_COLOR if is_straggler else "black",
+                fontweight="bold" if is_straggler else "normal")
     for label in ax.get_yticklabels():
-        if label.get_text().endswith("(slowest)"):
+        if label.get_text().endswith("(straggler)"):
             label.set_color(SLOWEST_COLOR)
             label.set_fontweight("bold")
     ax.set_xlim(0, 1.15 * max((row["step_s"] for row in rows), default=1.0) or 1.0)
@@ -103,7 +103,7 @@ def _stacked_bars(ax, rows: Sequence[Mapping], slowest: int | None, title: str) 
 
 
 def breakdown_figure(latest: Sequence[Mapping], mean: Sequence[Mapping], step: int,
-                     slowest: int | None) -> str | None:
+                     straggler: int | None) -> str | None:
     """Step-time breakdown per rank: the latest interval beside the mean over the run.
     ``latest``/``mean``: one breakdown row per rank, in rank order."""
     if not latest:
@@ -111,35 +111,49 @@ def breakdown_figure(latest: Sequence[Mapping], mean: Sequence[Mapping], step: i
     fig = _new_figure((10.0, 1.6 + 0.35 * len(latest)))
     fig.set_layout_engine("constrained")  # room for the legend outside the axes
     left, right = fig.subplots(1, 2, sharey=True)
-    _stacked_bars(left, latest, slowest, f"latest interval (step {step})")
+    _stacked_bars(left, latest, straggler, f"latest interval (step {step})")
     _stacked_bars(right, mean, None, "mean over the run")
     handles, labels = left.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(PARTS), fontsize=8)
     return data_uri(fig)
 
 
-def memory_figure(ranks: Sequence[int], peaks: Sequence[float], limits: Sequence[float]
-                  ) -> str | None:
-    """Peak memory per rank (bars) against each rank's limit (a line over its bar)."""
-    if not ranks:
+def memory_figure(groups: Sequence[tuple[str, Sequence[tuple[int, float]], float]],
+                  title: str) -> str | None:
+    """Peak memory against a limit, one bar per group (label, [(rank, peak)], limit): a rank
+    with its own GPU, or a node whose ranks' peaks are stacked under the node's memory (a line
+    over its bar)."""
+    if not groups:
         return None
-    gib = max((*peaks, *limits)) >= 2**30
+    totals = [sum(peak for _, peak in members) for _, members, _ in groups]
+    limits = [limit for _, _, limit in groups]
+    gib = max((*totals, *limits)) >= 2**30
     scale, unit = (2**30, "GiB") if gib else (2**20, "MiB")
-    xs = range(len(ranks))
+    xs = range(len(groups))
     fig = _new_figure((8.0, 3.8))
     fig.set_layout_engine("constrained")  # room for the legend outside the axes
     ax = fig.add_subplot()
-    ax.bar(xs, [p / scale for p in peaks], color="#4c72b0", width=0.6, label="peak")
+    stacked = any(len(members) > 1 for _, members, _ in groups)
+    for x, (_, members, _) in zip(xs, groups):
+        bottom = 0.0
+        for i, (rank, peak) in enumerate(members):
+            ax.bar(x, peak / scale, bottom=bottom, width=0.6, edgecolor="white",
+                   color="#4c72b0" if i % 2 == 0 else "#8fb3de",
+                   label=("peak of a rank" if stacked else "peak") if x == i == 0 else None)
+            if stacked:
+                ax.text(x, bottom + peak / scale / 2, f"rank {rank}", ha="center",
+                        va="center", fontsize=7, color="white")
+            bottom += peak / scale
     ax.hlines([lim / scale for lim in limits], [x - 0.4 for x in xs], [x + 0.4 for x in xs],
               color=SLOWEST_COLOR, linewidth=2, label="limit")
-    for x, peak, limit in zip(xs, peaks, limits):
-        share = f"{100 * peak / limit:.0f}%" if limit > 0 else ""
-        ax.text(x, peak / scale, share, ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), [f"rank {r}" for r in ranks],
-                  rotation=90 if len(ranks) > 16 else 0)
+    for x, total, limit in zip(xs, totals, limits):
+        share = f"{100 * total / limit:.0f}%" if limit > 0 else ""
+        ax.text(x, total / scale, share, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), [label for label, _, _ in groups],
+                  rotation=90 if len(groups) > 16 else 0)
     ax.set_ylabel(unit)
-    ax.set_ylim(0, 1.1 * max((*peaks, *limits)) / scale or 1.0)
-    ax.set_title("peak memory per rank against its limit")
+    ax.set_ylim(0, 1.1 * max((*totals, *limits)) / scale or 1.0)
+    ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
     fig.legend(loc="outside lower center", ncols=2, fontsize=8)
     return data_uri(fig)

@@ -13,7 +13,7 @@ from urllib.parse import quote
 from meshtrain.errors import ConfigError
 from meshtrain.observe import run_files
 from meshtrain.observe.plots import _finite
-from meshtrain.observe.report import figures
+from meshtrain.observe.report import figures, ranks
 from meshtrain.observe.report.collect import Run, collect, has_values
 
 TEMPLATE = "report.html.j2"
@@ -54,7 +54,8 @@ def context(run: Run) -> dict:
             "environment": [(k, _text(v)) for k, v in run.environment.items()
                             if k != "settings"],  # (shown under config)
             "loss": figures.loss_figure(run.metrics), "throughput": _throughput(run),
-            "breakdown": _breakdown(run.breakdown, _margin(run)), "memory": _memory(run.breakdown),
+            "breakdown": ranks.breakdown(run.breakdown, ranks.margin(run)),
+            "memory": ranks.memory(run),
             "pipeline": _pipeline(run), "events": _events(run),
             "part_docs": [(p, figures.PART_COLORS[p], run_files.PART_DOCS[p])
                           for p in run_files.PARTS]}
@@ -87,12 +88,28 @@ def _summary(run: Run) -> list[tuple[str, str]]:
             ("steps", step),
             ("final train loss", _num(_last(run.metrics, "train/loss"))),
             ("final validation loss", _num(_last(run.metrics, "val/loss"))),
+            *_final_metrics(run.metrics),
             ("layout", _text(env.get("layout") or run.config.get("trainer", {}).get("layout"))),
             ("world size", _world(env)),
             ("started", _text(env.get("started"))), ("finished", _text(env.get("finished")))]
     if run.error is not None:
         rows.insert(3, ("error", run.error))
     return rows
+
+
+def _final_metrics(rows: Sequence[dict]) -> list[tuple[str, str]]:
+    """("final <name>", "<value> (step <n>)") for every other metric the run logged (the
+    user's own, ``self.log``/``trainer.log``, included), in the order first logged; the
+    throughput's are in their own section."""
+    names = dict.fromkeys(key for row in rows for key in row)
+    rows_out = []
+    for name in names:
+        if name in ("step", "train/loss", "val/loss") or name in run_files.NOT_SUMMARISED:
+            continue
+        last = next((row for row in reversed(rows) if row.get(name) is not None), None)
+        if last is not None:
+            rows_out.append((f"final {name}", f"{_num(last[name])} (step {last.get('step')})"))
+    return rows_out
 
 
 def _world(env: dict) -> str:
@@ -120,84 +137,6 @@ def _throughput(run: Run) -> dict:
             "unit": unit, "peak": _num(peak) if _finite(peak) else None,
             "peak_source": _text(env.get("peak_source")),
             "flops_per_item": _num(env.get("flops_per_item"))}
-
-
-def _per_rank(rows: Sequence[dict]) -> dict[int, list[dict]]:
-    ranks: dict[int, list[dict]] = {}
-    for row in sorted(rows, key=lambda r: r["step"]):  # stable: a resumed step's last row wins
-        ranks.setdefault(row["rank"], []).append(row)
-    return dict(sorted(ranks.items()))
-
-
-def _margin(run: Run) -> float:
-    """The run's straggler_margin (0.2 when not recorded or off)."""
-    for section, key, value in run.settings:
-        if key == "straggler_margin":
-            try:
-                return float(value)
-            except ValueError:
-                break
-    return 0.2
-
-
-def _breakdown(rows: Sequence[dict], margin: float = 0.2) -> dict | None:
-    """The latest interval of each rank (table and bars), the mean over the run, and a rank
-    whose own work is more than ``margin`` above the ranks' median (marked as the slowest)."""
-    ranks = _per_rank(rows)
-    if not ranks:
-        return None
-    latest = [history[-1] for history in ranks.values()]
-    keys = ("step_s", *(f"{p}_s" for p in run_files.PARTS))
-    mean = [{"rank": rank, **{k: statistics.fmean(row[k] for row in history) for k in keys}}
-            for rank, history in ranks.items()]
-    step = max(row["step"] for row in latest)
-    # in synchronous training every rank's step lasts as long as the slowest's (the others
-    # wait for it in comm or bubble): ranks are compared by their own work, the rest
-    busy = {row["rank"]: row["step_s"] - row["comm_s"] - row["bubble_s"] for row in latest}
-    slowest = max(latest, key=lambda row: busy[row["rank"]])
-    median = statistics.median(busy.values())
-    slow_rank = slowest["rank"] if busy[slowest["rank"]] > median * (1 + margin) else None
-    if slow_rank is not None:
-        above = 100 * (busy[slow_rank] / median - 1) if median > 0 else 0.0
-        verdict = (f"Slowest rank at step {slowest['step']}: rank {slow_rank}, its own work "
-                   f"(step minus comm and bubble, where a rank waits for the others) "
-                   f"{busy[slow_rank]:.3g} s per step, {above:.0f}% above the median "
-                   f"({median:.3g} s).")
-    else:
-        verdict = f"One rank: {slowest['step_s']:.3g} s per step at step {slowest['step']}."
-        if len(latest) > 1:
-            verdict = (f"All {len(latest)} ranks: {slowest['step_s']:.3g} s per step at step "
-                       f"{slowest['step']}; their own work (step minus comm and bubble) within "
-                       f"{margin:.0%} of the median ({min(busy.values()):.3g}-"
-                       f"{max(busy.values()):.3g} s): no straggler.")
-    table = [{"rank": row["rank"], "step": row["step"], "step_s": f"{row['step_s']:.4g}",
-              "wall_s": _num(row.get("wall_s")), "slowest": row["rank"] == slow_rank,
-              "parts": [f"{row[f'{p}_s']:.3g} s" + (
-                  f" ({100 * row[f'{p}_s'] / row['step_s']:.0f}%)" if row["step_s"] else "")
-                  for p in run_files.PARTS]}
-             for row in latest]
-    return {"figure": figures.breakdown_figure(latest, mean, step, slow_rank),
-            "table": table, "verdict": verdict, "parts": run_files.PARTS,
-            "slowest": slow_rank}
-
-
-def _size(num_bytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes:.0f} B"
-
-
-def _memory(rows: Sequence[dict]) -> dict | None:
-    ranks = _per_rank(rows)
-    if not ranks:
-        return None
-    peaks = [max(row["mem_peak_bytes"] for row in history) for history in ranks.values()]
-    limits = [history[-1]["mem_limit_bytes"] for history in ranks.values()]
-    table = [(rank, _size(peak), _size(limit),
-              f"{100 * peak / limit:.0f}%" if limit > 0 else "–")
-             for rank, peak, limit in zip(ranks, peaks, limits)]
-    return {"figure": figures.memory_figure(list(ranks), peaks, limits), "table": table}
 
 
 def _pipeline(run: Run) -> dict:
@@ -233,8 +172,10 @@ def _events(run: Run) -> dict:
             counts[kind] = n
     rows = [{"time": _text(e.get("time")), "step": _text(e.get("step")),
              "kind": _text(e.get("kind")), "message": _text(e.get("message")),
-             "path": e.get("path"), "href": _href(run, e.get("path"))} for e in run.events]
-    return {"counts": counts, "rows": rows,
+             "path": e.get("path"), "href": _href(run, e.get("path")),
+             "removed": e.get("removed")} for e in run.events]
+    removed = {e["path"]: e["removed"] for e in run.events if e.get("removed")}
+    return {"counts": counts, "rows": rows, "removed": sorted(removed.items()),
             "traces": [(path, quote(path)) for path in run.traces],
             "checkpoints": [(path, quote(path)) for path in run.checkpoints]}
 
