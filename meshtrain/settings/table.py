@@ -68,6 +68,8 @@ LOCAL_COMM = ("auto", "backend")
 NAN_POLICIES = ("error", "skip", "rollback")
 LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
 _LOGGER_NAMES = ", ".join(repr(name) for name in LOGGERS)
+# what the settings of periodic checkpoints need: one of them
+_PERIODIC = "checkpoint_every_n_steps|checkpoint_every_n_epochs|checkpoint_every_n_minutes"
 
 _S = Setting
 DEFINITIONS = [
@@ -80,7 +82,7 @@ DEFINITIONS = [
     _S("plan_cluster", "trainer", None, "choice",
        'The machines layout="auto" plans for: "8xH100", "8xH200" or "this-machine"; none: '
        "this machine measured on CPU, the GPU's preset by its name.",
-       choices=("8xH100", "8xH200", "this-machine"), none=True),
+       choices=("8xH100", "8xH200", "this-machine"), none=True, needs=("layout=auto",)),
     _S("devices", "trainer", 1, "devices",
        "Processes on this machine when started with plain python; under meshtrain run/torchrun "
        'the launcher decides and this must match or be "auto".',
@@ -153,7 +155,7 @@ DEFINITIONS = [
        "through shared memory (meshtrain/parallel/shm/p2p.py, shm/collectives.py; gloo's "
        "send/recv cost 0.1-0.4 ms each to post) when the job runs on gloo and every rank can "
        'map the same /dev/shm, else the process group\'s own collectives; "backend": always '
-       "the latter.", choices=LOCAL_COMM,
+       "the latter.", choices=LOCAL_COMM, needs=("pp|tp|sharded",),
        error="local_comm must be 'auto' or 'backend', got {value!r}"),
     _S("shard_unit_mb", "parallel", 4.0, "number",
        "Sharded layouts: consecutive blocks are sharded together until a unit holds this many "
@@ -205,7 +207,8 @@ DEFINITIONS = [
        needs=("ps", "ps_mode=async")),
     _S("sync_batchnorm", "parallel", True, "bool",
        "BatchNorm statistics over the micro-batches of every data-parallel rank together (as "
-       "one process on the global micro-batch); False: per rank, not layout-invariant."),
+       "one process on the global micro-batch); False: per rank, not layout-invariant.",
+       needs=("batch",)),
     _S("tp_plan", "parallel", None, "tp_plan",
        "Your own tensor-parallel plan (module name -> ParallelStyle), used instead of the "
        "model's tp_plan().", none=True, config=False, needs=("tp",)),
@@ -244,11 +247,12 @@ DEFINITIONS = [
        none=True,
        error="checkpoint_every_n_minutes must be a number > 0 or None, got {value!r}"),
     _S("keep_last_k", "checkpoint", None, "int",
-       "Keep only the newest k periodic checkpoints; none: keep all.", none=True, minimum=1),
+       "Keep only the newest k periodic checkpoints; none: keep all.", none=True, minimum=1,
+       needs=(_PERIODIC,)),
     _S("async_checkpoint", "checkpoint", False, "bool",
        "Write periodic checkpoints in the background: the state is copied to reused host "
        "buffers while the next step computes (its optimizer update waits for the copy), then "
-       "written (on CPU by a writer process of each rank's own)."),
+       "written (on CPU by a writer process of each rank's own).", needs=(_PERIODIC,)),
     _S("resume", "checkpoint", "auto", "resume",
        '"auto": continue the newest unfinished run of this job and model (root_dir/name), or '
        "run_dir's newest checkpoint; a checkpoint folder; none: start afresh.", none=True,
@@ -276,17 +280,20 @@ DEFINITIONS = [
        error="nan_policy must be one of 'error', 'skip', 'rollback' or None, got {value!r}"),
     _S("collective_timeout_s", "fault", 300.0, "number",
        "After the first step a collective waiting this long raises instead of hanging (must "
-       "exceed the slowest checkpoint write)."),
+       "exceed the slowest checkpoint write; in one process it only bounds stall_timeout_s).",
+       needs=("processes|stall_timeout_s",)),
     _S("init_timeout_s", "fault", 600.0, "number",
-       "Collective timeout for start-up and the first step."),
+       "Collective timeout for start-up and the first step.", needs=("processes",)),
     _S("stall_timeout_s", "fault", 240.0, "number",
        "A step running this long writes every rank's Python stacks to run_dir/stacks/ and ends "
        "the job (below collective_timeout_s); none: no watchdog.", none=True),
     _S("debug_collectives", "fault", False, "bool",
        "Check every collective across ranks first and name the ranks and call sites of a "
-       "desync (a few ms per collective: for debugging)."),
+       "desync (a few ms per collective: for debugging).", needs=("processes",)),
     _S("mtbf_hours", "fault", 3.0, "number",
-       "Expected hours between failures, for the Young/Daly checkpoint interval fit prints."),
+       "Expected hours between failures, for the Young/Daly checkpoint interval fit prints "
+       "at the first periodic checkpoint.",
+       needs=("checkpoint_every_n_steps|checkpoint_every_n_minutes",)),
     # -- logging ------------------------------------------------------------------------------
     _S("log_every_n_steps", "logging", 10, "int",
        "How often the loss is averaged over ranks and logged.", minimum=1),
@@ -313,7 +320,8 @@ DEFINITIONS = [
     _S("straggler_margin", "logging", 0.2, "number",
        "Warn when a rank's own work per step (its step minus its waits for the others) stays "
        "this fraction above the other ranks' median for two logging intervals (measured with "
-       "breakdown_every_n_steps); none: never.", none=True),
+       "breakdown_every_n_steps); none: never.", none=True,
+       needs=("ranks", "breakdown_every_n_steps!=None")),
     _S("profile_steps", "logging", (), "steps",
        "Optimizer steps to trace with the torch profiler (from the first listed to the last): "
        "a Chrome trace per rank in run_dir/traces/, linked from the report."),
