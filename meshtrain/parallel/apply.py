@@ -104,6 +104,11 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
                       activation_checkpointing=options.activation_checkpointing)
     if model is None:
         return
+    if not options.sync_batchnorm and not any(
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise ConfigError("sync_batchnorm=False keeps BatchNorm statistics per rank, and the "
+                          "model has no BatchNorm module, so it would do nothing; drop "
+                          "sync_batchnorm")
     plan = tp_plan_of(model, options) if layout.degree("tp") > 1 else None
     if plan is not None:
         from meshtrain.parallel.tensor_parallel import check_plan_keys
