@@ -63,14 +63,11 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def _children() -> set[int]:
-    """This process's child processes (Linux /proc)."""
-    me, found = str(os.getpid()), set()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(entry.path, "stat").read_text()
-                if stat.rsplit(")", 1)[1].split()[1] == me:
-                    found.add(int(entry.name))
+    """This process's child processes (Linux: each thread's /proc children list)."""
+    found = set()
+    for tasks in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found.update(int(pid) for pid in tasks.read_text().split())
     return found
 
 
