@@ -57,7 +57,8 @@ PROBES = {
     "plan_cluster": Probe("8xH200", effect={"world": 1, "layout": "auto",
                                             "plan_cluster": "8xH100"}),
     "devices": Probe(4, mode="plan"),
-    "accelerator": Probe("cuda"),  # refused without a GPU
+    # refused without a GPU; with one, one process (a GPU takes one NCCL rank, not two)
+    "accelerator": Probe("cuda", worlds=("one",) if torch.cuda.is_available() else ("one", "two")),
     "max_steps": Probe(2),
     "max_epochs": Probe(1),
     "max_time_minutes": Probe(1e-9),
