@@ -117,3 +117,24 @@ def test_finetune_starts_from_the_pretrained_folder(corpus, tmp_path, capsys):
     got = load_file(out / "model.safetensors")
     want = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("field", ["pad_token_id", "bos_token_id", "eos_token_id"])
+def test_a_token_id_outside_the_vocabulary_is_refused_by_the_dry_run(corpus, tmp_path, capsys,
+                                                                     field):
+    """transformers fails on such an id inside the model (pad: the embedding's padding_idx);
+    the dry run names the field, its value and the vocabulary instead."""
+    from meshtrain.models.hf import _transformers
+
+    config = _transformers().LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=1, max_position_embeddings=64,
+                                         **{field: 320})
+    config.save_pretrained(tmp_path / "hf")
+    assert train(corpus, tmp_path, f"--model.hf_config={tmp_path / 'hf'}", dry_run=True) == 2
+    err = capsys.readouterr().err
+    assert f"{field}=320 in {tmp_path / 'hf'} is not a token id of the model's vocabulary " \
+           "(vocab_size=320: ids 0 to 319)" in err, err
+    config = config.__class__(**{**config.to_dict(), field: 7})  # an id of the vocabulary
+    config.save_pretrained(tmp_path / "hf")
+    assert train(corpus, tmp_path, f"--model.hf_config={tmp_path / 'hf'}", dry_run=True) == 0

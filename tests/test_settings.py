@@ -1,6 +1,7 @@
 """Settings defined once (meshtrain/settings/): every Trainer keyword has one definition whose
 check rejects a bad value by name; configs, overrides, the reference and the docstring follow."""
 
+import ast
 import inspect
 import re
 import tomllib
@@ -271,10 +272,15 @@ NEEDS_SAMPLES = {
     "ps_mode": "async", "ps_staleness": 1, "tp_plan": {}, "pp_schedule": "gpipe",
     "stages_per_rank": 2, "pp_balance": "time", "split_points": [2],
     "activation_checkpointing": "full", "compile": True, "tp_check_steps": 0,
+    "plan_cluster": "8xH100", "straggler_margin": 0.5, "local_comm": "backend",
+    "sync_batchnorm": False, "collective_timeout_s": 500.0, "init_timeout_s": 100.0,
+    "stall_timeout_s": None, "debug_collectives": True,
 }
 # layouts that have a layout fact, and ones that lack it (an axis: "axis=2", and left out)
-WITH_FACT = {"ddp": "dp=2", "plain_dp": "dp=2", "sharded": "zero3=2", "ps": "ps=1,dp=2"}
-WITHOUT_FACT = {"ddp": "zero3=2", "plain_dp": "zero1=2", "sharded": "dp=2", "ps": "dp=2"}
+WITH_FACT = {"ddp": "dp=2", "plain_dp": "dp=2", "sharded": "zero3=2", "ps": "ps=1,dp=2",
+             "batch": "dp=2", "ranks": "dp=2", "processes": "dp=2"}
+WITHOUT_FACT = {"ddp": "zero3=2", "plain_dp": "zero1=2", "sharded": "dp=2", "ps": "dp=2",
+                "batch": "tp=2", "ranks": "dp=1", "processes": "dp=1"}
 
 
 def _meet(need: str, parts: list, values: dict) -> None:
@@ -297,11 +303,13 @@ def _break(need: str, parts: list, values: dict) -> None:
     from meshtrain.settings.kinds import need_atom
 
     for atom in need.split("|"):
-        kind, name, _ = need_atom(atom)
+        kind, name, value = need_atom(atom)
         if kind == "axis":
             parts[:] = [p for p in parts if p != f"{name}=2"]
         elif kind == "fact":
             parts[:] = [WITHOUT_FACT[name] if p == WITH_FACT[name] else p for p in parts]
+        elif kind == "differs":  # the value it must not have ("None")
+            values[name] = ast.literal_eval(value)
         elif kind == "unset":
             values[name] = NEEDS_SAMPLES[name]
             for inner in SETTINGS[name].needs:

@@ -97,6 +97,14 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
         return _start_ps_world(world_size, num_servers, env, device, workers,
                                timedelta(seconds=init_timeout_s), "nccl" if device_type == "cuda"
                                else "gloo", notes)
+    if debug_collectives and dist.is_initialized():
+        if dist.get_debug_level() != dist.DebugLevel.DETAIL:  # (the checks' level)
+            raise ConfigError(
+                "debug_collectives=True wraps the process groups as they are created, and the "
+                "default group exists already (made before this fit: by init_process_group or "
+                "an earlier fit in this process), so it would check nothing; let the Trainer "
+                "create the group (a fresh process), or set TORCH_DISTRIBUTED_DEBUG=DETAIL "
+                "before init_process_group")
     if not dist.is_initialized():
         if debug_collectives:
             from meshtrain.fault.desync import enable_collective_checks

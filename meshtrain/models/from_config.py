@@ -60,11 +60,30 @@ def model_config(config: dict, tokenizer_vocab: int):
                            tie_word_embeddings=m["tie_word_embeddings"])
         key = "model.vocab_size"
     check_model_vocab({"vocab_size": tokenizer_vocab}, cfg.vocab_size, key=key)
+    check_token_ids(cfg, str(source) if source else "the model's config (the [model] section)")
     if seq_len > cfg.max_position_embeddings:
         raise ConfigError(f"data.seq_len={seq_len} is above the model's maximum "
                           f"max_position_embeddings={cfg.max_position_embeddings}; use a "
                           "shorter seq_len (or a larger model.max_position_embeddings)")
     return cfg
+
+
+TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def check_token_ids(cfg, where: str) -> None:
+    """ConfigError when the config's pad, bos or eos token id (an id or a list of ids) is not
+    an id of its vocabulary: transformers fails on it inside the model (an embedding's
+    padding_idx, generation), after the processes started."""
+    vocab = cfg.vocab_size
+    for field in TOKEN_ID_FIELDS:
+        value = getattr(cfg, field, None)
+        ids = value if isinstance(value, (list, tuple)) else [value]
+        if any(i is not None and not (isinstance(i, int) and 0 <= i < vocab) for i in ids):
+            raise ConfigError(
+                f"{field}={value!r} in {where} is not a token id of the model's vocabulary "
+                f"(vocab_size={vocab}: ids 0 to {vocab - 1}); set {field} to the tokenizer's id "
+                f"of that token (below {vocab}), or null, or give the model a vocab_size above it")
 
 
 def model_factory(config: dict, cfg, seed: int):

@@ -104,18 +104,28 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
                       activation_checkpointing=options.activation_checkpointing)
     if model is None:
         return
-    plan = tp_plan_of(model, options) if layout.degree("tp") > 1 else None
+    if not options.sync_batchnorm and not any(
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise ConfigError("sync_batchnorm=False keeps BatchNorm statistics per rank, and the "
+                          "model has no BatchNorm module, so it would do nothing; drop "
+                          "sync_batchnorm")
+    tp = layout.degree("tp")
+    plan = tp_plan_of(model, options) if tp > 1 else None
     if plan is not None:
         from meshtrain.parallel.tensor_parallel import check_plan_keys
 
         check_plan_keys(model, plan)
-    elif layout.degree("tp") > 1:
+    elif tp > 1:
         from meshtrain.parallel.tensor_parallel import check_tp, model_tp_plan
 
-        tp = layout.degree("tp")  # the model's own checks, and a plan it must supply
+        # the model's own checks, and a plan it must supply
         check_tp(model, tp, sequence_parallel=options.sequence_parallel)
-        model_tp_plan(model, tp, sequence_parallel=options.sequence_parallel,
-                      loss_parallel=options.loss_parallel)
+        plan = model_tp_plan(model, tp, sequence_parallel=options.sequence_parallel,
+                             loss_parallel=options.loss_parallel)
+    if plan is not None:  # a forward that reshapes with the whole model's head count
+        from meshtrain.parallel.tp_shapes import check_local_shapes
+
+        check_local_shapes(model, plan, tp, sample_inputs)
     if layout.degree("cp") > 1:
         from meshtrain.parallel.context_parallel import check_cp_model
 

@@ -28,13 +28,10 @@ PLANNED = {"micro_batch_size": None, "activation_checkpointing": None,
 
 
 def auto_pins(layout, plan_cluster=None) -> dict | None:
-    """None for a concrete layout; for ``"auto"`` / ``"auto,tp=2,..."`` the pinned degrees."""
+    """None for a concrete layout; for ``"auto"`` / ``"auto,tp=2,..."`` the pinned degrees.
+    (``plan_cluster`` is not looked at: its need, layout="auto", is in the settings table.)"""
     head, _, rest = layout.strip().partition(",") if isinstance(layout, str) else ("", "", "")
     if head.strip() != "auto":
-        if plan_cluster is not None:
-            raise ConfigError(f"plan_cluster={plan_cluster!r} is for layout=\"auto\" and the "
-                              f"layout here is {layout!r}: drop plan_cluster, or set "
-                              "layout=\"auto\"")
         return None
     from meshtrain.plan.planner import parse_pins
 
@@ -124,7 +121,8 @@ def choose(settings: dict, model, sample_inputs, *, world_size: int, local_world
     result = plan(spec, cluster, job, pins=pins, fixed=pinned)
     refused = []
     for estimate in result.rows:
-        chosen = {**PLANNED, **estimate.candidate.settings(), **pinned}
+        # the pick's layout replaces "auto", and plan_cluster with it (it needs layout="auto")
+        chosen = {**PLANNED, **estimate.candidate.settings(), **pinned, "plan_cluster": None}
         try:
             accepts(chosen)
         except ConfigError as error:
@@ -187,12 +185,13 @@ def agree(trainer) -> None:
 
 def resolved_config(config: dict, trainer) -> dict:
     """A recipe's ``config`` sections with layout="auto" replaced by the pick and the settings
-    it planned: the run folder's config.toml then trains the same layout again."""
+    it planned (plan_cluster dropped): the run folder's config.toml then trains the same layout
+    again."""
     if trainer._auto_pins is None:
         return config
     from meshtrain.settings import SETTINGS
 
     out = {section: dict(values) for section, values in config.items()}
-    for name in ("layout", *PLANNED):  # the pick's own layout string ("dp=1", not "single")
+    for name in ("layout", "plan_cluster", *PLANNED):  # the pick's layout ("dp=1", not "single")
         out.setdefault(SETTINGS[name].section, {})[name] = trainer._settings[name]
     return out

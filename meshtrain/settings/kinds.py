@@ -74,11 +74,16 @@ _WHAT = {
 # one is not, it is an error (meshtrain/checks.py), and ``meshtrain parity`` leaves it out of the
 # runs whose layout lacks it. A need is one of:
 #   "pp", "tp", "cp", "dp", "dp_shard", "dp_replicate"   that axis in the layout (degree > 1)
-#   "ddp", "plain_dp", "sharded", "ps"                   a layout fact (LAYOUT_FACTS, from Layout)
+#   "ddp", "plain_dp", "sharded", "ps", "batch",         a layout fact (LAYOUT_FACTS, from Layout)
+#   "ranks", "processes"
 #   "<setting>"                                          another setting set (not at its default)
-#   "<setting>=<value>"                                  another setting with that (string) value
+#   "<setting>=<value>"                                  another setting with that value (a string
+#                                                        also matches its first comma-separated
+#                                                        item: layout="auto,tp=2" is "auto")
+#   "<setting>!=<value>"                                 another setting without that value
 #   "not <setting>"                                      another setting left at its default
 #   "<need>|<need>|..."                                  any one of these
+# A need that names the layout setting ("layout=auto") asks something of the layout too.
 AXIS_KINDS = {"pp": "pipeline", "tp": "tensor-parallel", "cp": "context-parallel",
               "dp": "data-parallel", "dp_shard": "sharded data-parallel",
               "dp_replicate": "replicated-shards (HSDP)"}
@@ -107,6 +112,18 @@ LAYOUT_FACTS: dict[str, tuple[str, Callable, str, Callable]] = {
            "{shown} is a parameter-server setting, but the layout {layout} has no servers, so "
            "it would do nothing; write e.g. layout='ps=1,dp=2' (3 processes), or drop {name}",
            lambda layout: ""),
+    "batch": ("several data-parallel ranks (dp, dp_shard, dp_replicate or cp above 1)",
+              lambda layout: layout.loss_degree > 1,
+              "{shown} is a data-parallel setting, but the layout {layout} has no data-parallel "
+              "ranks, so it would do nothing; add dp=N to the layout (e.g. devices=2, "
+              "layout='dp=2'), or drop {name}", lambda layout: ""),
+    "ranks": ("several ranks (devices=N)", lambda layout: layout.world_size > 1,
+              "{shown} compares the ranks, but the layout {layout} has one rank, so it would do "
+              "nothing; train on several (e.g. devices=2), or drop {name}", lambda layout: ""),
+    "processes": ("several processes (devices=N)", lambda layout: layout.num_processes > 1,
+                  "{shown} is about the collectives between processes, but the layout {layout} "
+                  "runs one process, which has none, so it would do nothing; drop {name}, or "
+                  "train on several (e.g. devices=2)", lambda layout: ""),
 }
 
 
@@ -119,10 +136,13 @@ def at_default(setting: Setting, value) -> bool:
 
 
 def need_atom(need: str) -> tuple[str, str, str | None]:
-    """One need (no ``|``) read: (kind, name, value); kind is "axis", "fact", "set", "equals"
-    or "unset"."""
+    """One need (no ``|``) read: (kind, name, value); kind is "axis", "fact", "set", "equals",
+    "differs" or "unset"."""
     if need.startswith("not "):
         return "unset", need[4:].strip(), None
+    if "!=" in need:
+        name, _, value = need.partition("!=")
+        return "differs", name.strip(), value.strip()
     if "=" in need:
         name, _, value = need.partition("=")
         return "equals", name.strip(), value.strip()
@@ -133,6 +153,15 @@ def need_atom(need: str) -> tuple[str, str, str | None]:
     return "set", need, None
 
 
+def value_is(value, text: str) -> bool:
+    """Does a setting's ``value`` match a need's ``text``? A string when it is ``text`` or
+    starts with ``text,`` (layout="auto,tp=2" is layout="auto" with pins); else its repr
+    (``None``, ``True``, ``4``)."""
+    if isinstance(value, str):
+        return value == text or value.partition(",")[0].strip() == text
+    return repr(value) == text
+
+
 def need_met(need: str, layout, values: dict, settings: dict[str, Setting]) -> bool:
     """Is ``need`` met by ``layout`` (a Layout) and the settings' ``values``?"""
     def met(atom: str) -> bool:
@@ -141,8 +170,8 @@ def need_met(need: str, layout, values: dict, settings: dict[str, Setting]) -> b
             return layout.degree(name) > 1
         if kind == "fact":
             return bool(LAYOUT_FACTS[name][1](layout))
-        if kind == "equals":
-            return values[name] == value
+        if kind in ("equals", "differs"):
+            return value_is(values[name], value) == (kind == "equals")
         is_set = not at_default(settings[name], values[name])
         return is_set if kind == "set" else not is_set
     return any(met(atom) for atom in need.split("|"))
@@ -155,20 +184,23 @@ def need_words(need: str) -> str:
         if kind == "fact":
             return LAYOUT_FACTS[name][0]
         return {"axis": f"a {name} axis in the layout", "set": f"{name} set",
-                "equals": f"{name}={value!r}", "unset": f"{name} unset"}[kind]
+                "equals": f"{name}={value!r}", "differs": f"{name} not {value}",
+                "unset": f"{name} unset"}[kind]
     parts = [words(atom) for atom in need.split("|")]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
 def is_layout_need(need: str) -> bool:
-    """Does ``need`` (any of its alternatives) ask something of the layout?"""
-    return any(need_atom(atom)[0] in ("axis", "fact") for atom in need.split("|"))
+    """Does ``need`` (any of its alternatives) ask something of the layout (an axis, a layout
+    fact, or the layout setting itself: "layout=auto")?"""
+    return any(need_atom(atom)[0] in ("axis", "fact") or need_atom(atom)[1] == "layout"
+               for atom in need.split("|"))
 
 
 def need_settings(need: str) -> list[str]:
     """The other settings ``need`` names."""
     return [need_atom(atom)[1] for atom in need.split("|")
-            if need_atom(atom)[0] in ("set", "equals", "unset")]
+            if need_atom(atom)[0] in ("set", "equals", "differs", "unset")]
 
 
 def _shown(name: str, value) -> str:
@@ -199,6 +231,9 @@ def unmet_message(name: str, value, need: str, layout, values: dict) -> str:
     if kind == "equals":
         return (f"{shown} is used by {other}={wanted!r} only ({other} is {current!r}), so it "
                 f"would do nothing; set {other}={wanted!r} too, or drop {name}")
+    if kind == "differs":
+        return (f"{shown} is used only while {other} is not {wanted} ({other} is {current!r}), "
+                f"so it would do nothing; set {other} too, or drop {name}")
     return (f"{shown} does nothing while {other} is set ({other}={current!r} takes its place); "
             f"drop {name} or {other}")
 

@@ -80,7 +80,7 @@ DEFINITIONS = [
     _S("plan_cluster", "trainer", None, "choice",
        'The machines layout="auto" plans for: "8xH100", "8xH200" or "this-machine"; none: '
        "this machine measured on CPU, the GPU's preset by its name.",
-       choices=("8xH100", "8xH200", "this-machine"), none=True),
+       choices=("8xH100", "8xH200", "this-machine"), none=True, needs=("layout=auto",)),
     _S("devices", "trainer", 1, "devices",
        "Processes on this machine when started with plain python; under meshtrain run/torchrun "
        'the launcher decides and this must match or be "auto".',
@@ -156,7 +156,7 @@ DEFINITIONS = [
        "through shared memory (meshtrain/parallel/shm/p2p.py, shm/collectives.py; gloo's "
        "send/recv cost 0.1-0.4 ms each to post) when the job runs on gloo and every rank can "
        'map the same /dev/shm, else the process group\'s own collectives; "backend": always '
-       "the latter.", choices=LOCAL_COMM,
+       "the latter.", choices=LOCAL_COMM, needs=("pp|tp|sharded",),
        error="local_comm must be 'auto' or 'backend', got {value!r}"),
     _S("shard_unit_mb", "parallel", 4.0, "number",
        "Sharded layouts: consecutive blocks are sharded together until a unit holds this many "
@@ -208,7 +208,8 @@ DEFINITIONS = [
        needs=("ps", "ps_mode=async")),
     _S("sync_batchnorm", "parallel", True, "bool",
        "BatchNorm statistics over the micro-batches of every data-parallel rank together (as "
-       "one process on the global micro-batch); False: per rank, not layout-invariant."),
+       "one process on the global micro-batch); False: per rank, not layout-invariant.",
+       needs=("batch",)),
     _S("tp_plan", "parallel", None, "tp_plan",
        "Your own tensor-parallel plan (module name -> ParallelStyle), used instead of the "
        "model's tp_plan().", none=True, config=False, needs=("tp",)),
@@ -281,15 +282,16 @@ DEFINITIONS = [
        error="nan_policy must be one of 'error', 'skip', 'rollback' or None, got {value!r}"),
     _S("collective_timeout_s", "fault", 300.0, "number",
        "After the first step a collective waiting this long raises instead of hanging (must "
-       "exceed the slowest checkpoint write)."),
+       "exceed the slowest checkpoint write; in one process it only bounds stall_timeout_s).",
+       needs=("processes|stall_timeout_s",)),
     _S("init_timeout_s", "fault", 600.0, "number",
-       "Collective timeout for start-up and the first step."),
+       "Collective timeout for start-up and the first step.", needs=("processes",)),
     _S("stall_timeout_s", "fault", 240.0, "number",
        "A step running this long writes every rank's Python stacks to run_dir/stacks/ and ends "
        "the job (below collective_timeout_s); none: no watchdog.", none=True),
     _S("debug_collectives", "fault", False, "bool",
        "Check every collective across ranks first and name the ranks and call sites of a "
-       "desync (a few ms per collective: for debugging)."),
+       "desync (a few ms per collective: for debugging).", needs=("processes",)),
     _S("mtbf_hours", "fault", 3.0, "number",
        "Expected hours between failures, for the Young/Daly checkpoint interval fit prints."),
     # -- logging ------------------------------------------------------------------------------
@@ -317,8 +319,10 @@ DEFINITIONS = [
        "events, without waiting for the device); none: off.", minimum=1, none=True),
     _S("straggler_margin", "logging", 0.2, "number",
        "Warn when a rank's own work per step (its step minus its waits for the others) stays "
-       "this fraction above the other ranks' median for two logging intervals (measured with "
-       "breakdown_every_n_steps); none: never.", none=True),
+       "this fraction above the other ranks' median, and beyond their spread and 3x its own "
+       "jitter, for three logging intervals in a row (measured with breakdown_every_n_steps); "
+       "none: never.", none=True,
+       needs=("ranks", "breakdown_every_n_steps!=None")),
     _S("profile_steps", "logging", (), "steps",
        "Optimizer steps to trace with the torch profiler (from the first listed to the last): "
        "a Chrome trace per rank in run_dir/traces/, linked from the report."),

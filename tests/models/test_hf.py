@@ -231,3 +231,25 @@ def test_what_a_path_does_not_implement_is_refused_before_any_process(tmp_path, 
 
 def tiny_gemma2_softcap():
     return tiny_causal_lm("Gemma2", head_dim=8, attn_logit_softcapping=50.0, **SMALL)
+
+
+def tiny_stablelm():  # transformers declares neither a tensor- nor a pipeline-parallel plan
+    return tiny_causal_lm("StableLm", **SMALL)
+
+
+@pytest.mark.parametrize("model, layout, recommended", [
+    (tiny_stablelm, "tp=2", "train it without tp (dp, zero1-3), or"),
+    (tiny_stablelm, "pp=2", "train it without pp (dp, zero1-3)"),
+    (tiny_qwen3_moe, "tp=2", "train it without tp (dp, zero1-3, pp), or"),  # pp: it has a plan
+])
+def test_a_refusal_recommends_only_layouts_the_model_supports(tmp_path, model, layout,
+                                                               recommended):
+    from conftest import trainer_kwargs
+
+    from meshtrain import Trainer
+
+    trainer = Trainer(**trainer_kwargs(tmp_path, layout=layout, devices=2, max_steps=1,
+                                       global_batch_size=8))
+    with pytest.raises(ConfigError) as error:
+        trainer.check(model, tokens_16(), optimizer=adamw_gpt)
+    assert recommended in str(error.value), str(error.value)

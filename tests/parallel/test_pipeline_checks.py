@@ -237,3 +237,30 @@ def _per_sample_loss_rank():
 
 def _per_token_loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+
+class MeanPoolFc(nn.Module):
+    """A classifier: the blocks, then the mean over the sequence and a head named ``fc``. No
+    weight is shared; the stages never run ``fc`` (nor the mean) after the last block."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(Residual() for _ in range(4))
+        self.fc = nn.Linear(D, 3)
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return self.fc(h.mean(dim=1))
+
+
+def test_a_head_named_fc_is_not_called_a_shared_weight(rank_0_of_two, tmp_path):
+    message = _refused(tmp_path, MeanPoolFc)
+    assert "shared" not in message and "untie" not in message, message
+    assert ("fc.weight is used after the last block (on the last stage) only, but the stages "
+            "hold it on the first stage (embed): after the last block they run model.norm and "
+            "model.head alone, and its module is neither; make it model.head (with what forward "
+            "computes there, e.g. a mean over the sequence, inside it)") in message
+    assert "model(x) gives (2, 3), the stages (2, 8, 16)" in message

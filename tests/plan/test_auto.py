@@ -58,6 +58,22 @@ def test_pins_are_kept(tmp_path):
 H100 = dict(devices=4, plan_cluster="8xH100")
 
 
+def test_the_pick_drops_plan_cluster_so_its_config_trains_again(tmp_path):
+    """plan_cluster needs layout="auto" (the settings table): the run folder's config.toml,
+    with the pick's layout, leaves it out, so running that config again is not refused."""
+    from meshtrain.plan.auto import resolved_config
+    from meshtrain.settings import flatten
+
+    trainer = checked(tmp_path, layout="auto", **H100)
+    config = {"trainer": {"layout": "auto", "devices": 4, "plan_cluster": "8xH100"}}
+    again = flatten(resolved_config(config, trainer))
+    assert again["layout"] == str(trainer.layout) and again["plan_cluster"] is None
+    Trainer(**trainer_kwargs(tmp_path, max_steps=2, global_batch_size=16, **again))
+    with pytest.raises(ConfigError, match="used by layout='auto' only"):
+        Trainer(**trainer_kwargs(tmp_path, max_steps=2, global_batch_size=16,
+                                 **{**again, "plan_cluster": "8xH100"}))
+
+
 @pytest.mark.parametrize("settings, words", [
     (dict(layout="auto,tp=3", **H100), "tp=3 does not divide 4 devices"),
     (dict(layout="auto,tp=4", **H100), "tp=4 does not divide the 2 heads"),

@@ -85,7 +85,7 @@ class _Plan:
             raise ConfigError(
                 f"{name} declares no pipeline plan (transformers' config.base_model_pp_plan, and "
                 "a head such as a ...ForCausalLM's lm_head), so meshtrain cannot tell which "
-                "modules run in which order; train it without pp (dp, zero1-3, tp)")
+                f"modules run in which order; train it without pp ({_others(model)})")
         prefix = model.base_model_prefix
         layers = [key for key in own if isinstance(_get(base, key), nn.ModuleList)]
         embeds = [key for key, (inputs, _) in own.items() if list(inputs) == ["input_ids"]]
@@ -93,13 +93,30 @@ class _Plan:
             raise ConfigError(
                 f"{name}'s pipeline plan {dict(own)} does not have the shape meshtrain pipelines: "
                 "first the embedding (input_ids -> inputs_embeds), one list of layers, then the "
-                "modules after it; train it without pp")
+                f"modules after it; train it without pp ({_others(model)})")
         at = list(own).index(layers[0])
         self.base, self.layers, self.embed = base, layers[0], embeds[0]
         self.pre = list(own)[1:at]  # on the first stage only, e.g. an embedding dropout
         self.post = list(own)[at + 1:]  # on the last stage only, e.g. the final norm
         self.head = [key for key in full if not key.startswith(f"{prefix}.")]  # e.g. lm_head
         self.post_modules = tuple(f"{prefix}.{k}" for k in self.post) + tuple(self.head)
+
+
+def supports_pp(model: nn.Module) -> bool:
+    """Does this Hugging Face model declare a pipeline plan meshtrain can cut? (A refusal that
+    recommends pp asks this first.)"""
+    try:
+        _Plan(model)
+    except ConfigError:
+        return False
+    return True
+
+
+def _others(model: nn.Module) -> str:
+    """The layouts to train ``model`` with instead of pp: tp only where it is supported."""
+    from meshtrain.models.hf.tp import supports_tp
+
+    return "dp, zero1-3" + (", tp" if supports_tp(model) else "")
 
 
 def _get(module: nn.Module, name: str):

@@ -72,12 +72,26 @@ def declared_plan(model: nn.Module) -> dict[str, str]:
     return dict(plan) if isinstance(plan, dict) else {}
 
 
+def supports_tp(model: nn.Module) -> bool:
+    """Does this Hugging Face model declare a plan of styles meshtrain implements? (A refusal
+    that recommends tp asks this first.)"""
+    declared = declared_plan(model)
+    return bool(declared) and all(style in STYLES for style in declared.values())
+
+
+def _others(model: nn.Module) -> str:
+    """The layouts to train ``model`` with instead of tp: pp only where it is supported."""
+    from meshtrain.models.hf.pipeline import supports_pp
+
+    return "dp, zero1-3" + (", pp" if supports_pp(model) else "")
+
+
 def _refuse_no_plan(model: nn.Module) -> ConfigError:
     name = type(model).__name__
     return ConfigError(
         f"{name} declares no tensor-parallel plan (transformers' config.base_model_tp_plan is "
         f"empty for {type(model.config).__name__}), so meshtrain cannot tell which of its modules "
-        "may be split; train it without tp (dp, zero1-3, pp), or pass your own plan as "
+        f"may be split; train it without tp ({_others(model)}), or pass your own plan as "
         "Trainer(tp_plan={module name: ParallelStyle}) and check it with meshtrain parity")
 
 
@@ -106,8 +120,8 @@ def hf_tp_plan(model: nn.Module, tp: int | None = None) -> dict[str, ParallelSty
             raise ConfigError(
                 f"{type(model).__name__}'s tensor-parallel plan (transformers' tp_plan) marks "
                 f"{pattern} as {style!r}, which meshtrain does not implement (it implements "
-                f"{', '.join(sorted(STYLES))}); train it without tp, or pass your own "
-                "Trainer(tp_plan=...) that leaves that module whole")
+                f"{', '.join(sorted(STYLES))}); train it without tp ({_others(model)}), or "
+                "pass your own Trainer(tp_plan=...) that leaves that module whole")
         make, kind, split_size = STYLES[style]
         for name, module in modules:
             if not module_matches(name, pattern):
@@ -116,7 +130,8 @@ def hf_tp_plan(model: nn.Module, tp: int | None = None) -> dict[str, ParallelSty
                 raise ConfigError(
                     f"{type(model).__name__}'s tensor-parallel plan marks {name} as {style!r}, "
                     f"which splits an {kind.__name__}, but {name} is a {type(module).__name__}; "
-                    "train it without tp, or pass your own Trainer(tp_plan=...)")
+                    f"train it without tp ({_others(model)}), or pass your own "
+                    "Trainer(tp_plan=...)")
             if tp is not None and split_size is not None:
                 check_divides({f"{split_size} of {name}": getattr(module, split_size)}, tp)
         plan[pattern] = make()

@@ -12,9 +12,11 @@ happen to fit would train a different function silently.
 ``model(x)``, and refuses with a :class:`ConfigError` when the outputs differ (type, shape, max
 absolute difference). A ``TorchFunctionMode`` records which parameters every op takes and where
 (before the first block, inside block ``i``, between blocks, after the last block), so the
-message names the cause: parameters that ``forward`` uses and the stages never would, and
-weights shared across stages (``h @ self.embed.weight.T`` after the last block: the last stage
-does not hold the embedding; a shared module such as a tied head is caught the same way).
+message names the cause: parameters that ``forward`` uses and the stages never would, weights
+shared across stages (one Parameter used in two places: ``h @ self.embed.weight.T`` after the
+last block, where the last stage does not hold the embedding; a shared module such as a tied
+head is caught the same way), and a parameter used in one place only, where the stage that
+holds it does not run (a head module named ``fc``: the first stage holds it).
 
 A model pipelined by an adapter (``PipelineOptions.adapter``, e.g. a Hugging Face model) is
 checked the same way with the adapter's composition (``adapter.stage_forward``) against
@@ -202,13 +204,17 @@ def check_stage_forward(model: nn.Module, inputs: torch.Tensor, adapter=None) ->
         return  # the stages need a value (an .item()) the meta device has not: nothing to compare
     findings, shared = [], []
     for pid in dict.fromkeys(itertools.chain(model_uses, stage_uses)):
-        for region in sorted(model_uses.get(pid, set()) | stage_uses.get(pid, set())):
-            if _is_between(region):
-                findings.append(f"{names[pid]} is used {_where(region)}, where no stage runs "
-                                f"anything")
-            elif region != owner[pid]:
-                shared.append(f"{names[pid]} is held by {_holder(owner[pid])} but also used "
-                              f"{_where(region)}: a weight shared across stages")
+        used = model_uses.get(pid, set()) | stage_uses.get(pid, set())
+        for region in sorted(r for r in used if _is_between(r)):
+            findings.append(f"{names[pid]} is used {_where(region)}, where no stage runs "
+                            f"anything")
+        regions = sorted(r for r in used if not _is_between(r))
+        elsewhere = [r for r in regions if r != owner[pid]]
+        if len(regions) > 1:  # one Parameter used in two regions: by two stages
+            shared += [f"{names[pid]} is held by {_holder(owner[pid])} but also used "
+                       f"{_where(region)}: a weight shared across stages" for region in elsewhere]
+        elif elsewhere:  # used in one place only, which is not where its stage runs
+            findings.append(_misplaced(names[pid], owner[pid], elsewhere[0], adapter is None))
     for what, ours, theirs in (("model.forward uses parameters the stages never use",
                                 model_uses, stage_uses),
                                ("the stages use parameters model.forward does not",
@@ -225,6 +231,19 @@ def check_stage_forward(model: nn.Module, inputs: torch.Tensor, adapter=None) ->
     if findings:
         raise ConfigError(_message(type(model).__name__, len(inputs), findings, bool(shared),
                                    getattr(adapter, "stages_doc", None)))
+
+
+def _misplaced(name: str, owner: tuple, region: tuple, conventional: bool) -> str:
+    """A parameter used in one region only, not the one of the stage that holds it (a head
+    module that is not named ``head``, so the first stage holds it)."""
+    text = f"{name} is used {_where(region)} only, but the stages hold it on {_holder(owner)}"
+    if conventional and region == POST:
+        return (text + ": after the last block they run model.norm and model.head alone, and "
+                "its module is neither; make it model.head (with what forward computes there, "
+                "e.g. a mean over the sequence, inside it)")
+    if conventional and region == PRE:
+        return text + ": before the first block they run model.embed alone; make it part of it"
+    return text + ", where it is not used"
 
 
 def _message(model_name: str, num_samples: int, findings: list[str], shared: bool,
