@@ -77,6 +77,7 @@ def run(name: str, steps: int) -> dict:
                 *VARIANTS[name][1], "--trainer.grad_clip_norm=none",
                 f"--trainer.max_steps={steps}", f"--trainer.val_every_n_steps={steps // 4}",
                 f"--logging.run_dir={run_dir}", "--checkpoint.checkpoint_every_n_steps=none",
+                "--checkpoint.keep_last_k=none",
                 "--checkpoint.save_final_checkpoint=false", "--checkpoint.resume=none",
                 "--logging.progress_bar=false", "--sample.num_chars=1"]
         start = time.perf_counter()

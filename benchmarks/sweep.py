@@ -39,7 +39,8 @@ def run(variant: str, trials: int, steps: int, folder: Path) -> dict:
     devices = 1 if concurrent else cores
     overrides = [f"--trainer.max_steps={steps}", f"--trainer.val_every_n_steps={steps}",
                  f"--trainer.devices={devices}", "--trainer.layout=none",
-                 "--checkpoint.checkpoint_every_n_steps=none", "--logging.report=false",
+                 "--checkpoint.checkpoint_every_n_steps=none", "--checkpoint.keep_last_k=none",
+                 "--logging.report=false",
                  "--sample.num_chars=0"]
     start = time.perf_counter()
     study = run_sweep(str(ROOT / "examples" / "char_gpt.toml"), table=table_,

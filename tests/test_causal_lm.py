@@ -18,7 +18,8 @@ TINY = ["--model.hidden_size=32", "--model.num_layers=2", "--model.num_heads=2",
         "--model.num_kv_heads=1", "--data.seq_len=32", "--trainer.global_batch_size=4",
         "--trainer.layout=none", "--trainer.devices=1", "--trainer.max_steps=3",
         "--trainer.val_every_n_steps=3", "--trainer.limit_val_batches=2",
-        "--checkpoint.checkpoint_every_n_steps=none", "--checkpoint.resume=none",
+        "--checkpoint.checkpoint_every_n_steps=none", "--checkpoint.keep_last_k=none",
+        "--checkpoint.resume=none",
         "--model.vocab_multiple=8"]
 
 

@@ -180,7 +180,7 @@ def _gan_resume_rank(folder, layout, async_checkpoint=False):
     from torch.distributed.tensor import DTensor
 
     common = dict(max_steps=6, global_batch_size=BATCH, shuffle=False,
-                  async_checkpoint=async_checkpoint, **({"layout": layout} if layout else {}))
+                  **({"layout": layout} if layout else {}))
     class Count(meshtrain.Callback):
         steps = 0
 
@@ -188,7 +188,9 @@ def _gan_resume_rank(folder, layout, async_checkpoint=False):
             Count.steps += 1
 
     states = []
-    for run, extra in (("full", dict(checkpoint_every_n_steps=3)),
+    # (async_checkpoint writes periodic checkpoints: the resumed run has none)
+    full = dict(checkpoint_every_n_steps=3, async_checkpoint=async_checkpoint)
+    for run, extra in (("full", full),
                        ("resumed", dict(resume=f"{folder}/full/checkpoints/step_00000003"))):
         model = quiet_trainer(f"{folder}/{run}", **common, **extra,
                               callbacks=[Count()]).fit(GAN, gan_data())

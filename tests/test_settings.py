@@ -273,8 +273,9 @@ NEEDS_SAMPLES = {
     "stages_per_rank": 2, "pp_balance": "time", "split_points": [2],
     "activation_checkpointing": "full", "compile": True, "tp_check_steps": 0,
     "plan_cluster": "8xH100", "straggler_margin": 0.5, "local_comm": "backend",
-    "sync_batchnorm": False, "collective_timeout_s": 500.0, "init_timeout_s": 100.0,
-    "stall_timeout_s": None, "debug_collectives": True,
+    "sync_batchnorm": False, "keep_last_k": 2, "async_checkpoint": True,
+    "checkpoint_every_n_steps": 10, "collective_timeout_s": 500.0, "init_timeout_s": 100.0,
+    "stall_timeout_s": None, "debug_collectives": True, "mtbf_hours": 5.0,
 }
 # layouts that have a layout fact, and ones that lack it (an axis: "axis=2", and left out)
 WITH_FACT = {"ddp": "dp=2", "plain_dp": "dp=2", "sharded": "zero3=2", "ps": "ps=1,dp=2",

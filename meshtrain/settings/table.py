@@ -68,6 +68,8 @@ LOCAL_COMM = ("auto", "backend")
 NAN_POLICIES = ("error", "skip", "rollback")
 LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
 _LOGGER_NAMES = ", ".join(repr(name) for name in LOGGERS)
+# what the settings of periodic checkpoints need: one of them
+_PERIODIC = "checkpoint_every_n_steps|checkpoint_every_n_epochs|checkpoint_every_n_minutes"
 
 _S = Setting
 DEFINITIONS = [
@@ -250,11 +252,12 @@ DEFINITIONS = [
        none=True,
        error="checkpoint_every_n_minutes must be a number > 0 or None, got {value!r}"),
     _S("keep_last_k", "checkpoint", None, "int",
-       "Keep only the newest k periodic checkpoints; none: keep all.", none=True, minimum=1),
+       "Keep only the newest k periodic checkpoints; none: keep all.", none=True, minimum=1,
+       needs=(_PERIODIC,)),
     _S("async_checkpoint", "checkpoint", False, "bool",
        "Write periodic checkpoints in the background: the state is copied to reused host "
        "buffers while the next step computes (its optimizer update waits for the copy), then "
-       "written (on CPU by a writer process of each rank's own)."),
+       "written (on CPU by a writer process of each rank's own).", needs=(_PERIODIC,)),
     _S("resume", "checkpoint", "auto", "resume",
        '"auto": continue the newest unfinished run of this job and model (root_dir/name), or '
        "run_dir's newest checkpoint; a checkpoint folder; none: start afresh.", none=True,
@@ -293,7 +296,9 @@ DEFINITIONS = [
        "Check every collective across ranks first and name the ranks and call sites of a "
        "desync (a few ms per collective: for debugging).", needs=("processes",)),
     _S("mtbf_hours", "fault", 3.0, "number",
-       "Expected hours between failures, for the Young/Daly checkpoint interval fit prints."),
+       "Expected hours between failures, for the Young/Daly checkpoint interval fit prints "
+       "at the first periodic checkpoint.",
+       needs=("checkpoint_every_n_steps|checkpoint_every_n_minutes",)),
     # -- logging ------------------------------------------------------------------------------
     _S("log_every_n_steps", "logging", 10, "int",
        "How often the loss is averaged over ranks and logged.", minimum=1),
