@@ -119,7 +119,8 @@ def run_settings(job: dict, layout: str | None, steps: int, run_dir: str,
                 "devices": world, "max_steps": steps, "run_dir": run_dir}
     if layout and "ps" in _parse_pairs(layout):  # the servers alone know the global norm
         settings["log_grad_norm"] = False
-    for name in table.inapplicable(Layout.parse(layout or None, world), table.check(settings)):
+    for name in table.inapplicable(Layout.parse(layout or None, world), table.check(settings),
+                                   imposed=QUIET):
         del settings[name]  # (its default, which needs nothing)
     return settings
 

@@ -85,15 +85,16 @@ def unmet_needs(layout, values: dict) -> list[tuple[str, str, str]]:
     return unmet
 
 
-def inapplicable(layout, values: dict) -> list[str]:
+def inapplicable(layout, values: dict, imposed=()) -> list[str]:
     """The settings in ``values`` (as :func:`check` returns them) that ``layout`` gives nothing
     to do: set while an axis or layout fact they need is missing, and those that need such a
-    setting in turn. A setting unmet for another reason (it needs a setting the user did not
-    set) is not among them: the Trainer refuses it."""
+    setting in turn, or one of the ``imposed`` settings (``meshtrain parity`` turns periodic
+    checkpoints off: ``keep_last_k`` then has nothing to do). A setting unmet for another
+    reason (it needs a setting the user did not set) is not among them: the Trainer refuses it."""
     values, dropped = dict(values), []
     while True:
         drop = [name for name, need, _ in unmet_needs(layout, values)
-                if is_layout_need(need) or set(need_settings(need)) & set(dropped)]
+                if is_layout_need(need) or set(need_settings(need)) & {*dropped, *imposed}]
         if not drop:
             return dropped
         for name in drop:
