@@ -67,7 +67,7 @@ class Trainer:
         checks.check_stop(s)
         check_fault_settings(s)
         world_size = resolve_world_size(s["devices"], self._env, self.device_type)
-        self._auto_pins = auto_pins(s["layout"], s["plan_cluster"])
+        self._auto_pins = auto_pins(s["layout"])
         if self._auto_pins is None:
             self._use_layout(s, world_size)
         else:  # layout="auto": planned by check/fit before any process (meshtrain/plan/auto.py)

@@ -27,9 +27,9 @@ PLANNED = {"micro_batch_size": None, "activation_checkpointing": None,
            "sequence_parallel": False, "pp_schedule": "1f1b", "stages_per_rank": 1}
 
 
-def auto_pins(layout, plan_cluster=None) -> dict | None:
+def auto_pins(layout) -> dict | None:
     """None for a concrete layout; for ``"auto"`` / ``"auto,tp=2,..."`` the pinned degrees.
-    (``plan_cluster`` is not looked at: its need, layout="auto", is in the settings table.)"""
+    (``plan_cluster``'s need, layout="auto", is in the settings table.)"""
     head, _, rest = layout.strip().partition(",") if isinstance(layout, str) else ("", "", "")
     if head.strip() != "auto":
         return None
