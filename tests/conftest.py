@@ -215,6 +215,25 @@ def script_env(base: dict | None = None) -> dict:
     return env
 
 
+def run_script(script, *args, cwd, pid_dir, timeout: float):
+    """``python script args...`` as a user starts it (``script_env``), its output captured;
+    afterwards every process that wrote its pid into ``pid_dir/*.pid`` (a script's ranks: rank 1
+    runs in its own session) is ended if it is still there."""
+    import signal
+    import subprocess
+    import sys
+
+    try:  # a job that hangs raises TimeoutExpired
+        return subprocess.run([sys.executable, str(script), *map(str, args)], env=script_env(),
+                              capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    finally:
+        for pid_file in Path(pid_dir).glob("*.pid"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
 # ---- token shards as `meshtrain prepare` writes them --------------------------------------------
 @pytest.fixture(scope="session")
 def example_corpus(tmp_path_factory):

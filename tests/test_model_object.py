@@ -5,15 +5,11 @@ process (torch's own default seed differs per process: the Trainer seeds it) and
 same model, which ``trainer.whole_model()`` gives whole under any layout. A model built before
 the Trainer gets rank 0's weights on every rank, with a warning."""
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import script_env
+from conftest import run_script
 
 TIMEOUT = 120
 
@@ -75,16 +71,7 @@ def _run(tmp_path, layout: str, when: str = "after") -> tuple[list[dict], str]:
     out.mkdir()
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    try:
-        done = subprocess.run([sys.executable, str(script), str(out), layout, when],
-                              env=script_env(), capture_output=True, text=True, timeout=TIMEOUT,
-                              cwd=tmp_path)
-    finally:  # rank 1 runs in its own session: end it if it is still there
-        for pid_file in out.glob("*.pid"):
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+    done = run_script(script, out, layout, when, cwd=tmp_path, pid_dir=out, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = sorted(out.glob("rank*.pt"))
     return [torch.load(path) for path in ranks], done.stdout

@@ -5,14 +5,10 @@ the datasets). Only its step counts are shortened. (It found the README's ``lr_f
 without the ``loss_fn`` a model returning predictions needs.)"""
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, script_env
+from conftest import ROOT, run_script
 
 PRELUDE = """
 import json, os, sys
@@ -66,15 +62,7 @@ def test_the_readmes_python_example_runs_as_written(tmp_path):
         "CosineAnnealingLR(opt, 1000)", "CosineAnnealingLR(opt, 40)")
     script = tmp_path / "train.py"
     script.write_text(PRELUDE + code + POSTLUDE)
-    try:
-        done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
-                              env=script_env(), capture_output=True, text=True, timeout=280)
-    finally:
-        for pid_file in tmp_path.glob("*.pid"):
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+    done = run_script(script, tmp_path, cwd=tmp_path, pid_dir=tmp_path, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["class"] == "MyModel" and report["outputs"] == 20

@@ -2,16 +2,13 @@
 running the script again (ScriptWorkers). A success must match one process; a failure on either
 rank must end the job with a non-zero exit, the traceback, and no hang."""
 
-import os
 import re
-import signal
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import script_env
+from conftest import run_script
 from parity import params_of, run_layout
 
 TIMEOUT = 120
@@ -62,17 +59,8 @@ def _run(tmp_path, fail_rank: int) -> subprocess.CompletedProcess:
     script.write_text(textwrap.dedent(SCRIPT))
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    try:  # a job that hangs raises TimeoutExpired
-        done = subprocess.run([sys.executable, str(script), str(pid_dir), str(fail_rank)],
-                              env=script_env(), capture_output=True, text=True, timeout=TIMEOUT,
-                              cwd=tmp_path)
-    finally:
-        # rank 1 runs in its own session: end any process of this job that is still there
-        for pid_file in pid_dir.glob("*.pid"):
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+    done = run_script(script, pid_dir, fail_rank, cwd=tmp_path, pid_dir=pid_dir,
+                      timeout=TIMEOUT)
     return done
 
 
