@@ -31,16 +31,13 @@ from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
 from meshtrain.launch.world import collective_checks, drain_collectives, resolve_world_size
 from meshtrain.launch.slurm import requeue_callbacks
+from meshtrain.loop.layout_settings import use_layout
 from meshtrain.loop.seeding import seed_everything
 from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow
 from meshtrain.module.log_buffer import LogBuffer
-from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_pp_support, hf_tp_plans
 from meshtrain.observe.run_log import RunLog
 from meshtrain.observe.step_timer import TimedBatches
-from meshtrain.parallel.apply import ParallelOptions
-from meshtrain.parallel.engine import plan_batches
 from meshtrain.parallel.mesh import ParallelMesh
-from meshtrain.parallel.pipeline.engine import PipelineOptions
 from meshtrain.plan.auto import auto_pins
 from meshtrain.sweep.trial import trial_callbacks
 
@@ -69,7 +66,7 @@ class Trainer:
         world_size = resolve_world_size(s["devices"], self._env, self.device_type)
         self._auto_pins = auto_pins(s["layout"])
         if self._auto_pins is None:
-            self._use_layout(s, world_size)
+            use_layout(self, s, world_size)
         else:  # layout="auto": planned by check/fit before any process (meshtrain/plan/auto.py)
             self.layout = self.batch_plan = self.pipeline_options = self.parallel_options = None
             self.world_size, self.micro_batch_size, self.grad_accum_steps = world_size, None, None
@@ -94,23 +91,6 @@ class Trainer:
         self._guard: StepGuard | None = None  # NaN/Inf, watchdog, periodic saves (fault/)
         self.monitor = None  # breakdown, MFU, events, traces (meshtrain/observe/monitor.py)
         self._logs = LogBuffer()  # what trainer.log / a module's self.log collected
-
-    def _use_layout(self, s: dict, world_size: int) -> None:
-        """Take the settings ``s`` with their layout over ``world_size`` processes (raises
-        ConfigError, changing nothing, when a setting does not apply to it)."""
-        layout = checks.parse_layout(s["layout"], world_size, self._env)
-        checks.check_settings_apply(layout, s)
-        pipeline_options = PipelineOptions.from_settings(s, layout, hf_pp_support)
-        batch_plan = plan_batches(layout, s["global_batch_size"], s["micro_batch_size"],
-                                  s["stages_per_rank"])
-        parallel_options = ParallelOptions.from_settings(s, hf_tp_plans(
-            layout.degree("tp"), s["sequence_parallel"], s["loss_parallel"]), hf_cp_support,
-            hf_loss_items)
-        self._settings, self.layout, self.batch_plan = s, layout, batch_plan
-        self.world_size = layout.world_size  # the mesh's ranks (not ps servers)
-        self.micro_batch_size = batch_plan.micro_batch_size
-        self.grad_accum_steps = batch_plan.grad_accum_steps
-        self.pipeline_options, self.parallel_options = pipeline_options, parallel_options
 
     def __getattr__(self, name: str):
         settings = self.__dict__.get("_settings", {})

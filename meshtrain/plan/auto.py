@@ -148,12 +148,14 @@ def plan_layout(trainer, model, meta_model, sample_inputs, check_model) -> None:
     """Pick the layout for ``trainer`` (made with layout="auto") and take it: the fastest row
     that the Trainer's settings checks and ``check_model(trainer)`` (the model against the
     layout) accept. Prints the planner's top rows and the pick."""
+    from meshtrain.loop.layout_settings import use_layout
+
     t = trainer
     before = dict(t.__dict__)
 
     def accepts(chosen: dict) -> None:
         try:
-            t._use_layout({**t._settings, **chosen}, t.world_size)
+            use_layout(t, {**t._settings, **chosen}, t.world_size)
             check_model(t)
         except ConfigError:
             t.__dict__.update(before)
@@ -180,7 +182,9 @@ def agree(trainer) -> None:
     shared = [mine]
     dist.broadcast_object_list(shared, src=0)
     if shared[0] != mine:
-        t._use_layout({**t._settings, **shared[0]}, t.world_size)
+        from meshtrain.loop.layout_settings import use_layout
+
+        use_layout(t, {**t._settings, **shared[0]}, t.world_size)
 
 
 def resolved_config(config: dict, trainer) -> dict:

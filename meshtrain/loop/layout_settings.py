@@ -1,0 +1,28 @@
+"""A Trainer takes a layout: its settings checked against it, the batch plan and the options each
+strategy reads (``Trainer.__init__``, and layout="auto" once the planner has picked)."""
+
+from __future__ import annotations
+
+from meshtrain import checks
+from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_pp_support, hf_tp_plans
+from meshtrain.parallel.apply import ParallelOptions
+from meshtrain.parallel.engine import plan_batches
+from meshtrain.parallel.pipeline.engine import PipelineOptions
+
+
+def use_layout(t, s: dict, world_size: int) -> None:
+    """Give Trainer ``t`` the settings ``s`` with their layout over ``world_size`` processes
+    (raises ConfigError, changing nothing, when a setting does not apply to it)."""
+    layout = checks.parse_layout(s["layout"], world_size, t._env)
+    checks.check_settings_apply(layout, s)
+    pipeline_options = PipelineOptions.from_settings(s, layout, hf_pp_support)
+    batch_plan = plan_batches(layout, s["global_batch_size"], s["micro_batch_size"],
+                              s["stages_per_rank"])
+    parallel_options = ParallelOptions.from_settings(s, hf_tp_plans(
+        layout.degree("tp"), s["sequence_parallel"], s["loss_parallel"]), hf_cp_support,
+        hf_loss_items)
+    t._settings, t.layout, t.batch_plan = s, layout, batch_plan
+    t.world_size = layout.world_size  # the mesh's ranks (not ps servers)
+    t.micro_batch_size = batch_plan.micro_batch_size
+    t.grad_accum_steps = batch_plan.grad_accum_steps
+    t.pipeline_options, t.parallel_options = pipeline_options, parallel_options
