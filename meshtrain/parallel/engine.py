@@ -129,10 +129,10 @@ class Engine:
                         else loss_counter(model, loss_fn, options.loss_items))
         # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
         self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
-        if not self.tp_checks_left:  # no check will read what split-input modules saw
-            from meshtrain.parallel.tp_debug import stop_watching
+        if self.tp_checks_left:  # what split-input modules see, for the first steps' check
+            from meshtrain.parallel.tp_debug import watch_split_inputs
 
-            stop_watching(model)
+            watch_split_inputs(model)
         self._steps_synced = 0
         # the ranks reading different samples: items are counted and gather_batch gathers here
         self.batch_pg = mesh.batch.get_group() if mesh.batch is not None else None

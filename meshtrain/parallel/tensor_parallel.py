@@ -36,7 +36,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.tp_debug import InputFingerprints
 from meshtrain.parallel.sequence_parallel import (
     ColwiseFromSequence, GatherSequenceInput, RowwiseToSequence, complete_partial_grads,
 )
@@ -148,14 +147,10 @@ def run_on_local_params(module: nn.Module, *, partial_grads: bool,
     is summed over the ranks; otherwise every rank computes the same gradient (the module saw
     whole activations)."""
     forward = module.forward
-    if partial_grads:  # what its inputs were in the first steps: tp_debug.check_split_inputs
-        module._tp_split_inputs = InputFingerprints()
+    module._tp_split_input = partial_grads  # declared to see split inputs: tp_debug checks it
 
     @functools.wraps(forward)
     def local_forward(*args, **kwargs):
-        seen = getattr(module, "_tp_split_inputs", None)
-        if seen is not None and args and isinstance(args[0], torch.Tensor):
-            seen.add(args[0])
         saved = {name: p for name, p in module._parameters.items()
                  if isinstance(p, DTensor) and (names is None or name in names)}
         for name, param in saved.items():

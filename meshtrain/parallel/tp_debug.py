@@ -89,7 +89,9 @@ def check_split_inputs(model: nn.Module, tp_group, *, step: int = 1, last: bool 
     stats = torch.cat([none if s.stats is None else s.stats.cpu() for s in seen])
     scales = torch.cat([none if s.scales is None else s.scales.cpu() for s in seen])
     for _, module in modules:
-        module._tp_split_inputs = None if last else InputFingerprints()
+        module._tp_split_inputs = InputFingerprints()
+    if last:
+        stop_watching(model)
     both = torch.cat([stats, -stats]).to(next(model.parameters()).device)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=tp_group)
     high, low = both.cpu().chunk(2)
@@ -109,10 +111,28 @@ def check_split_inputs(model: nn.Module, tp_group, *, step: int = 1, last: bool 
             "then check the plan with meshtrain parity. (tp_check_steps=0 turns this check off.)")
 
 
-def stop_watching(model: nn.Module) -> None:
-    """No more input fingerprints (the checks are over, or off)."""
+def watch_split_inputs(model: nn.Module) -> None:
+    """Fingerprint the inputs of every module declared to see split activations
+    (``_tp_split_input``, set by tensor_parallel.run_on_local_params) until
+    :func:`stop_watching`."""
     for module in model.modules():
-        if getattr(module, "_tp_split_inputs", None) is not None:
+        if getattr(module, "_tp_split_input", False) and "_tp_watch" not in module.__dict__:
+            module._tp_split_inputs = InputFingerprints()
+            module.__dict__["_tp_watch"] = module.register_forward_pre_hook(_record_input)
+
+
+def _record_input(module: nn.Module, args) -> None:
+    seen = getattr(module, "_tp_split_inputs", None)
+    if seen is not None and args and isinstance(args[0], torch.Tensor):
+        seen.add(args[0])
+
+
+def stop_watching(model: nn.Module) -> None:
+    """No more input fingerprints (the checks are over)."""
+    for module in model.modules():
+        handle = module.__dict__.pop("_tp_watch", None)
+        if handle is not None:
+            handle.remove()
             module._tp_split_inputs = None
 
 

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from meshtrain.errors import ConfigError
 from meshtrain.losses import GlobalMeanLoss
+from meshtrain.models.hf.support import PipelinePlan, get_module
 
 
 class CausalLMLoss(GlobalMeanLoss):
@@ -73,59 +74,6 @@ class StageLayers(nn.ModuleList):
         return list(self._modules.values())[index]
 
 
-class _Plan:
-    """A model's pipeline plan, read: where the layers are and what runs before and after."""
-
-    def __init__(self, model: nn.Module):
-        name = type(model).__name__
-        base = getattr(model, "base_model", None)
-        full = getattr(model, "pp_plan", None) or {}
-        own = getattr(base, "pp_plan", None) or {}
-        if base is None or base is model or not own:
-            raise ConfigError(
-                f"{name} declares no pipeline plan (transformers' config.base_model_pp_plan, and "
-                "a head such as a ...ForCausalLM's lm_head), so meshtrain cannot tell which "
-                f"modules run in which order; train it without pp ({_others(model)})")
-        prefix = model.base_model_prefix
-        layers = [key for key in own if isinstance(_get(base, key), nn.ModuleList)]
-        embeds = [key for key, (inputs, _) in own.items() if list(inputs) == ["input_ids"]]
-        if len(layers) != 1 or len(embeds) != 1 or list(own).index(embeds[0]) != 0:
-            raise ConfigError(
-                f"{name}'s pipeline plan {dict(own)} does not have the shape meshtrain pipelines: "
-                "first the embedding (input_ids -> inputs_embeds), one list of layers, then the "
-                f"modules after it; train it without pp ({_others(model)})")
-        at = list(own).index(layers[0])
-        self.base, self.layers, self.embed = base, layers[0], embeds[0]
-        self.pre = list(own)[1:at]  # on the first stage only, e.g. an embedding dropout
-        self.post = list(own)[at + 1:]  # on the last stage only, e.g. the final norm
-        self.head = [key for key in full if not key.startswith(f"{prefix}.")]  # e.g. lm_head
-        self.post_modules = tuple(f"{prefix}.{k}" for k in self.post) + tuple(self.head)
-
-
-def supports_pp(model: nn.Module) -> bool:
-    """Does this Hugging Face model declare a pipeline plan meshtrain can cut? (A refusal that
-    recommends pp asks this first.)"""
-    try:
-        _Plan(model)
-    except ConfigError:
-        return False
-    return True
-
-
-def _others(model: nn.Module) -> str:
-    """The layouts to train ``model`` with instead of pp: tp only where it is supported."""
-    from meshtrain.models.hf.tp import supports_tp
-
-    return "dp, zero1-3" + (", tp" if supports_tp(model) else "")
-
-
-def _get(module: nn.Module, name: str):
-    """The submodule at dotted ``name``, or None (a module a stage does not hold)."""
-    for part in name.split("."):
-        module = getattr(module, part, None)
-    return module
-
-
 def _set(module: nn.Module, name: str, value) -> None:
     owner, _, attr = name.rpartition(".")
     setattr(module.get_submodule(owner) if owner else module, attr, value)
@@ -135,9 +83,9 @@ def _set(module: nn.Module, name: str, value) -> None:
 def _as_stage(model: nn.Module, keep: list[int], first: bool, last: bool):
     """``model`` changed into the stage holding layers ``keep`` (and the first/last stage's
     modules), restored on exit: what :meth:`HFPipeline.split` keeps, without copying."""
-    plan = _Plan(model)
+    plan = PipelinePlan(model)
     base, config = plan.base, model.config
-    layers = _get(base, plan.layers)
+    layers = get_module(base, plan.layers)
     names = list(layers._modules)
     changes = {plan.layers: StageLayers({names[i]: layers[i] for i in keep})}
     if not first:
@@ -145,7 +93,7 @@ def _as_stage(model: nn.Module, keep: list[int], first: bool, last: bool):
         changes.update({key: nn.Identity() for key in plan.pre})
     if not last:
         changes.update({key: nn.Identity() for key in plan.post})
-    saved = {key: _get(base, key) for key in changes}
+    saved = {key: get_module(base, key) for key in changes}
     layer_types = getattr(config, "layer_types", None)
     try:
         for key, value in changes.items():
@@ -189,12 +137,12 @@ class HFPipeline:
 
     def __init__(self, model: nn.Module):
         self.name = type(model).__name__
-        self.post_modules = _Plan(model).post_modules if isinstance(model, nn.Module) else ()
+        self.post_modules = PipelinePlan(model).post_modules if isinstance(model, nn.Module) else ()
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The layers (of the whole model, or of a stage from :meth:`split`)."""
-        plan = _Plan(model)
-        return list(_get(plan.base, plan.layers))
+        plan = PipelinePlan(model)
+        return list(get_module(plan.base, plan.layers))
 
     def split(self, model: nn.Module, split_points: list[int], stage_index: int) -> nn.Module:
         """Stage ``stage_index``, cut before each layer index in ``split_points``."""

@@ -21,6 +21,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from meshtrain.errors import ConfigError
+from meshtrain.models.hf.support import TP_STYLE_NAMES, declared_plan, others
 from meshtrain.parallel.tensor_parallel import ReplicateParallel, check_divides, module_matches
 
 
@@ -61,29 +62,11 @@ STYLES: dict[str, tuple[Callable[[], ParallelStyle], type, str | None]] = {
     "replicate": (ReplicateParallel, nn.Module, None),
 }
 
+assert set(STYLES) == TP_STYLE_NAMES, "support.py's style names and STYLES differ"
+
 #: styles whose output stays split across the ranks: the attention that follows reshapes it into
 #: this rank's heads, so the head counts must divide by the degree too
 _LEAVES_HEADS_SPLIT = ("colwise",)
-
-
-def declared_plan(model: nn.Module) -> dict[str, str]:
-    """The model's own plan, module pattern -> style name (``{}`` when it declares none)."""
-    plan = getattr(model, "tp_plan", None)
-    return dict(plan) if isinstance(plan, dict) else {}
-
-
-def supports_tp(model: nn.Module) -> bool:
-    """Does this Hugging Face model declare a plan of styles meshtrain implements? (A refusal
-    that recommends tp asks this first.)"""
-    declared = declared_plan(model)
-    return bool(declared) and all(style in STYLES for style in declared.values())
-
-
-def _others(model: nn.Module) -> str:
-    """The layouts to train ``model`` with instead of tp: pp only where it is supported."""
-    from meshtrain.models.hf.pipeline import supports_pp
-
-    return "dp, zero1-3" + (", pp" if supports_pp(model) else "")
 
 
 def _refuse_no_plan(model: nn.Module) -> ConfigError:
@@ -91,7 +74,7 @@ def _refuse_no_plan(model: nn.Module) -> ConfigError:
     return ConfigError(
         f"{name} declares no tensor-parallel plan (transformers' config.base_model_tp_plan is "
         f"empty for {type(model.config).__name__}), so meshtrain cannot tell which of its modules "
-        f"may be split; train it without tp ({_others(model)}), or pass your own plan as "
+        f"may be split; train it without tp ({others(model, 'tp')}), or pass your own plan as "
         "Trainer(tp_plan={module name: ParallelStyle}) and check it with meshtrain parity")
 
 
@@ -120,7 +103,7 @@ def hf_tp_plan(model: nn.Module, tp: int | None = None) -> dict[str, ParallelSty
             raise ConfigError(
                 f"{type(model).__name__}'s tensor-parallel plan (transformers' tp_plan) marks "
                 f"{pattern} as {style!r}, which meshtrain does not implement (it implements "
-                f"{', '.join(sorted(STYLES))}); train it without tp ({_others(model)}), or "
+                f"{', '.join(sorted(STYLES))}); train it without tp ({others(model, 'tp')}), or "
                 "pass your own Trainer(tp_plan=...) that leaves that module whole")
         make, kind, split_size = STYLES[style]
         for name, module in modules:
@@ -130,7 +113,7 @@ def hf_tp_plan(model: nn.Module, tp: int | None = None) -> dict[str, ParallelSty
                 raise ConfigError(
                     f"{type(model).__name__}'s tensor-parallel plan marks {name} as {style!r}, "
                     f"which splits an {kind.__name__}, but {name} is a {type(module).__name__}; "
-                    f"train it without tp ({_others(model)}), or pass your own "
+                    f"train it without tp ({others(model, 'tp')}), or pass your own "
                     "Trainer(tp_plan=...)")
             if tp is not None and split_size is not None:
                 check_divides({f"{split_size} of {name}": getattr(module, split_size)}, tp)
