@@ -33,3 +33,4 @@ import meshtrain.parallel.pipeline.check
 import meshtrain.parallel.shm.p2p
 import meshtrain.parallel.sync_batchnorm
 import meshtrain.parallel.tp_debug
+import meshtrain.parallel.tp_shapes

@@ -14,6 +14,7 @@ from meshtrain.parallel.layout import _parse_pairs
 #: settings every parity run uses, whatever the job says: nothing but training
 QUIET = dict(loggers=(), progress_bar=False, report=False, save_final_checkpoint=False, resume=None,
              checkpoint_every_n_steps=None, checkpoint_every_n_minutes=None,
+             checkpoint_every_n_epochs=None,
              val_every_n_steps=None, log_every_n_steps=1, log_grad_norm=True, max_epochs=None)
 
 

@@ -31,7 +31,7 @@ from meshtrain.models.from_config import model_config, model_factory
 from meshtrain.optim import AdamW
 from meshtrain.parallel.whole_state import whole_state
 from meshtrain.plan.auto import resolved_config
-from meshtrain.recipes.char_lm import cosine_with_warmup
+from meshtrain.recipes.char_lm import MEMORY_RUN, cosine_with_warmup
 from meshtrain.trainer import Trainer
 
 TRAINER_DEFAULTS = {
@@ -196,8 +196,7 @@ def run(config: dict, mode: str = "train"):
     cfg = model_config(config, _tokenizer_vocab(tokenizer_path))
     keywords = trainer_keywords(config)
     if mode == "memory":
-        keywords.update(max_steps=1, val_every_n_steps=None, progress_bar=False, resume=None,
-                        checkpoint_every_n_steps=None, loggers=(), save_final_checkpoint=False)
+        keywords = settings.impose(keywords, MEMORY_RUN)
     trainer = Trainer(**keywords, callbacks=[_SaveRun(config, cfg, tokenizer_path)])
     parts = _parts(config, cfg, trainer.seed, keywords["max_steps"] or 10**9)
     fit = dict(optimizer=parts["optimizer"], loss_fn=parts["loss_fn"])

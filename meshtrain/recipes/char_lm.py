@@ -63,10 +63,14 @@ def trainer_keywords(config: dict, mode: str = "train") -> dict:
     """The Trainer's keywords from the config's Trainer sections (for ``mode``)."""
     keywords = settings.flatten(config)
     if mode == "memory":  # one step is enough to measure every rank's model state
-        keywords.update(max_steps=1, max_epochs=None, val_every_n_steps=None,
-                        progress_bar=False, resume=None, checkpoint_every_n_steps=None,
-                        checkpoint_every_n_minutes=None, loggers=(), save_final_checkpoint=False)
+        keywords = settings.impose(keywords, MEMORY_RUN)
     return keywords
+
+
+#: what ``meshtrain memory`` runs: one step, nothing saved or logged
+MEMORY_RUN = dict(max_steps=1, max_epochs=None, val_every_n_steps=None, progress_bar=False,
+                  resume=None, checkpoint_every_n_steps=None, checkpoint_every_n_minutes=None,
+                  checkpoint_every_n_epochs=None, loggers=(), save_final_checkpoint=False)
 
 
 def _check_data_path(data: dict) -> None:

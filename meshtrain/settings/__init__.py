@@ -102,6 +102,24 @@ def inapplicable(layout, values: dict, imposed=()) -> list[str]:
         dropped += drop
 
 
+def impose(values: dict, imposed: dict) -> dict:
+    """The keywords ``values`` with ``imposed`` set, less the settings that need one of the
+    imposed ones to be something else (a mode that turns periodic checkpoints off:
+    ``meshtrain memory``'s one step, where a config's ``keep_last_k`` has nothing to do)."""
+    from meshtrain.parallel.layout import Layout
+
+    values = {**values, **imposed}
+    full = check(values)
+    while True:
+        drop = [name for name, need, _ in unmet_needs(Layout(), full)
+                if name in values and set(need_settings(need)) & set(imposed)]
+        if not drop:
+            return values
+        for name in drop:
+            del values[name]
+            full[name] = SETTINGS[name].default
+
+
 def config_sections() -> dict[str, dict]:
     """``{section: {name: default}}`` of the settings a config file can hold (what a recipe's
     DEFAULTS holds for the Trainer)."""

@@ -188,7 +188,7 @@ val_every_n_steps = 300
 limit_val_batches = 2
 [checkpoint]
 checkpoint_every_n_steps = {every}
-keep_last_k = 1
+{"keep_last_k = 1" if every != '"none"' else ""}
 [logging]
 name = "tiny"
 root_dir = "{runs}"
