@@ -48,9 +48,9 @@ def test_a_user_cnn_with_batchnorm_passes_in_float64_where_fp32_alone_cannot_tel
 
 
 def test_a_users_own_tensor_parallel_plan_passes_and_a_missing_gradient_sum_fails():
-    good, = parity(Source("parity_models:tp_transformer_job"), ["tp=2"], 5, **QUIET)
+    good, = parity(Source("parity_models:tp_transformer_job"), ["tp=2"], 3, **QUIET)
     assert good.ok and good.rel64 <= F64_TOL, good.cells()
-    bad, = parity(Source("parity_models:tp_missing_sum_job"), ["tp=2"], 5, **QUIET)
+    bad, = parity(Source("parity_models:tp_missing_sum_job"), ["tp=2"], 3, **QUIET)
     assert not bad.ok and not bad.error and bad.first_divergence == 1, bad.cells()
     assert ".attn.q_norm." in bad.worst_param and bad.rel64 > 1e-3, bad.cells()
     assert bad.cells()[-1].startswith("FAIL: diverges at step 1")
@@ -62,11 +62,11 @@ def test_a_model_that_computes_in_float32_on_purpose_is_judged_by_its_own_floor(
     runs part by ~1e-8 under another micro-batch split, dp=2 as much; judged by 10 x that
     floor it passes, and doubled gradients still fail at step 1."""
     lines = []
-    row, = parity(Source("parity_models:float32_norm_job"), ["dp=2"], 10, out=lines.append)
+    row, = parity(Source("parity_models:float32_norm_job"), ["dp=2"], 6, out=lines.append)
     assert row.ok and 1e-10 < row.rel64 <= row.bound, "\n".join(lines)
     assert 1e-9 < row.bound <= 1e-5, row.bound  # 10 x a floor that is there, and small
     assert any("the model's own floor" in line for line in lines), lines
-    bug, = parity(Source("parity_models:float32_norm_bug_job"), ["dp=2"], 10, **QUIET)
+    bug, = parity(Source("parity_models:float32_norm_bug_job"), ["dp=2"], 6, **QUIET)
     assert not bug.ok and bug.first_divergence == 1 and bug.rel64 > 100 * bug.bound
 
 
