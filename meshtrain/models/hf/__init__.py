@@ -137,7 +137,26 @@ def hf_loss_items(model: nn.Module):
     takes ``num_items_in_batch``. None for other models."""
     if not (is_hf_model(model) and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))):
         return None
+    check_added_loss_terms(model)
     return count_lm_targets
+
+
+def check_added_loss_terms(model: nn.Module) -> None:
+    """Refuse a model whose own loss adds a term meshtrain's global token mean would scale
+    wrongly: with ``output_router_logits`` a mixture-of-experts model returns cross-entropy plus
+    ``router_aux_loss_coef`` x its load-balancing loss, and meshtrain, which asks for the sum
+    over the tokens (``num_items_in_batch``) and divides by the step's tokens, would divide
+    that term too (the pipeline's own loss drops it)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        raise ConfigError(
+            f"{type(model).__name__} has config.output_router_logits=True: its loss adds "
+            f"router_aux_loss_coef ({getattr(config, 'router_aux_loss_coef', '?')}) x the "
+            "router's load-balancing loss, which meshtrain's token-mean loss would divide by the "
+            "batch's token count (and a pipeline would drop): it would train differently from "
+            "plain transformers without a word. Set output_router_logits=False (the router then "
+            "trains without the balancing loss), or pass loss_fn= computing your own loss from "
+            "the logits")
 
 
 def count_lm_targets(batch) -> torch.Tensor:
