@@ -129,7 +129,7 @@ PROBES = {
     "model_summary": Probe(True),
     "report": Probe(True),
     "breakdown_every_n_steps": Probe(None, base={"straggler_margin": 0.2}),
-    # rank 1 reads its data 40 ms a step; steps 3 to 6 (DDP's first two are start-up)
+    # rank 1 reads its data 160 ms a step; steps 3 to 6 (DDP's first two are start-up)
     "straggler_margin": Probe(0.5, job="slow", base={"max_steps": 6}),
     "profile_steps": Probe([1]),
     "peak_tflops": Probe(2.0),
