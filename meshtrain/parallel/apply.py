@@ -46,6 +46,8 @@ class ParallelOptions:
     context_parallel: Callable[[torch.nn.Module], object | None] | None = None
     # module -> how to count its own loss's items (step_loss.loss_counter), or None
     loss_items: Callable[[torch.nn.Module], Callable | None] | None = None
+    # module -> the router loss meshtrain adds to the model's own loss (meshtrain.moe), or None
+    router_loss: Callable[[torch.nn.Module], object | None] | None = None
     sync_batchnorm: bool = True
     local_sgd_every: int | None = None  # local SGD (local_sgd.py): average parameters every H
     outer_lr: float | None = None
@@ -56,10 +58,11 @@ class ParallelOptions:
 
     @classmethod
     def from_settings(cls, s: dict, tp_plan=None, context_parallel=None,
-                      loss_items=None) -> ParallelOptions:
+                      loss_items=None, router_loss=None) -> ParallelOptions:
         """From the Trainer's settings (meshtrain.settings); ``tp_plan`` replaces a missing one,
         ``context_parallel`` adapts models that lack the methods (see ``cp_support``),
-        ``loss_items`` counts the loss items of models that return their loss."""
+        ``loss_items`` counts the loss items of models that return their loss,
+        ``router_loss`` carries a router loss they would add (meshtrain.moe)."""
         tp_plan = s["tp_plan"] if s["tp_plan"] is not None else tp_plan
         return cls(bucket_cap_mb=25.0 if s["bucket_cap_mb"] is None else s["bucket_cap_mb"],
                    comm_hook=s["comm_hook"], powersgd_rank=s["powersgd_rank"],
@@ -70,6 +73,7 @@ class ParallelOptions:
                    sequence_parallel=s["sequence_parallel"], loss_parallel=s["loss_parallel"],
                    tp_plan=tp_plan, tp_check_steps=s["tp_check_steps"],
                    context_parallel=context_parallel, loss_items=loss_items,
+                   router_loss=router_loss,
                    sync_batchnorm=s["sync_batchnorm"], local_sgd_every=s["local_sgd_every"],
                    outer_lr=s["outer_lr"], outer_momentum=s["outer_momentum"])
 
@@ -106,6 +110,10 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
         return
     if loss_fn is None and options.loss_items is not None:  # the model's own loss: one it can
         options.loss_items(model)  # carry (a term meshtrain would scale wrongly is refused)
+    if loss_fn is None:
+        from meshtrain.moe.balance import check_router_loss
+
+        check_router_loss(model, layout, options.router_loss)
     if not options.sync_batchnorm and not any(
             isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         raise ConfigError("sync_batchnorm=False keeps BatchNorm statistics per rank, and the "

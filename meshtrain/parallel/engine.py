@@ -32,6 +32,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.module.core import has_steps, is_manual, step_loss
 from meshtrain.parallel.batch_gather import batch_group
 from meshtrain.parallel.layout import Layout
+from meshtrain.moe.balance import added_router_loss, recording, router_loss_of
 from meshtrain.parallel.step_loss import compute_loss, loss_counter
 
 
@@ -127,6 +128,9 @@ class Engine:
         # a global-mean loss: the step's items counted first (a module's steps then return sums)
         self.counter = (getattr(model, "count_loss_items", None) if self.step_call
                         else loss_counter(model, loss_fn, options.loss_items))
+        # a router loss the model's own loss leaves to meshtrain (meshtrain.moe.balance)
+        self.router_loss = None if self.step_call or loss_fn is not None else router_loss_of(
+            model, options.router_loss)
         # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
         self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
         if self.tp_checks_left:  # what split-input modules see, for the first steps' check
@@ -136,6 +140,15 @@ class Engine:
         self._steps_synced = 0
         # the ranks reading different samples: items are counted and gather_batch gathers here
         self.batch_pg = mesh.batch.get_group() if mesh.batch is not None else None
+
+    @property
+    def call_kwargs(self) -> dict | None:
+        """More keyword arguments for the model's own loss (its router loss left to us)."""
+        return None if self.router_loss is None else self.router_loss.call_kwargs
+
+    @property
+    def loss_group(self):
+        return self.mesh.loss.get_group() if self.mesh.loss is not None else None
 
     def global_items(self, count: torch.Tensor) -> StepItems:
         """The items of the whole step: ``count`` (this rank's) summed over the batch ranks, in
@@ -201,9 +214,14 @@ class Engine:
                             continue
                         loss = step_loss(out, "training_step")
                     else:
-                        loss = compute_loss(self.train_module, batch, self.loss_fn,
-                                            items is not None)
+                        with recording(self.router_loss):
+                            loss = compute_loss(self.train_module, batch, self.loss_fn,
+                                                items is not None, call_kwargs=self.call_kwargs)
                     loss = loss / accum if items is None else loss / items.divisor()
+                    if self.router_loss is not None:
+                        loss = loss + added_router_loss(
+                            self.router_loss, batch, self.loss_group, self.layout.loss_degree,
+                            accum)
                 if last and self.timer is not None:  # the wait for reductions: exposed comm
                     self.timer.watch_backward(loss)
                 self.precision.backward(loss)
@@ -351,7 +369,8 @@ class Engine:
             return plain(loss) if loss is not None else None
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             loss, output = compute_loss(self.model, batch, self.loss_fn,
-                                        self.counter is not None, with_output=True)
+                                        self.counter is not None, with_output=True,
+                                        call_kwargs=self.call_kwargs)
         self.eval_seen = (output, batch) if with_output else None
         return plain(loss)
 

@@ -15,12 +15,13 @@ from meshtrain.errors import ConfigError
 
 
 def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None,
-                 summed: bool = False, with_output: bool = False):
+                 summed: bool = False, with_output: bool = False, call_kwargs=None):
     """``loss_fn(module(inputs), targets)``, or the loss the module returns itself. ``summed``
     (a global-mean loss, meshtrain.losses): the micro-batch's sum (``loss_fn``'s, or the
-    model's own with ``num_items_in_batch=1``); ``with_output``: (loss, the model's output). An
-    error at this boundary keeps torch's message and gains a note of what meshtrain fed and
-    expected."""
+    model's own with ``num_items_in_batch=1``); ``with_output``: (loss, the model's output);
+    ``call_kwargs``: more keyword arguments for a model returning its own loss (its router loss
+    meshtrain adds itself, meshtrain.moe). An error at this boundary keeps torch's message and
+    gains a note of what meshtrain fed and expected."""
     if loss_fn is not None:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ConfigError(
@@ -40,7 +41,7 @@ def compute_loss(module: torch.nn.Module, batch, loss_fn: Callable | None,
                 "micro-batch (a scalar tensor: the mean loss over its samples); reduce it, e.g. "
                 "reduction='mean' or loss.mean()")
         return (loss, output) if with_output else loss
-    extra = {"num_items_in_batch": 1} if summed else {}
+    extra = {**({"num_items_in_batch": 1} if summed else {}), **(call_kwargs or {})}
     with _noted(lambda: "without loss_fn meshtrain calls the model with the whole batch "
                 f"{describe(batch)} (model(*batch), or model(**batch) for a dict) and expects "
                 "the loss back; if the model returns predictions, pass loss_fn="):

@@ -104,12 +104,13 @@ def default_options(layout: Layout, options, pipeline, *, sequence_parallel: boo
     from meshtrain.parallel.pipeline.engine import PipelineOptions
 
     if options is None:
-        from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_tp_plans
+        from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_router_loss, hf_tp_plans
 
         options = ParallelOptions(tp_plan=hf_tp_plans(layout.degree("tp"), sequence_parallel,
                                                       False),
                                   sequence_parallel=sequence_parallel,
-                                  context_parallel=hf_cp_support, loss_items=hf_loss_items)
+                                  context_parallel=hf_cp_support, loss_items=hf_loss_items,
+                                  router_loss=hf_router_loss)
     if pipeline is None:
         from meshtrain.models.hf import hf_pp_support
 

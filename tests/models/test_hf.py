@@ -111,31 +111,6 @@ def test_tp_config_errors():
         hf_tp_plan(moe, tp=2)
 
 
-def test_a_router_loss_meshtrain_would_scale_wrongly_is_refused_before_start(tmp_path):
-    """output_router_logits=True: transformers adds router_aux_loss_coef x the balancing loss
-    to the token-mean loss; meshtrain's global token mean would divide that term by the tokens
-    (a pipeline would drop it): refused, naming the field (issue 52 is to carry it)."""
-    from conftest import quiet_trainer
-
-    from meshtrain.models.hf import random_token_data
-
-    def moe(router):
-        return lambda: tiny_causal_lm(
-            "Qwen3Moe", vocab_size=32, hidden_size=16, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, head_dim=8, moe_intermediate_size=8,
-            num_experts=2, num_experts_per_tok=1, output_router_logits=router,
-            router_aux_loss_coef=0.02)
-
-    data = random_token_data()
-    for layout in (None, "dp=2", "pp=2"):
-        trainer = quiet_trainer(tmp_path, layout=layout, devices=2 if layout else 1,
-                                max_steps=2, global_batch_size=8)
-        with pytest.raises(ConfigError, match=r"output_router_logits=True.*"
-                                              r"router_aux_loss_coef \(0\.02\)"):
-            trainer.check(moe(True), data, optimizer=adamw_gpt)
-        trainer.check(moe(False), data, optimizer=adamw_gpt)  # the fix: accepted
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("layout", ["dp=2", "zero3=2", "tp=2", "dp_shard=2,tp=2"])
 def test_llama_parity(layout):

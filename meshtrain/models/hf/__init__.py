@@ -16,7 +16,8 @@ with transformers, honours sliding windows and cuts each batch itself
 (:mod:`meshtrain.models.hf.cp`). What a path does not implement is refused before any process
 starts, naming the style or config field. The loss is a mean over the targets of the whole
 global batch under every layout (:func:`hf_loss_items`: meshtrain counts the targets and passes
-``num_items_in_batch``).
+``num_items_in_batch``); a mixture of experts' router loss is added by meshtrain over the
+micro-step's global batch (:mod:`meshtrain.models.hf.moe`).
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ from torch.utils.data import Dataset
 from meshtrain.data.batch import describe
 from meshtrain.errors import ConfigError
 from meshtrain.models.hf.cp import HFContextParallel, hf_cp_support
+from meshtrain.models.hf.moe import hf_router_loss
 from meshtrain.models.hf.pipeline import HFPipeline, causal_lm_loss
 from meshtrain.models.hf.tp import default_tp_plan, hf_tp_plan, hf_tp_plans
 
 __all__ = [
     "HFContextParallel", "RandomTokenDataset", "build_seeded", "causal_lm_loss",
     "count_lm_targets", "default_tp_plan", "hf_cp_support", "hf_loss_items", "hf_pp_support",
-    "hf_tp_plan", "hf_tp_plans", "is_hf_model", "random_token_data", "tiny_causal_lm",
-    "tiny_gpt2", "tiny_llama",
+    "hf_router_loss", "hf_tp_plan", "hf_tp_plans", "is_hf_model", "random_token_data",
+    "tiny_causal_lm", "tiny_gpt2", "tiny_llama",
 ]
 
 _INSTALL_HINT = "install the optional extra: pip install 'meshtrain[hf]' (transformers>=4.50)"
@@ -137,26 +139,7 @@ def hf_loss_items(model: nn.Module):
     takes ``num_items_in_batch``. None for other models."""
     if not (is_hf_model(model) and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))):
         return None
-    check_added_loss_terms(model)
     return count_lm_targets
-
-
-def check_added_loss_terms(model: nn.Module) -> None:
-    """Refuse a model whose own loss adds a term meshtrain's global token mean would scale
-    wrongly: with ``output_router_logits`` a mixture-of-experts model returns cross-entropy plus
-    ``router_aux_loss_coef`` x its load-balancing loss, and meshtrain, which asks for the sum
-    over the tokens (``num_items_in_batch``) and divides by the step's tokens, would divide
-    that term too (the pipeline's own loss drops it)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
-        raise ConfigError(
-            f"{type(model).__name__} has config.output_router_logits=True: its loss adds "
-            f"router_aux_loss_coef ({getattr(config, 'router_aux_loss_coef', '?')}) x the "
-            "router's load-balancing loss, which meshtrain's token-mean loss would divide by the "
-            "batch's token count (and a pipeline would drop): it would train differently from "
-            "plain transformers without a word. Set output_router_logits=False (the router then "
-            "trains without the balancing loss), or pass loss_fn= computing your own loss from "
-            "the logits")
 
 
 def count_lm_targets(batch) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""A Hugging Face mixture-of-experts model's router loss, carried by meshtrain.
+
+With ``config.output_router_logits`` transformers' MoE causal LMs return cross-entropy plus
+``router_aux_loss_coef`` x the load-balancing loss of the tokens of that one forward. meshtrain
+asks the model for its cross-entropy alone (``output_router_logits=False`` at the call),
+records each router's logits with a forward hook on the router class the model itself declares
+(``_can_record_outputs["router_logits"]``), and adds the balancing loss of the whole
+micro-step, every data-parallel rank's tokens together (meshtrain.moe.balance): one process
+given the global batch computes what plain transformers computes, and so does every layout.
+Before start the model's own ``load_balancing_loss_func`` is compared with meshtrain's on
+random logits: a transformers that changed it is refused rather than trained differently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from meshtrain.errors import ConfigError
+from meshtrain.moe.balance import RouterStats, balance_term, router_stats
+
+
+class HFRouterLoss:
+    """What the Engine asks of a model's router loss (see meshtrain.moe.balance): ``coef``, the
+    keyword arguments of the model's call, ``recording()`` around a forward, ``stats(batch)``
+    of the forward recorded last."""
+
+    call_kwargs = {"output_router_logits": False}
+    field = "config.output_router_logits"  # what turns it on, for a refusal
+
+    def __init__(self, model: torch.nn.Module):
+        config = model.config
+        self.coef = float(config.router_aux_loss_coef)
+        self.num_experts, self.top_k = int(model.num_experts), int(model.num_experts_per_tok)
+        recorder = router_recorder(model)
+        self._index, self._sink, self._recorded = recorder.index or 0, None, []
+        self.routers = [m for m in model.modules() if isinstance(m, recorder.target_class)]
+        for router in self.routers:  # recomputed forwards (activation checkpointing) not kept
+            router.register_forward_hook(self._keep)
+
+    def _keep(self, module, args, output) -> None:
+        if self._sink is not None:
+            self._sink.append(output[self._index] if isinstance(output, (tuple, list))
+                              else output)
+
+    @contextlib.contextmanager
+    def recording(self):
+        self._sink = []
+        try:
+            yield
+        finally:
+            self._recorded, self._sink = self._sink, None
+
+    def stats(self, batch) -> RouterStats:
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if len(self._recorded) != len(self.routers):
+            raise AssertionError(f"recorded {len(self._recorded)} routers of "
+                                 f"{len(self.routers)}")
+        return router_stats(self._recorded, self.num_experts, self.top_k, mask)
+
+
+def router_recorder(model: torch.nn.Module):
+    """The model's declared recorder of router logits (transformers' OutputRecorder), or None."""
+    for module in (model, getattr(model, "model", None)):
+        record = getattr(module, "_can_record_outputs", None) or {}
+        if "router_logits" in record:
+            return record["router_logits"]
+    return None
+
+
+def hf_router_loss(model: torch.nn.Module) -> HFRouterLoss | None:
+    """For ``ParallelOptions.router_loss``: how meshtrain carries a transformers MoE model's
+    load-balancing loss (None when the model adds none: ``output_router_logits`` off); refuses
+    one it cannot carry exactly, naming the config field."""
+    from meshtrain.models.hf import is_hf_model
+
+    config = getattr(model, "config", None)
+    if not (is_hf_model(model) and getattr(config, "output_router_logits", False)):
+        return None
+    cls = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")),
+               type(model))  # (FSDP2 makes a subclass of the model's class)
+    name = cls.__name__
+    reference = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+    recorder = router_recorder(model)
+    missing = [what for what, ok in (
+        ("load_balancing_loss_func", reference is not None),
+        ("a declared router-logits recorder", recorder is not None),
+        ("router_aux_loss_coef", hasattr(config, "router_aux_loss_coef")),
+        ("num_experts / num_experts_per_tok", hasattr(model, "num_experts")
+         and hasattr(model, "num_experts_per_tok"))) if not ok]
+    if missing:
+        raise ConfigError(_refusal(name, f"it has no {', '.join(missing)}"))
+    if not same_as_transformers(reference, int(model.num_experts), int(model.num_experts_per_tok)):
+        raise ConfigError(_refusal(name, "its load_balancing_loss_func computes something else "
+                                   "than meshtrain's copy (transformers changed it)"))
+    return HFRouterLoss(model)
+
+
+def same_as_transformers(reference, num_experts: int, top_k: int) -> bool:
+    """Does meshtrain's balancing loss give transformers' ``reference`` bit for bit on random
+    router logits of two layers, with and without an attention mask?"""
+    gen = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(12, num_experts, generator=gen, dtype=torch.float64)
+                   for _ in range(2))
+    mask = (torch.rand(3, 4, generator=gen) > 0.3).long()
+    for attention_mask in (None, mask):
+        ours = balance_term(router_stats(logits, num_experts, top_k, attention_mask))
+        theirs = reference(logits, num_experts, top_k, attention_mask)
+        if not torch.equal(ours.double(), torch.as_tensor(theirs).double()):
+            return False
+    return True
+
+
+def _refusal(name: str, why: str) -> str:
+    return (f"{name} has config.output_router_logits=True: its loss adds router_aux_loss_coef x "
+            f"the router's load-balancing loss, which meshtrain carries for transformers' MoE "
+            f"models, but not for this one: {why}. Set output_router_logits=False (the router "
+            "then trains without the balancing loss), or pass loss_fn= computing your own loss "
+            "from the logits")

@@ -1,0 +1,126 @@
+"""Hugging Face mixture-of-experts models train like plain transformers (issue 52).
+
+With ``output_router_logits=True`` transformers' loss is the token-mean cross-entropy plus
+``router_aux_loss_coef`` x the load-balancing loss of the forward's tokens. meshtrain adds that
+loss itself over the tokens of the whole micro-step, every data-parallel rank's together
+(meshtrain/moe/balance.py): one process and every data-parallel layout given the same global
+batch train exactly like transformers on that batch: the weights judged in float64 (1e-9
+relative); the loss values to 1e-6, as transformers computes them in float32 (``logits.float()``).
+"""
+
+import pytest
+import torch
+from parity import LOSSES, adamw_gpt, compare_ranks, run_ranks, train_state
+
+from meshtrain.errors import ConfigError
+from meshtrain.models.hf import random_token_data, tiny_causal_lm
+from meshtrain.parity import F64_TOL
+
+torch.set_num_threads(1)
+BATCH, STEPS = 8, 4
+SIZES = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=16,
+             output_router_logits=True, router_aux_loss_coef=0.02,
+             experts_implementation="eager")  # (grouped_mm has no float64 on the CPU)
+
+
+def qwen3_moe():
+    return tiny_causal_lm("Qwen3Moe", moe_intermediate_size=8, num_experts=4,
+                          num_experts_per_tok=2, **SIZES)
+
+
+def mixtral():
+    return tiny_causal_lm("Mixtral", intermediate_size=8, num_local_experts=4,
+                          num_experts_per_tok=2, **SIZES)
+
+
+def plain_transformers(model_fn, steps: int = STEPS, batch_size: int = BATCH) -> dict:
+    """The reference: transformers alone, in float64, each step on the next ``batch_size``
+    samples (meshtrain with shuffle=False reads them in that order)."""
+    model = model_fn().double()
+    optimizer = adamw_gpt(model.parameters())
+    data, losses = random_token_data(), []
+    for step in range(steps):
+        rows = range(step * batch_size, (step + 1) * batch_size)
+        batch = {k: torch.stack([data[i][k] for i in rows]) for k in ("input_ids", "labels")}
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state[LOSSES] = torch.tensor(losses, dtype=torch.float64)
+    return state
+
+
+def meshtrain_ranks(model_fn, layout: str | None, devices: int) -> list[dict]:
+    kwargs = dict(max_steps=STEPS, global_batch_size=BATCH, shuffle=False, layout=layout)
+    return run_ranks(kwargs, devices, timeout=200, model_fn=model_fn, data_fn=random_token_data,
+                     loss_fn=None, optimizer_fn=adamw_gpt, float64=True)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("model_fn", [qwen3_moe, mixtral], ids=["Qwen3Moe", "Mixtral"])
+def test_the_router_loss_trains_like_plain_transformers_under_every_data_layout(model_fn):
+    reference = plain_transformers(model_fn)
+    moved = plain_transformers(model_fn, steps=1)
+    assert max((reference[k] - moved[k]).abs().max().item() for k in moved if k != LOSSES) > 1e-3
+    weights = {k: v for k, v in reference.items() if k != LOSSES}
+    for layout, devices in ((None, 1), ("dp=2", 2), ("zero3=2", 2)):
+        ranks = meshtrain_ranks(model_fn, layout, devices)
+        label = f"{model_fn.__name__} {layout or 'one process'}"
+        compare_ranks(weights, ranks, tol=F64_TOL, relative=True, label=label)
+        for rank in ranks:  # transformers sums its cross-entropy in float32 (logits.float())
+            torch.testing.assert_close(rank[LOSSES], reference[LOSSES], rtol=1e-6, atol=0,
+                                       msg=lambda m: f"{label}: the losses differ: {m}")
+
+
+def test_the_balancing_loss_of_a_rank_is_its_share_of_the_global_batchs():
+    """Two halves' shares (with the counts of both) add up to the whole batch's loss, and so
+    do their gradients: the identity dp=2 relies on, checked without processes."""
+    from meshtrain.moe.balance import RouterStats, balance_term, router_stats
+
+    gen = torch.Generator().manual_seed(3)
+    logits = [torch.randn(10, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+              for _ in range(2)]
+    whole = balance_term(router_stats(logits, 4, 2))
+    halves = [router_stats([x[part] for x in logits], 4, 2) for part in (slice(0, 6),
+                                                                            slice(6, 10))]
+    total = RouterStats(sum(h.counts for h in halves), None, sum(h.rows for h in halves))
+    shares = [balance_term(RouterStats(total.counts, h.prob_sums, total.rows)) for h in halves]
+    assert torch.allclose(sum(shares), whole, rtol=1e-6)
+    whole_grads = torch.autograd.grad(whole, logits)
+    share_grads = torch.autograd.grad(sum(shares), logits)
+    for a, b in zip(whole_grads, share_grads):
+        assert torch.allclose(a, b, rtol=1e-6, atol=0)
+        assert a.abs().max() > 0
+    # each half alone (transformers' per-forward loss) is not the whole batch's
+    alone = sum(balance_term(h) for h in halves) / 2
+    assert not torch.allclose(alone, whole, rtol=1e-4)
+
+
+def test_a_router_loss_under_pp_is_refused_before_start(tmp_path):
+    from conftest import quiet_trainer
+
+    data = random_token_data()
+    trainer = quiet_trainer(tmp_path, layout="pp=2", devices=2, max_steps=2, global_batch_size=8)
+    with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM adds a router load-balancing "
+                                          r"loss \(config\.output_router_logits\).*Drop pp"):
+        trainer.check(qwen3_moe, data, optimizer=adamw_gpt)
+
+
+def test_a_transformers_whose_balancing_loss_changed_is_refused(monkeypatch):
+    """meshtrain compares its copy with the model's own load_balancing_loss_func before
+    start: a transformers that computes it otherwise is refused, not trained differently."""
+    import sys
+
+    from meshtrain.models.hf import hf_router_loss
+
+    model = qwen3_moe()
+    module = sys.modules[type(model).__module__]
+    original = module.load_balancing_loss_func
+    assert hf_router_loss(model) is not None
+    monkeypatch.setattr(module, "load_balancing_loss_func",
+                        lambda *args: original(*args) * 2)
+    with pytest.raises(ConfigError, match="computes something else than meshtrain's copy"):
+        hf_router_loss(model)
