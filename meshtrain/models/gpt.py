@@ -31,7 +31,14 @@ def _is_int(value: object) -> bool:
 
 @dataclass
 class GPTConfig:
-    """Sizes of a GPT. ``mlp_ratio`` times ``d_model`` is the MLP hidden width."""
+    """Sizes of a GPT. ``mlp_ratio`` times ``d_model`` is the MLP hidden width.
+
+    ``num_experts`` > 0 makes every block's MLP a mixture of experts (meshtrain.moe.layer):
+    ``experts_per_token`` of them per token, each ``expert_hidden_dim`` wide (default: the MLP's
+    width over ``experts_per_token``, so a token computes about as much as in the dense
+    model), plus one dense ``shared_expert`` if set; ``router_score`` "softmax" or
+    "sigmoid"; balanced by the load-balancing loss (``router_aux_loss_coef`` x, 0 = off)
+    and/or by a per-expert bias moved ``router_bias_rate`` a step (0 = off)."""
 
     vocab_size: int
     seq_len: int
@@ -41,6 +48,17 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     bias: bool = True
+    num_experts: int = 0
+    experts_per_token: int = 2
+    expert_hidden_dim: int | None = None
+    shared_expert: bool = False
+    router_score: str = "softmax"
+    router_aux_loss_coef: float = 0.01
+    router_bias_rate: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "mlp_ratio"):
@@ -56,6 +74,15 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
+        if self.is_moe and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(
+                f"GPTConfig.experts_per_token={self.experts_per_token} must be between 1 and "
+                f"num_experts={self.num_experts}: a token cannot be routed to more experts than "
+                "there are")
+        if self.router_aux_loss_coef < 0 or self.router_bias_rate < 0:
+            raise ConfigError("GPTConfig.router_aux_loss_coef and router_bias_rate must be >= 0 "
+                              f"(0 = off), got {self.router_aux_loss_coef!r} and "
+                              f"{self.router_bias_rate!r}")
 
     @property
     def head_dim(self) -> int:
@@ -117,6 +144,15 @@ class MLP(nn.Module):
         return self.drop(self.fc_out(self.act(self.fc_in(x))))
 
 
+def moe_mlp(config: GPTConfig) -> nn.Module:
+    """The MLP of an MoE block (meshtrain.moe.layer.MoE)."""
+    from meshtrain.moe.layer import MoE
+
+    hidden = config.expert_hidden_dim or max(1, config.mlp_hidden_dim // config.experts_per_token)
+    return MoE(config.d_model, hidden, config.num_experts, config.experts_per_token,
+               config.router_score, MLP(config) if config.shared_expert else None)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
 
@@ -125,7 +161,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.norm2 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if not config.is_moe else moe_mlp(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -179,7 +215,8 @@ class GPT(nn.Module):
             elif kind == "bias":
                 param.zero_()
             else:
-                is_residual = name.endswith(("attn.wo.weight", "mlp.fc_out.weight"))
+                is_residual = name.endswith(("attn.wo.weight", "fc_out.weight",
+                                             "experts.w_out"))
                 std = residual_std if is_residual else INIT_STD
                 values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
                 copy_full_into(param, values * std)  # a shard keeps its part
@@ -190,8 +227,21 @@ class GPT(nn.Module):
         from meshtrain.observe.flops import count_flop_params
 
         c = self.config
-        return 6.0 * count_flop_params(self) + 12.0 * c.num_layers * c.d_model * (
-            seq_len or c.seq_len)
+        params = count_flop_params(self)
+        if c.is_moe:  # a token runs k of the E experts: only they count (active parameters)
+            experts = sum(p.numel() for n, p in self.named_parameters() if ".experts." in n)
+            params -= experts * (1 - c.experts_per_token / c.num_experts)
+        return 6.0 * params + 12.0 * c.num_layers * c.d_model * (seq_len or c.seq_len)
+
+    # -- mixture of experts: the routers' balancing, carried by meshtrain (meshtrain.moe) -------
+    def router_loss(self):
+        """The MoE layers' routing as meshtrain carries it (None for a dense GPT)."""
+        from meshtrain.moe.layer import MoERouting
+
+        if not self.config.is_moe:
+            return None
+        return MoERouting([layer.mlp for layer in self.layers], self.config.router_aux_loss_coef,
+                          self.config.router_bias_rate, field="GPTConfig.num_experts")
 
     # -- tensor parallel: the model supplies its own plan (meshtrain/models/gpt_plan.py) --------
     def tp_plan(self, tp_degree: int, *, sequence_parallel: bool = False,

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput, RowwiseParallel,
 )
 
+from meshtrain.errors import ConfigError
 from meshtrain.parallel.sequence_parallel import ColwiseFromSequence
 from meshtrain.parallel.tensor_parallel import (
     ReplicateParallel, attention_plan, check_divides, dropout_entries, mlp_plan, replicate_the_rest,
@@ -48,6 +49,12 @@ def check_gpt_tp(model: nn.Module, tp_degree: int, *, sequence_parallel: bool,
                  seq_len: int | None = None) -> None:
     """Heads, d_model, the MLP width and the vocabulary must divide by tp; with
     ``sequence_parallel`` the sequence length too (``seq_len``, default ``config.seq_len``)."""
+    if getattr(model.config, "is_moe", False):
+        raise ConfigError(
+            "tp of a mixture-of-experts GPT (GPTConfig.num_experts="
+            f"{model.config.num_experts}) is not implemented: its experts would need their own "
+            "split. Split the experts with ep (e.g. layout='ep=2') and the rest with dp or "
+            "zero1/2/3")
     sizes = gpt_sizes(model)
     if sequence_parallel:
         sizes["seq_len"] = seq_len if seq_len is not None else model.config.seq_len

@@ -107,11 +107,11 @@ def check_router_loss(model: torch.nn.Module, layout, adapt=None) -> None:
     router_loss = router_loss_of(model, adapt)
     if router_loss is not None and layout.degree("pp") > 1:
         raise ConfigError(
-            f"{type(model).__name__} adds a router load-balancing loss ({router_loss.field}), "
-            "which meshtrain computes over the tokens of a whole micro-step on every data-"
+            f"{type(model).__name__} routes tokens to experts and meshtrain balances them "
+            f"({router_loss.field}) over the tokens of a whole micro-step on every data-"
             "parallel rank; under pp each pipeline micro-batch holds part of them and the "
             "loss is taken on the last stage only, so it would train differently from one "
-            f"process. Drop pp (dp, zero1/2/3 and tp carry it), or turn {router_loss.field} off")
+            f"process. Drop pp (dp and zero1/2/3 carry it), or turn {router_loss.field} off")
 
 
 def added_router_loss(router_loss, batch, group, loss_degree: int, accum: int) -> torch.Tensor:

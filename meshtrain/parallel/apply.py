@@ -110,10 +110,9 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
         return
     if loss_fn is None and options.loss_items is not None:  # the model's own loss: one it can
         options.loss_items(model)  # carry (a term meshtrain would scale wrongly is refused)
-    if loss_fn is None:
-        from meshtrain.moe.balance import check_router_loss
+    from meshtrain.moe.balance import check_router_loss
 
-        check_router_loss(model, layout, options.router_loss)
+    check_router_loss(model, layout, options.router_loss if loss_fn is None else None)
     if not options.sync_batchnorm and not any(
             isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         raise ConfigError("sync_batchnorm=False keeps BatchNorm statistics per rank, and the "

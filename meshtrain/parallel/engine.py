@@ -128,9 +128,10 @@ class Engine:
         # a global-mean loss: the step's items counted first (a module's steps then return sums)
         self.counter = (getattr(model, "count_loss_items", None) if self.step_call
                         else loss_counter(model, loss_fn, options.loss_items))
-        # a router loss the model's own loss leaves to meshtrain (meshtrain.moe.balance)
-        self.router_loss = None if self.step_call or loss_fn is not None else router_loss_of(
-            model, options.router_loss)
+        # the routers' balancing: a model's own MoE layers, or the router loss a model's own
+        # loss leaves to meshtrain (meshtrain.moe.balance)
+        self.router_loss = None if self.step_call else router_loss_of(
+            model, options.router_loss if loss_fn is None else None)
         # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
         self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
         if self.tp_checks_left:  # what split-input modules see, for the first steps' check
@@ -218,7 +219,7 @@ class Engine:
                             loss = compute_loss(self.train_module, batch, self.loss_fn,
                                                 items is not None, call_kwargs=self.call_kwargs)
                     loss = loss / accum if items is None else loss / items.divisor()
-                    if self.router_loss is not None:
+                    if self.router_loss is not None and self.router_loss.coef:
                         loss = loss + added_router_loss(
                             self.router_loss, batch, self.loss_group, self.layout.loss_degree,
                             accum)
@@ -274,6 +275,8 @@ class Engine:
         average, when one is due."""
         if self.averager is not None:
             self.averager.after_step(step)
+        if hasattr(self.router_loss, "after_step"):  # the step's expert load; bias balancing
+            self.expert_load = self.router_loss.after_step(self.loss_group)
 
     def end_of_training(self) -> None:
         """When the loop ends (at max_steps or stopped early): local SGD averages the steps

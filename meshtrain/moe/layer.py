@@ -1,0 +1,166 @@
+"""meshtrain's mixture-of-experts layer: a top-k router, experts held as grouped weights
+``[E, ...]`` (so that expert parallel can split them by expert), dropless routing (every token
+reaches its k experts: no capacity factor, so no result depends on how tokens are grouped), an
+optional shared expert, and the two balancing methods: the load-balancing loss
+(meshtrain.moe.balance) and auxiliary-loss-free balancing, a per-expert bias used only to pick
+experts, moved once per step from the global token counts (DeepSeek-V3; torchtitan's
+``expert_bias``): ``bias += rate * sign(mean count - count)``.
+
+The forward (B, T, d) -> (B, T, d): the router scores each token, the (token, slot) pairs are
+sorted by expert, ``dispatch`` runs the experts on them (the experts alone, or under ``ep`` an
+all-to-all to the ranks that hold them and back: meshtrain/parallel/expert.py), and each token's
+outputs are summed with its router weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtrain.errors import ConfigError
+from meshtrain.moe.balance import RouterStats
+
+SCORES = ("softmax", "sigmoid")
+
+
+class Router(nn.Module):
+    """``gate``: d -> E logits. Scores are the softmax (or sigmoid) of the logits; a token's
+    experts are its top-k of ``scores + expert_bias`` (the bias only picks); its weights are
+    their scores (renormalised to sum to 1 for sigmoid scores)."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, score: str = "softmax"):
+        super().__init__()
+        if score not in SCORES:
+            raise ConfigError(f"router score must be one of {SCORES}, got {score!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ConfigError(f"experts_per_token={top_k} must be between 1 and num_experts="
+                              f"{num_experts}: a token cannot be routed to more experts than "
+                              "there are")
+        self.num_experts, self.top_k, self.score = num_experts, top_k, score
+        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        # auxiliary-loss-free balancing: moved by MoERouting.after_step, saved in checkpoints
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+
+    def forward(self, x: torch.Tensor):
+        """(weights [N, k], experts [N, k], logits [N, E]) for tokens ``x`` [N, d]."""
+        logits = self.gate(x)
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        _, experts = torch.topk(scores.detach() + self.expert_bias.to(scores.dtype), self.top_k,
+                                dim=-1)
+        weights = scores.gather(-1, experts)
+        if self.score == "sigmoid":
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, experts, logits
+
+
+class GroupedExperts(nn.Module):
+    """E two-layer GELU MLPs as grouped weights: ``w_in`` [E, d, h], ``w_out`` [E, h, d].
+    ``forward(tokens, counts)``: ``tokens`` sorted by expert, ``counts[e]`` of them for expert
+    e (this module's experts: all of them, or a rank's slice under ep)."""
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = [F.gelu(part @ w_in) @ w_out for part, w_in, w_out in
+                zip(tokens.split(counts), self.w_in, self.w_out)]
+        return torch.cat(outs) if outs else tokens[:0]
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward layer (see the module docstring)."""
+
+    def __init__(self, d_model: int, hidden: int, num_experts: int, top_k: int,
+                 score: str = "softmax", shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.router = Router(d_model, num_experts, top_k, score)
+        self.experts = GroupedExperts(num_experts, d_model, hidden)
+        self.shared = shared_expert
+        self.dispatch = None  # (tokens, counts [E]) -> outputs; None: the experts here
+        # training forwards' routing (MoERouting.recording): token counts and balance stats
+        self.sink: list | None = None
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, experts, logits = self.router(flat)
+        picks = experts.reshape(-1)
+        order = picks.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(picks, minlength=self.num_experts)
+        routed = flat[order // self.router.top_k]
+        if self.dispatch is not None:
+            done = self.dispatch(routed, counts)
+        else:
+            done = self.experts(routed, counts.tolist())
+        out = torch.empty_like(done).index_copy(0, order, done)  # back to (token, slot) order
+        out = (out.view(-1, self.router.top_k, shape[-1]) * weights.unsqueeze(-1).to(out.dtype)
+               ).sum(1)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        if self.sink is not None:
+            self.sink.append((counts, logits))
+        return out.view(shape)
+
+
+class MoERouting:
+    """What a model of MoE layers gives meshtrain (``model.router_loss()``): the
+    load-balancing loss's coefficient and stats (one row per layer, summed), token counts per
+    expert over each step (all-reduced: the expert load, the bias update)."""
+
+    call_kwargs: dict = {}
+
+    def __init__(self, layers: list[MoE], coef: float, bias_rate: float,
+                 field: str = "router_aux_loss_coef"):
+        self.layers, self.coef, self.bias_rate, self.field = layers, coef, bias_rate, field
+
+    def recording(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def record():
+            for layer in self.layers:
+                layer.sink = []
+            try:
+                yield
+            finally:
+                for layer in self.layers:
+                    self._recorded = getattr(self, "_recorded", {})
+                    self._recorded[id(layer)], layer.sink = layer.sink, None
+                    for counts, _ in self._recorded[id(layer)]:
+                        layer.tokens_per_expert += counts.to(layer.tokens_per_expert.dtype)
+        return record()
+
+    def stats(self, batch=None) -> RouterStats:
+        rows = []
+        for layer in self.layers:
+            (counts, logits), = self._recorded[id(layer)]
+            probs = logits.softmax(-1)  # (in the model's dtype: float64 runs are exact)
+            rows.append((counts.to(probs.dtype), probs.sum(0),
+                         torch.tensor(float(logits.shape[0]), device=logits.device,
+                                      dtype=probs.dtype)))
+        counts, prob_sums, n = zip(*rows)
+        return RouterStats(torch.stack(counts) / self.layers[0].router.top_k,
+                           torch.stack(prob_sums), torch.stack(n))
+
+    @torch.no_grad()
+    def after_step(self, group=None) -> torch.Tensor:
+        """Once per optimizer step: the step's token counts [layers, E] summed over ``group``
+        (the ranks with other tokens), the experts' biases moved by them (when balancing by
+        bias), the counts reset. Returns the counts."""
+        counts = torch.stack([layer.tokens_per_expert for layer in self.layers])
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(counts, group=group)
+        if self.bias_rate:
+            for layer, c in zip(self.layers, counts):
+                layer.router.expert_bias += self.bias_rate * torch.sign(c.mean() - c)
+        for layer in self.layers:
+            layer.tokens_per_expert.zero_()
+        return counts

@@ -1,0 +1,116 @@
+"""meshtrain's own mixture-of-experts GPT (meshtrain/moe/layer.py, GPTConfig.num_experts):
+dropless top-k routing, the load-balancing loss over the micro-step's global batch, bias
+balancing from the step's global token counts; one process against every data-parallel layout
+in float64 (tests/parity.py)."""
+
+import pytest
+import torch
+from parity import SEQ, VOCAB, adamw_gpt, assert_parity, lm_loss, token_data
+
+from meshtrain.errors import ConfigError
+from meshtrain.models.gpt import GPT, GPTConfig
+
+torch.set_num_threads(1)
+
+
+def moe_gpt(**overrides):
+    config = dict(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=2, d_model=16,
+                  bias=False, num_experts=4, experts_per_token=2, router_aux_loss_coef=0.02)
+    return GPT(GPTConfig(**{**config, **overrides}))
+
+
+def moe_gpt_bias_balanced():
+    return moe_gpt(router_bias_rate=1e-2, router_score="sigmoid", shared_expert=True)
+
+
+MOE_FNS = dict(model_fn=moe_gpt, data_fn=token_data, loss_fn=lm_loss, optimizer_fn=adamw_gpt)
+
+
+def test_dropless_routing_equals_each_token_through_its_experts():
+    """The grouped, sorted computation is the per-token definition: sum over the token's k
+    experts of weight x expert(token)."""
+    torch.manual_seed(0)
+    model = moe_gpt().double()
+    moe = model.layers[0].mlp
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    weights, experts, _ = moe.router(x.reshape(-1, 16))
+    want = torch.zeros(15, 16, dtype=torch.float64)
+    for t, token in enumerate(x.reshape(-1, 16)):
+        for w, e in zip(weights[t], experts[t]):
+            hidden = torch.nn.functional.gelu(token @ moe.experts.w_in[e])
+            want[t] += w * (hidden @ moe.experts.w_out[e])
+    torch.testing.assert_close(moe(x), want.view(3, 5, 16), rtol=1e-12, atol=1e-12)
+
+
+def test_an_expert_without_tokens_and_the_bias_only_picks():
+    torch.manual_seed(0)
+    moe = moe_gpt().layers[0].mlp
+    moe.router.expert_bias.copy_(torch.tensor([0.0, 0.0, -100.0, -100.0]))  # 2, 3 never picked
+    x = torch.randn(2, 4, 16)
+    weights, experts, logits = moe.router(x.reshape(-1, 16))
+    assert set(experts.flatten().tolist()) == {0, 1}
+    torch.testing.assert_close(weights, logits.softmax(-1).gather(-1, experts))  # scores, not bias
+    moe(x).sum().backward()  # experts 2 and 3 saw no token: zero gradient, no error
+    assert moe.experts.w_in.grad[2:].abs().max() == 0 and moe.experts.w_in.grad[:2].abs().max() > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["dp=2", "zero3=2", "zero2=2"])
+def test_moe_gpt_matches_one_process(layout):
+    assert_parity(layout, 2, steps=6, global_batch_size=16, fns=MOE_FNS)
+
+
+@pytest.mark.timeout(300)
+def test_bias_balancing_and_shared_expert_match_one_process_and_move_the_bias():
+    from parity import train_state
+
+    fns = dict(MOE_FNS, model_fn=moe_gpt_bias_balanced)
+    assert_parity("dp=2", 2, steps=6, global_batch_size=16, fns=fns)
+    state = train_state(dict(max_steps=3, global_batch_size=16), **fns)
+    bias = state["layers.0.mlp.router.expert_bias"]
+    assert bias.abs().max() > 0 and bias.sum().abs() < bias.abs().sum()  # moved both ways
+
+
+@pytest.mark.timeout(300)
+def test_the_balancing_loss_is_the_global_batchs_not_each_ranks():
+    """Under dp=2 each rank's own balancing loss (its tokens alone) is not one process's:
+    without the counts summed over the ranks the parity above would fail."""
+    from meshtrain.moe.balance import RouterStats, balance_term
+
+    torch.manual_seed(0)
+    model = moe_gpt()
+    with torch.no_grad():  # a router far from uniform (at init every expert gets ~1/E)
+        for layer in model.layers:
+            layer.mlp.router.gate.weight *= 30
+    routing = model.router_loss()
+    x = torch.randint(0, VOCAB, (8, SEQ))
+    with routing.recording():
+        model(x)
+    whole = balance_term(routing.stats())
+    shares = []
+    for half in (x[:4], x[4:]):
+        with routing.recording():
+            model(half)
+        shares.append(routing.stats())
+    together = RouterStats(sum(s.counts for s in shares), None, sum(s.rows for s in shares))
+    summed = sum(balance_term(RouterStats(together.counts, s.prob_sums, together.rows))
+                 for s in shares)
+    torch.testing.assert_close(summed, whole, rtol=1e-5, atol=0)
+    alone = sum(balance_term(s) for s in shares) / 2
+    assert (alone - whole).abs() > 1e-4
+
+
+def test_bad_moe_configs_are_refused_before_start(tmp_path):
+    from conftest import quiet_trainer
+
+    with pytest.raises(ConfigError, match="experts_per_token=5 must be between 1 and "
+                                          "num_experts=4"):
+        moe_gpt(experts_per_token=5)
+    with pytest.raises(ConfigError, match="router score must be one of"):
+        moe_gpt(router_score="relu")
+    for layout, match in (("tp=2", "tp of a mixture-of-experts GPT"),
+                          ("pp=2", "routes tokens to experts.*Drop pp")):
+        trainer = quiet_trainer(tmp_path, layout=layout, devices=2, max_steps=1,
+                                global_batch_size=8)
+        with pytest.raises(ConfigError, match=match):
+            trainer.check(moe_gpt, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
