@@ -112,6 +112,9 @@ def _state(model, optimizer, *, for_load: bool) -> dict:
         optim_sd = (zero1_state_dict_template if for_load else zero1_state_dict)(model, optimizer)
         return {"model": model_sd, "optim": optim_sd}
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    from meshtrain.parallel.expert.apply import optim_state_as_dtensors
+
+    optim_state_as_dtensors(model, optim_sd)  # ep's experts: saved whole, loaded as rows
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -216,6 +219,9 @@ def load_checkpoint(
                        options=StateDictOptions(strict=True))
         load_zero1_state_dict(model, optimizer, state["optim"])
     else:
+        from meshtrain.parallel.expert.apply import optim_state_as_local
+
+        optim_state_as_local(model, state.get("optim", {}))
         set_state_dict(
             model,
             optimizer if optimizer is not None else [],

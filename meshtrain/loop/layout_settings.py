@@ -7,7 +7,7 @@ from meshtrain import checks
 from meshtrain.models.hf import (hf_cp_support, hf_loss_items, hf_pp_support, hf_router_loss,
                                 hf_tp_plans)
 from meshtrain.parallel.apply import ParallelOptions
-from meshtrain.parallel.engine import plan_batches
+from meshtrain.parallel.batch_plan import plan_batches
 from meshtrain.parallel.pipeline.engine import PipelineOptions
 
 

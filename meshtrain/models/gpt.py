@@ -205,6 +205,9 @@ class GPT(nn.Module):
         self._init_seed = seed
         if all(p.is_meta for p in self.parameters()):
             return
+        for name, buffer in self.named_buffers():
+            if name.endswith("router.expert_bias"):  # (bias balancing starts from none)
+                buffer.zero_()
         generator = torch.Generator().manual_seed(seed)
         residual_std = INIT_STD / math.sqrt(2 * self.config.num_layers)
         for name, param in self.named_parameters():
@@ -218,7 +221,12 @@ class GPT(nn.Module):
                 is_residual = name.endswith(("attn.wo.weight", "fc_out.weight",
                                              "experts.w_out"))
                 std = residual_std if is_residual else INIT_STD
-                values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                shape = param.shape
+                rows = getattr(module, "rows", None)  # under ep: experts' rows of the whole
+                if rows is not None:
+                    shape = (self.config.num_experts, *shape[1:])
+                values = torch.randn(shape, generator=generator, dtype=torch.float32)
+                values = values if rows is None else values[rows]
                 copy_full_into(param, values * std)  # a shard keeps its part
 
     def flops_per_token(self, seq_len: int | None = None) -> float:

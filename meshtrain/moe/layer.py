@@ -59,6 +59,9 @@ class GroupedExperts(nn.Module):
     ``forward(tokens, counts)``: ``tokens`` sorted by expert, ``counts[e]`` of them for expert
     e (this module's experts: all of them, or a rank's slice under ep)."""
 
+    rows: slice | None = None  # under ep: the rows of the whole [E, ...] weights held here
+    ep_mesh = None  # under ep: the ranks the experts are split over
+
     def __init__(self, num_experts: int, d_model: int, hidden: int):
         super().__init__()
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
@@ -82,11 +85,26 @@ class MoE(nn.Module):
         self.dispatch = None  # (tokens, counts [E]) -> outputs; None: the experts here
         # training forwards' routing (MoERouting.recording): token counts and balance stats
         self.sink: list | None = None
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        # (not a buffer: DDP would overwrite each rank's with rank 0's at every forward)
+        self.tokens_per_expert: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
         return self.router.num_experts
+
+    def split_experts(self, rank: int, size: int) -> list[nn.Parameter]:
+        """Keep experts ``rank*L .. (rank+1)*L - 1`` (L = E / size) of the grouped weights
+        (expert parallel: meshtrain/parallel/expert/); returns the new parameters."""
+        local = self.num_experts // size
+        rows = slice(rank * local, (rank + 1) * local)
+        kept = []
+        for name in ("w_in", "w_out"):
+            whole = getattr(self.experts, name)
+            part = nn.Parameter(whole.detach()[rows].clone(), requires_grad=whole.requires_grad)
+            setattr(self.experts, name, part)
+            kept.append(part)
+        self.experts.rows = rows  # which rows of the whole tensors (an init fills only them)
+        return kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -135,7 +153,9 @@ class MoERouting:
                     self._recorded = getattr(self, "_recorded", {})
                     self._recorded[id(layer)], layer.sink = layer.sink, None
                     for counts, _ in self._recorded[id(layer)]:
-                        layer.tokens_per_expert += counts.to(layer.tokens_per_expert.dtype)
+                        if layer.tokens_per_expert is None:
+                            layer.tokens_per_expert = torch.zeros_like(counts, dtype=torch.float64)
+                        layer.tokens_per_expert += counts
         return record()
 
     def stats(self, batch=None) -> RouterStats:
@@ -155,12 +175,16 @@ class MoERouting:
         """Once per optimizer step: the step's token counts [layers, E] summed over ``group``
         (the ranks with other tokens), the experts' biases moved by them (when balancing by
         bias), the counts reset. Returns the counts."""
-        counts = torch.stack([layer.tokens_per_expert for layer in self.layers])
+        counts = torch.stack([torch.zeros(layer.num_experts, dtype=torch.float64,
+                                          device=layer.router.expert_bias.device)
+                              if layer.tokens_per_expert is None else layer.tokens_per_expert
+                              for layer in self.layers])
         if group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(counts, group=group)
         if self.bias_rate:
             for layer, c in zip(self.layers, counts):
-                layer.router.expert_bias += self.bias_rate * torch.sign(c.mean() - c)
+                bias = layer.router.expert_bias
+                bias += (self.bias_rate * torch.sign(c.mean() - c)).to(bias.dtype)
         for layer in self.layers:
-            layer.tokens_per_expert.zero_()
+            layer.tokens_per_expert = None
         return counts

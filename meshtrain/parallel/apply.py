@@ -110,6 +110,10 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
         return
     if loss_fn is None and options.loss_items is not None:  # the model's own loss: one it can
         options.loss_items(model)  # carry (a term meshtrain would scale wrongly is refused)
+    if layout.expert_degree > 1:
+        from meshtrain.parallel.expert import check_expert_parallel
+
+        check_expert_parallel(model, layout.expert_degree)
     from meshtrain.moe.balance import check_router_loss
 
     check_router_loss(model, layout, options.router_loss if loss_fn is None else None)
@@ -183,6 +187,10 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         from meshtrain.parallel.context_parallel import apply_cp
 
         apply_cp(model, mesh.axis("cp"), options.context_parallel)
+    if layout.expert_degree > 1:  # (the expert parameters data parallelism leaves alone)
+        from meshtrain.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh)
     if options.sync_batchnorm and mesh.loss is not None:
         from meshtrain.parallel.sync_batchnorm import apply_sync_batchnorm
 

@@ -33,6 +33,12 @@ def apply_ddp(
 ) -> DistributedDataParallel:
     """Wrap ``model`` in DDP over the ``axis`` dimension of ``mesh`` and return the wrapper."""
     group = mesh.get_group(axis)
+    from meshtrain.parallel.expert import expert_params
+
+    held = {id(p) for p in expert_params(model)}
+    experts = [name for name, p in model.named_parameters() if id(p) in held]
+    if experts:  # ep's experts: each rank holds others (meshtrain/parallel/expert/)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
     device_ids = [device.index] if device is not None and device.type == "cuda" else None
     ddp = DistributedDataParallel(
         model,

@@ -17,7 +17,6 @@ where a schedule runs the micro-batches.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 
@@ -28,46 +27,11 @@ from meshtrain.data.batch import (
     throughput_unit,
     to_device,
 )
-from meshtrain.errors import ConfigError
 from meshtrain.module.core import has_steps, is_manual, step_loss
+from meshtrain.moe.balance import added_router_loss, recording, router_loss_of
 from meshtrain.parallel.batch_gather import batch_group
 from meshtrain.parallel.layout import Layout
-from meshtrain.moe.balance import added_router_loss, recording, router_loss_of
-from meshtrain.parallel.step_loss import compute_loss, loss_counter
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How one optimizer step's ``global_batch_size`` samples are cut."""
-
-    micro_batch_size: int  # samples per forward pass on one rank
-    grad_accum_steps: int  # micro-batches per optimizer step on one rank
-    loader_batch_size: int  # samples per draw from the loader (a whole step's under pp)
-
-
-def plan_batches(layout: Layout, global_batch_size: int, micro_batch_size: int | None,
-                 stages_per_rank: int = 1) -> BatchPlan:
-    """Check that the global batch divides over the batch ranks and micro-batches."""
-    ways, pp = layout.batch_degree, layout.degree("pp")
-    if pp > 1 and micro_batch_size is None and global_batch_size % ways == 0:
-        # enough micro-batches to fill the pipeline: one per stage
-        per_rank, fill = global_batch_size // ways, pp * stages_per_rank
-        micro_batch_size = per_rank // fill if per_rank % fill == 0 else per_rank
-    if micro_batch_size is None:
-        if global_batch_size % ways:
-            raise ConfigError(f"global_batch_size={global_batch_size} does not divide over {ways} "
-                              f"data-parallel ranks; use a multiple of {ways}")
-        micro_batch_size = global_batch_size // ways
-    if global_batch_size % (ways * micro_batch_size):
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} is not a multiple of data-parallel "
-            f"degree x micro_batch_size = {ways} x {micro_batch_size} = "
-            f"{ways * micro_batch_size}; choose a global batch that is a multiple of "
-            f"{ways * micro_batch_size}, or a micro_batch_size that divides "
-            f"{global_batch_size // ways}")
-    accum = global_batch_size // (ways * micro_batch_size)
-    loader = global_batch_size // ways if pp > 1 else micro_batch_size
-    return BatchPlan(micro_batch_size, accum, loader)
+from meshtrain.parallel.step_loss import StepItems, compute_loss, loss_counter
 
 
 @contextlib.contextmanager
@@ -297,6 +261,10 @@ class Engine:
             from meshtrain.parallel.data_parallel import allreduce_gradients
 
             allreduce_gradients(self.parameters(), self.mesh.loss.get_group())
+        if self.layout.expert_degree > 1:
+            from meshtrain.parallel.expert import sync_expert_grads
+
+            sync_expert_grads(self.model, self.mesh)
         self._steps_synced += 1
         if self.tp_checks_left > 0:
             from meshtrain.parallel.tp_debug import check_replicated_grads, check_split_inputs
@@ -312,6 +280,10 @@ class Engine:
         on every rank); clips them to ``max_norm`` unless it is None. ``params``: only these
         (one optimizer's, under manual optimisation)."""
         params = list(self.parameters() if params is None else params)
+        if self.layout.expert_degree > 1:  # the experts' squares summed over the ep group
+            from meshtrain.parallel.expert import clip_grad_norm
+
+            return plain(clip_grad_norm(self.model, params, max_norm, self.mesh)).detach()
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
@@ -411,20 +383,3 @@ def prediction_inputs(batch):
     """What the model is called with to predict: the first element of an ``(inputs, targets)``
     pair (or of an ``(inputs,)`` sample of a one-tensor TensorDataset), else the batch."""
     return batch[0] if isinstance(batch, (tuple, list)) and len(batch) in (1, 2) else batch
-
-
-class StepItems:
-    """A step's item count being summed over the batch ranks (an all-reduce in flight)."""
-
-    def __init__(self, total: torch.Tensor, work, loss_degree: int):
-        self.total, self.work, self.loss_degree, self._divisor = total, work, loss_degree, None
-
-    def divisor(self) -> torch.Tensor:
-        """What each loss rank divides its sums by: the step's items over the ranks whose
-        gradients are averaged, so that the average is the global sum over the items."""
-        if self._divisor is None:
-            if self.work is not None:
-                self.work.wait()
-            self._divisor = self.total.clamp(min=1).to(torch.float32) / self.loss_degree
-        return self._divisor
-

@@ -141,6 +141,11 @@ def apply_fsdp(
         )
     check_offload(offload, mesh.device_type)
     options = dict(mesh=mesh, mp_policy=mixed_precision_policy(precision))
+    from meshtrain.parallel.expert import expert_params
+
+    ignored = set(expert_params(model))  # ep's experts: each rank holds others
+    if ignored:
+        options["ignored_params"] = ignored
     if offload == "cpu":
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     blocks = find_blocks(model) if blocks is None else list(blocks)

@@ -28,6 +28,13 @@ ZeRO names are aliases that also pick what is sharded (Rajbhandari et al., SC 20
 
 Hybrid sharding: ``dp_replicate=2,dp_shard=2`` (or ``dp_replicate=2,zero2=2``).
 
+Expert parallel: ``ep=E`` splits the experts of mixture-of-experts layers over E ranks
+borrowed from the data-parallel axis (meshtrain/parallel/expert/): it adds no process, so
+``ep=2`` alone is 2 processes, ``dp=2`` for everything else, each rank holding half the
+experts; ``dp_shard=4,ep=2`` is 4 processes, the dense part sharded over 4, the experts split
+over 2 and replicated over the other 2 (the "expert data-parallel" ranks). E must divide the
+data-parallel degree; ep combines with ``dp`` or ``dp_shard`` (zero2/zero3) alone for now.
+
 Parameter servers: ``ps=S,dp=W`` starts S + W processes; the last S hold the parameters and the
 optimizer (meshtrain/parallel/ps/layout.py) and are not in the mesh, the first W are the
 data-parallel workers (``dp=auto`` when left out). ``ps`` combines with ``dp`` only.
@@ -81,6 +88,7 @@ class Layout:
     degrees: dict[str, int] = field(default_factory=dict)
     zero_stage: int = 0
     num_servers: int = 0  # ``ps=S``: S parameter-server processes beside the mesh's workers
+    expert_degree: int = 1  # ``ep=E``: experts split over E of the data-parallel ranks
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -102,7 +110,10 @@ class Layout:
                 f"layout must be a string like 'dp=2', a dict or a Layout, got {type(spec).__name__}"
             )
         num_servers = _servers(raw, world_size, spec)
-        return cls(*_resolve(raw, world_size - num_servers, spec), num_servers)
+        experts = _experts(raw, spec)
+        degrees, zero_stage = _resolve(raw, world_size - num_servers, spec)
+        return cls(degrees, zero_stage, num_servers, _check_experts(experts, degrees,
+                                                                      zero_stage, spec))
 
     # -- queries ------------------------------------------------------------------------------
     def degree(self, axis: str) -> int:
@@ -198,6 +209,8 @@ class Layout:
         text = ",".join(f"{names.get(a, a)}={self.degrees[a]}" for a in self.axis_names)
         if self.num_servers:
             return f"ps={self.num_servers},{text or 'dp=1'}"
+        if self.expert_degree > 1:
+            return f"{text},ep={self.expert_degree}"
         return text or "single"
 
 
@@ -234,6 +247,43 @@ def _servers(raw: dict, world_size: int, spec) -> int:
             f"{int(workers) + num_servers} processes, or write 'ps={num_servers}' alone (every "
             "other process a worker)")
     return num_servers
+
+
+def _experts(raw: dict, spec) -> int:
+    """``ep=E`` taken out of ``raw`` (it borrows ranks, adds no mesh axis); alone, the other
+    ranks' layout is plain data parallel (``dp=auto``)."""
+    if "ep" not in raw:
+        return 1
+    value = raw.pop("ep")
+    try:
+        degree = int(value)
+    except (TypeError, ValueError):
+        raise LayoutError(f"ep={value!r} in {spec!r}: give the number of ranks the experts are "
+                          "split over, e.g. 'ep=2'; 'auto' is not taken") from None
+    if degree < 1:
+        raise LayoutError(f"degree of 'ep' must be at least 1, got {degree}")
+    if not raw:
+        raw["dp"] = "auto"
+    return degree
+
+
+def _check_experts(degree: int, degrees: dict, zero_stage: int, spec) -> int:
+    """``ep``'s degree, checked against the data-parallel axis it borrows its ranks from."""
+    if degree == 1:
+        return 1
+    other = sorted(set(degrees) - {"dp", "dp_shard"})
+    if other or zero_stage == 1:
+        what = ", ".join(other) if other else "zero1 (its optimizer would overwrite the experts)"
+        raise LayoutError(
+            f"layout {spec!r}: ep (expert parallel) combines with dp or dp_shard "
+            f"(zero2/zero3) alone for now, not with {what}; e.g. 'ep={degree}' or "
+            f"'zero3={degree},ep={degree}'")
+    data = degrees.get("dp", 1) * degrees.get("dp_shard", 1)
+    if data % degree:
+        raise LayoutError(
+            f"layout {spec!r}: ep={degree} borrows its ranks from the data-parallel axis, which "
+            f"has {data}; ep must divide it (e.g. ep={_divisor(data, degree)}, or more processes)")
+    return degree
 
 
 def _parse_pairs(spec: str) -> dict[str, str]:
@@ -335,3 +385,9 @@ def _resolve(raw: dict, world_size: int, spec) -> dict[str, int]:
     if zero_stage is None:
         zero_stage = 3 if "dp_shard" in raw else 0
     return degrees, zero_stage
+
+
+def _divisor(data: int, degree: int) -> int:
+    """A degree above 1 that divides ``data``: their common divisor, else ``data`` itself."""
+    common = math.gcd(data, degree)
+    return common if common > 1 else data

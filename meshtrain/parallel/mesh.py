@@ -10,6 +10,8 @@ of the step needs, so no other module flattens or slices the mesh itself:
 ``shard``  what FSDP2 shards over: ``dp_shard`` (with ``cp`` folded in), 2-D with ``dp_replicate``
            for HSDP
 ``axis(n)`` one named axis (``pp``, ``tp``, ``cp``, ``dp``), or None when its degree is 1
+``expert``  under ``ep``: 2-D (``edp``, ``ep``) over the data-parallel ranks: ``ep`` the ranks
+           that split the experts (consecutive ranks), ``edp`` those holding the same experts
 ========== =====================================================================================
 
 :meth:`ParallelMesh.local_p2p` adds, for CPU processes of one host, a shared-memory group over
@@ -48,6 +50,13 @@ class ParallelMesh:
             if layout.degree("dp_replicate") > 1:
                 shard_axes = ("dp_replicate", *shard_axes)
             self.shard = self.mesh[shard_axes]
+        self.expert = None
+        if layout.expert_degree > 1:  # (ep borrows every rank of the one data-parallel axis)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            ep = layout.expert_degree
+            self.expert = init_device_mesh(device_type, (layout.world_size // ep, ep),
+                                           mesh_dim_names=("edp", "ep"))
 
     def _axis_backends(self, device_type: str) -> dict[str, str]:
         """The tp axis's collectives through shared memory where it applies (CPU processes of

@@ -81,3 +81,19 @@ def _noted(note: Callable[[], str]):
     except (TypeError, ValueError, IndexError, RuntimeError) as error:
         error.add_note(f"meshtrain: {note()}.")
         raise
+
+
+class StepItems:
+    """A step's item count being summed over the batch ranks (an all-reduce in flight)."""
+
+    def __init__(self, total: torch.Tensor, work, loss_degree: int):
+        self.total, self.work, self.loss_degree, self._divisor = total, work, loss_degree, None
+
+    def divisor(self) -> torch.Tensor:
+        """What each loss rank divides its sums by: the step's items over the ranks whose
+        gradients are averaged, so that the average is the global sum over the items."""
+        if self._divisor is None:
+            if self.work is not None:
+                self.work.wait()
+            self._divisor = self.total.clamp(min=1).to(torch.float32) / self.loss_degree
+        return self._divisor

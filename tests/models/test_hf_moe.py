@@ -10,7 +10,7 @@ relative); the loss values to 1e-6, as transformers computes them in float32 (``
 
 import pytest
 import torch
-from parity import LOSSES, adamw_gpt, compare_ranks, run_ranks, train_state
+from parity import LOSSES, adamw_gpt, compare_ranks, run_ranks
 
 from meshtrain.errors import ConfigError
 from meshtrain.models.hf import random_token_data, tiny_causal_lm

@@ -114,3 +114,70 @@ def test_bad_moe_configs_are_refused_before_start(tmp_path):
                                 global_batch_size=8)
         with pytest.raises(ConfigError, match=match):
             trainer.check(moe_gpt, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout, devices", [("ep=2", 2), ("dp_shard=2,ep=2", 2)])
+def test_expert_parallel_matches_one_process(layout, devices):
+    assert_parity(layout, devices, steps=6, global_batch_size=16, fns=MOE_FNS)
+
+
+def moe_gpt_one_sided():
+    """Every token routed to experts 2 and 3 (rank 1's under ep=2): rank 0 sends all its
+    tokens away and its experts receive none."""
+    model = moe_gpt(router_aux_loss_coef=0.0)
+    for layer in model.layers:
+        layer.mlp.router.expert_bias.copy_(torch.tensor([-100.0, -100.0, 0.0, 0.0]))
+    return model
+
+
+@pytest.mark.timeout(300)
+def test_all_tokens_to_the_other_ranks_experts_and_experts_without_tokens():
+    fns = dict(MOE_FNS, model_fn=moe_gpt_one_sided)
+    assert_parity("ep=2", 2, steps=4, global_batch_size=16, fns=fns)
+
+
+@pytest.mark.timeout(400)
+def test_experts_split_in_two_and_sharded_over_the_other_two_ranks():
+    """dp_shard=4,ep=2 on 4 processes: experts split over ranks (0, 1) and (2, 3), each half
+    held by two ranks that see other data (their gradients summed over them)."""
+    assert_parity("dp_shard=4,ep=2", 4, steps=4, global_batch_size=16, fns=MOE_FNS)
+
+
+def test_bad_expert_layouts_are_refused_before_start(tmp_path):
+    from conftest import quiet_trainer
+
+    from parity import tiny_gpt
+
+    cases = [("ep=2", 2, tiny_gpt, "has none meshtrain can split"),
+             ("ep=2", 2, lambda: moe_gpt(num_experts=3, experts_per_token=1),
+              r"ep=2 does not divide the 3 experts"),
+             ("ep=4", 2, moe_gpt, r"ep=4 borrows its ranks from the data-parallel axis, "
+                                  r"which has 2; ep must divide it"),
+             ("tp=2,ep=2", 2, moe_gpt, "combines with dp or dp_shard")]
+    for layout, devices, model, match in cases:
+        with pytest.raises(ConfigError, match=match):  # (the layout's own: at Trainer())
+            trainer = quiet_trainer(tmp_path, layout=layout, devices=devices, max_steps=1,
+                                    global_batch_size=8)
+            trainer.check(model, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("saved, resumed", [("ep=2", None), (None, "dp_shard=2,ep=2")],
+                         ids=["ep=2->1 process", "1 process->dp_shard=2,ep=2"])
+def test_a_checkpoint_resumes_under_another_expert_layout(tmp_path, saved, resumed):
+    """3 steps under one layout, a checkpoint, 3 more under another = 6 steps in one process
+    (the experts' weights and their AdamW state saved whole, read back as each rank's rows)."""
+    from parity import F64_TOL, compare_ranks, run_ranks, train_state
+
+    def run(layout, steps, **kwargs):
+        trainer = dict(max_steps=steps, global_batch_size=16, layout=layout, **kwargs)
+        return run_ranks(trainer, 2 if layout else 1, timeout=200, float64=True, **MOE_FNS)
+
+    reference = train_state(dict(max_steps=6, global_batch_size=16), float64=True, **MOE_FNS)
+    run(saved, 3, run_dir=str(tmp_path / "first"), save_final_checkpoint=True)
+    resumed_ranks = run(resumed, 6, run_dir=str(tmp_path / "second"),
+                        resume=str(tmp_path / "first" / "checkpoints" / "final"))
+    reference_tail = {k: v for k, v in reference.items() if not k.startswith("__")}
+    compare_ranks(reference_tail, resumed_ranks, tol=F64_TOL, relative=True,
+                  label=f"{saved or '1 process'} -> {resumed or '1 process'}")

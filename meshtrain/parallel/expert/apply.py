@@ -1,0 +1,166 @@
+"""``apply_expert_parallel``: each MoE layer keeps its share of the experts and dispatches
+tokens by all-to-all (dispatch.py); what the rest of the step does differently under ``ep``.
+
+* **The split.** A layer that can be split has ``split_experts(rank, size)`` (meshtrain's MoE,
+  meshtrain/moe/layer.py): it keeps rows ``rank*L .. (rank+1)*L`` of its grouped expert
+  weights ``[E, ...]`` as plain parameters. DDP and FSDP2 leave them out; everything else of
+  the model is data parallel over the same ranks as before.
+* **Gradients.** An expert's gradient on its rank already sums what every rank of its ep group
+  sent it (the all-to-all's backward); summed over the ``edp`` ranks that hold the same experts
+  and divided by the data-parallel degree (each rank's loss is scaled for an average over
+  them) it is one process's gradient.
+* **The gradient norm** adds the experts' squares over the ep group to the rest's.
+* **State.** ``state_dict()`` gives the experts as DTensors sharded over ``ep`` (rows), so
+  gathering the whole model (``whole_state``) and DCP checkpoints see whole tensors;
+  ``load_state_dict`` takes them back as DTensors (DCP reads each rank's rows into them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.expert.dispatch import AllToAllExperts
+
+
+def _splittable(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if callable(getattr(m, "split_experts", None))]
+
+
+def check_expert_parallel(model: torch.nn.Module, ep: int) -> None:
+    """Before start: ``ep`` needs layers that can split their experts, E of each a multiple
+    of ``ep``."""
+    layers = _splittable(model)
+    if not layers:
+        hf = "" if not hasattr(model, "config") else (
+            " (a Hugging Face MoE model's experts are not split by meshtrain yet)"
+            if getattr(model.config, "num_experts", None) or getattr(
+                model.config, "num_local_experts", None) else "")
+        raise ConfigError(
+            f"ep={ep} splits the experts of mixture-of-experts layers, and "
+            f"{type(model).__name__} has none meshtrain can split{hf}; drop ep (a dense model "
+            "is data parallel over the same ranks with dp), or use meshtrain's MoE GPT "
+            "(GPTConfig.num_experts)")
+    for layer in layers:
+        if layer.num_experts % ep:
+            raise ConfigError(
+                f"ep={ep} does not divide the {layer.num_experts} experts of "
+                f"{type(layer).__name__}: each rank must hold the same number; pick ep among "
+                f"{[d for d in range(2, layer.num_experts + 1) if layer.num_experts % d == 0]}")
+
+
+def apply_expert_parallel(model: torch.nn.Module, mesh) -> list[torch.nn.Parameter]:
+    """Split every MoE layer's experts over ``mesh.expert["ep"]``; returns the expert
+    parameters (the ones data parallelism must leave alone)."""
+    ep_mesh = mesh.expert["ep"]
+    rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
+    params = []
+    for layer in _splittable(model):
+        kept = layer.split_experts(rank, size)
+        layer.dispatch = AllToAllExperts(layer.experts, ep_mesh.get_group(), size)
+        layer.experts.ep_mesh = ep_mesh  # (plain tensors holding rows of whole ones)
+        _state_as_dtensors(layer.experts, ep_mesh, [n for n, p in
+                                                   layer.experts.named_parameters()
+                                                   if any(p is k for k in kept)])
+        params += kept
+    return params
+
+
+def expert_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters ep split (of modules marked with their ``ep_mesh``)."""
+    return [p for m in model.modules() if getattr(m, "ep_mesh", None) is not None
+            for p in m.parameters(recurse=False)]
+
+
+def sync_expert_grads(model: torch.nn.Module, mesh) -> None:
+    """The experts' gradients summed over the ranks holding the same experts, divided by the
+    data-parallel degree (see the module docstring)."""
+    params = [p for p in expert_params(model) if p.grad is not None]
+    if not params:
+        return
+    edp = mesh.expert["edp"]
+    if edp.size() > 1:
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=edp.get_group())
+        for p, part in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(part.view_as(p.grad))
+    degree = mesh.layout.loss_degree
+    for p in params:
+        p.grad.div_(degree)
+
+
+def clip_grad_norm(model: torch.nn.Module, params, max_norm: float | None, mesh
+                   ) -> torch.Tensor:
+    """The global gradient norm of ``params`` (``model``'s experts' squares summed over the ep
+    group), clipping them to ``max_norm`` unless None."""
+    from torch.distributed.tensor import DTensor
+
+    held = {id(p) for p in expert_params(model)}
+    params = [p for p in params if p.grad is not None]
+    experts = [p for p in params if id(p) in held]
+    rest = [p for p in params if id(p) not in held]
+    dense = torch.nn.utils.get_total_norm([p.grad for p in rest])
+    if isinstance(dense, DTensor):
+        dense = dense.full_tensor()
+    squares = torch.nn.utils.get_total_norm([p.grad for p in experts]) ** 2
+    dist.all_reduce(squares, group=mesh.expert["ep"].get_group())
+    norm = (dense.to(squares.dtype) ** 2 + squares).sqrt()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def _state_as_dtensors(module: torch.nn.Module, ep_mesh, names: list[str]) -> None:
+    """``module``'s ``names`` in its state_dict as DTensors sharded by rows over ``ep_mesh``;
+    loaded from whole tensors or DTensors as this rank's rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def save(module, state, prefix, local_metadata):
+        for name in names:
+            key = prefix + name
+            if key in state and not isinstance(state[key], DTensor):
+                state[key] = DTensor.from_local(state[key], ep_mesh, [Shard(0)], run_check=False)
+        return state
+
+    def load(module, state, prefix, *args):
+        for name in names:
+            value = state.get(prefix + name)
+            if isinstance(value, DTensor):  # DCP read this rank's rows into our own template
+                assert value.placements == (Shard(0),), value.placements
+                state[prefix + name] = value.to_local()
+
+    module._register_state_dict_hook(save)
+    module._register_load_state_dict_pre_hook(load, with_module=True)
+
+
+def _expert_names(model: torch.nn.Module) -> dict[str, object]:
+    """{parameter name: its ep mesh} of the experts ep split."""
+    return {f"{name}.{p_name}" if name else p_name: module.ep_mesh
+            for name, module in model.named_modules()
+            if getattr(module, "ep_mesh", None) is not None
+            for p_name, _ in module.named_parameters(recurse=False)}
+
+
+def optim_state_as_dtensors(model: torch.nn.Module, optim_sd: dict) -> None:
+    """In place: the experts' optimizer state (keyed by parameter name) as DTensors sharded by
+    rows over ep, as their weights are in ``state_dict()`` (DCP saves them whole, and loads into
+    them each rank's rows)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for name, mesh in _expert_names(model).items():
+        for key, value in (optim_sd.get("state", {}).get(name) or {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and \
+                    not isinstance(value, DTensor):
+                optim_sd["state"][name][key] = DTensor.from_local(value, mesh, [Shard(0)],
+                                                                  run_check=False)
+
+
+def optim_state_as_local(model: torch.nn.Module, optim_sd: dict) -> None:
+    """In place: the inverse of :func:`optim_state_as_dtensors` (this rank's rows)."""
+    from torch.distributed.tensor import DTensor
+
+    for name in _expert_names(model):
+        for key, value in (optim_sd.get("state", {}).get(name) or {}).items():
+            if isinstance(value, DTensor):
+                optim_sd["state"][name][key] = value.to_local()
