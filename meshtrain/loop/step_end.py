@@ -26,6 +26,7 @@ def end_step(t, total: int) -> None:
                     "stopping with a checkpoint (run again to continue)")
         metrics.update(t._logs.take("window", t.mesh.loss_group(), t.device,
                                     t.mesh.stage_group()))
+        metrics.update(getattr(t.engine, "moe_metrics", {}))  # an MoE model's last step
         if t.log_grad_norm and t.grad_norm is not None:
             metrics["train/grad_norm"] = float(t.grad_norm)
         if t.num_skipped_steps:

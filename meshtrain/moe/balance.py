@@ -119,7 +119,43 @@ def added_router_loss(router_loss, batch, group, loss_degree: int, accum: int) -
     scaled like the rest of the loss (gradients are averaged over ``loss_degree`` ranks, and
     each of ``accum`` micro-steps adds its own)."""
     share = balance_term(router_loss.stats(batch), group)
+    step = getattr(router_loss, "step_shares", None)  # (logged once a step: end_of_step)
+    router_loss.step_shares = share.detach() / accum + (0 if step is None else step)
     return share * (router_loss.coef * loss_degree / accum)
+
+
+def end_of_step(router_loss, group) -> dict[str, float]:
+    """Once per optimizer step, on every rank: the step's routing metrics (the balancing loss,
+    averaged over the micro-steps: ``train/router_aux_loss``; the expert load, for a model that
+    counts it), and the bias balancing of a model that balances so."""
+    metrics = {}
+    shares = getattr(router_loss, "step_shares", None)
+    if shares is not None:
+        total = shares.detach().double().reshape(1)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        metrics["train/router_aux_loss"] = float(total)
+        router_loss.step_shares = None
+    if callable(getattr(router_loss, "after_step", None)):
+        metrics.update(load_metrics(router_loss.after_step(group)))
+    return metrics
+
+
+def load_metrics(counts: torch.Tensor) -> dict[str, float]:
+    """Tokens per expert in a step ([layers, E], every rank's): per layer the least, mean and
+    most, and the imbalance max / mean (1 when balanced; E when one expert takes every
+    token); ``moe/imbalance`` the worst layer's."""
+    metrics = {}
+    for i, layer in enumerate(counts.double()):
+        mean = layer.mean().clamp(min=1e-12)
+        metrics.update({f"moe/layer{i}/tokens_min": float(layer.min()),
+                        f"moe/layer{i}/tokens_mean": float(mean),
+                        f"moe/layer{i}/tokens_max": float(layer.max()),
+                        f"moe/layer{i}/imbalance": float(layer.max() / mean)})
+    if len(counts):
+        metrics["moe/imbalance"] = max(metrics[f"moe/layer{i}/imbalance"]
+                                       for i in range(len(counts)))
+    return metrics
 
 
 def recording(router_loss):

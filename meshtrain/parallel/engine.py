@@ -28,7 +28,7 @@ from meshtrain.data.batch import (
     to_device,
 )
 from meshtrain.module.core import has_steps, is_manual, step_loss
-from meshtrain.moe.balance import added_router_loss, recording, router_loss_of
+from meshtrain.moe.balance import added_router_loss, end_of_step, recording, router_loss_of
 from meshtrain.parallel.batch_gather import batch_group
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.step_loss import StepItems, compute_loss, loss_counter
@@ -239,8 +239,10 @@ class Engine:
         average, when one is due."""
         if self.averager is not None:
             self.averager.after_step(step)
-        if hasattr(self.router_loss, "after_step"):  # the step's expert load; bias balancing
-            self.expert_load = self.router_loss.after_step(self.loss_group)
+        if self.router_loss is not None:  # the step's routing metrics; bias balancing
+            self.moe_metrics = end_of_step(self.router_loss, self.loss_group)
+
+    moe_metrics: dict = {}  # the last step's (meshtrain.moe.balance.end_of_step)
 
     def end_of_training(self) -> None:
         """When the loop ends (at max_steps or stopped early): local SGD averages the steps

@@ -29,7 +29,6 @@ from meshtrain.errors import ConfigError
 from meshtrain.metrics import fit_metric_names
 from meshtrain.models.from_config import model_config, model_factory
 from meshtrain.optim import AdamW
-from meshtrain.parallel.whole_state import whole_state
 from meshtrain.plan.auto import resolved_config
 from meshtrain.recipes.char_lm import MEMORY_RUN, cosine_with_warmup
 from meshtrain.trainer import Trainer
@@ -207,11 +206,11 @@ def run(config: dict, mode: str = "train"):
         return {"run_dir": trainer.run_dir}
     trainer.print(f"data: {train_set.num_tokens:,} training tokens in {len(train_set):,} "
                   f"sequences of {train_set.seq_len}; vocabulary {meta['vocab_size']}")
-    model = trainer.fit(parts["model"], train_set, val_set, lr_scheduler=parts["lr_scheduler"],
-                        **fit)
+    trainer.fit(parts["model"], train_set, val_set, lr_scheduler=parts["lr_scheduler"], **fit)
     val_loss = trainer.callback_metrics.get("val/loss")
     baseline = unigram_baseline(train_set, val_set, meta["vocab_size"])
-    model = _whole_model(trainer, model, parts["model"])
+    model = trainer.whole_model()  # (collective) sample from one whole model, on rank 0
+    model = model.to(trainer.device) if trainer.is_global_zero else None
     if trainer.is_global_zero:
         if val_loss is not None:
             accuracy = trainer.callback_metrics.get("val/token_accuracy")
@@ -222,19 +221,6 @@ def run(config: dict, mode: str = "train"):
         print(sample(model, tokenizer_path, config["sample"], trainer, config["data"]["seq_len"]))
         print("--------------------------------------------------------------------")
     return {"val_loss": val_loss, "baseline": baseline, "run_dir": trainer.run_dir}
-
-
-def _whole_model(trainer, model, build):
-    """The whole model on rank 0 (gathered from shards and stages; None elsewhere)."""
-    layout = trainer.layout
-    if layout.degree("pp") == 1 and not layout.is_sharded and layout.degree("tp") == 1:
-        return model
-    state = whole_state(model, layout.degree("pp"))  # collective
-    if not trainer.is_global_zero:
-        return None
-    whole = build().to(trainer.device)
-    whole.load_state_dict(state)
-    return whole
 
 
 @torch.no_grad()

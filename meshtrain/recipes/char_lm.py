@@ -25,7 +25,6 @@ from meshtrain.data.text import CharChunks, CharTokenizer, split_tokens, stdlib_
 from meshtrain.errors import ConfigError
 from meshtrain.metrics import fit_metric_names
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.whole_state import whole_state
 from meshtrain.plan.auto import resolved_config
 from meshtrain.trainer import Trainer
 
@@ -50,8 +49,11 @@ DEFAULTS = {
     "data": {"path": "", "max_chars": 1_500_000, "seq_len": 128, "val_fraction": 0.05},
     # vocab_multiple: the vocabulary is padded to a multiple of it, so that tensor parallel
     # (which splits the embedding and head by vocabulary rows) divides it
+    # num_experts > 0: every MLP a mixture of experts (GPTConfig, docs/moe.md; 0 = dense)
     "model": {"num_layers": 4, "num_heads": 4, "d_model": 128, "mlp_ratio": 4, "dropout": 0.0,
-              "vocab_multiple": 8},
+              "vocab_multiple": 8, "num_experts": 0, "experts_per_token": 2,
+              "expert_hidden_dim": 0, "shared_expert": False, "router_score": "softmax",
+              "router_aux_loss_coef": 0.01, "router_bias_rate": 0.0},
     "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
                   "warmup_steps": 20, "min_lr_ratio": 0.1},
     **_trainer_sections(),  # [trainer] [parallel] [pipeline] [checkpoint] [fault] [logging]
@@ -194,16 +196,12 @@ def run(config: dict, mode: str = "train"):
 
     trainer.print(f"data: {len(text):,} characters, vocabulary {tokenizer.vocab_size}, "
                   f"{len(train_set):,} training and {len(val_set):,} validation sequences")
-    model = trainer.fit(build, train_set, val_set, optimizer=optimizer, loss_fn=loss_fn,
-                        lr_scheduler=parts["lr_scheduler"])
+    trainer.fit(build, train_set, val_set, optimizer=optimizer, loss_fn=loss_fn,
+                lr_scheduler=parts["lr_scheduler"])
     val_loss = trainer.callback_metrics.get("val/loss")
-    if trainer.layout.degree("pp") > 1 or trainer.layout.is_sharded or \
-            trainer.layout.degree("tp") > 1:  # sample from one whole model, on one rank
-        state = whole_state(model, trainer.layout.degree("pp"))  # (every rank gathers)
-        model = build().to(trainer.device) if trainer.is_global_zero else None
-        if model is not None:
-            model.load_state_dict(state)
+    model = trainer.whole_model()  # (collective) sample from one whole model, on one rank
     if trainer.is_global_zero:
+        model = model.to(trainer.device)
         sample = config["sample"]
         prompt = tokenizer.encode(sample["prompt"]).unsqueeze(0).to(trainer.device)
         generator = torch.Generator(device=trainer.device).manual_seed(trainer.seed)
