@@ -181,3 +181,37 @@ def test_a_checkpoint_resumes_under_another_expert_layout(tmp_path, saved, resum
     reference_tail = {k: v for k, v in reference.items() if not k.startswith("__")}
     compare_ranks(reference_tail, resumed_ranks, tol=F64_TOL, relative=True,
                   label=f"{saved or '1 process'} -> {resumed or '1 process'}")
+
+
+def _memory_under(layout: str) -> tuple:
+    import tempfile
+
+    from meshtrain import Trainer
+    from meshtrain.observe.memory.probe import memory_row
+    from meshtrain.parallel.expert import expert_params
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(layout=layout, max_steps=1, global_batch_size=16, loggers=(),
+                          progress_bar=False, report=False, save_final_checkpoint=False,
+                          model_summary=False, run_dir=run_dir)
+        model = trainer.fit(moe_gpt, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
+        row = memory_row(model, trainer.optimizer, trainer.layout)
+        experts = sum(p.numel() for p in expert_params(model))
+        # (after fit: the gradients are freed; parameters and optimizer state remain)
+        return (row.measured.params + row.measured.optimizer,
+                row.predicted.params + row.predicted.optimizer, experts)
+
+
+@pytest.mark.timeout(300)
+def test_expert_memory_per_rank_is_the_formulas():
+    """Under ep each rank holds E / ep experts whole (parameters, gradients, AdamW's two
+    moments: 16 bytes each in fp32) and its share of the rest: measured = predicted."""
+    from meshtrain.launch.spawn import run_workers
+
+    whole = sum(p.numel() for n, p in moe_gpt().named_parameters() if ".experts." in n)
+    for layout in ("ep=2", "dp_shard=2,ep=2"):
+        for measured, predicted, experts in run_workers(_memory_under, 2, (layout,),
+                                                        timeout=200):
+            assert experts == whole // 2
+            assert abs(measured / predicted - 1) < 0.01, (layout, measured, predicted)

@@ -181,14 +181,19 @@ def memory_row(
         measured = ModelStateBytes(forward_params, measured.grads, measured.optimizer)
     first = next(model.parameters())
     num_params = _num_params(model) if num_params is None else num_params
-    predicted = predicted_bytes(
-        num_params,
-        layout.zero_stage,
-        shard_count(layout),
-        bytes_per_param=first.element_size(),
-        bytes_per_grad=first.element_size(),
-        optimizer_bytes_per_param=optimizer_bytes_per_param(optimizer),
-    )
+    sizes = dict(bytes_per_param=first.element_size(), bytes_per_grad=first.element_size(),
+                 optimizer_bytes_per_param=optimizer_bytes_per_param(optimizer))
+    # under ep this rank's experts (E / ep of them) are whole here, not sharded by ZeRO
+    from meshtrain.parallel.expert import expert_params
+
+    experts = sum(p.numel() for p in expert_params(model))
+    predicted = predicted_bytes(num_params - experts, layout.zero_stage, shard_count(layout),
+                                **sizes)
+    if experts:
+        alone = predicted_bytes(experts, 0, 1, **sizes)
+        predicted = ModelStateBytes(predicted.params + alone.params,
+                                    predicted.grads + alone.grads,
+                                    predicted.optimizer + alone.optimizer)
     return MemoryRow(str(layout), measured, predicted, num_params)
 
 
