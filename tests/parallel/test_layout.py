@@ -182,10 +182,37 @@ def test_the_readmes_refused_combinations_are_refused():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("These combinations are refused before any process starts")[1]
     items = re.findall(r"^- .*?\(`([^`]+)`\)", section.split("\n\n")[1], flags=re.M)
-    assert len(items) == 5, items
+    assert len(items) == 6, items
     for spec in items:
         degrees = dict(part.split("=") for part in spec.split(","))
-        world = math.prod(int(v) for k, v in degrees.items() if k != "ps")
-        world += int(degrees.get("ps", 0))
-        with pytest.raises(LayoutError):
+        world = math.prod(int(v) for k, v in degrees.items() if k not in ("ps", "ep"))
+        world += int(degrees.get("ps", 0))  # (ep borrows ranks: it adds none)
+        with pytest.raises(LayoutError, match="" if "ep" not in degrees else "alone for now"):
             Layout.parse(spec, world)
+
+
+@pytest.mark.parametrize("spec, world, degrees, text", [
+    ("ep=2", 2, {"dp": 2}, "dp=2,ep=2"),
+    ("ep=2", 4, {"dp": 4}, "dp=4,ep=2"),
+    ("zero3=4,ep=2", 4, {"dp_shard": 4}, "dp_shard=4,ep=2"),
+    ("zero2=2,ep=2", 2, {"dp_shard": 2}, "zero2=2,ep=2"),
+])
+def test_ep_borrows_data_parallel_ranks(spec, world, degrees, text):
+    layout = Layout.parse(spec, world)
+    assert layout.degrees == degrees and layout.expert_degree == 2
+    assert layout.world_size == world and str(layout) == text
+    assert Layout.parse(str(layout), world) == layout  # round trip
+
+
+@pytest.mark.parametrize("spec, world, match", [
+    ("ep=3", 2, r"ep=3 borrows its ranks from the data-parallel axis, which has 2; ep must "
+                r"divide it \(e\.g\. ep=2"),
+    ("ep=auto", 2, "give the number of ranks"),
+    ("ep=0", 2, "at least 1"),
+    ("dp_replicate=2,dp_shard=2,ep=2", 4, "dp or dp_shard .* alone for now, not with "
+                                           "dp_replicate"),
+    ("zero1=2,ep=2", 2, "not with zero1"),
+])
+def test_ep_mistakes(spec, world, match):
+    with pytest.raises(LayoutError, match=match):
+        Layout.parse(spec, world)
