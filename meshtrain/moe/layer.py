@@ -92,6 +92,13 @@ class MoE(nn.Module):
     def num_experts(self) -> int:
         return self.router.num_experts
 
+    @property
+    def expert_module(self) -> nn.Module:
+        return self.experts
+
+    def compute_local(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return self.experts(tokens, counts)
+
     def split_experts(self, rank: int, size: int) -> list[nn.Parameter]:
         """Keep experts ``rank*L .. (rank+1)*L - 1`` (L = E / size) of the grouped weights
         (expert parallel: meshtrain/parallel/expert/); returns the new parameters."""

@@ -48,6 +48,8 @@ class ParallelOptions:
     loss_items: Callable[[torch.nn.Module], Callable | None] | None = None
     # module -> the router loss meshtrain adds to the model's own loss (meshtrain.moe), or None
     router_loss: Callable[[torch.nn.Module], object | None] | None = None
+    # module -> its MoE layers ep can split, where it has no meshtrain MoE layers (expert/)
+    expert_layers: Callable[[torch.nn.Module], list] | None = None
     sync_batchnorm: bool = True
     local_sgd_every: int | None = None  # local SGD (local_sgd.py): average parameters every H
     outer_lr: float | None = None
@@ -58,7 +60,8 @@ class ParallelOptions:
 
     @classmethod
     def from_settings(cls, s: dict, tp_plan=None, context_parallel=None,
-                      loss_items=None, router_loss=None) -> ParallelOptions:
+                      loss_items=None, router_loss=None, expert_layers=None
+                      ) -> ParallelOptions:
         """From the Trainer's settings (meshtrain.settings); ``tp_plan`` replaces a missing one,
         ``context_parallel`` adapts models that lack the methods (see ``cp_support``),
         ``loss_items`` counts the loss items of models that return their loss,
@@ -73,7 +76,7 @@ class ParallelOptions:
                    sequence_parallel=s["sequence_parallel"], loss_parallel=s["loss_parallel"],
                    tp_plan=tp_plan, tp_check_steps=s["tp_check_steps"],
                    context_parallel=context_parallel, loss_items=loss_items,
-                   router_loss=router_loss,
+                   router_loss=router_loss, expert_layers=expert_layers,
                    sync_batchnorm=s["sync_batchnorm"], local_sgd_every=s["local_sgd_every"],
                    outer_lr=s["outer_lr"], outer_momentum=s["outer_momentum"])
 
@@ -113,7 +116,7 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
     if layout.expert_degree > 1:
         from meshtrain.parallel.expert import check_expert_parallel
 
-        check_expert_parallel(model, layout.expert_degree)
+        check_expert_parallel(model, layout.expert_degree, options.expert_layers)
     from meshtrain.moe.balance import check_router_loss
 
     check_router_loss(model, layout, options.router_loss if loss_fn is None else None)
@@ -190,7 +193,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
     if layout.expert_degree > 1:  # (the expert parameters data parallelism leaves alone)
         from meshtrain.parallel.expert import apply_expert_parallel
 
-        apply_expert_parallel(model, mesh)
+        apply_expert_parallel(model, mesh, options.expert_layers)
     if options.sync_batchnorm and mesh.loss is not None:
         from meshtrain.parallel.sync_batchnorm import apply_sync_batchnorm
 

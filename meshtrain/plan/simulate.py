@@ -104,13 +104,15 @@ def default_options(layout: Layout, options, pipeline, *, sequence_parallel: boo
     from meshtrain.parallel.pipeline.engine import PipelineOptions
 
     if options is None:
-        from meshtrain.models.hf import hf_cp_support, hf_loss_items, hf_router_loss, hf_tp_plans
+        from meshtrain.models.hf import (hf_cp_support, hf_expert_layers, hf_loss_items,
+                                         hf_router_loss, hf_tp_plans)
 
         options = ParallelOptions(tp_plan=hf_tp_plans(layout.degree("tp"), sequence_parallel,
                                                       False),
                                   sequence_parallel=sequence_parallel,
                                   context_parallel=hf_cp_support, loss_items=hf_loss_items,
-                                  router_loss=hf_router_loss)
+                                  router_loss=hf_router_loss,
+                                  expert_layers=hf_expert_layers)
     if pipeline is None:
         from meshtrain.models.hf import hf_pp_support
 

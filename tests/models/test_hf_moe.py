@@ -66,7 +66,9 @@ def test_the_router_loss_trains_like_plain_transformers_under_every_data_layout(
     moved = plain_transformers(model_fn, steps=1)
     assert max((reference[k] - moved[k]).abs().max().item() for k in moved if k != LOSSES) > 1e-3
     weights = {k: v for k, v in reference.items() if k != LOSSES}
-    for layout, devices in ((None, 1), ("dp=2", 2), ("zero3=2", 2)):
+    # ep: each rank holds half the experts of the fused tensors (the model's base_model_ep_plan)
+    for layout, devices in ((None, 1), ("dp=2", 2), ("zero3=2", 2), ("ep=2", 2),
+                            ("dp_shard=2,ep=2", 2)):
         ranks = meshtrain_ranks(model_fn, layout, devices)
         label = f"{model_fn.__name__} {layout or 'one process'}"
         compare_ranks(weights, ranks, tol=F64_TOL, relative=True, label=label)
@@ -124,3 +126,4 @@ def test_a_transformers_whose_balancing_loss_changed_is_refused(monkeypatch):
                         lambda *args: original(*args) * 2)
     with pytest.raises(ConfigError, match="computes something else than meshtrain's copy"):
         hf_router_loss(model)
+

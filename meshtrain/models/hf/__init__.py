@@ -31,14 +31,14 @@ from torch.utils.data import Dataset
 from meshtrain.data.batch import describe
 from meshtrain.errors import ConfigError
 from meshtrain.models.hf.cp import HFContextParallel, hf_cp_support
-from meshtrain.models.hf.moe import hf_router_loss
+from meshtrain.models.hf.moe import hf_expert_layers, hf_router_loss
 from meshtrain.models.hf.pipeline import HFPipeline, causal_lm_loss
 from meshtrain.models.hf.tp import default_tp_plan, hf_tp_plan, hf_tp_plans
 
 __all__ = [
     "HFContextParallel", "RandomTokenDataset", "build_seeded", "causal_lm_loss",
-    "count_lm_targets", "default_tp_plan", "hf_cp_support", "hf_loss_items", "hf_pp_support",
-    "hf_router_loss", "hf_tp_plan", "hf_tp_plans", "is_hf_model", "random_token_data",
+    "count_lm_targets", "default_tp_plan", "hf_cp_support", "hf_expert_layers", "hf_loss_items",
+    "hf_pp_support", "hf_router_loss", "hf_tp_plan", "hf_tp_plans", "is_hf_model", "random_token_data",
     "tiny_causal_lm", "tiny_gpt2", "tiny_llama",
 ]
 

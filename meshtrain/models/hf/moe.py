@@ -119,3 +119,78 @@ def _refusal(name: str, why: str) -> str:
             f"models, but not for this one: {why}. Set output_router_logits=False (the router "
             "then trains without the balancing loss), or pass loss_fn= computing your own loss "
             "from the logits")
+
+
+# --- expert parallel: the experts the model's ep plan declares, split by meshtrain -------------
+class HFExperts:
+    """A transformers MoE layer's fused experts (``gate_up_proj`` [E, 2I, H], ``down_proj``
+    [E, H, I], ``forward(hidden_states, top_k_index, top_k_weights)``) as ep splits them
+    (meshtrain/parallel/expert/): this rank keeps rows ``rank*L ..``, its forward sorts the
+    (token, slot) pairs by expert, sends them through ``dispatch`` and sums each token's
+    outputs with its router weights; the local experts run the model's own forward (its own
+    activation and matmuls) on tokens grouped by local expert, each with weight 1."""
+
+    WEIGHTS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, module: torch.nn.Module):
+        self.expert_module, self.num_experts = module, int(module.num_experts)
+        self.dispatch = None
+        self._own_forward = module.forward
+
+    def split_experts(self, rank: int, size: int) -> list[torch.nn.Parameter]:
+        local = self.num_experts // size
+        rows = slice(rank * local, (rank + 1) * local)
+        kept = []
+        for name in self.WEIGHTS:
+            whole = getattr(self.expert_module, name)
+            part = torch.nn.Parameter(whole.detach()[rows].clone(),
+                                      requires_grad=whole.requires_grad)
+            setattr(self.expert_module, name, part)
+            kept.append(part)
+        self.expert_module.num_experts = local  # (its own forward loops over these)
+        self.expert_module.rows = rows
+        self.expert_module.forward = self._forward
+        return kept
+
+    def compute_local(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ids = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device),
+                                      torch.tensor(counts, device=tokens.device))
+        ones = torch.ones(len(ids), 1, dtype=tokens.dtype, device=tokens.device)
+        return self._own_forward(tokens, ids[:, None], ones)
+
+    def _forward(self, hidden_states, top_k_index, top_k_weights):
+        top_k = top_k_index.shape[-1]
+        picks = top_k_index.reshape(-1)
+        order = picks.argsort(stable=True)
+        counts = torch.bincount(picks, minlength=self.num_experts)
+        done = self.dispatch(hidden_states[order // top_k], counts)
+        out = torch.empty_like(done).index_copy(0, order, done)
+        weights = top_k_weights.unsqueeze(-1).to(out.dtype)
+        return (out.view(-1, top_k, out.shape[-1]) * weights).sum(1).to(hidden_states.dtype)
+
+
+def hf_expert_layers(model: torch.nn.Module) -> list[HFExperts]:
+    """For ``ParallelOptions.expert_layers``: the experts a transformers model's
+    ``base_model_ep_plan`` marks ``ep_dispatch_experts``, whose weights it marks
+    ``grouped_gemm`` (the fused 3-D ``gate_up_proj`` / ``down_proj``); [] for other models."""
+    import fnmatch
+
+    from meshtrain.models.hf import is_hf_model
+
+    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    if not (is_hf_model(model) and plan):
+        return []
+    base = getattr(model, "base_model_prefix", "model")
+    layers = []
+    for name, module in model.named_modules():
+        relative = name[len(base) + 1:] if name.startswith(base + ".") else name
+        if not any(style == "ep_dispatch_experts" and fnmatch.fnmatchcase(relative, pattern)
+                   for pattern, style in plan.items()):
+            continue
+        grouped = all(plan.get(f"{pattern}.{w}") == "grouped_gemm"
+                      for pattern, style in plan.items() if style == "ep_dispatch_experts"
+                      and fnmatch.fnmatchcase(relative, pattern) for w in HFExperts.WEIGHTS)
+        if grouped and all(getattr(module, w, None) is not None and getattr(module, w).dim() == 3
+                           for w in HFExperts.WEIGHTS) and hasattr(module, "num_experts"):
+            layers.append(HFExperts(module))
+    return layers

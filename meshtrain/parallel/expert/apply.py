@@ -24,45 +24,50 @@ from meshtrain.errors import ConfigError
 from meshtrain.parallel.expert.dispatch import AllToAllExperts
 
 
-def _splittable(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if callable(getattr(m, "split_experts", None))]
+def expert_layers(model: torch.nn.Module, adapt=None) -> list:
+    """The model's MoE layers whose experts ep can split: its modules with ``split_experts``
+    (meshtrain's MoE), else what ``adapt(model)`` gives (a Hugging Face model's, from its
+    declared ep plan). Each has ``num_experts``, ``split_experts(rank, size)`` (keeps those
+    rows, returns the new parameters), ``expert_module`` (the module holding them),
+    ``compute_local(tokens, counts)`` (this rank's experts on tokens grouped by expert) and a
+    ``dispatch`` to set (what its forward sends the routed tokens through)."""
+    own = [m for m in model.modules() if callable(getattr(m, "split_experts", None))]
+    return own or (list(adapt(model)) if adapt is not None else [])
 
 
-def check_expert_parallel(model: torch.nn.Module, ep: int) -> None:
+def check_expert_parallel(model: torch.nn.Module, ep: int, adapt=None) -> None:
     """Before start: ``ep`` needs layers that can split their experts, E of each a multiple
     of ``ep``."""
-    layers = _splittable(model)
+    layers = expert_layers(model, adapt)
     if not layers:
-        hf = "" if not hasattr(model, "config") else (
-            " (a Hugging Face MoE model's experts are not split by meshtrain yet)"
-            if getattr(model.config, "num_experts", None) or getattr(
-                model.config, "num_local_experts", None) else "")
         raise ConfigError(
             f"ep={ep} splits the experts of mixture-of-experts layers, and "
-            f"{type(model).__name__} has none meshtrain can split{hf}; drop ep (a dense model "
-            "is data parallel over the same ranks with dp), or use meshtrain's MoE GPT "
-            "(GPTConfig.num_experts)")
+            f"{type(model).__name__} has none meshtrain can split (meshtrain's MoE layers, or "
+            "a Hugging Face model whose config declares base_model_ep_plan with its experts "
+            "as 'ep_dispatch_experts'); drop ep (a dense model is data parallel over the same "
+            "ranks with dp)")
     for layer in layers:
         if layer.num_experts % ep:
             raise ConfigError(
                 f"ep={ep} does not divide the {layer.num_experts} experts of "
-                f"{type(layer).__name__}: each rank must hold the same number; pick ep among "
+                f"{type(layer.expert_module).__name__}: each rank must hold the same number; "
+                f"pick ep among "
                 f"{[d for d in range(2, layer.num_experts + 1) if layer.num_experts % d == 0]}")
 
 
-def apply_expert_parallel(model: torch.nn.Module, mesh) -> list[torch.nn.Parameter]:
+def apply_expert_parallel(model: torch.nn.Module, mesh, adapt=None) -> list[torch.nn.Parameter]:
     """Split every MoE layer's experts over ``mesh.expert["ep"]``; returns the expert
     parameters (the ones data parallelism must leave alone)."""
     ep_mesh = mesh.expert["ep"]
     rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
     params = []
-    for layer in _splittable(model):
+    for layer in expert_layers(model, adapt):
         kept = layer.split_experts(rank, size)
-        layer.dispatch = AllToAllExperts(layer.experts, ep_mesh.get_group(), size)
-        layer.experts.ep_mesh = ep_mesh  # (plain tensors holding rows of whole ones)
-        _state_as_dtensors(layer.experts, ep_mesh, [n for n, p in
-                                                   layer.experts.named_parameters()
-                                                   if any(p is k for k in kept)])
+        layer.dispatch = AllToAllExperts(layer.compute_local, ep_mesh.get_group(), size)
+        holder = layer.expert_module
+        holder.ep_mesh = ep_mesh  # (plain tensors holding rows of whole ones)
+        _state_as_dtensors(holder, ep_mesh, [n for n, p in holder.named_parameters()
+                                             if any(p is k for k in kept)])
         params += kept
     return params
 

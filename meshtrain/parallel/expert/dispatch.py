@@ -17,11 +17,12 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 
 class AllToAllExperts:
-    """``MoE.dispatch`` under ep: ``(tokens, counts [E]) -> outputs`` of ``experts`` (this
-    rank's L experts) for every token, computed where its expert lives."""
+    """``MoE.dispatch`` under ep: ``(tokens, counts [E]) -> outputs`` for every token, computed
+    where its expert lives by ``compute(tokens, counts)`` (that rank's L experts, on tokens
+    grouped by expert)."""
 
-    def __init__(self, experts: torch.nn.Module, group: dist.ProcessGroup, size: int):
-        self.experts, self.group, self.size = experts, group, size
+    def __init__(self, compute, group: dist.ProcessGroup, size: int):
+        self.compute, self.group, self.size = compute, group, size
 
     def __call__(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         size = self.size
@@ -37,7 +38,7 @@ class AllToAllExperts:
         by_expert = [s * local + e for e in range(local) for s in range(size)]
         pieces = received.split(segments)
         grouped = torch.cat([pieces[i] for i in by_expert]) if pieces else received
-        out = self.experts(grouped, matrix.sum(0).tolist())
+        out = self.compute(grouped, matrix.sum(0).tolist())
         out_pieces = out.split([segments[i] for i in by_expert])
         position = {i: k for k, i in enumerate(by_expert)}
         restored = torch.cat([out_pieces[position[i]] for i in range(size * local)])
