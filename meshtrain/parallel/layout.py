@@ -214,17 +214,26 @@ class Layout:
         return text or "single"
 
 
+def _pop_count(raw: dict, key: str, spec, what: str) -> int | None:
+    """``key``'s value taken out of ``raw`` as an integer (None when absent): ``ps`` and ``ep``
+    count processes or ranks, they are no mesh axis; ``what`` says what to give."""
+    if key not in raw:
+        return None
+    value = raw.pop(key)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise LayoutError(f"{key}={value!r} in {spec!r}: give {what}; 'auto' is not taken"
+                          ) from None
+
+
 def _servers(raw: dict, world_size: int, spec) -> int:
     """``ps=S`` (parameter servers, meshtrain/parallel/ps/layout.py) taken out of ``raw``: the
     last S processes serve, the others are plain data-parallel workers."""
-    if "ps" not in raw:
+    num_servers = _pop_count(raw, "ps", spec, "the number of parameter servers, e.g. "
+                             "'ps=1,dp=3' (1 server, 3 workers)")
+    if num_servers is None:
         return 0
-    value = raw.pop("ps")
-    try:
-        num_servers = int(value)
-    except (TypeError, ValueError):
-        raise LayoutError(f"ps={value!r} in {spec!r}: give the number of parameter servers, "
-                          "e.g. 'ps=1,dp=3' (1 server, 3 workers); 'auto' is not taken") from None
     if num_servers < 1:
         raise LayoutError(f"ps={num_servers} in {spec!r}: a parameter-server layout needs at "
                           "least 1 server; drop ps= for all-reduce data parallelism")
@@ -252,14 +261,10 @@ def _servers(raw: dict, world_size: int, spec) -> int:
 def _experts(raw: dict, spec) -> int:
     """``ep=E`` taken out of ``raw`` (it borrows ranks, adds no mesh axis); alone, the other
     ranks' layout is plain data parallel (``dp=auto``)."""
-    if "ep" not in raw:
+    degree = _pop_count(raw, "ep", spec, "the number of ranks the experts are split over, "
+                        "e.g. 'ep=2'")
+    if degree is None:
         return 1
-    value = raw.pop("ep")
-    try:
-        degree = int(value)
-    except (TypeError, ValueError):
-        raise LayoutError(f"ep={value!r} in {spec!r}: give the number of ranks the experts are "
-                          "split over, e.g. 'ep=2'; 'auto' is not taken") from None
     if degree < 1:
         raise LayoutError(f"degree of 'ep' must be at least 1, got {degree}")
     if not raw:
