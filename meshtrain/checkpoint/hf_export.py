@@ -16,6 +16,7 @@ import torch
 from meshtrain.checkpoint.hf_weights import (
     _TOKENIZER_FILES, SAFE_INDEX, SAFE_WEIGHTS, _clean, _few, _model_tensors,
 )
+from meshtrain.checkpoint.hf_experts import stored_apart
 from meshtrain.checkpoint.safe_load import read_model_state
 from meshtrain.errors import ConfigError
 
@@ -35,10 +36,10 @@ def _resolve_config(config):
     return transformers.AutoConfig.from_pretrained(folder)
 
 
-def _reference_names(config) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """The names and shapes a ``from_pretrained`` model of ``config`` expects, and its tied
-    copies (left out of the files, as ``save_pretrained`` does) -> the name they copy. Built on
-    the meta device: nothing is allocated."""
+def _reference_names(config) -> tuple[dict[str, tuple[int, ...]], dict[str, str], object]:
+    """The names and shapes a ``from_pretrained`` model of ``config`` expects, its tied copies
+    (left out of the files, as ``save_pretrained`` does) -> the name they copy, and the model.
+    Built on the meta device: nothing is allocated."""
     import transformers
 
     with torch.device("meta"):
@@ -48,7 +49,7 @@ def _reference_names(config) -> tuple[dict[str, tuple[int, ...]], dict[str, str]
     for group in _model_tensors(model):
         for name in group[1:]:
             tied[name] = group[0]
-    return shapes, tied
+    return shapes, tied, model
 
 
 def _write_shards(state: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
@@ -98,7 +99,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     if max_shard_bytes < 1:
         raise ConfigError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     state = {_clean(k): v for k, v in read_model_state(checkpoint_dir, dtype).items()}
-    shapes, tied = _reference_names(config)
+    shapes, tied, reference = _reference_names(config)
     expected = set(shapes) - set(tied)
     missing = expected - set(state)
     extra = set(state) - set(shapes)
@@ -121,6 +122,8 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
                 f"the config ties {name} to {source} (tie_word_embeddings), but the checkpoint "
                 "holds different values for them; pass a config with tie_word_embeddings=False")
     state = {name: state[name].contiguous() for name in shapes if name in expected}
+    # fused experts written one by one, as save_pretrained writes them (hf_experts.py)
+    state = stored_apart(state, reference)
     out_dir.mkdir(parents=True, exist_ok=True)
     floating = [t.dtype for t in state.values() if t.is_floating_point()]
     if floating:

@@ -230,21 +230,35 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike, *,
 
     sources: list[tuple[str, list[str]]] = []  # (file name to read, model names it fills)
     missing = []
+    renamed = {}  # model name -> file name, where transformers' conversion mapping renames
+    if not all(n in files for names in groups for n in names[:1]):
+        from meshtrain.checkpoint.hf_experts import renamed_in_folder
+
+        renamed = renamed_in_folder(model, files)
     for names in groups:
-        source = next((n for n in names if n in files), None)
+        source = next((n for n in names if n in files), None) or next(
+            (renamed[n] for n in names if n in renamed), None)
         if source is None and tied_ok and any(n.endswith("lm_head.weight") for n in names):
             source = next((n for n in _input_embedding_names(model, files) if n in files), None)
         if source is None:
             missing += names[:1]
         else:
             sources.append((source, names))
+    fused = {}
+    if missing:  # fused experts the folder stores one by one (hf_experts.py)
+        from meshtrain.checkpoint.hf_experts import fused_in_folder
+
+        apart = fused_in_folder(model, files)
+        fused = {name: apart[name] for name in missing if name in apart}
+        missing = [name for name in missing if name not in fused]
     if missing:
         raise ConfigError(
             f"{len(missing)} tensors of {type(model).__name__} are not in {folder}: "
             f"{_few(missing)}; is the folder a checkpoint of this architecture"
             f"{_config_hint(folder_config, model) or ''}?"
         )
-    used = {source for source, _ in sources} | {n for _, names in sources for n in names}
+    used = {source for source, _ in sources} | {n for _, names in sources for n in names} | {
+        key for f in fused.values() for part in f.parts for key in part.values()}
     extra = set(files) - used
     if extra and not partial:
         raise ConfigError(
@@ -255,6 +269,8 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike, *,
 
     safe_open = _safe_open()
     report = {"tensors": 0, "bytes_read": 0, "bytes_total": 0, "files": []}
+    if fused:  # (shapes first: a mismatch must not leave a half-loaded model)
+        _load_fused(model, tensors, fused, files, safe_open, None)
     by_file: dict[Path, list[tuple[str, list[str]]]] = {}
     for source, names in sources:
         by_file.setdefault(files[source], []).append((source, names))
@@ -293,4 +309,71 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike, *,
         for handle in handles.values():
             if hasattr(handle, "__exit__"):
                 handle.__exit__(None, None, None)
+    if fused:
+        _load_fused(model, tensors, fused, files, safe_open, report)
     return report
+
+
+def _load_fused(model: nn.Module, tensors: dict, fused: dict, files: dict, safe_open,
+                report: dict | None) -> None:
+    """Each fused expert tensor's local rows, read expert by expert from the files that store
+    them apart (hf_experts.py): the experts of this rank's rows only. ``report`` None: check
+    the shapes (the files' metadata) and copy nothing."""
+    from meshtrain.checkpoint.hf_experts import read_fused
+
+    handles: dict = {}
+
+    def handle(key: str):
+        if files[key] not in handles:
+            handles[files[key]] = safe_open(files[key], framework="pt")
+        return handles[files[key]].get_slice(key)
+
+    def read(key: str) -> torch.Tensor:
+        part = handle(key)[:]
+        report["bytes_read"] += part.numel() * part.element_size()
+        return part
+
+    def shape_of(key: str) -> torch.Tensor:  # (an empty stand-in: shapes only)
+        return torch.empty(tuple(handle(key).get_shape()), device="meta")
+
+    try:
+        for name, source in fused.items():
+            target = tensors[name]
+            indices = _local_indices(target)
+            owner = model.get_submodule(name.rpartition(".")[0])
+            ep = getattr(owner, "ep_mesh", None)  # (under ep: this rank's rows of the whole)
+            whole = target.shape[0] * (ep.size() if ep is not None else 1)
+            if source.num_experts != whole or any(i is not None for i in indices[1:]):
+                raise ConfigError(
+                    f"{name}: the folder holds {source.num_experts} experts stored apart, the "
+                    f"model {whole} (placements {getattr(target, 'placements', None)}; "
+                    "meshtrain reads fused experts split by expert only)")
+            rows = _expert_rows(model, name, indices[0]).tolist()
+            local = target.to_local() if hasattr(target, "to_local") else target
+            part = read_fused(source, read if report is not None else shape_of, rows)
+            if tuple(part.shape) != tuple(local.shape):
+                raise ConfigError(f"{name}: the folder's experts make shape "
+                                  f"{tuple(part.shape)} here, this rank holds "
+                                  f"{tuple(local.shape)}")
+            if report is None:
+                continue
+            with torch.no_grad():
+                local.copy_(part.to(local.dtype))
+            per_expert = part.numel() // max(len(rows), 1) * part.element_size()
+            report["bytes_total"] += source.num_experts * per_expert
+            report["tensors"] += 1
+    finally:
+        for opened in handles.values():
+            if hasattr(opened, "__exit__"):
+                opened.__exit__(None, None, None)
+
+
+def _expert_rows(model: nn.Module, name: str, index) -> torch.Tensor:
+    """The experts (dim-0 rows) of ``name`` this rank holds: a DTensor's local rows, under ep
+    the owning module's ``rows``, else all of them."""
+    if index is not None:
+        return index
+    module = model.get_submodule(name.rpartition(".")[0])
+    rows = getattr(module, "rows", None)
+    total = getattr(model.get_parameter(name), "shape", (0,))[0] if rows is None else None
+    return torch.arange(rows.start, rows.stop) if rows is not None else torch.arange(total)

@@ -127,3 +127,64 @@ def test_a_transformers_whose_balancing_loss_changed_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="computes something else than meshtrain's copy"):
         hf_router_loss(model)
 
+
+
+def _init_from_under(folder, run_root, layout, build):
+    """init_from under ``layout``, one step at learning rate 0: the final checkpoint holds the
+    folder's weights, whatever the layout did with them."""
+    from meshtrain import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(layout=layout, max_steps=1, global_batch_size=4, init_from=str(folder),
+                      root_dir=str(run_root), name="from_hf", loggers=(), progress_bar=False,
+                      resume=None, seed=0, report=False)
+    trainer.fit(build, random_token_data(), optimizer=lambda params: torch.optim.SGD(params, lr=0))
+    return str(trainer.run_dir)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_fn, layout", [(qwen3_moe, "ep=2"), (mixtral, "ep=2"),
+                                              (qwen3_moe, "zero3=2")],
+                         ids=["Qwen3Moe-ep=2", "Mixtral-ep=2", "Qwen3Moe-zero3=2"])
+def test_a_moe_folder_round_trips(tmp_path, model_fn, layout):
+    """A saved MoE folder (transformers writes each expert apart) -> Trainer(init_from=...)
+    (each rank reads only its experts and fuses them) -> checkpoint -> export_hf (the experts
+    written apart again): every tensor identical, under the same names; from_pretrained of
+    the export gives the folder's logits."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from meshtrain.checkpoint.hf_export import export_hf
+    from meshtrain.launch.spawn import run_workers
+
+    source = model_fn()
+    source.save_pretrained(tmp_path / "hf")
+    build = MODEL_WITH_OTHER_WEIGHTS[model_fn.__name__]
+    run_dir = run_workers(_init_from_under, 2, (tmp_path / "hf", tmp_path / "runs", layout,
+                                                 build), timeout=250)[0]
+    out = export_hf(f"{run_dir}/checkpoints/final", tmp_path / "out", config=tmp_path / "hf")
+    saved, exported = load_file(tmp_path / "hf" / "model.safetensors"), {}
+    for path in out.glob("*.safetensors"):
+        exported.update(load_file(path))
+    assert sorted(saved) == sorted(exported)
+    assert all(torch.equal(saved[k], exported[k]) for k in saved)
+    assert any(".experts.3." in k for k in saved)  # stored apart
+    own = build().state_dict()
+    assert any(not torch.equal(own[k], v) for k, v in source.state_dict().items())
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, source(input_ids=ids).logits)
+
+
+def qwen3_moe_seed7():
+    return tiny_causal_lm("Qwen3Moe", seed=7, moe_intermediate_size=8, num_experts=4,
+                          num_experts_per_tok=2, **SIZES)
+
+
+def mixtral_seed7():
+    return tiny_causal_lm("Mixtral", seed=7, intermediate_size=8, num_local_experts=4,
+                          num_experts_per_tok=2, **SIZES)
+
+
+MODEL_WITH_OTHER_WEIGHTS = {"qwen3_moe": qwen3_moe_seed7, "mixtral": mixtral_seed7}
