@@ -27,6 +27,11 @@ def end_step(t, total: int) -> None:
         metrics.update(t._logs.take("window", t.mesh.loss_group(), t.device,
                                     t.mesh.stage_group()))
         metrics.update(getattr(t.engine, "moe_metrics", {}))  # an MoE model's last step
+        counts = getattr(getattr(t.engine, "router_loss", None), "last_counts", None)
+        if counts is not None and t.is_global_zero and t.run_dir is not None:
+            from meshtrain.observe import run_files
+
+            run_files.append_expert_load(t.run_dir, step, counts.tolist())
         if t.log_grad_norm and t.grad_norm is not None:
             metrics["train/grad_norm"] = float(t.grad_norm)
         if t.num_skipped_steps:

@@ -137,7 +137,9 @@ def end_of_step(router_loss, group) -> dict[str, float]:
         metrics["train/router_aux_loss"] = float(total)
         router_loss.step_shares = None
     if callable(getattr(router_loss, "after_step", None)):
-        metrics.update(load_metrics(router_loss.after_step(group)))
+        counts = router_loss.after_step(group)
+        router_loss.last_counts = counts  # (the run's experts.jsonl: the report's figure)
+        metrics.update(load_metrics(counts))
     return metrics
 
 

@@ -65,6 +65,7 @@ NOT_SUMMARISED = ("train/tokens_per_s", "train/samples_per_s", "train/tflops", "
 
 ENVIRONMENT, BREAKDOWN, EVENTS, PIPELINE = ("environment.json", "breakdown.csv",
                                             "events.jsonl", "pipeline.json")
+EXPERTS = "experts.jsonl"  # an MoE model's tokens per expert, each layer, at each log step
 
 
 def now() -> str:
@@ -122,6 +123,29 @@ def append_event(run_dir: Path, kind: str, message: str, step: int | None = None
     _end_line(Path(run_dir) / EVENTS)
     with open(Path(run_dir) / EVENTS, "a") as f:
         f.write(line + "\n")
+
+
+def append_expert_load(run_dir: Path, step: int, counts: list[list[float]]) -> None:
+    """One line in ``experts.jsonl``: a step's tokens per expert ([layer][expert], every
+    rank's)."""
+    _end_line(Path(run_dir) / EXPERTS)
+    with open(Path(run_dir) / EXPERTS, "a") as f:
+        f.write(json.dumps({"step": step, "counts": counts}) + "\n")
+
+
+def read_expert_load(run_dir: Path) -> list[dict]:
+    """The lines of ``experts.jsonl`` in order (none when the model has no experts); a line
+    cut short by a kill is left out."""
+    path = Path(run_dir) / EXPERTS
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("counts"), list):
+            rows.append(row)
+    return rows
 
 
 def read_events(run_dir: Path) -> list[dict]:

@@ -1,6 +1,8 @@
 """examples/moe_gpt.toml as a user runs it: `meshtrain train` on 2 processes under ep=2, the
 experts' load and the balancing loss logged, a checkpoint, the closing sample."""
 
+import json
+
 import pytest
 from test_cli import FINAL, ROOT, TINY, meshtrain
 
@@ -27,3 +29,12 @@ def test_the_moe_example_trains_under_expert_parallel_and_logs_the_load(tmp_path
             row["moe/layer0/tokens_max"] <= tokens_per_step / 2  # (one token: 2 experts)
         assert 1 <= row["moe/imbalance"] <= 8
         assert 1.0 <= row["train/router_aux_loss"] < 8  # 1 when balanced
+    # the report's layer x expert figure, from experts.jsonl (a line per logged step)
+    lines = (run_dir / "experts.jsonl").read_text().splitlines()
+    assert len(lines) == STEPS // 2
+    last = json.loads(lines[-1])
+    assert last["step"] == STEPS and sum(last["counts"][0]) == tokens_per_step
+    assert max(last["counts"][0]) == rows[-1]["moe/layer0/tokens_max"]
+    report = (run_dir / "report.html").read_text()
+    experts = report.split('<section id="experts">')[1].split("</section>")[0]
+    assert '<img src="data:image/png;base64,' in experts and "No experts" not in experts

@@ -37,6 +37,7 @@ class Run:
     traces: list[str]  # paths relative to the run folder
     checkpoints: list[str]  # checkpoints/<name> folders, relative to the run folder
     missing: list[str] = field(default_factory=list)
+    experts: list[dict] = field(default_factory=list)  # run_files.read_expert_load's rows
 
     @property
     def has_pipeline_layout(self) -> bool:
@@ -70,6 +71,7 @@ def collect(run_dir) -> Run:
         checkpoints=sorted(p.relative_to(path).as_posix()
                            for p in path.glob("checkpoints/*") if p.is_dir()),
         missing=missing,
+        experts=run_files.read_expert_load(path),
     )
     _note_missing(run)
     return run

@@ -118,6 +118,39 @@ def breakdown_figure(latest: Sequence[Mapping], mean: Sequence[Mapping], step: i
     return data_uri(fig)
 
 
+def expert_load_figure(rows: Sequence[Mapping]) -> dict | None:
+    """An MoE model's expert load: per layer (rows) and expert (columns) the tokens it took
+    over the mean expert's, summed over the logged steps (1 balanced; E: every token to one
+    expert), beside the same for the last logged step. None without experts.jsonl rows."""
+    import numpy as np
+
+    if not rows:
+        return None
+    total = np.sum([np.asarray(r["counts"], dtype=float) for r in rows], axis=0)
+    last = np.asarray(rows[-1]["counts"], dtype=float)
+
+    def share(counts):
+        return counts / np.maximum(counts.mean(axis=1, keepdims=True), 1e-12)
+
+    layers, experts = total.shape
+    fig = _new_figure((min(14.0, 3.0 + 0.9 * experts), 1.8 + 0.45 * layers))
+    fig.set_layout_engine("constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    top = max(2.0, float(share(total).max()), float(share(last).max()))
+    for ax, counts, title in ((axes[0], total, f"steps {rows[0]['step']}-{rows[-1]['step']}"),
+                              (axes[1], last, f"step {rows[-1]['step']}")):
+        image = ax.imshow(share(counts), vmin=0, vmax=top, cmap="viridis", aspect="auto")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("expert")
+        ax.set_xticks(range(experts))
+        ax.set_yticks(range(layers))
+    axes[0].set_ylabel("layer")
+    fig.colorbar(image, ax=axes, label="tokens / mean expert's", shrink=0.9)
+    worst = share(total).max(axis=1)
+    return {"figure": data_uri(fig), "steps": len(rows),
+            "worst": [(i, f"{w:.2f}") for i, w in enumerate(worst)]}
+
+
 def memory_figure(groups: Sequence[tuple[str, Sequence[tuple[int, float]], float]],
                   title: str) -> str | None:
     """Peak memory against a limit, one bar per group (label, [(rank, peak)], limit): a rank

@@ -18,7 +18,7 @@ from meshtrain.observe.report.collect import Run, collect, has_values
 
 TEMPLATE = "report.html.j2"
 SECTIONS = ("summary", "config", "environment", "loss", "throughput", "breakdown", "memory",
-            "pipeline", "events", "traces", "missing")
+            "pipeline", "experts", "events", "traces", "missing")
 COUNTED_EVENTS = {"checkpoint": "checkpoints", "restart": "restarts", "skip": "skipped steps",
                   "rollback": "rollbacks"}
 
@@ -57,6 +57,7 @@ def context(run: Run) -> dict:
             "breakdown": ranks.breakdown(run.breakdown, ranks.margin(run)),
             "memory": ranks.memory(run),
             "pipeline": _pipeline(run), "events": _events(run),
+            "experts": figures.expert_load_figure(run.experts),
             "part_docs": [(p, figures.PART_COLORS[p], run_files.PART_DOCS[p])
                           for p in run_files.PARTS]}
 
