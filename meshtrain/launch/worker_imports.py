@@ -20,6 +20,7 @@ import meshtrain.fault.desync
 import meshtrain.fault.watchdog
 import meshtrain.loop.setup
 import meshtrain.loop.step_end
+import meshtrain.moe.layer
 import meshtrain.observe.loggers
 import meshtrain.observe.memory.probe
 import meshtrain.observe.model_summary
@@ -27,6 +28,7 @@ import meshtrain.observe.progress
 import meshtrain.optim
 import meshtrain.parallel.context_parallel
 import meshtrain.parallel.data_parallel
+import meshtrain.parallel.expert
 import meshtrain.parallel.local_sgd
 import meshtrain.parallel.pipeline.partition
 import meshtrain.parallel.pipeline.check
