@@ -1,7 +1,7 @@
 """Tensor-parallel communication per step (against Megatron's count) and step time, tp=2.
 
 On 2 processes (gloo, CPU, one torch thread per rank) a GPT with L = 1, 2 and 4 blocks is split
-by ``meshtrain.parallel.tensor_parallel.apply_tp`` in three variants:
+by ``meshtrain.parallel.tensor.tensor_parallel.apply_tp`` in three variants:
 
 * ``tp``: Megatron tensor parallel: q/k/v and fc_in column-parallel, wo and fc_out row-parallel,
   vocab-parallel embedding and head (logits all-gathered over the vocabulary);
@@ -110,10 +110,10 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from meshtrain.models.gpt import GPT
-    from meshtrain.parallel.tensor_parallel import (
+    from meshtrain.parallel.tensor.tensor_parallel import (
         apply_tp, complete_partial_grads, loss_parallel_context,
     )
-    from meshtrain.parallel.tp_debug import comm_counts
+    from meshtrain.parallel.tensor.tp_debug import comm_counts
 
     from meshtrain.parallel.layout import Layout
     from meshtrain.parallel.mesh import ParallelMesh

@@ -1,4 +1,4 @@
-"""What the first step's tensor-parallel check costs (meshtrain/parallel/tp_debug.py).
+"""What the first step's tensor-parallel check costs (meshtrain/parallel/tensor/tp_debug.py).
 
 Under ``tp`` the Trainer compares, after the first step's backward, the gradients of every
 parameter replicated over the tp ranks (``tp_check_steps=1`` by default): a few weighted sums per
@@ -29,8 +29,8 @@ def _rank(calls: int, skip: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from meshtrain.models.hf import hf_tp_plan, tiny_causal_lm
-    from meshtrain.parallel.tensor_parallel import apply_tp
-    from meshtrain.parallel.tp_debug import check_replicated_grads, replicated_over_tp
+    from meshtrain.parallel.tensor.tensor_parallel import apply_tp
+    from meshtrain.parallel.tensor.tp_debug import check_replicated_grads, replicated_over_tp
 
     torch.set_num_threads(1)
     harness.init_gloo(600)

@@ -9,7 +9,7 @@ from meshtrain.errors import ConfigError, LayoutError, MeshtrainError, WorkerFai
 from meshtrain import losses
 from meshtrain.losses import GlobalMeanLoss
 from meshtrain.module import TrainingModule
-from meshtrain.parallel.batch_gather import gather_batch
+from meshtrain.parallel.data.batch_gather import gather_batch
 from meshtrain.parallel.layout import Layout
 from meshtrain.trainer import Trainer
 

@@ -22,7 +22,7 @@ def resolve_accelerator(accelerator: str) -> str:
 
 def resolve_device_type(settings: dict) -> str:
     """"cpu" or "cuda" from ``accelerator``, with the precision and offload that need one."""
-    from meshtrain.parallel.fully_shard import check_offload
+    from meshtrain.parallel.data.fully_shard import check_offload
     from meshtrain.precision import check_precision
 
     device_type = resolve_accelerator(settings["accelerator"])
@@ -51,7 +51,7 @@ def check_settings_apply(layout, settings: dict) -> None:
     unmet = [message for _, _, message in unmet_needs(layout, settings)]
     if unmet:  # every one, so that one fix does not just reveal the next
         raise ConfigError("\nalso: ".join(unmet))
-    from meshtrain.parallel.local_sgd import check_local_sgd
+    from meshtrain.parallel.data.local_sgd import check_local_sgd
 
     check_local_sgd(layout, settings["local_sgd_every"], settings["outer_lr"],
                     settings["outer_momentum"])

@@ -178,7 +178,7 @@ class TPTransformer(TinyTransformer):
         self.norm_entry = norm_entry
 
     def tp_plan(self, tp_degree, *, sequence_parallel=False, loss_parallel=False):
-        from meshtrain.parallel.tensor_parallel import ReplicateParallel, attention_plan, mlp_plan
+        from meshtrain.parallel.tensor.tensor_parallel import ReplicateParallel, attention_plan, mlp_plan
 
         plan = {}
         for i in range(len(self.layers)):

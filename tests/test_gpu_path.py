@@ -43,8 +43,8 @@ def _one_rank(kind: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from meshtrain.launch.spawn import DistEnv, init_process_group
-    from meshtrain.parallel.data_parallel import apply_ddp
-    from meshtrain.parallel.fully_shard import apply_fsdp
+    from meshtrain.parallel.data.data_parallel import apply_ddp
+    from meshtrain.parallel.data.fully_shard import apply_fsdp
 
     torch.backends.cuda.matmul.allow_tf32 = False
     init_process_group(DistEnv.from_environ(), "nccl", timedelta(seconds=60))

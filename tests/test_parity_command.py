@@ -110,7 +110,7 @@ TP_PLAN_JOB = """
 import torch
 from torch.utils.data import TensorDataset
 
-from meshtrain.parallel.tensor_parallel import attention_plan, mlp_plan
+from meshtrain.parallel.tensor.tensor_parallel import attention_plan, mlp_plan
 
 
 class Attention(torch.nn.Module):

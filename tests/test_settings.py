@@ -152,8 +152,8 @@ def test_the_existing_wording_is_kept():
 def test_choices_agree_with_the_code_that_implements_them():
     from meshtrain.fault.nonfinite import NAN_POLICIES
     from meshtrain.parallel.compile import MODES as COMPILE_MODES
-    from meshtrain.parallel.data_parallel import COMM_HOOKS
-    from meshtrain.parallel.fully_shard import OFFLOADS
+    from meshtrain.parallel.data.data_parallel import COMM_HOOKS
+    from meshtrain.parallel.data.fully_shard import OFFLOADS
     from meshtrain.parallel.pipeline.partition import BALANCES
     from meshtrain.parallel.pipeline import SCHEDULES
     from meshtrain.parallel.shm.p2p import MODES as P2P_MODES

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from meshtrain.checkpoint.safe_load import check_plain, load_dcp, load_plain, read_metadata
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.zero1 import (
+from meshtrain.parallel.data.zero1 import (
     load_zero1_state_dict,
     zero1_state_dict,
     zero1_state_dict_template,

@@ -169,7 +169,7 @@ def check_model_layout(t, model, loss_fn, sample_inputs=None, original=None) -> 
 def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss_fn,
                 sample_inputs) -> None:
     """Build (or take) the model, apply the layout, then create the optimizer."""
-    from meshtrain.parallel.fully_shard import builds_on_meta, initializer_of
+    from meshtrain.parallel.data.fully_shard import builds_on_meta, initializer_of
 
     torch.manual_seed(t.seed)  # identical initial parameters on every rank
     factory = model

@@ -121,7 +121,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
         dropout = self.dropout if self.training else 0.0
         if self.cp_mesh is not None:  # this rank's queries over the whole sequence's keys
-            from meshtrain.parallel.context_parallel import cp_attention
+            from meshtrain.parallel.context.context_parallel import cp_attention
 
             out = cp_attention(q, k, v, self.cp_mesh, dropout_p=dropout)
         else:
@@ -172,7 +172,7 @@ class GPT(nn.Module):
     """Decoder-only language model: ``(batch, seq)`` token ids -> ``(batch, seq, vocab)`` logits."""
 
     #: init_weights() gives sharded parameters the unsharded model's values, so a sharded
-    #: layout may build this model on the meta device (see meshtrain.parallel.fully_shard).
+    #: layout may build this model on the meta device (see meshtrain.parallel.data.fully_shard).
     supports_sharded_init = True
 
     def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
@@ -199,7 +199,7 @@ class GPT(nn.Module):
         only its own part, so the sharded model equals the unsharded one. On the meta device
         (no storage yet) there is nothing to fill and this returns at once.
         """
-        from meshtrain.parallel.fully_shard import copy_full_into
+        from meshtrain.parallel.data.fully_shard import copy_full_into
 
         seed = getattr(self, "_init_seed", 0) if seed is None else seed
         self._init_seed = seed
@@ -268,13 +268,13 @@ class GPT(nn.Module):
 
     # -- context parallel: attention over the cp group, positions of this rank's tokens ---------
     def enable_context_parallel(self, cp_mesh) -> None:
-        """Each rank holds its share of the sequence (meshtrain.parallel.context_parallel)."""
+        """Each rank holds its share of the sequence (meshtrain.parallel.context.context_parallel)."""
         self.cp_mesh = cp_mesh
         for layer in self.layers:
             layer.attn.cp_mesh = cp_mesh
 
     def check_context_parallel(self, cp_degree: int) -> None:
-        from meshtrain.parallel.context_parallel import check_cp
+        from meshtrain.parallel.context.context_parallel import check_cp
 
         check_cp(self.config.seq_len, cp_degree)
 
@@ -298,7 +298,7 @@ class GPT(nn.Module):
             )
         cp_mesh = getattr(self, "cp_mesh", None)
         if cp_mesh is not None:  # idx is this rank's share of the sequence
-            from meshtrain.parallel.context_parallel import local_positions
+            from meshtrain.parallel.context.context_parallel import local_positions
 
             positions = local_positions(seq, cp_mesh.get_local_rank(), cp_mesh.size(),
                                         device=idx.device)

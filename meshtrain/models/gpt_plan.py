@@ -1,7 +1,7 @@
 """meshtrain's GPT under tensor parallelism: its Megatron plan and the sizes that must divide.
 
 :class:`~meshtrain.models.gpt.GPT` exposes these as ``GPT.tp_plan`` and ``GPT.check_tp``, the
-protocol through which a model supplies its own plan (see :mod:`meshtrain.parallel.tensor_parallel`).
+protocol through which a model supplies its own plan (see :mod:`meshtrain.parallel.tensor.tensor_parallel`).
 They read only the module structure, so they also serve a pipeline stage of a GPT (a copy whose
 ``layers`` is a ModuleDict keyed by the blocks' indices in the full model, and whose ``tok_emb``
 or ``head`` may be None) and a model built on the meta device.
@@ -17,8 +17,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.sequence_parallel import ColwiseFromSequence
-from meshtrain.parallel.tensor_parallel import (
+from meshtrain.parallel.tensor.sequence_parallel import ColwiseFromSequence
+from meshtrain.parallel.tensor.tensor_parallel import (
     ReplicateParallel, attention_plan, check_divides, dropout_entries, mlp_plan, replicate_the_rest,
 )
 

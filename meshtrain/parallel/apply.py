@@ -83,7 +83,7 @@ class ParallelOptions:
 
 def model_blocks(model: torch.nn.Module, options: ParallelOptions) -> list[torch.nn.Module]:
     """The repeated blocks that FSDP shards one by one and checkpointing recomputes."""
-    from meshtrain.parallel.fully_shard import find_blocks
+    from meshtrain.parallel.data.fully_shard import find_blocks
 
     if options.blocks is not None:
         return list(options.blocks(model))
@@ -128,22 +128,22 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
     tp = layout.degree("tp")
     plan = tp_plan_of(model, options) if tp > 1 else None
     if plan is not None:
-        from meshtrain.parallel.tensor_parallel import check_plan_keys
+        from meshtrain.parallel.tensor.tensor_parallel import check_plan_keys
 
         check_plan_keys(model, plan)
     elif tp > 1:
-        from meshtrain.parallel.tensor_parallel import check_tp, model_tp_plan
+        from meshtrain.parallel.tensor.tensor_parallel import check_tp, model_tp_plan
 
         # the model's own checks, and a plan it must supply
         check_tp(model, tp, sequence_parallel=options.sequence_parallel)
         plan = model_tp_plan(model, tp, sequence_parallel=options.sequence_parallel,
                              loss_parallel=options.loss_parallel)
     if plan is not None:  # a forward that reshapes with the whole model's head count
-        from meshtrain.parallel.tp_shapes import check_local_shapes
+        from meshtrain.parallel.tensor.tp_shapes import check_local_shapes
 
         check_local_shapes(model, plan, tp, sample_inputs)
     if layout.degree("cp") > 1:
-        from meshtrain.parallel.context_parallel import check_cp_model
+        from meshtrain.parallel.context.context_parallel import check_cp_model
 
         check_cp_model(model, layout.degree("cp"), options.context_parallel)
     if not any(p.requires_grad for p in model.parameters()):
@@ -181,13 +181,13 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
     """
     layout = mesh.layout
     if layout.degree("tp") > 1:
-        from meshtrain.parallel.tensor_parallel import apply_tp
+        from meshtrain.parallel.tensor.tensor_parallel import apply_tp
 
         apply_tp(model, mesh.axis("tp"), plan=tp_plan_of(model, options),
                  sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel,
                  grads_per_step=True)  # summed once per step: Engine.sync_gradients
     if layout.degree("cp") > 1:
-        from meshtrain.parallel.context_parallel import apply_cp
+        from meshtrain.parallel.context.context_parallel import apply_cp
 
         apply_cp(model, mesh.axis("cp"), options.context_parallel)
     if layout.expert_degree > 1:  # (the expert parameters data parallelism leaves alone)
@@ -195,7 +195,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
 
         apply_expert_parallel(model, mesh, options.expert_layers)
     if options.sync_batchnorm and mesh.loss is not None:
-        from meshtrain.parallel.sync_batchnorm import apply_sync_batchnorm
+        from meshtrain.parallel.data.sync_batchnorm import apply_sync_batchnorm
 
         apply_sync_batchnorm(model, mesh.loss.get_group())
     needs_blocks = options.activation_checkpointing or layout.is_sharded or options.compile
@@ -210,7 +210,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         apply_compile(model, options.compile, blocks, tensor_parallel=layout.degree("tp") > 1)
     if layout.is_sharded:  # 1-D: FSDP; 2-D (replicate, shard): HSDP
         from meshtrain.module.core import is_manual
-        from meshtrain.parallel.fully_shard import apply_fsdp
+        from meshtrain.parallel.data.fully_shard import apply_fsdp
 
         # a manual module's step calls its submodules (generator, discriminator), never its
         # own forward: each submodule with parameters is then an FSDP root of its own
@@ -225,7 +225,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
                        blocks=inside or None, unit_mb=options.shard_unit_mb, p2p=p2p)
         return model
     if ddp and layout.uses_ddp and options.local_sgd_every is None:  # local SGD: no sync
-        from meshtrain.parallel.data_parallel import apply_ddp
+        from meshtrain.parallel.data.data_parallel import apply_ddp
 
         from meshtrain.module.core import TrainingStep, has_steps, is_manual
 
@@ -256,7 +256,7 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
         train_module = parallelize(model, mesh, device=device, options=options)
         engine = Engine(model, train_module, mesh, grad_accum_steps=grad_accum_steps, **common)
         if options.local_sgd_every is not None:
-            from meshtrain.parallel.local_sgd import LocalSGD
+            from meshtrain.parallel.data.local_sgd import LocalSGD
 
             engine.averager = LocalSGD(model, mesh.axis("dp").get_group(),
                                        options.local_sgd_every, outer_lr=options.outer_lr,
@@ -271,7 +271,7 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
         log(f"parameter servers: {mesh.layout.num_servers} server(s), "
             f"{mesh.layout.world_size} worker(s); the optimizer runs on the servers")
     if on_meta:
-        from meshtrain.parallel.fully_shard import materialize
+        from meshtrain.parallel.data.fully_shard import materialize
 
         materialize(engine.model, device, options.initializer)
     return engine
@@ -284,7 +284,7 @@ def build_optimizer(model: torch.nn.Module, factory, mesh: ParallelMesh):
 
     factory = params_factory(factory, model)
     if mesh.layout.zero_stage == 1 and mesh.layout.degree("dp") > 1:
-        from meshtrain.parallel.zero1 import make_zero1_optimizer
+        from meshtrain.parallel.data.zero1 import make_zero1_optimizer
 
         return make_zero1_optimizer(model.parameters(), factory, mesh.axis("dp").get_group())
     return factory(model.parameters())

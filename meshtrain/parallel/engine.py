@@ -29,7 +29,7 @@ from meshtrain.data.batch import (
 )
 from meshtrain.module.core import has_steps, is_manual, step_loss
 from meshtrain.moe.balance import added_router_loss, end_of_step, recording, router_loss_of
-from meshtrain.parallel.batch_gather import batch_group
+from meshtrain.parallel.data.batch_gather import batch_group
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.step_loss import StepItems, compute_loss, loss_counter
 
@@ -79,7 +79,7 @@ class Engine:
         self.cp = mesh.axis("cp")
         self.cp_support = None
         if self.cp is not None:
-            from meshtrain.parallel.context_parallel import cp_support
+            from meshtrain.parallel.context.context_parallel import cp_support
 
             self.cp_support = cp_support(model, options.context_parallel)
         # a research module (meshtrain/module/): its training_step gives each micro-batch's
@@ -99,7 +99,7 @@ class Engine:
         # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
         self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
         if self.tp_checks_left:  # what split-input modules see, for the first steps' check
-            from meshtrain.parallel.tp_debug import watch_split_inputs
+            from meshtrain.parallel.tensor.tp_debug import watch_split_inputs
 
             watch_split_inputs(model)
         self._steps_synced = 0
@@ -135,8 +135,8 @@ class Engine:
         if self.layout.degree("tp") == 1:
             yield
             return
-        from meshtrain.parallel.tensor_parallel import loss_parallel_context
-        from meshtrain.parallel.tp_debug import mixed_tensor_hint
+        from meshtrain.parallel.tensor.tensor_parallel import loss_parallel_context
+        from meshtrain.parallel.tensor.tp_debug import mixed_tensor_hint
 
         with mixed_tensor_hint(), loss_parallel_context(self.options.loss_parallel):
             yield
@@ -145,7 +145,7 @@ class Engine:
         """This rank's part of a batch: under ``cp`` its chunks of the sequence (dim 1)."""
         if self.cp is None:
             return batch
-        from meshtrain.parallel.context_parallel import shard_batch
+        from meshtrain.parallel.context.context_parallel import shard_batch
 
         return shard_batch(batch, self.cp, self.cp_support)
 
@@ -219,7 +219,7 @@ class Engine:
         with torch.autocast(self.device.type, enabled=False):
             self.precision.backward(loss)
         if self.layout.uses_ddp:
-            from meshtrain.parallel.data_parallel import allreduce_gradients
+            from meshtrain.parallel.data.data_parallel import allreduce_gradients
 
             allreduce_gradients(self.parameters(), self.mesh.loss.get_group())
 
@@ -256,11 +256,11 @@ class Engine:
         replicated parameter the same gradient on each tp rank (tp_debug.py). Partial
         tensor-parallel gradients (norms under sequence parallel) are summed first, all at once."""
         if self.layout.degree("tp") > 1:
-            from meshtrain.parallel.tensor_parallel import complete_partial_grads
+            from meshtrain.parallel.tensor.tensor_parallel import complete_partial_grads
 
             complete_partial_grads(self.parameters())
         if self.layout.averages_gradients_by_hand:
-            from meshtrain.parallel.data_parallel import allreduce_gradients
+            from meshtrain.parallel.data.data_parallel import allreduce_gradients
 
             allreduce_gradients(self.parameters(), self.mesh.loss.get_group())
         if self.layout.expert_degree > 1:
@@ -269,7 +269,7 @@ class Engine:
             sync_expert_grads(self.model, self.mesh)
         self._steps_synced += 1
         if self.tp_checks_left > 0:
-            from meshtrain.parallel.tp_debug import check_replicated_grads, check_split_inputs
+            from meshtrain.parallel.tensor.tp_debug import check_replicated_grads, check_split_inputs
 
             self.tp_checks_left -= 1
             group = self.mesh.axis("tp").get_group()
@@ -364,7 +364,7 @@ class Engine:
             else:
                 out = self.model(prediction_inputs(batch))
         if self.cp is not None:  # every output of 2+ dims is per token: the whole sequence
-            from meshtrain.parallel.context_parallel import gather_sequence
+            from meshtrain.parallel.context.context_parallel import gather_sequence
 
             out = gather_sequence(out, self.cp, _sequence_length(batch))
         return out
@@ -372,7 +372,7 @@ class Engine:
 
 def _sequence_length(batch) -> int:
     """This rank's tokens per sequence: dim 1 of the batch's first tensor of 2+ dimensions
-    (what :func:`~meshtrain.parallel.context_parallel.shard_batch` cuts); -1 if none."""
+    (what :func:`~meshtrain.parallel.context.context_parallel.shard_batch` cuts); -1 if none."""
     values = batch.values() if isinstance(batch, dict) else (
         batch if isinstance(batch, (tuple, list)) else [batch])
     for value in values:

@@ -28,7 +28,7 @@ from meshtrain.errors import ConfigError
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 # What meshtrain sends through shared memory between the CPU processes of one host
 # (local_comm="auto", parallel/shm/p2p.py): FSDP2's all-gather and reduce-scatter
-# (parallel/fsdp_comm.py), the pipeline's sends and the tp axis's all-reduces
+# (parallel/data/fsdp_comm.py), the pipeline's sends and the tp axis's all-reduces
 # (parallel/shm/collectives.py); measured again that way, up to SHARED_MAX bytes (each pair
 # of ranks maps rings of a few of the largest message)
 SHARED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
@@ -76,7 +76,7 @@ def _operation(op: str, size: int, dist, device, rank: int, n: int, p2p=None):
     chunk = numel // n
     fill = float(rank + 1)
     if p2p is not None and op in ("all_gather", "reduce_scatter"):
-        from meshtrain.parallel.fsdp_comm import SharedMemoryAllGather, _reduce_scatter_shared
+        from meshtrain.parallel.data.fsdp_comm import SharedMemoryAllGather, _reduce_scatter_shared
 
         if op == "all_gather":
             gather = SharedMemoryAllGather(p2p)

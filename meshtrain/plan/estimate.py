@@ -29,7 +29,7 @@ import math
 import torch
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.fully_shard import group_blocks
+from meshtrain.parallel.data.fully_shard import group_blocks
 from meshtrain.parallel.layout import Layout
 from meshtrain.plan.cluster import Cluster
 from meshtrain.plan.model_state import ModelStateSizes

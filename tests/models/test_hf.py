@@ -13,7 +13,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.hf import (
     default_tp_plan, hf_tp_plan, random_token_data, tiny_causal_lm, tiny_gpt2, tiny_llama,
 )
-from meshtrain.parallel.tensor_parallel import ReplicateParallel
+from meshtrain.parallel.tensor.tensor_parallel import ReplicateParallel
 
 torch.set_num_threads(1)
 
@@ -146,7 +146,7 @@ def test_llama_context_parallel_parity():
 
 def test_llama_context_parallel_batch_keeps_every_target_once():
     from meshtrain.models.hf import HFContextParallel
-    from meshtrain.parallel.context_parallel import unshard_sequence
+    from meshtrain.parallel.context.context_parallel import unshard_sequence
 
     class FakeCPMesh:  # what shard_context_parallel_batch reads of the cp mesh
         def __init__(self, rank):

@@ -335,7 +335,7 @@ def _tp_row(n: int):
 
     from meshtrain.launch.spawn import DistEnv, init_process_group
     from meshtrain.observe.memory.probe import memory_row
-    from meshtrain.parallel.tensor_parallel import apply_tp
+    from meshtrain.parallel.tensor.tensor_parallel import apply_tp
     from parity import tiny_gpt
 
     init_process_group(DistEnv.from_environ(), "gloo", timedelta(seconds=60))

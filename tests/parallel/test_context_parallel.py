@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
-from meshtrain.parallel import context_parallel as cp_mod
-from meshtrain.parallel.context_parallel import (
+from meshtrain.parallel.context import context_parallel as cp_mod
+from meshtrain.parallel.context.context_parallel import (
     check_cp,
     chunk_order,
     cp_attention,

@@ -1,4 +1,4 @@
-"""FSDP2's tuned collectives (meshtrain/parallel/fsdp_comm.py): the all-to-all reduce-scatter
+"""FSDP2's tuned collectives (meshtrain/parallel/data/fsdp_comm.py): the all-to-all reduce-scatter
 gives gloo's own results, apply_fsdp installs it (and explicit prefetch) on every FSDP module of
 a gloo job, blocks are grouped into units, and zero2 gathers once per step."""
 
@@ -13,8 +13,8 @@ def _comm_worker():
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    from meshtrain.parallel.fsdp_comm import AllToAllReduceScatter
-    from meshtrain.parallel.fully_shard import apply_fsdp
+    from meshtrain.parallel.data.fsdp_comm import AllToAllReduceScatter
+    from meshtrain.parallel.data.fully_shard import apply_fsdp
 
     mesh = gloo_mesh((2,), ("dp_shard",))
     group, rank = mesh.get_group(), dist.get_rank()
@@ -31,7 +31,7 @@ def _comm_worker():
 
     # the same through shared memory (shm/p2p.py), all-gather too, synchronous and async
     from meshtrain.parallel.shm import p2p as shm_p2p
-    from meshtrain.parallel.fsdp_comm import SharedMemoryAllGather
+    from meshtrain.parallel.data.fsdp_comm import SharedMemoryAllGather
 
     p2p = shm_p2p.local_p2p_group([[0, 1]], torch.device("cpu"), "auto")
     shm_comm = AllToAllReduceScatter(p2p=p2p)
@@ -83,7 +83,7 @@ def _gathers_worker(layout: str, unit_mb, local_comm: str):
     from torch.utils.data import TensorDataset
 
     from meshtrain import Trainer
-    from meshtrain.parallel import fsdp_comm
+    from meshtrain.parallel.data import fsdp_comm
 
     calls = []
 
@@ -127,7 +127,7 @@ def test_all_gathers_per_step(layout, unit_mb, per_step, local_comm):
 
 
 def test_blocks_are_grouped_into_units_of_at_least_the_minimum():
-    from meshtrain.parallel.fully_shard import group_blocks
+    from meshtrain.parallel.data.fully_shard import group_blocks
 
     sizes = [1, 1, 3, 1, 5, 1]
     assert group_blocks(sizes, 2, size=lambda b: b) == [[1, 1], [3], [1, 5], [1]]

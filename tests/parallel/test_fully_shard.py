@@ -12,7 +12,7 @@ from conftest import assert_matches_one_process, gloo_mesh, max_diff
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.fully_shard import (
+from meshtrain.parallel.data.fully_shard import (
     apply_fsdp, build_on_meta, check_offload, find_blocks, materialize, mixed_precision_policy,
     supports_meta_init,
 )

@@ -1,4 +1,4 @@
-"""Local SGD (meshtrain/parallel/local_sgd.py): parameters averaged every H steps instead of
+"""Local SGD (meshtrain/parallel/data/local_sgd.py): parameters averaged every H steps instead of
 gradients every step. H=1 with SGD is plain data parallelism (against one process); H>1 and
 DiLoCo's outer step train a different but converging model, every rank ending with the same
 one; the settings are refused before any process starts where they cannot apply."""
@@ -13,7 +13,7 @@ from parity import (
 )
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.local_sgd import LocalSGD, _buckets
+from meshtrain.parallel.data.local_sgd import LocalSGD, _buckets
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,7 +88,7 @@ def test_an_outer_step_of_rate_one_without_momentum_is_the_plain_average():
 
 
 def test_buckets_cut_by_bytes():
-    import meshtrain.parallel.local_sgd as local_sgd
+    import meshtrain.parallel.data.local_sgd as local_sgd
 
     tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5)]
     old, local_sgd.BUCKET_BYTES = local_sgd.BUCKET_BYTES, 100  # 25 floats

@@ -15,12 +15,12 @@ from torch import nn
 
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import run_workers
-from meshtrain.parallel.batch_gather import (
+from meshtrain.parallel.data.batch_gather import (
     batch_group,
     current_batch_group,
     gather_batch,
 )
-from meshtrain.parallel.sync_batchnorm import apply_sync_batchnorm
+from meshtrain.parallel.data.sync_batchnorm import apply_sync_batchnorm
 
 TOL = 1e-5
 STEPS = 2

@@ -13,12 +13,12 @@ from conftest import assert_matches_one_process, gloo_mesh, max_diff
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.fully_shard import materialize
-from meshtrain.parallel.tensor_parallel import (
+from meshtrain.parallel.data.fully_shard import materialize
+from meshtrain.parallel.tensor.tensor_parallel import (
     ReplicateParallel, apply_tp, check_tp, complete_partial_grads, full_value, model_tp_plan,
     loss_parallel_context, mlp_plan,
 )
-from meshtrain.parallel.tp_debug import comm_counts
+from meshtrain.parallel.tensor.tp_debug import comm_counts
 
 CONFIG = dict(vocab_size=16, seq_len=8, num_layers=2, d_model=16, num_heads=2, mlp_ratio=4)
 STEPS, DP_TP_STEPS, BATCH, LR = 10, 5, 8, 1e-3
@@ -220,7 +220,7 @@ def test_collective_counts_match_megatron(tp_results):
 # dp=2 x tp=2 on 4 ranks: TP, then FSDP2 over "dp" (the Trainer's order)
 # ---------------------------------------------------------------------------------------------
 def _dp_tp_rank():
-    from meshtrain.parallel.fully_shard import apply_fsdp
+    from meshtrain.parallel.data.fully_shard import apply_fsdp
 
     mesh = gloo_mesh((2, 2), ("dp", "tp"))
     dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()

@@ -107,7 +107,7 @@ class HeadNormNet(torch.nn.Module):
 def _head_norm_plan(right: bool):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from meshtrain.parallel.tensor_parallel import ReplicateParallel
+    from meshtrain.parallel.tensor.tensor_parallel import ReplicateParallel
 
     plan = {"proj": ColwiseParallel(), "out": RowwiseParallel()}
     if right:  # the norm's gradient is each rank's share: summed over tp
@@ -151,7 +151,7 @@ def _over_summed_rank():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from parity import train_state
 
-    from meshtrain.parallel.tensor_parallel import ReplicateParallel
+    from meshtrain.parallel.tensor.tensor_parallel import ReplicateParallel
 
     # in_norm sees the whole input on every rank, but is declared to see a split one: its
     # gradient would be summed over the tp ranks, 2x on each (the gradients stay equal)

@@ -1,6 +1,6 @@
 """A forward written for the whole model (a head count hard-coded in a reshape) under tp: the
 check before any process starts names the module and says to reshape with the local count,
-instead of torch's bare shape error in the first step (meshtrain/parallel/tp_shapes.py)."""
+instead of torch's bare shape error in the first step (meshtrain/parallel/tensor/tp_shapes.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 from meshtrain import Trainer
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.tensor_parallel import attention_plan
+from meshtrain.parallel.tensor.tensor_parallel import attention_plan
 
 VOCAB, SEQ, WIDTH, HEADS = 16, 8, 16, 4
 

@@ -23,7 +23,7 @@ def _sgd_momentum(params):
 
 def _recording_ddp():
     """Make apply_ddp keep every DDP wrapper it builds (in a worker process only)."""
-    import meshtrain.parallel.data_parallel as data_parallel
+    import meshtrain.parallel.data.data_parallel as data_parallel
 
     built, original = [], data_parallel.apply_ddp
 

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import run_workers
-from meshtrain.parallel.zero1 import (
+from meshtrain.parallel.data.zero1 import (
     load_zero1_state_dict,
     make_zero1_optimizer,
     optimizer_spec,

@@ -54,10 +54,10 @@ def _real_world_bytes(layout):
     """A real world: the same model built on meta, the layout applied, one AdamW step."""
     from meshtrain.observe.memory.probe import model_state_bytes
     from meshtrain.parallel.apply import ParallelOptions, parallelize
-    from meshtrain.parallel.fully_shard import materialize
+    from meshtrain.parallel.data.fully_shard import materialize
     from meshtrain.parallel.layout import Layout
     from meshtrain.parallel.mesh import ParallelMesh
-    from meshtrain.parallel.tensor_parallel import complete_partial_grads
+    from meshtrain.parallel.tensor.tensor_parallel import complete_partial_grads
 
     torch.set_num_threads(1)
     rank, world = join_gloo()

@@ -4,7 +4,7 @@ transformers routes every attention through a registry (``AttentionInterface``);
 declares ``_supports_attention_backend`` calls whatever function its ``config._attn_implementation``
 names. :class:`HFContextParallel` registers :func:`cp_attention_function` there: this rank's
 queries over the keys and values of every cp rank
-(:func:`meshtrain.parallel.context_parallel.cp_attention`), with the causal mask built from the
+(:func:`meshtrain.parallel.context.context_parallel.cp_attention`), with the causal mask built from the
 tokens' global positions and, when the layer passes one, its sliding window. Each batch
 ``{"input_ids", "labels"}`` is cut by the zig-zag order, with ``position_ids`` for the model's
 positions and the labels shifted *before* the cut (``shift_labels``: a token's target may sit on
@@ -47,7 +47,7 @@ def cp_attention_function(module, query, key, value, attention_mask, dropout: fl
     repeats them after the gather). ``attention_mask`` (built by the model for the local
     tokens) is not used: the mask comes from the global positions; padding is refused when the
     batch is cut."""
-    from meshtrain.parallel.context_parallel import cp_attention
+    from meshtrain.parallel.context.context_parallel import cp_attention
 
     for name, field in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
@@ -101,7 +101,7 @@ class HFContextParallel:
             module.meshtrain_cp_mesh = cp_mesh
 
     def shard_context_parallel_batch(self, batch: dict, cp_mesh) -> dict:
-        from meshtrain.parallel.context_parallel import shard_sequence
+        from meshtrain.parallel.context.context_parallel import shard_sequence
 
         if not isinstance(batch, dict) or "input_ids" not in batch:
             raise ConfigError("context parallel of a Hugging Face model needs dict batches with "
@@ -126,7 +126,7 @@ class HFContextParallel:
 
 
 def hf_cp_support(model: nn.Module) -> HFContextParallel | None:
-    """For :func:`meshtrain.parallel.context_parallel.cp_support`: the adapter of a Hugging Face
+    """For :func:`meshtrain.parallel.context.context_parallel.cp_support`: the adapter of a Hugging Face
     model (None for other models, which bring their own methods)."""
     from meshtrain.models.hf import is_hf_model
 

@@ -80,7 +80,7 @@ def seeded_init(model: nn.Module, seed: int, *, dry_run: bool = False) -> list[s
     rescale their ``c_proj``): fine on whole tensors, refused on shards. A tensor that
     ``_init_weights`` leaves untouched is refused by name. ``dry_run`` (a meta-device model):
     only find those modules."""
-    from meshtrain.parallel.fully_shard import copy_full_into
+    from meshtrain.parallel.data.fully_shard import copy_full_into
 
     initialise = getattr(model, "_init_weights", None)
     if not callable(initialise):

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from meshtrain.errors import ConfigError
 from meshtrain.models.hf.support import TP_STYLE_NAMES, declared_plan, others
-from meshtrain.parallel.tensor_parallel import ReplicateParallel, check_divides, module_matches
+from meshtrain.parallel.tensor.tensor_parallel import ReplicateParallel, check_divides, module_matches
 
 
 def _colwise(gather: bool) -> Callable[[], ParallelStyle]:

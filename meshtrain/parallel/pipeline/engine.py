@@ -22,7 +22,7 @@ import torch
 
 from meshtrain.data.batch import count_tokens, plain, throughput_unit, to_device
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.batch_gather import batch_group
+from meshtrain.parallel.data.batch_gather import batch_group
 from meshtrain.module.core import has_steps
 from meshtrain.parallel.engine import Engine
 from meshtrain.parallel.pipeline.step_split import StepLoss, forward_input, micro_batches

@@ -125,7 +125,7 @@ class SharedMemoryCollectives(LocalP2PGroup):
     def _peers(self) -> list[int]:
         return [r for r in range(self.size()) if r != self.rank()]
 
-    # -- on any dim (sequence parallel: meshtrain/parallel/sequence_parallel.py) ----------------
+    # -- on any dim (sequence parallel: meshtrain/parallel/tensor/sequence_parallel.py) ----------------
     def all_gather_on(self, out: torch.Tensor, inp: torch.Tensor, dim: int) -> None:
         """``out``'s chunks on ``dim`` become every rank's ``inp`` (rank order), each received
         straight into its place (a strided view on a dim other than the first)."""

@@ -164,7 +164,7 @@ def check_replicated_grads(model: nn.Module, tp_group, *, step: int = 1) -> None
             "column- and a row-parallel one), so each rank's gradient is only its share and "
             "training would silently differ from one process. Fix the tensor-parallel plan: "
             "split the module like its input, or give it ReplicateParallel(local_input=True) "
-            "(meshtrain.parallel.tensor_parallel; transformers calls it "
+            "(meshtrain.parallel.tensor.tensor_parallel; transformers calls it "
             "'replicated_with_grad_allreduce'), which sums the shares; then check the plan with "
             "meshtrain parity. (tp_check_steps=0 turns this check off.)")
 
@@ -212,7 +212,7 @@ def comm_counts(model: nn.Module, batch, loss_fn, *, loss_parallel: bool = False
     """
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from meshtrain.parallel.tensor_parallel import loss_parallel_context
+    from meshtrain.parallel.tensor.tensor_parallel import loss_parallel_context
 
     inputs, targets = batch
     with loss_parallel_context(loss_parallel), warnings.catch_warnings():

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.sequence_parallel import (
+from meshtrain.parallel.tensor.sequence_parallel import (
     ColwiseFromSequence, GatherSequenceInput, RowwiseToSequence, complete_partial_grads,
 )
 
@@ -87,7 +87,7 @@ def model_tp_plan(model: nn.Module, tp_degree: int, *, sequence_parallel: bool =
     if not callable(own):
         raise ConfigError(
             f"{type(model).__name__} has no tensor-parallel plan: pass Trainer(tp_plan={{...}}) "
-            "(module name -> ParallelStyle; meshtrain.parallel.tensor_parallel's attention_plan(),"
+            "(module name -> ParallelStyle; meshtrain.parallel.tensor.tensor_parallel's attention_plan(),"
             " mlp_plan() and replicate_the_rest() build one) or give the model a "
             "tp_plan(tp_degree, *, sequence_parallel, loss_parallel) method"
         )

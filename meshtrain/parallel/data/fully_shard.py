@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.fsdp_comm import set_prefetch, use_gloo_collectives
+from meshtrain.parallel.data.fsdp_comm import set_prefetch, use_gloo_collectives
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 OFFLOADS = (None, "cpu")

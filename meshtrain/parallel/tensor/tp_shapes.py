@@ -23,7 +23,7 @@ from meshtrain.errors import ConfigError
 
 
 def _style(name: str, plan: dict):
-    from meshtrain.parallel.tensor_parallel import module_matches
+    from meshtrain.parallel.tensor.tensor_parallel import module_matches
 
     return next((style for key, style in plan.items()
                  if isinstance(key, str) and module_matches(name, key)), None)
