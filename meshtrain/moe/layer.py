@@ -118,8 +118,14 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, experts, logits = self.router(flat)
         picks = experts.reshape(-1)
-        order = picks.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(picks, minlength=self.num_experts)
+        if picks.is_meta:  # a planner's probe (no values): routed as if balanced
+            order = torch.arange(picks.numel(), device=picks.device)
+            even, extra = divmod(picks.numel(), self.num_experts)
+            sizes = [even + (e < extra) for e in range(self.num_experts)]
+            counts = torch.tensor(sizes, device="cpu")
+        else:
+            order = picks.argsort(stable=True)  # (token, slot) pairs grouped by expert
+            counts = torch.bincount(picks, minlength=self.num_experts)
         routed = flat[order // self.router.top_k]
         if self.dispatch is not None:
             done = self.dispatch(routed, counts)

@@ -35,6 +35,20 @@ class ModelSpec:
     def is_hf(self) -> bool:
         return not type(self.config).__name__ == "GPTConfig"
 
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (0: a dense model)."""
+        c = self.config
+        return int(next((getattr(c, k) for k in ("num_experts", "num_local_experts",
+                                                  "n_routed_experts")
+                         if getattr(c, k, None)), 0) or 0)
+
+    @property
+    def balances_routers(self) -> bool:
+        """Does meshtrain add a router loss or bias balancing (refused under pp)?"""
+        return self.num_experts > 0 and (not self.is_hf or bool(
+            getattr(self.config, "output_router_logits", False)))
+
     # -- building ---------------------------------------------------------------------------------
     def build(self, num_layers: int | None = None) -> torch.nn.Module:
         """The model (call under ``torch.device("meta")``), with ``num_layers`` blocks if given."""
@@ -132,9 +146,9 @@ class ModelSpec:
 
     @classmethod
     def _from_job(cls, path: Path) -> ModelSpec:
-        from meshtrain.config import load_config
+        from meshtrain.recipes import resolve_config
 
-        config = load_config(path)
+        _, config, _ = resolve_config(str(path), [])  # (the recipe's defaults filled in)
         recipe = config["job"].get("recipe")
         if recipe == "causal_lm":
             from meshtrain.models.from_config import model_config
@@ -142,12 +156,9 @@ class ModelSpec:
             m = config["model"]
             vocab = m.get("vocab_size") or 32000  # the tokenizer's, rounded: not known here
             return cls.from_config(model_config(config, vocab), path.stem)
-        if recipe == "char_lm":
-            from meshtrain.models.gpt import GPTConfig
+        if recipe == "char_lm":  # (its vocabulary: the characters of the text, under 256)
+            from meshtrain.recipes.char_lm import model_config
 
-            m = config["model"]
-            return cls.from_config(GPTConfig(vocab_size=256, seq_len=config["data"]["seq_len"],
-                                             num_layers=m["num_layers"], num_heads=m["num_heads"],
-                                             d_model=m["d_model"]), path.stem)
+            return cls.from_config(model_config(config, 256), path.stem)
         raise ConfigError(f"{path}: meshtrain plan reads the causal_lm and char_lm recipes' models; "
                           "for another model give its config.json or family:key=value,...")

@@ -78,6 +78,10 @@ def candidates(spec: ModelSpec, cluster: Cluster, job: Job, pins: dict | None = 
         if tp > 1 and tp > dpn:
             yield f"tp={tp}", f"tp={tp} would cross nodes ({dpn} devices per node)"
             continue
+        if tp > 1 and spec.num_experts:
+            yield f"tp={tp}", (f"tp={tp}: meshtrain does not split experts by tensor "
+                               f"parallel ({spec.num_experts} experts a layer)")
+            continue
         if spec.num_heads % tp or spec.num_kv_heads % tp:
             yield f"tp={tp}", (f"tp={tp} does not divide the {spec.num_heads} heads / "
                                f"{spec.num_kv_heads} key-value heads")
@@ -93,6 +97,10 @@ def candidates(spec: ModelSpec, cluster: Cluster, job: Job, pins: dict | None = 
             for pp in divisors(world // (tp * cp)):
                 if pp > 1 and cp > 1:
                     continue  # the layout grammar refuses cp with pp
+                if pp > 1 and spec.balances_routers:
+                    yield f"pp={pp}", (f"pp={pp}: meshtrain balances the routers over each "
+                                       "micro-step's global batch, which a pipeline splits")
+                    continue
                 if pp > spec.num_layers // 2 and pp > 1:
                     yield f"pp={pp}", f"pp={pp} leaves fewer than 2 of {spec.num_layers} blocks per stage"
                     continue

@@ -222,3 +222,23 @@ def test_shared_memory_prices_the_tp_axis_when_its_table_has_all_reduce():
     assert RING_MESSAGES * largest * 8 > MIN_RING
     assert Estimator(spec, shm, job).estimate(candidate).memory["transport"] == \
         2 * 1 * RING_MESSAGES * largest * 8  # a ring it writes and one it reads
+
+
+def test_a_job_toml_is_planned_with_its_recipes_defaults_moe_included(capsys):
+    """`meshtrain plan examples/X.toml`: the job's model with its recipe's defaults (it failed
+    to import before: the reader named a function config.py does not have). An MoE job is
+    planned without the splits meshtrain does not do for experts, each refusal saying why."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    dense = ModelSpec.load(str(root / "examples" / "char_gpt.toml"))
+    assert dense.num_experts == 0 and dense.num_layers == 4
+    assert cli(["plan", str(root / "examples" / "moe_gpt.toml"), "--cluster", "8xH100",
+                "--global-batch", "64", "--seq-len", "128", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "  1  dp=8" in out or "  1  zero" in out, out
+    assert "tp=2: meshtrain does not split experts by tensor parallel (8 experts" in out
+    assert "pp=2: meshtrain balances the routers" in out
+    moe = ModelSpec.load(str(root / "examples" / "moe_gpt.toml"))
+    assert moe.num_experts == 8 and moe.balances_routers
+    assert probe_model(moe, seq_len=32) is not None  # on meta: routed as if balanced
