@@ -14,6 +14,8 @@ outputs are summed with its router weights.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -151,30 +153,28 @@ class MoERouting:
     def __init__(self, layers: list[MoE], coef: float, bias_rate: float,
                  field: str = "router_aux_loss_coef"):
         self.layers, self.coef, self.bias_rate, self.field = layers, coef, bias_rate, field
+        self._recorded: list[list] = [[] for _ in layers]  # the last forward's, per layer
 
+    @contextlib.contextmanager
     def recording(self):
-        import contextlib
-
-        @contextlib.contextmanager
-        def record():
-            for layer in self.layers:
-                layer.sink = []
-            try:
-                yield
-            finally:
-                for layer in self.layers:
-                    self._recorded = getattr(self, "_recorded", {})
-                    self._recorded[id(layer)], layer.sink = layer.sink, None
-                    for counts, _ in self._recorded[id(layer)]:
-                        if layer.tokens_per_expert is None:
-                            layer.tokens_per_expert = torch.zeros_like(counts, dtype=torch.float64)
-                        layer.tokens_per_expert += counts
-        return record()
+        """Around a training forward: each layer's routing kept (for ``stats``) and its token
+        counts added to the step's (for ``after_step``)."""
+        for layer in self.layers:
+            layer.sink = []
+        try:
+            yield
+        finally:
+            for i, layer in enumerate(self.layers):
+                self._recorded[i], layer.sink = layer.sink, None
+                for counts, _ in self._recorded[i]:
+                    if layer.tokens_per_expert is None:
+                        layer.tokens_per_expert = torch.zeros_like(counts, dtype=torch.float64)
+                    layer.tokens_per_expert += counts
 
     def stats(self, batch=None) -> RouterStats:
         rows = []
-        for layer in self.layers:
-            (counts, logits), = self._recorded[id(layer)]
+        for recorded in self._recorded:
+            (counts, logits), = recorded  # (one forward of each layer)
             probs = logits.softmax(-1)  # (in the model's dtype: float64 runs are exact)
             rows.append((counts.to(probs.dtype), probs.sum(0),
                          torch.tensor(float(logits.shape[0]), device=logits.device,
