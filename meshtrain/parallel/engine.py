@@ -261,8 +261,11 @@ class Engine:
             complete_partial_grads(self.parameters())
         if self.layout.averages_gradients_by_hand:
             from meshtrain.parallel.data.data_parallel import allreduce_gradients
+            from meshtrain.parallel.expert import expert_params
 
-            allreduce_gradients(self.parameters(), self.mesh.loss.get_group())
+            split = {id(p) for p in expert_params(self.model)}  # (ep's: each rank its own)
+            allreduce_gradients([p for p in self.parameters() if id(p) not in split],
+                                self.mesh.loss.get_group())
         if self.layout.expert_degree > 1:
             from meshtrain.parallel.expert import sync_expert_grads
 

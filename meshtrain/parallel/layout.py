@@ -29,11 +29,12 @@ ZeRO names are aliases that also pick what is sharded (Rajbhandari et al., SC 20
 Hybrid sharding: ``dp_replicate=2,dp_shard=2`` (or ``dp_replicate=2,zero2=2``).
 
 Expert parallel: ``ep=E`` splits the experts of mixture-of-experts layers over E ranks
-borrowed from the data-parallel axis (meshtrain/parallel/expert/): it adds no process, so
-``ep=2`` alone is 2 processes, ``dp=2`` for everything else, each rank holding half the
-experts; ``dp_shard=4,ep=2`` is 4 processes, the dense part sharded over 4, the experts split
-over 2 and replicated over the other 2 (the "expert data-parallel" ranks). E must divide the
-data-parallel degree; ep combines with ``dp`` or ``dp_shard`` (zero2/zero3) alone for now.
+borrowed from the data- and context-parallel ranks (meshtrain/parallel/expert/): it adds no
+process, so ``ep=2`` alone is 2 processes, ``dp=2`` for everything else, each rank holding
+half the experts; ``dp_shard=4,ep=2`` is 4 processes, the dense part sharded over 4, the
+experts split over 2 and replicated over the other 2 (the "expert data-parallel" ranks).
+E must divide dp x dp_shard x cp; ep combines with ``dp``, ``dp_shard`` (zero2/zero3) and
+``cp`` alone for now.
 
 Parameter servers: ``ps=S,dp=W`` starts S + W processes; the last S hold the parameters and the
 optimizer (meshtrain/parallel/ps/layout.py) and are not in the mesh, the first W are the
@@ -273,21 +274,21 @@ def _experts(raw: dict, spec) -> int:
 
 
 def _check_experts(degree: int, degrees: dict, zero_stage: int, spec) -> int:
-    """``ep``'s degree, checked against the data-parallel axis it borrows its ranks from."""
+    """``ep``'s degree, checked against the data- and context-parallel ranks it borrows."""
     if degree == 1:
         return 1
-    other = sorted(set(degrees) - {"dp", "dp_shard"})
+    other = sorted(set(degrees) - {"dp", "dp_shard", "cp"})
     if other or zero_stage == 1:
         what = ", ".join(other) if other else "zero1 (its optimizer would overwrite the experts)"
         raise LayoutError(
-            f"layout {spec!r}: ep (expert parallel) combines with dp or dp_shard "
-            f"(zero2/zero3) alone for now, not with {what}; e.g. 'ep={degree}' or "
+            f"layout {spec!r}: ep (expert parallel) combines with dp, dp_shard (zero2/zero3) "
+            f"and cp alone for now, not with {what}; e.g. 'ep={degree}' or "
             f"'zero3={degree},ep={degree}'")
-    data = degrees.get("dp", 1) * degrees.get("dp_shard", 1)
+    data = degrees.get("dp", 1) * degrees.get("dp_shard", 1) * degrees.get("cp", 1)
     if data % degree:
         raise LayoutError(
-            f"layout {spec!r}: ep={degree} borrows its ranks from the data-parallel axis, which "
-            f"has {data}; ep must divide it (e.g. ep={_divisor(data, degree)}, or more processes)")
+            f"layout {spec!r}: ep={degree} borrows its ranks from the data- and context-parallel "
+            f"ranks, which are {data}; ep must divide it (e.g. ep={_divisor(data, degree)}, or more processes)")
     return degree
 
 

@@ -55,9 +55,10 @@ def test_an_expert_without_tokens_and_the_bias_only_picks():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", ["dp=2", "zero3=2", "zero2=2"])
+@pytest.mark.parametrize("layout", ["dp=2", "zero1=2", "zero2=2", "zero3=2", "cp=2",
+                                    "dp_replicate=2,dp_shard=2"])
 def test_moe_gpt_matches_one_process(layout):
-    assert_parity(layout, 2, steps=6, global_batch_size=16, fns=MOE_FNS)
+    assert_parity(layout, 4 if "," in layout else 2, steps=4, global_batch_size=16, fns=MOE_FNS)
 
 
 @pytest.mark.timeout(300)
@@ -117,7 +118,8 @@ def test_bad_moe_configs_are_refused_before_start(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout, devices", [("ep=2", 2), ("dp_shard=2,ep=2", 2)])
+@pytest.mark.parametrize("layout, devices", [("ep=2", 2), ("dp_shard=2,ep=2", 2),
+                                             ("cp=2,ep=2", 2)])
 def test_expert_parallel_matches_one_process(layout, devices):
     assert_parity(layout, devices, steps=6, global_batch_size=16, fns=MOE_FNS)
 
@@ -152,9 +154,9 @@ def test_bad_expert_layouts_are_refused_before_start(tmp_path):
     cases = [("ep=2", 2, tiny_gpt, "has none meshtrain can split"),
              ("ep=2", 2, lambda: moe_gpt(num_experts=3, experts_per_token=1),
               r"ep=2 does not divide the 3 experts"),
-             ("ep=4", 2, moe_gpt, r"ep=4 borrows its ranks from the data-parallel axis, "
-                                  r"which has 2; ep must divide it"),
-             ("tp=2,ep=2", 2, moe_gpt, "combines with dp or dp_shard")]
+             ("ep=4", 2, moe_gpt, r"ep=4 borrows its ranks from the data- and context-"
+                                  r"parallel ranks, which are 2; ep must divide it"),
+             ("tp=2,ep=2", 2, moe_gpt, r"combines with dp, dp_shard \(zero2/zero3\) and cp")]
     for layout, devices, model, match in cases:
         with pytest.raises(ConfigError, match=match):  # (the layout's own: at Trainer())
             trainer = quiet_trainer(tmp_path, layout=layout, devices=devices, max_steps=1,

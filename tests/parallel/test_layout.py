@@ -205,12 +205,11 @@ def test_ep_borrows_data_parallel_ranks(spec, world, degrees, text):
 
 
 @pytest.mark.parametrize("spec, world, match", [
-    ("ep=3", 2, r"ep=3 borrows its ranks from the data-parallel axis, which has 2; ep must "
-                r"divide it \(e\.g\. ep=2"),
+    ("ep=3", 2, r"ep=3 borrows its ranks from the data- and context-parallel ranks, which "
+                r"are 2; ep must divide it \(e\.g\. ep=2"),
     ("ep=auto", 2, "give the number of ranks"),
     ("ep=0", 2, "at least 1"),
-    ("dp_replicate=2,dp_shard=2,ep=2", 4, "dp or dp_shard .* alone for now, not with "
-                                           "dp_replicate"),
+    ("dp_replicate=2,dp_shard=2,ep=2", 4, "and cp alone for now, not with dp_replicate"),
     ("zero1=2,ep=2", 2, "not with zero1"),
 ])
 def test_ep_mistakes(spec, world, match):
