@@ -26,7 +26,7 @@ from meshtrain.observe.report import figures
 from meshtrain.observe.report.collect import collect
 
 SECTIONS = ("summary", "config", "environment", "loss", "throughput", "breakdown", "memory",
-            "pipeline", "events", "traces", "missing")
+            "experts", "pipeline", "events", "traces", "missing")
 PNG = '<img src="data:image/png;base64,'
 
 

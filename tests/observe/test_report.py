@@ -22,7 +22,7 @@ from meshtrain.observe.report import write_report
 pytestmark = pytest.mark.timeout(120)
 
 SECTIONS = ("summary", "config", "environment", "loss", "throughput", "breakdown", "memory",
-            "pipeline", "events", "traces", "missing")
+            "experts", "pipeline", "events", "traces", "missing")
 FIGURES = ("loss", "throughput", "breakdown", "memory", "pipeline")
 PNG = '<img src="data:image/png;base64,'
 GIB = 2**30

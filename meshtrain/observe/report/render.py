@@ -18,7 +18,7 @@ from meshtrain.observe.report.collect import Run, collect, has_values
 
 TEMPLATE = "report.html.j2"
 SECTIONS = ("summary", "config", "environment", "loss", "throughput", "breakdown", "memory",
-            "pipeline", "experts", "events", "traces", "missing")
+            "experts", "pipeline", "events", "traces", "missing")
 COUNTED_EVENTS = {"checkpoint": "checkpoints", "restart": "restarts", "skip": "skipped steps",
                   "rollback": "rollbacks"}
 
