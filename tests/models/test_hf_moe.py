@@ -188,3 +188,20 @@ def mixtral_seed7():
 
 
 MODEL_WITH_OTHER_WEIGHTS = {"qwen3_moe": qwen3_moe_seed7, "mixtral": mixtral_seed7}
+
+
+def test_the_validation_loss_is_the_cross_entropy_alone(tmp_path):
+    """The balancing loss trains the router; val/loss is the language model's cross-entropy
+    (transformers' own loss with output_router_logits=False), not plus the router term."""
+    from conftest import quiet_trainer
+
+    model = qwen3_moe()
+    data = random_token_data(num_samples=16)
+    batch = {k: torch.stack([data[i][k] for i in range(16)]) for k in ("input_ids", "labels")}
+    with torch.no_grad():
+        with_router = model(**batch).loss
+        alone = model(**batch, output_router_logits=False).loss
+    assert with_router - alone > 1e-3  # the router term is there to leave out
+    trainer = quiet_trainer(tmp_path, max_steps=1, global_batch_size=16)
+    trainer.fit(qwen3_moe, data, optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    assert trainer.validate(data)["val/loss"] == pytest.approx(float(alone), rel=1e-6)
