@@ -124,21 +124,30 @@ def added_router_loss(router_loss, batch, group, loss_degree: int, accum: int) -
     return share * (router_loss.coef * loss_degree / accum)
 
 
-def end_of_step(router_loss, group) -> dict[str, float]:
-    """Once per optimizer step, on every rank: the step's routing metrics (the balancing loss,
-    averaged over the micro-steps: ``train/router_aux_loss``; the expert load, for a model that
-    counts it), and the bias balancing of a model that balances so."""
-    metrics = {}
+def end_of_step(router_loss, group) -> None:
+    """Once per optimizer step, on every rank: the step's balancing loss (averaged over its
+    micro-steps) and, for a model that counts it, its tokens per expert, summed over ``group``
+    and kept as tensors (``last_aux``, ``last_counts``: no host sync here; read at logging
+    time by :func:`routing_metrics`); the bias balancing of a model that balances so."""
     shares = getattr(router_loss, "step_shares", None)
     if shares is not None:
         total = shares.detach().double().reshape(1)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
-        metrics["train/router_aux_loss"] = float(total)
-        router_loss.step_shares = None
+        router_loss.last_aux, router_loss.step_shares = total, None
     if callable(getattr(router_loss, "after_step", None)):
-        counts = router_loss.after_step(group)
-        router_loss.last_counts = counts  # (the run's experts.jsonl: the report's figure)
+        router_loss.last_counts = router_loss.after_step(group)
+
+
+def routing_metrics(router_loss) -> dict[str, float]:
+    """The last step's routing as logged metrics: ``train/router_aux_loss`` and the expert
+    load (:func:`load_metrics`); {} before any step or without a router."""
+    metrics = {}
+    aux = getattr(router_loss, "last_aux", None)
+    if aux is not None:
+        metrics["train/router_aux_loss"] = float(aux)
+    counts = getattr(router_loss, "last_counts", None)
+    if counts is not None:
         metrics.update(load_metrics(counts))
     return metrics
 

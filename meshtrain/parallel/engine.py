@@ -28,7 +28,8 @@ from meshtrain.data.batch import (
     to_device,
 )
 from meshtrain.module.core import has_steps, is_manual, step_loss
-from meshtrain.moe.balance import added_router_loss, end_of_step, recording, router_loss_of
+from meshtrain.moe.balance import (added_router_loss, end_of_step, recording, router_loss_of,
+                                   routing_metrics)
 from meshtrain.parallel.data.batch_gather import batch_group
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.step_loss import StepItems, compute_loss, loss_counter
@@ -240,9 +241,12 @@ class Engine:
         if self.averager is not None:
             self.averager.after_step(step)
         if self.router_loss is not None:  # the step's routing metrics; bias balancing
-            self.moe_metrics = end_of_step(self.router_loss, self.loss_group)
+            end_of_step(self.router_loss, self.loss_group)
 
-    moe_metrics: dict = {}  # the last step's (meshtrain.moe.balance.end_of_step)
+    @property
+    def moe_metrics(self) -> dict[str, float]:
+        """The last step's routing metrics (read when they are logged: host syncs)."""
+        return routing_metrics(self.router_loss)
 
     def end_of_training(self) -> None:
         """When the loop ends (at max_steps or stopped early): local SGD averages the steps
