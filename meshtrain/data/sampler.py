@@ -69,6 +69,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         last_batch: str = "drop",
+        piece_size: int | None = None,
     ) -> None:
         _check_positive_int("num_samples", num_samples)
         _check_positive_int("global_batch_size", global_batch_size)
@@ -112,6 +113,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.last_batch = last_batch
         self.grad_accum_steps = global_batch_size // per_step
+        # a pipeline's draws: a rank's whole step, made of the pieces (its pipeline micro-
+        # batches) it would read as accumulation micro-batches of that size, so that piece i
+        # of every rank together is the global micro-step i of one process with that size
+        self.piece_size = micro_batch_size if piece_size is None else piece_size
+        assert micro_batch_size % self.piece_size == 0, (micro_batch_size, piece_size)
         self.epoch = 0
         self.consumed_samples = 0
 
@@ -165,9 +171,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         first = self.consumed_samples // size
         for b in range(first, self._num_full_batches):
             batch = order[b * size : (b + 1) * size]
+            piece, pieces = self.piece_size, micro // self.piece_size
             for k in range(self.grad_accum_steps):
-                slot = k * self.dp_degree + self.dp_rank
-                yield batch[slot * micro : (slot + 1) * micro]
+                slots = [(k * pieces + j) * self.dp_degree + self.dp_rank for j in range(pieces)]
+                yield [i for slot in slots for i in batch[slot * piece : (slot + 1) * piece]]
         if self.num_global_batches > self._num_full_batches and first <= self._num_full_batches:
             tail = order[self._num_full_batches * size :]
             start, stop = self._tail_bounds()
@@ -267,20 +274,22 @@ def make_loader(dataset, original, batch_sampler, *, num_workers: int, seed: int
 
 def train_loaders(dataset, original, *, global_batch_size: int, micro_batch_size: int,
                   dp_rank: int, dp_degree: int, shuffle: bool, seed: int, num_workers: int,
-                  loader_seed: int, pin_memory: bool):
+                  loader_seed: int, pin_memory: bool, piece_size: int | None = None):
     """(sampler, loader) over the training data: a GlobalBatchSampler for a map-style dataset,
     a StreamSampler (meshtrain.data.stream) for an IterableDataset; both keep the position
-    that checkpoints save."""
+    that checkpoints save. ``piece_size``: a pipeline's micro-batch size (each draw a whole
+    step of such pieces, laid out as accumulation would read them)."""
     from meshtrain.data.stream import is_stream, stream_loaders
 
     if is_stream(dataset):
         return stream_loaders(dataset, original, global_batch_size=global_batch_size,
                               micro_batch_size=micro_batch_size, dp_rank=dp_rank,
                               dp_degree=dp_degree, num_workers=num_workers, seed=loader_seed,
-                              pin_memory=pin_memory)
+                              pin_memory=pin_memory, piece_size=piece_size)
     sampler = GlobalBatchSampler(len(dataset), global_batch_size=global_batch_size,
                                  micro_batch_size=micro_batch_size, dp_rank=dp_rank,
-                                 dp_degree=dp_degree, shuffle=shuffle, seed=seed)
+                                 dp_degree=dp_degree, shuffle=shuffle, seed=seed,
+                                 piece_size=piece_size)
     return sampler, make_loader(dataset, original, sampler, num_workers=num_workers,
                                 seed=loader_seed, pin_memory=pin_memory)
 

@@ -73,23 +73,26 @@ class _RankSlices(IterableDataset):
     which the DataLoader's round-robin over workers puts back in order."""
 
     def __init__(self, dataset, *, epoch, start, global_batch_size, micro_batch_size, dp_rank,
-                 dp_degree):
+                 dp_degree, piece_size=None):
         self.dataset, self.epoch, self.start = dataset, epoch, start
         self.size, self.micro = global_batch_size, micro_batch_size
         self.rank, self.ways = dp_rank, dp_degree
+        self.piece = piece_size or micro_batch_size  # (as GlobalBatchSampler's piece_size)
 
     def __iter__(self):
         worker, workers = _worker()
         items = _pass_from(self.dataset, self.epoch, self.start)
-        slots = self.size // self.micro
+        pieces = self.micro // self.piece  # of one micro-batch
+        own = list(range(self.rank, self.size // self.piece, self.ways))
         t = 0  # this rank's micro-batches so far
         while True:
             batch = list(islice(items, self.size))
             if len(batch) < self.size:  # a partial global batch is not trained
                 return
-            for slot in range(self.rank, slots, self.ways):
+            for first in range(0, len(own), pieces):
                 if t % workers == worker:
-                    yield from batch[slot * self.micro:(slot + 1) * self.micro]
+                    for slot in own[first:first + pieces]:
+                        yield from batch[slot * self.piece:(slot + 1) * self.piece]
                 t += 1
 
 
@@ -149,8 +152,8 @@ class StreamSampler:
     dataset (``epoch``, ``consumed_samples``, ``advance``, ``state_dict``)."""
 
     def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int, dp_degree: int) -> None:
-        self.dataset = dataset
+                 dp_rank: int, dp_degree: int, piece_size: int | None = None) -> None:
+        self.dataset, self.piece_size = dataset, piece_size
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.grad_accum_steps = global_batch_size // (dp_degree * micro_batch_size)
@@ -173,7 +176,7 @@ class StreamSampler:
         return _RankSlices(self.dataset, epoch=self.epoch, start=self.consumed_samples,
                            global_batch_size=self.global_batch_size,
                            micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
-                           dp_degree=self.dp_degree)
+                           dp_degree=self.dp_degree, piece_size=self.piece_size)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.consumed_samples, self.current = epoch, 0, None
@@ -212,7 +215,7 @@ class StreamLoader:
 
 
 def stream_loaders(dataset, original, *, global_batch_size, micro_batch_size, dp_rank,
-                   dp_degree, num_workers, seed, pin_memory):
+                   dp_degree, num_workers, seed, pin_memory, piece_size=None):
     """(sampler, loader) for training on a stream."""
     collate = original.collate_fn if isinstance(original, DataLoader) else None
     workers = original.num_workers if isinstance(original, DataLoader) else num_workers
@@ -226,7 +229,7 @@ def stream_loaders(dataset, original, *, global_batch_size, micro_batch_size, dp
 
     sampler = StreamSampler(dataset, global_batch_size=global_batch_size,
                             micro_batch_size=micro_batch_size, dp_rank=dp_rank,
-                            dp_degree=dp_degree)
+                            dp_degree=dp_degree, piece_size=piece_size)
     return sampler, StreamLoader(sampler, make)
 
 

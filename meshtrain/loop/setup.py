@@ -61,6 +61,7 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
             train_set, train_data, global_batch_size=t.global_batch_size,
             micro_batch_size=t.batch_plan.loader_batch_size, dp_rank=t.dp_rank,
             dp_degree=t.layout.batch_degree, shuffle=t.shuffle, seed=t.seed,
+            piece_size=t.batch_plan.micro_batch_size if t.layout.degree("pp") > 1 else None,
             **t._loader_options())
         t.checkpoints = CheckpointManager.from_settings(t.run_dir / "checkpoints", t._settings)
         t.checkpoints.on_commit = lambda path, step, seconds: t.monitor.event(

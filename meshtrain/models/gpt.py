@@ -248,7 +248,8 @@ class GPT(nn.Module):
 
         if not self.config.is_moe:
             return None
-        return MoERouting([layer.mlp for layer in self.layers], self.config.router_aux_loss_coef,
+        blocks = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        return MoERouting([layer.mlp for layer in blocks], self.config.router_aux_loss_coef,
                           self.config.router_bias_rate, field="GPTConfig.num_experts")
 
     # -- tensor parallel: the model supplies its own plan (meshtrain/models/gpt_plan.py) --------

@@ -101,11 +101,13 @@ def router_loss_of(model: torch.nn.Module, adapt=None):
 def check_router_loss(model: torch.nn.Module, layout, adapt=None) -> None:
     """Before start: a router loss meshtrain cannot carry under ``layout`` is refused (a
     pipeline's micro-batches would each see part of the batch, and its loss runs on the last
-    stage only, without the routers of the others)."""
+    stage only, without the routers of the others), unless its layers balance themselves
+    inside the stages (meshtrain's MoE: meshtrain/moe/pipeline.py)."""
     from meshtrain.errors import ConfigError
 
     router_loss = router_loss_of(model, adapt)
-    if router_loss is not None and layout.degree("pp") > 1:
+    if router_loss is not None and layout.degree("pp") > 1 and not getattr(
+            router_loss, "pipelines", False):
         raise ConfigError(
             f"{type(model).__name__} routes tokens to experts and meshtrain balances them "
             f"({router_loss.field}) over the tokens of a whole micro-step on every data-"

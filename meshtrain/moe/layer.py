@@ -87,6 +87,8 @@ class MoE(nn.Module):
         self.dispatch = None  # (tokens, counts [E]) -> outputs; None: the experts here
         # training forwards' routing (MoERouting.recording): token counts and balance stats
         self.sink: list | None = None
+        # under pp: (layer, out, counts, logits) -> out, in training forwards (moe/pipeline.py)
+        self.balance = None
         # (not a buffer: DDP would overwrite each rank's with rank 0's at every forward)
         self.tokens_per_expert: torch.Tensor | None = None
 
@@ -140,6 +142,8 @@ class MoE(nn.Module):
             out = out + self.shared(flat)
         if self.sink is not None:
             self.sink.append((counts, logits))
+        if self.balance is not None and torch.is_grad_enabled() and not picks.is_meta:
+            out = self.balance(self, out, counts, logits)
         return out.view(shape)
 
 
@@ -149,6 +153,7 @@ class MoERouting:
     expert over each step (all-reduced: the expert load, the bias update)."""
 
     call_kwargs: dict = {}
+    pipelines = True  # balanced inside pipeline stages too (meshtrain/moe/pipeline.py)
 
     def __init__(self, layers: list[MoE], coef: float, bias_rate: float,
                  field: str = "router_aux_loss_coef"):

@@ -98,7 +98,15 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
     ``original`` (the user's module or factory): the pipeline's check against the model's
     forward, run once before the processes start (pipeline/check.py)."""
     if layout.degree("pp") > 1 and pipeline is not None:
-        from meshtrain.parallel.pipeline.engine import check_pipeline_layout
+        from meshtrain.parallel.pipeline.engine import SHARDING_BREAKS, check_pipeline_layout
+
+        if options.activation_checkpointing and pipeline.schedule in SHARDING_BREAKS:
+            raise ConfigError(
+                f"pp_schedule={pipeline.schedule!r} with activation_checkpointing="
+                f"{options.activation_checkpointing!r} fails in torch 2.13: the schedule's "
+                "separate weight backward re-enters the checkpoint's recomputation "
+                "('_GeneratorContextManager' object has no attribute 'args'). Use 1f1b, gpipe "
+                "or interleaved-1f1b with activation checkpointing, or turn it off")
 
         check_pipeline_layout(model, layout, pipeline, loss_fn=loss_fn,
                               num_microbatches=num_microbatches, batch_size=batch_size,

@@ -260,16 +260,17 @@ def _servers(raw: dict, world_size: int, spec) -> int:
 
 
 def _experts(raw: dict, spec) -> int:
-    """``ep=E`` taken out of ``raw`` (it borrows ranks, adds no mesh axis); alone, the other
-    ranks' layout is plain data parallel (``dp=auto``)."""
+    """``ep=E`` taken out of ``raw`` (it borrows ranks, adds no mesh axis); without a data- or
+    context-parallel axis, the ranks the other axes leave are plain data parallel
+    (``dp=auto``)."""
     degree = _pop_count(raw, "ep", spec, "the number of ranks the experts are split over, "
                         "e.g. 'ep=2'")
     if degree is None:
         return 1
     if degree < 1:
         raise LayoutError(f"degree of 'ep' must be at least 1, got {degree}")
-    if not raw:
-        raw["dp"] = "auto"
+    if not set(raw) & {*DATA_PARALLEL_AXES, *ZERO_ALIASES, "cp"}:
+        raw["dp"] = "auto"  # (the ranks ep borrows: the rest of the world)
     return degree
 
 
@@ -277,12 +278,16 @@ def _check_experts(degree: int, degrees: dict, zero_stage: int, spec) -> int:
     """``ep``'s degree, checked against the data- and context-parallel ranks it borrows."""
     if degree == 1:
         return 1
-    other = sorted(set(degrees) - {"dp", "dp_shard", "cp"})
+    other = sorted(set(degrees) - {"dp", "dp_shard", "cp", "pp"})
     if other or zero_stage == 1:
-        what = ", ".join(other) if other else "zero1 (its optimizer would overwrite the experts)"
+        why = {"tp": "tp (its ranks would each run every token through the same experts: "
+                     "split experts by ep instead of tp)",
+               "dp_replicate": "dp_replicate (HSDP)"}
+        what = (", ".join(why.get(a, a) for a in other) if other
+                else "zero1 (its optimizer would overwrite the experts)")
         raise LayoutError(
-            f"layout {spec!r}: ep (expert parallel) combines with dp, dp_shard (zero2/zero3) "
-            f"and cp alone for now, not with {what}; e.g. 'ep={degree}' or "
+            f"layout {spec!r}: ep (expert parallel) combines with dp, dp_shard (zero2/zero3), "
+            f"cp and pp, not with {what}; e.g. 'ep={degree}' or "
             f"'zero3={degree},ep={degree}'")
     data = degrees.get("dp", 1) * degrees.get("dp_shard", 1) * degrees.get("cp", 1)
     if data % degree:

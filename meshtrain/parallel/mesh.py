@@ -11,7 +11,8 @@ of the step needs, so no other module flattens or slices the mesh itself:
            for HSDP
 ``axis(n)`` one named axis (``pp``, ``tp``, ``cp``, ``dp``), or None when its degree is 1
 ``expert``  under ``ep``: 2-D (``edp``, ``ep``) over the data-parallel ranks: ``ep`` the ranks
-           that split the experts (consecutive ranks), ``edp`` those holding the same experts
+           that split the experts (consecutive ranks), ``edp`` those holding the same experts;
+           3-D (``pp``, ``edp``, ``ep``) under pp: each stage's ranks split its experts
 ========== =====================================================================================
 
 :meth:`ParallelMesh.local_p2p` adds, for CPU processes of one host, a shared-memory group over
@@ -51,12 +52,15 @@ class ParallelMesh:
                 shard_axes = ("dp_replicate", *shard_axes)
             self.shard = self.mesh[shard_axes]
         self.expert = None
-        if layout.expert_degree > 1:  # (ep borrows every rank of the one data-parallel axis)
+        if layout.expert_degree > 1:  # (ep borrows the data- and context-parallel ranks)
             from torch.distributed.device_mesh import init_device_mesh
 
-            ep = layout.expert_degree
-            self.expert = init_device_mesh(device_type, (layout.world_size // ep, ep),
-                                           mesh_dim_names=("edp", "ep"))
+            ep, pp = layout.expert_degree, layout.degree("pp")
+            # pp is the mesh's outermost axis: a stage's ranks are consecutive, and so are ep's
+            shape, names = (layout.world_size // ep, ep), ("edp", "ep")
+            if pp > 1:
+                shape, names = (pp, layout.world_size // (pp * ep), ep), ("pp", "edp", "ep")
+            self.expert = init_device_mesh(device_type, shape, mesh_dim_names=names)
 
     def _axis_backends(self, device_type: str) -> dict[str, str]:
         """The tp axis's collectives through shared memory where it applies (CPU processes of

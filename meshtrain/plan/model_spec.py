@@ -45,9 +45,10 @@ class ModelSpec:
 
     @property
     def balances_routers(self) -> bool:
-        """Does meshtrain add a router loss or bias balancing (refused under pp)?"""
-        return self.num_experts > 0 and (not self.is_hf or bool(
-            getattr(self.config, "output_router_logits", False)))
+        """Does meshtrain add a Hugging Face model's router loss (refused under pp; meshtrain's
+        own MoE layers balance themselves inside pipeline stages)?"""
+        return self.num_experts > 0 and self.is_hf and bool(
+            getattr(self.config, "output_router_logits", False))
 
     # -- building ---------------------------------------------------------------------------------
     def build(self, num_layers: int | None = None) -> torch.nn.Module:

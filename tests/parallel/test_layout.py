@@ -187,7 +187,7 @@ def test_the_readmes_refused_combinations_are_refused():
         degrees = dict(part.split("=") for part in spec.split(","))
         world = math.prod(int(v) for k, v in degrees.items() if k not in ("ps", "ep"))
         world += int(degrees.get("ps", 0))  # (ep borrows ranks: it adds none)
-        with pytest.raises(LayoutError, match="" if "ep" not in degrees else "alone for now"):
+        with pytest.raises(LayoutError, match="" if "ep" not in degrees else "cp and pp, not with"):
             Layout.parse(spec, world)
 
 
@@ -196,6 +196,7 @@ def test_the_readmes_refused_combinations_are_refused():
     ("ep=2", 4, {"dp": 4}, "dp=4,ep=2"),
     ("zero3=4,ep=2", 4, {"dp_shard": 4}, "dp_shard=4,ep=2"),
     ("zero2=2,ep=2", 2, {"dp_shard": 2}, "zero2=2,ep=2"),
+    ("pp=2,ep=2", 4, {"pp": 2, "dp": 2}, "pp=2,dp=2,ep=2"),
 ])
 def test_ep_borrows_data_parallel_ranks(spec, world, degrees, text):
     layout = Layout.parse(spec, world)
@@ -209,7 +210,8 @@ def test_ep_borrows_data_parallel_ranks(spec, world, degrees, text):
                 r"are 2; ep must divide it \(e\.g\. ep=2"),
     ("ep=auto", 2, "give the number of ranks"),
     ("ep=0", 2, "at least 1"),
-    ("dp_replicate=2,dp_shard=2,ep=2", 4, "and cp alone for now, not with dp_replicate"),
+    ("dp_replicate=2,dp_shard=2,ep=2", 4, "cp and pp, not with dp_replicate"),
+    ("tp=2,ep=2", 4, r"not with tp \(its ranks would each run every token"),
     ("zero1=2,ep=2", 2, "not with zero1"),
 ])
 def test_ep_mistakes(spec, world, match):

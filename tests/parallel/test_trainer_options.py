@@ -217,3 +217,24 @@ def test_zero_bubble_schedules_with_zero3_are_refused_before_start(monkeypatch):
     with pytest.raises(ConfigError, match="zero3/dp_shard gives wrong gradients .* zero2"):
         trainer.fit(tiny_gpt_4_layers, token_data(), optimizer=adamw_gpt,
                     loss_fn=lambda out, y: out.sum())
+
+
+def test_split_backward_schedules_with_activation_checkpointing_are_refused_before_start(
+        monkeypatch):
+    """zero-bubble, zbv and dualpipev run the weight backward apart, which re-enters the
+    checkpoint's recomputation and fails inside the first step in torch 2.13 (dense models
+    too): refused before start."""
+    from parity import adamw_gpt, tiny_gpt_4_layers, token_data
+
+    from meshtrain import ConfigError, Trainer
+
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
+                            LOCAL_WORLD_SIZE="2").items():  # rank 0 as a launcher starts it
+        monkeypatch.setenv(name, value)
+    trainer = Trainer(layout="pp=2", max_steps=1, pp_schedule="zero-bubble",
+                      activation_checkpointing="selective", global_batch_size=16,
+                      progress_bar=False)
+    with pytest.raises(ConfigError, match="'zero-bubble' with activation_checkpointing="
+                                          "'selective' fails in torch 2.13"):
+        trainer.fit(tiny_gpt_4_layers, token_data(), optimizer=adamw_gpt,
+                    loss_fn=lambda out, y: out.sum())

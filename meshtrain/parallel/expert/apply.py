@@ -98,7 +98,8 @@ def sync_expert_grads(model: torch.nn.Module, mesh) -> None:
 def clip_grad_norm(model: torch.nn.Module, params, max_norm: float | None, mesh
                    ) -> torch.Tensor:
     """The global gradient norm of ``params`` (``model``'s experts' squares summed over the ep
-    group), clipping them to ``max_norm`` unless None."""
+    group; under pp everything summed over the stages), clipping them to ``max_norm`` unless
+    None."""
     from torch.distributed.tensor import DTensor
 
     held = {id(p) for p in expert_params(model)}
@@ -110,7 +111,10 @@ def clip_grad_norm(model: torch.nn.Module, params, max_norm: float | None, mesh
         dense = dense.full_tensor()
     squares = torch.nn.utils.get_total_norm([p.grad for p in experts]) ** 2
     dist.all_reduce(squares, group=mesh.expert["ep"].get_group())
-    norm = (dense.to(squares.dtype) ** 2 + squares).sqrt()
+    squares = dense.to(squares.dtype) ** 2 + squares
+    if mesh.layout.degree("pp") > 1:
+        dist.all_reduce(squares, group=mesh.mesh.get_group("pp"))
+    norm = squares.sqrt()
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm

@@ -161,6 +161,12 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
                             loss_fn=loss_fn, options=options, grad_accum_steps=1)
     engine.runner, engine.pipeline, engine.split_points = runner, pipeline, split
     engine.adapter = adapter
+    from meshtrain.moe.pipeline import pipeline_routing
+
+    # meshtrain's MoE layers balance their routers inside the stages (moe/pipeline.py)
+    engine.router_loss = pipeline_routing(model, merged, mesh, num_microbatches, device)
+    if engine.router_loss is not None:
+        engine.router_loss.scale_loss = lambda loss: engine.precision.scale_loss(loss)
     if step_loss is not None:  # a research module's steps, split around the pipeline
         by_index = dict(zip(indices, stages))
         step_loss.module = by_index.get(num_stages - 1)
@@ -214,6 +220,8 @@ class PipelineEngine(Engine):
         if self.step_loss is not None and self.step_loss.module is not None:
             self.step_loss.commit(self.num_microbatches)  # what the micro-batches' steps logged
         loss = loss.detach() if loss is not None else torch.zeros((), device=self.device)
+        if self.router_loss is not None:  # the MoE balancing loss this rank's stages added
+            loss = loss + self.router_loss.added_loss().to(loss.dtype)
         self.unit = throughput_unit(inputs if inputs is not None else batch)
         return loss, count_tokens(inputs if inputs is not None else batch)
 
@@ -234,6 +242,9 @@ class PipelineEngine(Engine):
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """Each rank holds its stages: the squared norms are summed over the pp group."""
         from meshtrain.parallel.pipeline import clip_grad_norm_
+
+        if self.layout.expert_degree > 1:  # (and ep's experts' over the ep group)
+            return super().clip_grad_norm(max_norm)
 
         return plain(clip_grad_norm_(list(self.parameters()), max_norm, self.mesh.axis("pp")))
 
