@@ -116,7 +116,7 @@ class Estimator:
         self.dtype = torch.bfloat16 if cluster.dtype == "bf16-mixed" else torch.float32
         self.gather_factor = 0.5 if cluster.dtype == "bf16-mixed" else 1.0
         self._state: dict = {}
-        self._one_block = _block_bytes(spec)  # parameter bytes of one block
+        self._one_block = spec.block_bytes()  # parameter bytes of one block
         # FSDP units: blocks grouped as the Trainer groups them (shard_unit_mb's default)
         self.unit_bytes = round(SETTINGS["shard_unit_mb"].default * 2**20)
 
@@ -324,8 +324,23 @@ class Estimator:
         share = cl.compute_share
         return {"compute": m * compute, "bubble": max(0.0, slots * share - m) * slot,
                 "tp_cp_comm": m * tp_cp, "pp_p2p": m * p2p,
+                "ep_comm": m * self._ep_seconds(layout, c, blocks),
                 "dp_comm_exposed": max(0.0, dp_comm - cl.overlap * m * compute),
                 "optimizer": optimizer, "sharding_host": self._sharding_host(layout, m, blocks)}
+
+    def _ep_seconds(self, layout: Layout, c: Candidate, blocks: int) -> float:
+        """ep's all-to-alls of one micro-batch: each MoE block sends its tokens' k copies to
+        the experts' ranks and back, in the forward and again in the backward (4 a block;
+        routing taken as balanced, as the probe routes)."""
+        ep = layout.expert_degree
+        if ep == 1:
+            return 0.0
+        tokens = c.micro_batch * self.job.seq_len // layout.degree("cp")
+        size = tokens * self.spec.experts_per_token * self.spec.hidden * (
+            2 if self.dtype == torch.bfloat16 else 4)
+        crosses = ep * layout.degree("tp") > self.cluster.devices_per_node
+        return 4 * blocks * (self.cluster.drift + self.cluster.comm_seconds(
+            "all_to_all", size, ep, crosses_nodes=crosses))
 
     def _sharding_host(self, layout: Layout, m: int, blocks: int) -> float:
         """On this machine, what FSDP2's own work adds to a sharded step (meshtrain.plan.
@@ -386,14 +401,3 @@ def _message(coll) -> float:
     """The bytes a rank sends each peer at once in ``coll`` through shared memory
     (shm/collectives.py): an all-reduce of 2 ranks its whole tensor, else a chunk."""
     return coll.bytes if coll.op == "all_reduce" and coll.ranks == 2 else coll.bytes / coll.ranks
-
-
-def _block_bytes(spec: ModelSpec) -> int:
-    """One block's parameter bytes: what a second block adds to the model (built on meta, so
-    whatever the model names its modules)."""
-    sizes = []
-    for layers in (1, 2):
-        with torch.device("meta"):
-            model = spec.build(layers)
-        sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
-    return sizes[1] - sizes[0]

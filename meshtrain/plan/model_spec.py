@@ -44,11 +44,28 @@ class ModelSpec:
                          if getattr(c, k, None)), 0) or 0)
 
     @property
+    def experts_per_token(self) -> int:
+        """Experts each token is routed to (0: a dense model)."""
+        c = self.config
+        return int(next((getattr(c, k) for k in ("experts_per_token", "num_experts_per_tok")
+                         if getattr(c, k, None)), 0) or 0) if self.num_experts else 0
+
+    @property
     def balances_routers(self) -> bool:
         """Does meshtrain add a Hugging Face model's router loss (refused under pp; meshtrain's
         own MoE layers balance themselves inside pipeline stages)?"""
         return self.num_experts > 0 and self.is_hf and bool(
             getattr(self.config, "output_router_logits", False))
+
+    def block_bytes(self) -> int:
+        """One block's parameter bytes: what a second block adds to the model (built on meta,
+        so whatever the model names its modules)."""
+        sizes = []
+        for layers in (1, 2):
+            with torch.device("meta"):
+                model = self.build(layers)
+            sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+        return sizes[1] - sizes[0]
 
     # -- building ---------------------------------------------------------------------------------
     def build(self, num_layers: int | None = None) -> torch.nn.Module:

@@ -58,6 +58,7 @@ class ModelStateSizes:
         self._tp_dims: dict[int, dict[str, int | None]] = {}
         self._stages: dict[tuple, list[int]] = {}  # split points per pipeline
         self._roles = None
+        self._experts: set[str] | None = None
 
     def rank(self, layout: str | Layout, rank: int, *, world_size: int | None = None,
              pipeline=None) -> RankState:
@@ -71,6 +72,8 @@ class ModelStateSizes:
         names = self._stage_names(layout, coords.get("pp", 0), pipeline) \
             if layout.degree("pp") > 1 else None
         shards, shard_index = self._sharding(layout, coords)
+        ep = layout.expert_degree
+        experts = self._expert_names() if ep > 1 else set()
         local, count_trainable = [], 0
         for p in self.params:
             if names is not None and p.name not in names:
@@ -79,7 +82,9 @@ class ModelStateSizes:
             dim = tp_dims.get(p.name)
             if dim is not None:
                 shape[dim] = chunk_size(shape[dim], tp, coords["tp"])
-            if shards > 1 and shape:
+            if p.name in experts:  # ep: this rank's rows of [E, ...], left alone by FSDP
+                shape[0] //= ep
+            elif shards > 1 and shape:
                 shape[0] = chunk_size(shape[0], shards, shard_index)
             local.append((math.prod(shape), p.element_size, p.trainable))
             count_trainable += p.trainable
@@ -118,6 +123,22 @@ class ModelStateSizes:
                     dims[name] = shard[0].dim if shard else None
             self._tp_dims[tp] = dims
         return self._tp_dims[tp]
+
+    def _expert_names(self) -> set[str]:
+        """The names of the expert weights ep splits by rows (meshtrain's MoE layers, or a
+        Hugging Face model's from its declared ep plan), learned once on the meta device."""
+        if self._experts is None:
+            from meshtrain.parallel.expert.apply import expert_layers
+            from meshtrain.plan.simulate import default_options
+
+            with torch.device("meta"):
+                model = self.factory()
+            options, _ = default_options(Layout.parse("dp=1", 1), self.options, self.pipeline)
+            prefix = {id(m): n for n, m in model.named_modules()}
+            self._experts = {f"{prefix[id(layer.expert_module)]}.{n}"
+                             for layer in expert_layers(model, options.expert_layers)
+                             for n, _ in layer.expert_module.named_parameters(recurse=False)}
+        return self._experts
 
     def _stage_names(self, layout: Layout, pp_rank: int, pipeline=None) -> set[str]:
         """The parameter names pipeline rank ``pp_rank``'s stages hold: the blocks of its stages

@@ -111,9 +111,18 @@ def candidates(spec: ModelSpec, cluster: Cluster, job: Job, pins: dict | None = 
                     layout = ",".join(p for p in (f"pp={pp}" if pp > 1 else "", data,
                                                   f"cp={cp}" if cp > 1 else "",
                                                   f"tp={tp}" if tp > 1 else "") if p) or "dp=1"
-                    if not _pinned(layout, world, pins):
-                        continue
-                    yield from _variants(spec, job, layout, dp, pp, tp, fixed)
+                    for layout in (layout, *_expert_layouts(spec, layout, dp * cp, data)):
+                        if not _pinned(layout, world, pins):
+                            continue
+                        yield from _variants(spec, job, layout, dp, pp, tp, fixed)
+
+
+def _expert_layouts(spec: ModelSpec, layout: str, borrowed: int, data: str) -> list[str]:
+    """``layout`` with ``ep`` for an MoE model: every degree that divides both the data- and
+    context-parallel ranks it borrows and the experts (not with zero1 or HSDP: refused)."""
+    if not spec.num_experts or data.startswith(("zero1", "dp_replicate")) or "tp=" in layout:
+        return []
+    return [f"{layout},ep={ep}" for ep in divisors(borrowed)[1:] if spec.num_experts % ep == 0]
 
 
 def _variants(spec, job, layout, dp, pp, tp, fixed):

@@ -2,6 +2,8 @@
 world built for real holds (meshtrain.plan.simulate), on every rank of many layouts, for a
 Hugging Face Llama and meshtrain's GPT with sizes that do not divide evenly."""
 
+import math
+
 import pytest
 import transformers
 
@@ -49,3 +51,34 @@ def test_chunks_are_torch_chunks():
             expected = [len(c) for c in torch.arange(length).chunk(parts)] if length else []
             expected += [0] * (parts - len(expected))
             assert [chunk_size(length, parts, i) for i in range(parts)] == expected
+
+
+def _moe_gpt():
+    return GPT(GPTConfig(vocab_size=40, seq_len=16, num_layers=4, num_heads=4, d_model=48,
+                         num_experts=4, experts_per_token=2), seed=0)
+
+
+def _qwen3_moe():
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=40, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=40, moe_intermediate_size=24, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=16, head_dim=8))
+
+
+@pytest.mark.parametrize("factory", [_moe_gpt, _qwen3_moe], ids=["moe-gpt", "qwen3-moe"])
+def test_expert_parallel_layouts_match_a_built_world(factory):
+    """Under ep each rank holds its rows of every expert weight, which FSDP leaves alone; the
+    rest as without ep (pp, dp_shard and cp mixed in)."""
+    sizes = ModelStateSizes(factory)
+    for layout, world in [("ep=2", 2), ("dp_shard=4,ep=2", 4), ("pp=2,ep=2", 4),
+                          ("pp=2,dp_shard=2,ep=2", 4), ("dp=4,ep=4", 4),
+                          ("cp=2,dp_shard=2,ep=4", 4)]:
+        for rank in range(world):
+            built = simulate(factory, layout, world_size=world, rank=rank)
+            counted = sizes.rank(layout, rank, world_size=world)
+            assert (counted.local_params, counted.params, counted.grads, counted.optimizer) == (
+                built.local_params, built.params, built.grads, built.optimizer), (layout, rank)
+    whole = sizes.rank("dp=2", 0, world_size=2)
+    split = sizes.rank("ep=2", 0, world_size=2)
+    experts = sum(math.prod(p.shape) for p in sizes.params if p.name in sizes._expert_names())
+    assert whole.local_params - split.local_params == experts // 2 > 0

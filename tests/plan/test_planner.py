@@ -242,3 +242,21 @@ def test_a_job_toml_is_planned_with_its_recipes_defaults_moe_included(capsys):
     moe = ModelSpec.load(str(root / "examples" / "moe_gpt.toml"))
     assert moe.num_experts == 8 and not moe.balances_routers
     assert probe_model(moe, seq_len=32) is not None  # on meta: routed as if balanced
+
+
+def test_an_moe_model_is_planned_with_expert_parallel_and_its_pick_built(capsys):
+    """A Qwen3-30B-A3B-shaped model (examples/moe/qwen3_30b_a3b.json, 128 experts, top-8) on
+    2 x 8 H100: candidates with ep (experts per rank counted by rows, left alone by FSDP, the
+    all-to-alls timed), the pick built in a simulated world of 16 ranks with the model state
+    the estimate said. (On one node of 8 nothing fits: fp32 weights and AdamW state alone are
+    57 GiB a device.)"""
+    import re
+
+    assert cli(["plan", "examples/moe/qwen3_30b_a3b.json", "--cluster", "8xH100", "--nodes",
+                "2", "--global-batch", "16", "--seq-len", "4096", "--top", "20", "--build"]) == 0
+    out = capsys.readouterr().out
+    picks = re.findall(r"^\s+\d+  (\S+) mb=", out, flags=re.M)
+    assert any("ep=" in p for p in picks), out
+    built = re.search(r"built (\S+) at world size 16", out)
+    assert built and "ep=" in built.group(1), out
+    assert out.count("estimated") == out.count("equal)") >= 2, out
