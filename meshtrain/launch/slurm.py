@@ -238,12 +238,13 @@ class RequeueOnSignal(Callback):
         if trainer.stop_reason != "signal" or trainer.rank != 0:
             return
         scontrol = shutil.which("scontrol") or "scontrol"
+        # said first: Slurm may end this run as soon as the requeue is accepted
+        trainer.print(f"Slurm job {self.job_id}: requeueing it; it continues from the "
+                      "checkpoint just saved")
+        sys.stdout.flush()
         done = subprocess.run([scontrol, "requeue", self.job_id], capture_output=True,
                               text=True, check=False)
-        if done.returncode == 0:
-            trainer.print(f"Slurm job {self.job_id} requeued: it continues from the checkpoint "
-                          "just saved")
-        else:
+        if done.returncode != 0:
             trainer.print(f"could not requeue Slurm job {self.job_id} "
                           f"({done.stderr.strip() or done.returncode}): submit it again to "
                           "continue from the checkpoint just saved")

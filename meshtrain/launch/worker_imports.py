@@ -21,6 +21,7 @@ import meshtrain.fault.watchdog
 import meshtrain.loop.setup
 import meshtrain.loop.step_end
 import meshtrain.moe.layer
+import meshtrain.moe.pipeline
 import meshtrain.observe.loggers
 import meshtrain.observe.memory.probe
 import meshtrain.observe.model_summary

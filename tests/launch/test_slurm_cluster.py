@@ -263,7 +263,7 @@ def test_a_signalled_job_saves_requeues_itself_and_continues_from_that_step(slur
     stop = re.search(r"step (\d+) \(epoch \d+\): SIGUSR1 received; stopping after this step",
                      out)
     assert stop and 20 <= int(stop.group(1)) < 300, out[-3000:]
-    assert f"Slurm job {job} requeued" in out
+    assert f"Slurm job {job}: requeueing it" in out
     assert re.search(rf"resumed from \S+/checkpoints/final at step {stop.group(1)} ", out), \
         out[-3000:]
     (run,) = runs.glob("tiny/*")
