@@ -44,7 +44,7 @@ class _Balance(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         probs = ctx.logits.softmax(-1)
-        w = ctx.f_over_rows.to(probs.dtype) * (ctx.weight() * probs.shape[-1])
+        w = ctx.f_over_rows.to(probs.dtype) * (ctx.weight().to(probs.dtype) * probs.shape[-1])
         return grad, probs * (w - (probs * w).sum(-1, keepdim=True)), None, None
 
 
@@ -93,9 +93,9 @@ class PipelineRouting:
         self._forwards[index].append((counts.to(torch.float64), share.to(torch.float64)))
         return out
 
-    def _gradient(self, dtype, device) -> float:
-        one = torch.ones((), dtype=dtype, device=device)
-        return float(self.scale_loss(one * self.weight))
+    def _gradient(self, dtype, device) -> torch.Tensor:
+        """d(loss)/d(share), as a tensor (no host sync in the backward)."""
+        return self.scale_loss(torch.full((), self.weight, dtype=dtype, device=device))
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's counts [layers, E] (this rank's layers filled) and balancing share."""

@@ -281,14 +281,12 @@ def _check_experts(degree: int, degrees: dict, zero_stage: int, spec) -> int:
     other = sorted(set(degrees) - {"dp", "dp_shard", "cp", "pp"})
     if other or zero_stage == 1:
         why = {"tp": "tp (its ranks would each run every token through the same experts: "
-                     "split experts by ep instead of tp)",
-               "dp_replicate": "dp_replicate (HSDP)"}
-        what = (", ".join(why.get(a, a) for a in other) if other
-                else "zero1 (its optimizer would overwrite the experts)")
-        raise LayoutError(
-            f"layout {spec!r}: ep (expert parallel) combines with dp, dp_shard (zero2/zero3), "
-            f"cp and pp, not with {what}; e.g. 'ep={degree}' or "
-            f"'zero3={degree},ep={degree}'")
+                     "split experts by ep instead of tp)", "dp_replicate": "dp_replicate (HSDP)"}
+        what = ", ".join(why.get(a, a) for a in other) or "zero1 (its optimizer would " \
+            "overwrite the experts)"
+        raise LayoutError(f"layout {spec!r}: ep (expert parallel) combines with dp, dp_shard "
+                          f"(zero2/zero3), cp and pp, not with {what}; e.g. 'ep={degree}' or "
+                          f"'zero3={degree},ep={degree}'")
     data = degrees.get("dp", 1) * degrees.get("dp_shard", 1) * degrees.get("cp", 1)
     if data % degree:
         raise LayoutError(
