@@ -32,7 +32,7 @@ Expert parallel: ``ep=E`` splits the experts of mixture-of-experts layers over E
 borrowed from the data- and context-parallel ranks (meshtrain/parallel/expert/): it adds no
 process, so ``ep=2`` alone is 2 processes, ``dp=2`` for everything else, each rank holding
 half the experts; ``dp_shard=4,ep=2`` is 4 processes, the dense part sharded over 4, the
-experts split over 2 and replicated over the other 2 (the "expert data-parallel" ranks).
+experts split over 2 and sharded over the other 2 (the "expert data-parallel" ranks).
 E must divide dp x dp_shard x cp; ep combines with ``dp``, ``dp_shard`` (zero2/zero3) and
 ``cp`` alone for now.
 

@@ -61,6 +61,16 @@ class ParallelMesh:
             if pp > 1:
                 shape, names = (pp, layout.world_size // (pp * ep), ep), ("pp", "edp", "ep")
             self.expert = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        # the same ranks with ep before edp: a sharded layout's experts are FSDP-sharded over
+        # edp inside each ep rank's rows, which DTensor writes (Shard(0), Shard(0)) on this
+        self.expert_rows = None
+        if self.expert is not None and layout.is_sharded and self.expert["edp"].size() > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            names = self.expert.mesh_dim_names
+            order = [*range(len(names) - 2), len(names) - 1, len(names) - 2]
+            self.expert_rows = DeviceMesh(device_type, self.expert.mesh.permute(order),
+                                          mesh_dim_names=tuple(names[i] for i in order))
 
     def _axis_backends(self, device_type: str) -> dict[str, str]:
         """The tp axis's collectives through shared memory where it applies (CPU processes of

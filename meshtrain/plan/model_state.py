@@ -74,6 +74,9 @@ class ModelStateSizes:
         shards, shard_index = self._sharding(layout, coords)
         ep = layout.expert_degree
         experts = self._expert_names() if ep > 1 else set()
+        # under zero2/3 FSDP shards a rank's expert rows over the edp ranks holding the same
+        stage_rank = rank % (layout.world_size // layout.degree("pp"))
+        edp = layout.world_size // layout.degree("pp") // ep if layout.is_sharded else 1
         local, count_trainable = [], 0
         for p in self.params:
             if names is not None and p.name not in names:
@@ -82,8 +85,10 @@ class ModelStateSizes:
             dim = tp_dims.get(p.name)
             if dim is not None:
                 shape[dim] = chunk_size(shape[dim], tp, coords["tp"])
-            if p.name in experts:  # ep: this rank's rows of [E, ...], left alone by FSDP
+            if p.name in experts:  # ep: this rank's rows of [E, ...] (edp: their shard)
                 shape[0] //= ep
+                if edp > 1:
+                    shape[0] = chunk_size(shape[0], edp, stage_rank // ep)
             elif shards > 1 and shape:
                 shape[0] = chunk_size(shape[0], shards, shard_index)
             local.append((math.prod(shape), p.element_size, p.trainable))

@@ -141,7 +141,8 @@ def test_all_tokens_to_the_other_ranks_experts_and_experts_without_tokens():
 @pytest.mark.timeout(400)
 def test_experts_split_in_two_and_sharded_over_the_other_two_ranks():
     """dp_shard=4,ep=2 on 4 processes: experts split over ranks (0, 1) and (2, 3), each half
-    held by two ranks that see other data (their gradients summed over them)."""
+    FSDP-sharded over the two ranks holding it, which see other data (their gradients summed
+    over them)."""
     assert_parity("dp_shard=4,ep=2", 4, steps=4, global_batch_size=16, fns=MOE_FNS)
 
 
@@ -166,16 +167,21 @@ def test_bad_expert_layouts_are_refused_before_start(tmp_path):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("saved, resumed", [("ep=2", None), (None, "dp_shard=2,ep=2")],
-                         ids=["ep=2->1 process", "1 process->dp_shard=2,ep=2"])
+@pytest.mark.parametrize("saved, resumed", [("ep=2", None), (None, "dp_shard=2,ep=2"),
+                                            ("dp_shard=4,ep=2", "ep=2"),
+                                            ("ep=2", "dp_shard=4,ep=2")],
+                         ids=["ep=2->1 process", "1 process->dp_shard=2,ep=2",
+                              "dp_shard=4,ep=2->ep=2", "ep=2->dp_shard=4,ep=2"])
 def test_a_checkpoint_resumes_under_another_expert_layout(tmp_path, saved, resumed):
     """3 steps under one layout, a checkpoint, 3 more under another = 6 steps in one process
-    (the experts' weights and their AdamW state saved whole, read back as each rank's rows)."""
+    (the experts' weights and their AdamW state saved whole, read back as each rank's rows,
+    or its FSDP shard of them under dp_shard=4,ep=2)."""
     from parity import F64_TOL, compare_ranks, run_ranks, train_state
 
     def run(layout, steps, **kwargs):
         trainer = dict(max_steps=steps, global_batch_size=16, layout=layout, **kwargs)
-        return run_ranks(trainer, 2 if layout else 1, timeout=200, float64=True, **MOE_FNS)
+        ranks = 1 if not layout else 4 if "dp_shard=4" in layout else 2
+        return run_ranks(trainer, ranks, timeout=200, float64=True, **MOE_FNS)
 
     reference = train_state(dict(max_steps=6, global_batch_size=16), float64=True, **MOE_FNS)
     run(saved, 3, run_dir=str(tmp_path / "first"), save_final_checkpoint=True)
@@ -200,7 +206,8 @@ def _memory_under(layout: str) -> tuple:
                           model_summary=False, run_dir=run_dir)
         model = trainer.fit(moe_gpt, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
         row = memory_row(model, trainer.optimizer, trainer.layout)
-        experts = sum(p.numel() for p in expert_params(model))
+        experts = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                      for p in expert_params(model))  # (held here)
         # (after fit: the gradients are freed; parameters and optimizer state remain)
         return (row.measured.params + row.measured.optimizer,
                 row.predicted.params + row.predicted.optimizer, experts)
@@ -208,13 +215,15 @@ def _memory_under(layout: str) -> tuple:
 
 @pytest.mark.timeout(300)
 def test_expert_memory_per_rank_is_the_formulas():
-    """Under ep each rank holds E / ep experts whole (parameters, gradients, AdamW's two
-    moments: 16 bytes each in fp32) and its share of the rest: measured = predicted."""
+    """Under ep each rank holds E / ep experts (parameters, gradients, AdamW's two moments:
+    16 bytes each in fp32), sharded under zero3 over the edp ranks holding the same ones
+    (dp_shard=4,ep=2: a quarter of every expert weight a rank), and its share of the rest:
+    measured = predicted."""
     from meshtrain.launch.spawn import run_workers
 
     whole = sum(p.numel() for n, p in moe_gpt().named_parameters() if ".experts." in n)
-    for layout in ("ep=2", "dp_shard=2,ep=2"):
-        for measured, predicted, experts in run_workers(_memory_under, 2, (layout,),
+    for layout, ranks in (("ep=2", 2), ("dp_shard=2,ep=2", 2), ("dp_shard=4,ep=2", 4)):
+        for measured, predicted, experts in run_workers(_memory_under, ranks, (layout,),
                                                         timeout=200):
-            assert experts == whole // 2
+            assert experts == whole // ranks
             assert abs(measured / predicted - 1) < 0.01, (layout, measured, predicted)

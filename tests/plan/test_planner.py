@@ -246,7 +246,7 @@ def test_a_job_toml_is_planned_with_its_recipes_defaults_moe_included(capsys):
 
 def test_an_moe_model_is_planned_with_expert_parallel_and_its_pick_built(capsys):
     """A Qwen3-30B-A3B-shaped model (examples/moe/qwen3_30b_a3b.json, 128 experts, top-8) on
-    2 x 8 H100: candidates with ep (experts per rank counted by rows, left alone by FSDP, the
+    2 x 8 H100: candidates with ep (experts per rank counted by rows, sharded over edp by FSDP, the
     all-to-alls timed), the pick built in a simulated world of 16 ranks with the model state
     the estimate said. (On one node of 8 nothing fits: fp32 weights and AdamW state alone are
     57 GiB a device.)"""

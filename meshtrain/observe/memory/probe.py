@@ -183,14 +183,19 @@ def memory_row(
     num_params = _num_params(model) if num_params is None else num_params
     sizes = dict(bytes_per_param=first.element_size(), bytes_per_grad=first.element_size(),
                  optimizer_bytes_per_param=optimizer_bytes_per_param(optimizer))
-    # under ep this rank's experts (E / ep of them) are whole here, not sharded by ZeRO
+    # under ep this rank's experts (E / ep of them): sharded by ZeRO over the edp ranks
+    # holding the same ones under zero2/3 (whole here when edp is one rank, or under dp)
     from meshtrain.parallel.expert import expert_params
 
     experts = sum(p.numel() for p in expert_params(model))
     predicted = predicted_bytes(num_params - experts, layout.zero_stage, shard_count(layout),
                                 **sizes)
     if experts:
-        alone = predicted_bytes(experts, 0, 1, **sizes)
+        edp = layout.world_size // layout.degree("pp") // layout.degree("tp") // \
+            layout.expert_degree
+        sharded = layout.is_sharded and edp > 1
+        alone = predicted_bytes(experts, layout.zero_stage if sharded else 0,
+                                edp if sharded else 1, **sizes)
         predicted = ModelStateBytes(predicted.params + alone.params,
                                     predicted.grads + alone.grads,
                                     predicted.optimizer + alone.optimizer)

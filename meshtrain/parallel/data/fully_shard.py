@@ -141,13 +141,15 @@ def apply_fsdp(
         )
     check_offload(offload, mesh.device_type)
     options = dict(mesh=mesh, mp_policy=mixed_precision_policy(precision))
-    from meshtrain.parallel.expert import expert_params
-
-    ignored = set(expert_params(model))  # ep's experts: each rank holds others
-    if ignored:
-        options["ignored_params"] = ignored
     if offload == "cpu":
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    from meshtrain.parallel.expert.apply import shard_experts
+
+    # ep's experts: sharded over the ranks holding the same ones (each rank holds others)
+    ignored = shard_experts(model, reshard_after_forward=reshard_after_forward,
+                            **{k: v for k, v in options.items() if k != "mesh"})
+    if ignored:
+        options["ignored_params"] = ignored
     blocks = find_blocks(model) if blocks is None else list(blocks)
     if any(block is model for block in blocks):
         raise ConfigError(

@@ -3,16 +3,20 @@ tokens by all-to-all (dispatch.py); what the rest of the step does differently u
 
 * **The split.** A layer that can be split has ``split_experts(rank, size)`` (meshtrain's MoE,
   meshtrain/moe/layer.py): it keeps rows ``rank*L .. (rank+1)*L`` of its grouped expert
-  weights ``[E, ...]`` as plain parameters. DDP and FSDP2 leave them out; everything else of
-  the model is data parallel over the same ranks as before.
+  weights ``[E, ...]`` as plain parameters. DDP leaves them out; under zero2/zero3 FSDP2
+  shards each holder over its ``edp`` ranks (:func:`shard_experts`: inside this rank's rows,
+  a mesh of its own). Everything else of the model is data parallel over the same ranks as
+  before.
 * **Gradients.** An expert's gradient on its rank already sums what every rank of its ep group
   sent it (the all-to-all's backward); summed over the ``edp`` ranks that hold the same experts
   and divided by the data-parallel degree (each rank's loss is scaled for an average over
-  them) it is one process's gradient.
+  them) it is one process's gradient (by hand, or FSDP2's reduce-scatter with that divisor).
 * **The gradient norm** adds the experts' squares over the ep group to the rest's.
-* **State.** ``state_dict()`` gives the experts as DTensors sharded over ``ep`` (rows), so
-  gathering the whole model (``whole_state``) and DCP checkpoints see whole tensors;
-  ``load_state_dict`` takes them back as DTensors (DCP reads each rank's rows into them).
+* **State.** ``state_dict()`` gives the experts as DTensors of the whole tensors, sharded
+  over ``ep`` by rows (and over ``edp`` inside them where FSDP2 shards: ``(Shard(0),
+  Shard(0))`` on ``ParallelMesh.expert_rows``), so gathering the whole model (``whole_state``)
+  and DCP checkpoints see whole tensors; ``load_state_dict`` takes them back as held (DCP
+  reads each rank's part into them).
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def apply_expert_parallel(model: torch.nn.Module, mesh, adapt=None) -> list[torc
         layer.dispatch = AllToAllExperts(layer.compute_local, ep_mesh.get_group(), size)
         holder = layer.expert_module
         holder.ep_mesh = ep_mesh  # (plain tensors holding rows of whole ones)
+        holder.edp_mesh = mesh.expert["edp"]  # (FSDP2 shards them over it: apply_fsdp)
+        holder.rows_mesh = None if mesh.expert_rows is None else mesh.expert_rows["ep", "edp"]
         _state_as_dtensors(holder, ep_mesh, [n for n, p in holder.named_parameters()
                                              if any(p is k for k in kept)])
         params += kept
@@ -78,10 +84,39 @@ def expert_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             for p in m.parameters(recurse=False)]
 
 
+def shard_experts(model: torch.nn.Module, **fsdp_options) -> set:
+    """Under a sharded layout (zero2/zero3): FSDP2 shards each expert holder over its ``edp``
+    ranks (inside this rank's rows), its gradients summed over them and divided by the data-
+    parallel degree (edp x ep) as the module docstring says. Returns the expert parameters it
+    did not shard (edp of one rank: data parallelism must leave them alone)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from meshtrain.parallel.data.fsdp_comm import use_gloo_collectives
+
+    left, sharded = set(), []
+    for module in model.modules():
+        if getattr(module, "ep_mesh", None) is None:
+            continue
+        if module.rows_mesh is None:
+            left |= set(module.parameters(recurse=False))
+            continue
+        fully_shard(module, mesh=module.edp_mesh, **fsdp_options)
+        module.set_gradient_divide_factor(float(module.edp_mesh.size() * module.ep_mesh.size()))
+        module.set_force_sum_reduction_for_comms(True)  # (SUM, then divided: any backend)
+        sharded.append(module)
+    if sharded:
+        use_gloo_collectives(sharded, sharded[0].edp_mesh.get_group())
+    return left
+
+
 def sync_expert_grads(model: torch.nn.Module, mesh) -> None:
     """The experts' gradients summed over the ranks holding the same experts, divided by the
-    data-parallel degree (see the module docstring)."""
-    params = [p for p in expert_params(model) if p.grad is not None]
+    data-parallel degree (see the module docstring); FSDP2 already did it for experts it
+    shards."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in expert_params(model) if p.grad is not None
+              and not isinstance(p.grad, DTensor)]
     if not params:
         return
     edp = mesh.expert["edp"]
@@ -109,7 +144,10 @@ def clip_grad_norm(model: torch.nn.Module, params, max_norm: float | None, mesh
     dense = torch.nn.utils.get_total_norm([p.grad for p in rest])
     if isinstance(dense, DTensor):
         dense = dense.full_tensor()
-    squares = torch.nn.utils.get_total_norm([p.grad for p in experts]) ** 2
+    squares = torch.nn.utils.get_total_norm([p.grad for p in experts])
+    if isinstance(squares, DTensor):  # FSDP-sharded over edp: summed over it first
+        squares = squares.full_tensor()
+    squares = squares ** 2
     dist.all_reduce(squares, group=mesh.expert["ep"].get_group())
     squares = dense.to(squares.dtype) ** 2 + squares
     if mesh.layout.degree("pp") > 1:
@@ -120,56 +158,83 @@ def clip_grad_norm(model: torch.nn.Module, params, max_norm: float | None, mesh
     return norm
 
 
-def _state_as_dtensors(module: torch.nn.Module, ep_mesh, names: list[str]) -> None:
-    """``module``'s ``names`` in its state_dict as DTensors sharded by rows over ``ep_mesh``;
-    loaded from whole tensors or DTensors as this rank's rows."""
+def _as_whole(value: torch.Tensor, module: torch.nn.Module):
+    """A held expert tensor (this rank's rows; FSDP2's shard of them over edp as a DTensor) as
+    a DTensor of the whole ``[E, ...]`` tensor: sharded by rows over ep (and over edp inside)."""
     from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(value, DTensor):
+        local, mesh, placements = value.to_local(), module.rows_mesh, [Shard(0), Shard(0)]
+    else:
+        local, mesh, placements = value, module.ep_mesh, [Shard(0)]
+    shape = torch.Size((value.shape[0] * module.ep_mesh.size(), *value.shape[1:]))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _as_held(value, module: torch.nn.Module):
+    """The inverse of :func:`_as_whole` (DCP read this rank's part into our own template)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = value.to_local()
+    if not isinstance(module, FSDPModule):
+        return local
+    shape = torch.Size((value.shape[0] // module.ep_mesh.size(), *value.shape[1:]))
+    return DTensor.from_local(local, module.edp_mesh, [Shard(0)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _state_as_dtensors(module: torch.nn.Module, ep_mesh, names: list[str]) -> None:
+    """``module``'s ``names`` in its state_dict as DTensors of the whole tensors sharded by rows
+    over ``ep_mesh`` (and over edp where FSDP2 shards them); loaded back as held."""
+    from torch.distributed.tensor import DTensor
 
     def save(module, state, prefix, local_metadata):
         for name in names:
             key = prefix + name
-            if key in state and not isinstance(state[key], DTensor):
-                state[key] = DTensor.from_local(state[key], ep_mesh, [Shard(0)], run_check=False)
+            value = state.get(key)
+            if value is not None and (not isinstance(value, DTensor) or
+                                      value.device_mesh == module.edp_mesh):
+                state[key] = _as_whole(value, module)
         return state
 
     def load(module, state, prefix, *args):
         for name in names:
             value = state.get(prefix + name)
-            if isinstance(value, DTensor):  # DCP read this rank's rows into our own template
-                assert value.placements == (Shard(0),), value.placements
-                state[prefix + name] = value.to_local()
+            if isinstance(value, DTensor) and value.device_mesh != module.edp_mesh:
+                state[prefix + name] = _as_held(value, module)
 
     module._register_state_dict_hook(save)
     module._register_load_state_dict_pre_hook(load, with_module=True)
 
 
-def _expert_names(model: torch.nn.Module) -> dict[str, object]:
-    """{parameter name: its ep mesh} of the experts ep split."""
-    return {f"{name}.{p_name}" if name else p_name: module.ep_mesh
+def _expert_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """{parameter name: its module} of the experts ep split."""
+    return {f"{name}.{p_name}" if name else p_name: module
             for name, module in model.named_modules()
             if getattr(module, "ep_mesh", None) is not None
             for p_name, _ in module.named_parameters(recurse=False)}
 
 
 def optim_state_as_dtensors(model: torch.nn.Module, optim_sd: dict) -> None:
-    """In place: the experts' optimizer state (keyed by parameter name) as DTensors sharded by
-    rows over ep, as their weights are in ``state_dict()`` (DCP saves them whole, and loads into
-    them each rank's rows)."""
-    from torch.distributed.tensor import DTensor, Shard
+    """In place: the experts' optimizer state (keyed by parameter name) as DTensors of whole
+    tensors, as their weights are in ``state_dict()`` (DCP saves them whole, and loads into
+    them each rank's part)."""
+    from torch.distributed.tensor import DTensor
 
-    for name, mesh in _expert_names(model).items():
+    for name, module in _expert_modules(model).items():
         for key, value in (optim_sd.get("state", {}).get(name) or {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and \
-                    not isinstance(value, DTensor):
-                optim_sd["state"][name][key] = DTensor.from_local(value, mesh, [Shard(0)],
-                                                                  run_check=False)
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and not (
+                    isinstance(value, DTensor) and value.device_mesh != module.edp_mesh):
+                optim_sd["state"][name][key] = _as_whole(value, module)
 
 
 def optim_state_as_local(model: torch.nn.Module, optim_sd: dict) -> None:
-    """In place: the inverse of :func:`optim_state_as_dtensors` (this rank's rows)."""
+    """In place: the inverse of :func:`optim_state_as_dtensors` (as the optimizer holds it)."""
     from torch.distributed.tensor import DTensor
 
-    for name in _expert_names(model):
+    for name, module in _expert_modules(model).items():
         for key, value in (optim_sd.get("state", {}).get(name) or {}).items():
-            if isinstance(value, DTensor):
-                optim_sd["state"][name][key] = value.to_local()
+            if isinstance(value, DTensor) and value.device_mesh != module.edp_mesh:
+                optim_sd["state"][name][key] = _as_held(value, module)
