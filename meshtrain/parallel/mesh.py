@@ -51,7 +51,7 @@ class ParallelMesh:
             if layout.degree("dp_replicate") > 1:
                 shard_axes = ("dp_replicate", *shard_axes)
             self.shard = self.mesh[shard_axes]
-        self.expert = None
+        self.expert = self.expert_dispatch = None
         if layout.expert_degree > 1:  # (ep borrows the data- and context-parallel ranks)
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -61,7 +61,13 @@ class ParallelMesh:
             if pp > 1:
                 shape, names = (pp, layout.world_size // (pp * ep), ep), ("pp", "edp", "ep")
             self.expert = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        # the same ranks with ep before edp: a sharded layout's experts are FSDP-sharded over
+            # the tokens' all-to-alls on a group of their own: a mesh dim as wide as the world
+            # reuses the default group, which DDP reduces on in the backward too, and ranks
+            # routing differently reach the two in another order (a collective mismatch)
+            for ranks in self.expert.mesh.reshape(-1, ep).tolist():  # (every rank makes each)
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    self.expert_dispatch = group        # the same ranks with ep before edp: a sharded layout's experts are FSDP-sharded over
         # edp inside each ep rank's rows, which DTensor writes (Shard(0), Shard(0)) on this
         self.expert_rows = None
         if self.expert is not None and layout.is_sharded and self.expert["edp"].size() > 1:

@@ -53,8 +53,9 @@ def plain_transformers(model_fn, steps: int = STEPS, batch_size: int = BATCH) ->
     return state
 
 
-def meshtrain_ranks(model_fn, layout: str | None, devices: int) -> list[dict]:
-    kwargs = dict(max_steps=STEPS, global_batch_size=BATCH, shuffle=False, layout=layout)
+def meshtrain_ranks(model_fn, layout: str | None, devices: int, steps: int = STEPS
+                    ) -> list[dict]:
+    kwargs = dict(max_steps=steps, global_batch_size=BATCH, shuffle=False, layout=layout)
     return run_ranks(kwargs, devices, timeout=200, model_fn=model_fn, data_fn=random_token_data,
                      loss_fn=None, optimizer_fn=adamw_gpt, float64=True)
 
@@ -205,3 +206,95 @@ def test_the_validation_loss_is_the_cross_entropy_alone(tmp_path):
     trainer = quiet_trainer(tmp_path, max_steps=1, global_batch_size=16)
     trainer.fit(qwen3_moe, data, optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
     assert trainer.validate(data)["val/loss"] == pytest.approx(float(alone), rel=1e-6)
+
+
+def deepseek_v3():
+    """A tiny DeepSeek-V3: sigmoid routing picked with an e_score_correction_bias, which
+    meshtrain moves (config.router_bias_rate; transformers never does)."""
+    return tiny_causal_lm(
+        "DeepseekV3", vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16, intermediate_size=16,
+        moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, experts_implementation="eager",
+        router_bias_rate=0.05)
+
+
+def plain_transformers_moving_the_bias(steps: int = STEPS) -> dict:
+    """The reference: transformers in float64, and after each step every router's bias moved
+    by ``rate * sign(mean - count)`` of that step's picks (DeepSeek-V3's update), by hand."""
+    model = deepseek_v3().double()
+    rate = model.config.router_bias_rate
+    optimizer = adamw_gpt(model.parameters())
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    counts = {}
+    for router in routers:
+        router.register_forward_hook(lambda m, a, out: counts.__setitem__(
+            m, counts.get(m, 0) + torch.bincount(out[-1].reshape(-1), minlength=4)))
+    data = random_token_data()
+    for step in range(steps):
+        rows = range(step * BATCH, (step + 1) * BATCH)
+        batch = {k: torch.stack([data[i][k] for i in rows]) for k in ("input_ids", "labels")}
+        counts.clear()
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for router in routers:
+                c = counts[router].double()
+                router.e_score_correction_bias += rate * torch.sign(c.mean() - c)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(400)
+def test_deepseek_v3s_routing_bias_moves_as_by_hand_under_every_data_layout():
+    """(3 steps: an odd number of +-rate moves leaves no bias at zero.) DeepSeek-V3 computes
+    its router in float32 on purpose (``_keep_in_fp32_modules_strict``: the gate's weight and
+    bias), so a layout that sums the gate's gradient in another order lands ~3e-8 apart (the
+    model's own floor); one process is exact."""
+    reference = plain_transformers_moving_the_bias(steps=3)
+    biases = [v for k, v in reference.items() if k.endswith("e_score_correction_bias")]
+    assert all(b.abs().min() > 0 and (b > 0).any() and (b < 0).any() for b in biases), biases
+    for layout, devices in ((None, 1), ("dp=2", 2), ("ep=2", 2)):
+        ranks = meshtrain_ranks(deepseek_v3, layout, devices, steps=3)
+        compare_ranks(reference, ranks, tol=F64_TOL if layout is None else 1e-6, relative=True,
+                      label=f"DeepseekV3 {layout or 'one process'}")
+
+
+def test_a_routing_bias_rate_without_a_bias_is_refused():
+    from meshtrain.models.hf import hf_router_loss
+
+    model = tiny_causal_lm("Qwen3Moe", moe_intermediate_size=8, num_experts=4,
+                           num_experts_per_tok=2, **{**SIZES, "output_router_logits": False},
+                           router_bias_rate=0.01)
+    with pytest.raises(ConfigError, match="router_bias_rate=0.01, which moves the routers' "
+                                          "e_score_correction_bias .* its routers have none"):
+        hf_router_loss(model)
+
+
+def deepseek_v3_one_sided():
+    """Every token routed to experts 2 and 3 (rank 1's under ep=2): rank 0's experts get none,
+    and transformers' experts forward then builds its output from zeros alone."""
+    model = deepseek_v3()
+    model.config.router_bias_rate = 0.0
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.copy_(torch.tensor([-100.0, -100.0, 0.0, 0.0]))
+    return model
+
+
+@pytest.mark.timeout(300)
+def test_experts_that_get_no_token_under_ep_neither_hang_nor_differ():
+    """(It failed before: the rank whose experts got nothing skipped the backward's
+    all-to-all, and the other rank's next collective read the wrong message.)"""
+    picks = []
+    model = deepseek_v3_one_sided()
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias"):
+            module.register_forward_hook(lambda m, a, out: picks.append(out[-1]))
+    model(input_ids=torch.randint(0, 32, (2, 8)))
+    assert set(torch.cat(picks).flatten().tolist()) == {2, 3}
+    reference = plain_transformers(deepseek_v3_one_sided, steps=3)
+    reference.pop(LOSSES)
+    ranks = meshtrain_ranks(deepseek_v3_one_sided, "ep=2", 2, steps=3)
+    compare_ranks(reference, ranks, tol=1e-6, relative=True, label="one-sided ep=2")

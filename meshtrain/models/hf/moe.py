@@ -61,6 +61,65 @@ class HFRouterLoss:
         return router_stats(self._recorded, self.num_experts, self.top_k, mask)
 
 
+class HFBiasBalance:
+    """Auxiliary-loss-free balancing for a transformers MoE model whose routers carry an
+    ``e_score_correction_bias`` (DeepSeek-V3 and its kin): transformers picks experts with it
+    but never moves it. With ``config.router_bias_rate`` > 0 meshtrain moves it once a step as
+    it moves its own MoE's bias (meshtrain.moe.layer): ``bias += rate * sign(mean - count)``,
+    from each router's picks in the step's training forwards (its output's last element, the
+    top-k indices) summed over the data- and context-parallel ranks, so every layout moves it
+    alike. No loss is added."""
+
+    call_kwargs: dict = {}
+    field = "config.router_bias_rate"
+    coef = 0.0
+
+    def __init__(self, model: torch.nn.Module, routers: list, rate: float):
+        self.routers, self.rate = routers, rate
+        self.num_experts = routers[0].e_score_correction_bias.numel()
+        self._counts: torch.Tensor | None = None
+        self._recording = False  # (forwards recomputed in the backward are not counted)
+        for index, router in enumerate(routers):
+            router.register_forward_hook(
+                lambda module, args, output, index=index: self._count(index, output))
+
+    def _count(self, index: int, output) -> None:
+        if not self._recording:
+            return
+        picks = output[-1] if isinstance(output, (tuple, list)) else None
+        if picks is None or picks.is_floating_point():
+            raise ConfigError(f"{self.field}: the router {type(self.routers[index]).__name__} "
+                              "did not return its top-k expert indices last; meshtrain cannot "
+                              "count its picks. Unset router_bias_rate")
+        if self._counts is None:
+            self._counts = torch.zeros(len(self.routers), self.num_experts, dtype=torch.float64,
+                                       device=picks.device)
+        self._counts[index] += torch.bincount(picks.reshape(-1), minlength=self.num_experts)
+
+    @contextlib.contextmanager
+    def recording(self):
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    @torch.no_grad()
+    def after_step(self, group=None) -> torch.Tensor:
+        """Once per optimizer step: the step's picks [routers, E] summed over ``group``, each
+        router's bias moved by them; returns the counts."""
+        counts = self._counts if self._counts is not None else torch.zeros(
+            len(self.routers), self.num_experts, dtype=torch.float64,
+            device=self.routers[0].e_score_correction_bias.device)
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(counts, group=group)
+        for router, c in zip(self.routers, counts):
+            bias = router.e_score_correction_bias
+            bias += (self.rate * torch.sign(c.mean() - c)).to(bias.dtype)
+        self._counts = None
+        return counts
+
+
 def router_recorder(model: torch.nn.Module):
     """The model's declared recorder of router logits (transformers' OutputRecorder), or None."""
     for module in (model, getattr(model, "model", None)):
@@ -70,14 +129,20 @@ def router_recorder(model: torch.nn.Module):
     return None
 
 
-def hf_router_loss(model: torch.nn.Module) -> HFRouterLoss | None:
+def hf_router_loss(model: torch.nn.Module) -> HFRouterLoss | HFBiasBalance | None:
     """For ``ParallelOptions.router_loss``: how meshtrain carries a transformers MoE model's
-    load-balancing loss (None when the model adds none: ``output_router_logits`` off); refuses
-    one it cannot carry exactly, naming the config field."""
+    load-balancing loss (None when the model adds none: ``output_router_logits`` off), or moves
+    its routers' bias (``config.router_bias_rate``); refuses one it cannot carry exactly,
+    naming the config field."""
     from meshtrain.models.hf import is_hf_model
 
     config = getattr(model, "config", None)
-    if not (is_hf_model(model) and getattr(config, "output_router_logits", False)):
+    if not is_hf_model(model):
+        return None
+    rate = float(getattr(config, "router_bias_rate", 0) or 0)
+    if rate:
+        return _bias_balance(model, config, rate)
+    if not getattr(config, "output_router_logits", False):
         return None
     cls = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")),
                type(model))  # (FSDP2 makes a subclass of the model's class)
@@ -96,6 +161,25 @@ def hf_router_loss(model: torch.nn.Module) -> HFRouterLoss | None:
         raise ConfigError(_refusal(name, "its load_balancing_loss_func computes something else "
                                    "than meshtrain's copy (transformers changed it)"))
     return HFRouterLoss(model)
+
+
+def _bias_balance(model, config, rate: float) -> HFBiasBalance:
+    """``config.router_bias_rate``: the routers' ``e_score_correction_bias`` moved by meshtrain
+    (refused for a model without one, or with a router loss on as well)."""
+    name = type(model).__name__
+    if rate < 0:
+        raise ConfigError(f"config.router_bias_rate must be >= 0 (0 = off), got {rate!r}")
+    routers = [m for m in model.modules()
+               if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
+    if not routers:
+        raise ConfigError(f"{name} has config.router_bias_rate={rate:g}, which moves the "
+                          "routers' e_score_correction_bias (DeepSeek-V3's auxiliary-loss-free "
+                          "balancing), but its routers have none; unset router_bias_rate")
+    if getattr(config, "output_router_logits", False):
+        raise ConfigError(f"{name} has both config.router_bias_rate and output_router_logits: "
+                          "meshtrain carries one of the two balancing methods for a Hugging "
+                          "Face model; turn one off")
+    return HFBiasBalance(model, routers, rate)
 
 
 def same_as_transformers(reference, num_experts: int, top_k: int) -> bool:

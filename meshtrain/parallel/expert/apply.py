@@ -67,7 +67,7 @@ def apply_expert_parallel(model: torch.nn.Module, mesh, adapt=None) -> list[torc
     params = []
     for layer in expert_layers(model, adapt):
         kept = layer.split_experts(rank, size)
-        layer.dispatch = AllToAllExperts(layer.compute_local, ep_mesh.get_group(), size)
+        layer.dispatch = AllToAllExperts(layer.compute_local, mesh.expert_dispatch, size)
         holder = layer.expert_module
         holder.ep_mesh = ep_mesh  # (plain tensors holding rows of whole ones)
         holder.edp_mesh = mesh.expert["edp"]  # (FSDP2 shards them over it: apply_fsdp)
@@ -115,6 +115,9 @@ def sync_expert_grads(model: torch.nn.Module, mesh) -> None:
     shards."""
     from torch.distributed.tensor import DTensor
 
+    for p in expert_params(model):  # experts that got no token on any rank of the step: a
+        if p.grad is None and p.requires_grad:  # zero gradient, as one process's [E, ...]
+            p.grad = torch.zeros_like(p)  # tensor has (its other experts had tokens)
     params = [p for p in expert_params(model) if p.grad is not None
               and not isinstance(p.grad, DTensor)]
     if not params:

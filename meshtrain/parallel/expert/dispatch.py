@@ -39,6 +39,9 @@ class AllToAllExperts:
         pieces = received.split(segments)
         grouped = torch.cat([pieces[i] for i in by_expert]) if pieces else received
         out = self.compute(grouped, matrix.sum(0).tolist())
+        if grouped.requires_grad:  # the backward's all-to-alls run on every rank, also where
+            # the experts' output does not depend on what came (none of them got a token)
+            out = out + grouped[:, :0].sum()
         out_pieces = out.split([segments[i] for i in by_expert])
         position = {i: k for k, i in enumerate(by_expert)}
         restored = torch.cat([out_pieces[position[i]] for i in range(size * local)])
