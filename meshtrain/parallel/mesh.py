@@ -61,9 +61,9 @@ class ParallelMesh:
             if pp > 1:
                 shape, names = (pp, layout.world_size // (pp * ep), ep), ("pp", "edp", "ep")
             self.expert = init_device_mesh(device_type, shape, mesh_dim_names=names)
-            # the tokens' all-to-alls on a group of their own: a mesh dim as wide as the world
-            # reuses the default group, which DDP reduces on in the backward too, and ranks
-            # routing differently reach the two in another order (a collective mismatch)
+            # the tokens' all-to-alls on a group of their own (a precaution): a mesh dim as wide
+            # as the world reuses the default group, which DDP also reduces on, asynchronously,
+            # in the same backward, where ranks' graphs differ with their routing
             for ranks in self.expert.mesh.reshape(-1, ep).tolist():  # (every rank makes each)
                 group = dist.new_group(ranks)
                 if dist.get_rank() in ranks:
