@@ -117,17 +117,20 @@ class Estimator:
         self.gather_factor = 0.5 if cluster.dtype == "bf16-mixed" else 1.0
         self._state: dict = {}
         self._one_block = spec.block_bytes()  # parameter bytes of one block
+        self._block_experts = spec.block_bytes(experts_only=True) if spec.num_experts else 0
         # FSDP units: blocks grouped as the Trainer groups them (shard_unit_mb's default)
         self.unit_bytes = round(SETTINGS["shard_unit_mb"].default * 2**20)
 
     def state(self, layout: Layout, pp_rank: int, stages_per_rank: int = 1,
               schedule: str = "1f1b", *, unsharded: bool = False):
         """Model-state bytes of the first rank of pipeline rank ``pp_rank`` (``unsharded``: the
-        same stage and tp split without data-parallel sharding, what FSDP gathers)."""
+        same stage, tp split and ep share of the experts without data-parallel sharding, what
+        FSDP gathers)."""
         if unsharded:
-            layout = Layout.parse(",".join(f"{a}={layout.degree(a)}" for a in ("pp", "tp")
-                                           if layout.degree(a) > 1) or "dp=1",
-                                  layout.degree("pp") * layout.degree("tp"))
+            ep = layout.expert_degree
+            layout = Layout.parse(",".join(f"{a}={d}" for a, d in (
+                ("pp", layout.degree("pp")), ("tp", layout.degree("tp")), ("ep", ep)) if d > 1)
+                or "dp=1", layout.degree("pp") * layout.degree("tp") * ep)
         key = (str(layout), pp_rank, stages_per_rank, schedule)
         if key not in self._state:
             stride = layout.world_size // layout.degree("pp")
@@ -266,7 +269,7 @@ class Estimator:
     def _fsdp_units(self, layout: Layout, whole: float, blocks: int) -> list[float]:
         """Parameter bytes of each FSDP unit of a rank's stage (its tp share), the root unit
         (what is not in a block: embedding, head) last; ``whole``: the stage's unsharded bytes."""
-        units = [u / layout.degree("tp") for u in self._units(blocks)]
+        units = [u / layout.degree("tp") for u in self._units(layout, blocks)]
         return [*units, max(0.0, whole - sum(units))]
 
     def _stage_message(self, layout: Layout, c: Candidate) -> float:
@@ -281,12 +284,14 @@ class Estimator:
         unsharded gradients of the block being reduced."""
         whole = self.state(layout, rank, v, schedule, unsharded=True).params
         tp = layout.degree("tp")
-        per_block = self._one_block / tp  # a block's (unsharded gradient, zero2)
-        # zero3: a unit and the next one prefetched (blocks grouped as fully_shard groups them)
-        two_units = sum(sorted(self._units(blocks))[-2:]) / tp
+        per_block = self._block(layout) / tp  # a block's (unsharded gradient, zero2)
+        # zero3: a unit and the next one prefetched (blocks grouped as fully_shard groups them;
+        # a block's experts are a unit of their own, gathered with it)
+        two_units = sum(sorted(self._units(layout, blocks))[-2:]) / tp
         g = self.gather_factor
-        if layout.uses_ddp:  # DDP's gradient buckets
-            return whole + (whole * g if g < 1 else 0.0)
+        if layout.uses_ddp:  # DDP's gradient buckets (not the experts': synced apart, bucketed)
+            experts = blocks * self._block_experts / layout.expert_degree
+            return max(0.0, whole - experts) + (whole * g if g < 1 else 0.0)
         if layout.is_sharded:
             # zero3 at the backward's start: the root unit (embedding, head), or a block and
             # the next one prefetched; zero2: the whole stage, and a block's unsharded gradient
@@ -358,9 +363,17 @@ class Estimator:
         part = blocks / self.spec.num_layers / layout.degree("tp")
         return (m * per_micro_batch + per_step) * part / self.cluster.compute_share
 
-    def _units(self, blocks: int) -> list[int]:
-        """Parameter bytes (whole, before tp) of each FSDP unit of ``blocks`` blocks."""
-        units = group_blocks([self._one_block] * blocks, self.unit_bytes, size=lambda b: b)
+    def _block(self, layout: Layout) -> float:
+        """A block's parameter bytes on a rank before data-parallel sharding and tp: under ep
+        its share of the experts."""
+        return self._one_block - self._block_experts * (1 - 1 / layout.expert_degree)
+
+    def _units(self, layout: Layout, blocks: int) -> list[float]:
+        """Parameter bytes (whole, before tp) of each FSDP unit of ``blocks`` blocks (under ep
+        a block's dense part and its experts count as one: gathered together; their
+        collectives are priced over the dp_shard ranks, the experts' run over fewer)."""
+        block = self._block(layout)
+        units = group_blocks([block] * blocks, self.unit_bytes, size=lambda b: b)
         return [sum(unit) for unit in units]
 
     def _dp_comm(self, layout: Layout, state, whole, m: int, blocks: int) -> float:

@@ -57,14 +57,23 @@ class ModelSpec:
         return self.num_experts > 0 and self.is_hf and bool(
             getattr(self.config, "output_router_logits", False))
 
-    def block_bytes(self) -> int:
-        """One block's parameter bytes: what a second block adds to the model (built on meta,
-        so whatever the model names its modules)."""
+    def block_bytes(self, experts_only: bool = False) -> int:
+        """One block's parameter bytes (``experts_only``: its experts' part, what ep splits):
+        what a second block adds to the model (built on meta, so whatever the model names its
+        modules)."""
         sizes = []
         for layers in (1, 2):
             with torch.device("meta"):
                 model = self.build(layers)
-            sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+            if experts_only:
+                from meshtrain.models.hf import hf_expert_layers
+                from meshtrain.parallel.expert.apply import expert_layers
+
+                params = [p for layer in expert_layers(model, hf_expert_layers)
+                          for p in layer.expert_module.parameters(recurse=False)]
+            else:
+                params = list(model.parameters())
+            sizes.append(sum(p.numel() * p.element_size() for p in params))
         return sizes[1] - sizes[0]
 
     # -- building ---------------------------------------------------------------------------------
@@ -76,6 +85,10 @@ class ModelSpec:
 
             if num_layers is not None:
                 config.num_hidden_layers = num_layers
+                if num_layers < self.num_layers and getattr(config, "first_k_dense_replace", 0):
+                    # a probe's few blocks are the model's typical one: DeepSeek's first 3 of
+                    # 61 are dense, priced as MoE ones (the same active width, 18432 = 9 x 2048)
+                    config.first_k_dense_replace = 0
             config._attn_implementation = "sdpa"
             # fp32 as the Trainer builds it (a config's torch_dtype names its checkpoint's
             # files; under bf16-mixed the master weights, gradients and AdamW stay fp32)

@@ -141,8 +141,11 @@ def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     if enable_gqa and key.size(-3) != query.size(-3):
         repeat = query.size(-3) // key.size(-3)
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    width = value.size(-1)  # (MLA: values narrower than queries and keys, DeepSeek-V3 128 < 192)
+    if width != query.size(-1):  # the CPU kernel's meta gives the query's width: pad as FA does
+        value = F.pad(value, (0, query.size(-1) - width))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0][..., :width]
 
 
 def _local(x):

@@ -298,3 +298,22 @@ def test_experts_that_get_no_token_under_ep_neither_hang_nor_differ():
     reference.pop(LOSSES)
     ranks = meshtrain_ranks(deepseek_v3_one_sided, "ep=2", 2, steps=3)
     compare_ranks(reference, ranks, tol=1e-6, relative=True, label="one-sided ep=2")
+
+
+def deepseek_v3_narrow_values():
+    return tiny_causal_lm(
+        "DeepseekV3", vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16, intermediate_size=16,
+        moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6, experts_implementation="eager")
+
+
+@pytest.mark.timeout(300)
+def test_deepseek_v3s_latent_attention_under_cp_trains_like_plain_transformers():
+    """Context parallel gathers keys and values in one collective: values narrower than the
+    keys (MLA) travel zero-padded (it failed before: torch.stack of unequal widths)."""
+    reference = plain_transformers(deepseek_v3_narrow_values, steps=3)
+    reference.pop(LOSSES)
+    ranks = meshtrain_ranks(deepseek_v3_narrow_values, "cp=2", 2, steps=3)
+    compare_ranks(reference, ranks, tol=1e-6, relative=True, label="DeepseekV3 MLA cp=2")

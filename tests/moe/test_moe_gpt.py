@@ -118,8 +118,10 @@ def test_bad_moe_configs_are_refused_before_start(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout, devices", [("ep=2", 2), ("dp_shard=2,ep=2", 2),
-                                             ("cp=2,ep=2", 2)])
+                                             ("cp=2,ep=2", 2), ("dp=4,ep=2", 4)])
 def test_expert_parallel_matches_one_process(layout, devices):
+    """(dp=4,ep=2: the two ranks holding the same experts see other data; their experts'
+    gradients are summed over them outside DDP, sync_expert_grads.)"""
     assert_parity(layout, devices, steps=6, global_batch_size=16, fns=MOE_FNS)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from meshtrain.cli import main as cli
+from meshtrain.parallel.layout import Layout
 from meshtrain.plan.cluster import Cluster
 from meshtrain.plan.estimate import Candidate, Estimator, Job
 from meshtrain.plan.model_spec import ModelSpec
@@ -184,7 +185,7 @@ def test_shared_memory_prices_fsdp_and_pipeline_sends_and_its_rings_count():
         assert fast.seconds[part] < slow.seconds[part] / 5
         assert slow.memory["transport"] == 0
     zero3 = Estimator(spec, shm, job)
-    shard = max(zero3._units(4)) / 8  # a rank's part of the largest unit (blocks as units)
+    shard = max(zero3._units(Layout.parse("zero3=8", 8), 4)) / 8  # a rank's part of the largest unit (blocks as units)
     assert zero3.estimate(Candidate("zero3=8", 1)).memory["transport"] == \
         2 * 7 * max(MIN_RING, RING_MESSAGES * shard)
     activation = 1 * D * S * 4  # one micro-batch of one sample, fp32
@@ -199,7 +200,6 @@ def test_shared_memory_prices_the_tp_axis_when_its_table_has_all_reduce():
     then), and the rings its ranks map count."""
     import dataclasses
 
-    from meshtrain.parallel.layout import Layout
     from meshtrain.parallel.shm.p2p import MIN_RING, RING_MESSAGES
 
     spec, job = ModelSpec.load(GPT), Job(32, S)
@@ -260,3 +260,22 @@ def test_an_moe_model_is_planned_with_expert_parallel_and_its_pick_built(capsys)
     built = re.search(r"built (\S+) at world size 16", out)
     assert built and "ep=" in built.group(1), out
     assert out.count("estimated") == out.count("equal)") >= 2, out
+
+
+def test_a_deepseek_v3_shaped_model_is_planned_on_256_devices_and_its_pick_built(capsys):
+    """DeepSeek-V3's shape (examples/moe/deepseek_v3.json: 671B, 256 experts of 58 MoE blocks,
+    top-8, multi-head latent attention) on 32 x 8 H100: the probe runs its latent attention
+    (values narrower than keys) and prices its blocks as MoE ones (not its 3 dense first),
+    FSDP's gathered parameters count a rank's ep share of the experts (before, every layout
+    was 'too big': a whole stage of experts gathered), the table has an ep column, and the pick
+    is built in a simulated world of 256 ranks with the model state the estimate said."""
+    import re
+
+    assert cli(["plan", "examples/moe/deepseek_v3.json", "--cluster", "8xH100", "--nodes",
+                "32", "--global-batch", "256", "--seq-len", "4096", "--top", "3",
+                "--build"]) == 0
+    out = capsys.readouterr().out
+    assert "671.03B parameters" in out and re.search(r"dp\s+ep\n", out), out
+    built = re.search(r"built (\S+) at world size 256", out)
+    assert built and "ep=" in built.group(1), out
+    assert out.count("estimated") == out.count("equal)") >= 1, out

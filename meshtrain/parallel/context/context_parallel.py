@@ -119,10 +119,14 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     if k.size(-2) != local_len or v.size(-2) != local_len:
         raise ConfigError(f"q, k, v must hold the same tokens; got lengths "
                           f"{local_len}, {k.size(-2)}, {v.size(-2)}")
-    # One collective for K and V: (2, B, H, L, D) gathered on the sequence dim.
-    kv = _gather_sequence(torch.stack((k, v)), 3, cp_mesh.get_group())
+    # One collective for K and V: (2, B, H, L, D) gathered on the sequence dim. Values narrower
+    # than keys (DeepSeek's MLA: 128 < 192) travel zero-padded and are cut back after.
+    width = v.size(-1)
+    kv = torch.stack((k, F.pad(v, (0, k.size(-1) - width)) if width != k.size(-1) else v))
+    kv = _gather_sequence(kv, 3, cp_mesh.get_group())
     kv = unshard_sequence(list(kv.chunk(cp_degree, 3)), cp_degree, 3)
     k_full, v_full = kv.unbind(0)
+    v_full = v_full[..., :width]
     q_pos = local_positions(local_len, cp_rank, cp_degree, device=q.device)
     k_pos = torch.arange(local_len * cp_degree, device=q.device)
     return F.scaled_dot_product_attention(q, repeat(k_full), repeat(v_full),

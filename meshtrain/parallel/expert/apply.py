@@ -109,6 +109,9 @@ def shard_experts(model: torch.nn.Module, **fsdp_options) -> set:
     return left
 
 
+_BUCKET = 25 * 2**20  # bytes: DDP's default bucket_cap_mb
+
+
 def sync_expert_grads(model: torch.nn.Module, mesh) -> None:
     """The experts' gradients summed over the ranks holding the same experts, divided by the
     data-parallel degree (see the module docstring); FSDP2 already did it for experts it
@@ -123,11 +126,17 @@ def sync_expert_grads(model: torch.nn.Module, mesh) -> None:
     if not params:
         return
     edp = mesh.expert["edp"]
-    if edp.size() > 1:
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=edp.get_group())
-        for p, part in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(part.view_as(p.grad))
+    if edp.size() > 1:  # in buckets closed at DDP's 25 MiB, so that the flat copy never costs
+        bucket, size = [], 0  # all of a large model's expert gradients once more
+        for p in params:
+            bucket.append(p)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= _BUCKET or p is params[-1]:
+                flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+                dist.all_reduce(flat, group=edp.get_group())
+                for q, part in zip(bucket, flat.split([q.numel() for q in bucket])):
+                    q.grad.copy_(part.view_as(q.grad))
+                bucket, size = [], 0
     degree = mesh.layout.loss_degree
     for p in params:
         p.grad.div_(degree)
