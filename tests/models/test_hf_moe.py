@@ -34,6 +34,12 @@ def mixtral():
                           num_experts_per_tok=2, **SIZES)
 
 
+def gpt_oss(seed: int = 0):
+    """GPT-OSS stores its experts fused ([E, ...] tensors and biases), as the model holds them."""
+    return tiny_causal_lm("GptOss", seed=seed, intermediate_size=8, num_local_experts=4,
+                          num_experts_per_tok=2, **SIZES)
+
+
 def plain_transformers(model_fn, steps: int = STEPS, batch_size: int = BATCH) -> dict:
     """The reference: transformers alone, in float64, each step on the next ``batch_size``
     samples (meshtrain with shuffle=False reads them in that order)."""
@@ -68,8 +74,10 @@ def test_the_router_loss_trains_like_plain_transformers_under_every_data_layout(
     assert max((reference[k] - moved[k]).abs().max().item() for k in moved if k != LOSSES) > 1e-3
     weights = {k: v for k, v in reference.items() if k != LOSSES}
     # ep: each rank holds half the experts of the fused tensors (the model's base_model_ep_plan)
-    for layout, devices in ((None, 1), ("dp=2", 2), ("zero3=2", 2), ("ep=2", 2),
-                            ("dp_shard=2,ep=2", 2)):
+    layouts = [(None, 1), ("dp=2", 2), ("zero3=2", 2), ("ep=2", 2), ("dp_shard=2,ep=2", 2)]
+    if model_fn is qwen3_moe:  # (transformers' fused experts FSDP-sharded over edp=2)
+        layouts.append(("dp_shard=4,ep=2", 4))
+    for layout, devices in layouts:
         ranks = meshtrain_ranks(model_fn, layout, devices)
         label = f"{model_fn.__name__} {layout or 'one process'}"
         compare_ranks(weights, ranks, tol=F64_TOL, relative=True, label=label)
@@ -144,14 +152,17 @@ def _init_from_under(folder, run_root, layout, build):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model_fn, layout", [(qwen3_moe, "ep=2"), (mixtral, "ep=2"),
-                                              (qwen3_moe, "zero3=2")],
-                         ids=["Qwen3Moe-ep=2", "Mixtral-ep=2", "Qwen3Moe-zero3=2"])
-def test_a_moe_folder_round_trips(tmp_path, model_fn, layout):
+@pytest.mark.parametrize("model_fn, layout, devices", [
+    (qwen3_moe, "ep=2", 2), (mixtral, "ep=2", 2), (qwen3_moe, "zero3=2", 2),
+    (mixtral, "dp_shard=4,ep=2", 4), (gpt_oss, "ep=2", 2)],
+    ids=["Qwen3Moe-ep=2", "Mixtral-ep=2", "Qwen3Moe-zero3=2", "Mixtral-dp_shard=4,ep=2",
+         "GptOss-ep=2"])
+def test_a_moe_folder_round_trips(tmp_path, model_fn, layout, devices):
     """A saved MoE folder (transformers writes each expert apart) -> Trainer(init_from=...)
-    (each rank reads only its experts and fuses them) -> checkpoint -> export_hf (the experts
-    written apart again): every tensor identical, under the same names; from_pretrained of
-    the export gives the folder's logits."""
+    (each rank reads only its experts and fuses them; dp_shard=4,ep=2: then FSDP shards them
+    over the two ranks holding the same) -> checkpoint -> export_hf (the experts written apart
+    again): every tensor identical, under the same names; from_pretrained of the export gives
+    the folder's logits."""
     import transformers
     from safetensors.torch import load_file
 
@@ -161,15 +172,16 @@ def test_a_moe_folder_round_trips(tmp_path, model_fn, layout):
     source = model_fn()
     source.save_pretrained(tmp_path / "hf")
     build = MODEL_WITH_OTHER_WEIGHTS[model_fn.__name__]
-    run_dir = run_workers(_init_from_under, 2, (tmp_path / "hf", tmp_path / "runs", layout,
-                                                 build), timeout=250)[0]
+    run_dir = run_workers(_init_from_under, devices, (tmp_path / "hf", tmp_path / "runs",
+                                                       layout, build), timeout=250)[0]
     out = export_hf(f"{run_dir}/checkpoints/final", tmp_path / "out", config=tmp_path / "hf")
     saved, exported = load_file(tmp_path / "hf" / "model.safetensors"), {}
     for path in out.glob("*.safetensors"):
         exported.update(load_file(path))
     assert sorted(saved) == sorted(exported)
     assert all(torch.equal(saved[k], exported[k]) for k in saved)
-    assert any(".experts.3." in k for k in saved)  # stored apart
+    # stored apart (GPT-OSS: fused, as the model holds them)
+    assert any(".experts.3." in k for k in saved) == (model_fn is not gpt_oss)
     own = build().state_dict()
     assert any(not torch.equal(own[k], v) for k, v in source.state_dict().items())
     ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -188,7 +200,12 @@ def mixtral_seed7():
                           num_experts_per_tok=2, **SIZES)
 
 
-MODEL_WITH_OTHER_WEIGHTS = {"qwen3_moe": qwen3_moe_seed7, "mixtral": mixtral_seed7}
+def gpt_oss_seed7():
+    return gpt_oss(seed=7)
+
+
+MODEL_WITH_OTHER_WEIGHTS = {"qwen3_moe": qwen3_moe_seed7, "mixtral": mixtral_seed7,
+                            "gpt_oss": gpt_oss_seed7}
 
 
 def test_the_validation_loss_is_the_cross_entropy_alone(tmp_path):
@@ -317,3 +334,13 @@ def test_deepseek_v3s_latent_attention_under_cp_trains_like_plain_transformers()
     reference.pop(LOSSES)
     ranks = meshtrain_ranks(deepseek_v3_narrow_values, "cp=2", 2, steps=3)
     compare_ranks(reference, ranks, tol=1e-6, relative=True, label="DeepseekV3 MLA cp=2")
+
+
+@pytest.mark.timeout(300)
+def test_gpt_oss_experts_with_biases_train_like_plain_transformers_under_ep():
+    """GPT-OSS's experts have biases ([E, ...] beside the weights): ep splits them with the
+    weights (before, each rank kept all the biases and its experts used rows 0.. of them)."""
+    reference = plain_transformers(gpt_oss, steps=3)
+    reference.pop(LOSSES)
+    ranks = meshtrain_ranks(gpt_oss, "ep=2", 2, steps=3)
+    compare_ranks(reference, ranks, tol=F64_TOL, relative=True, label="GptOss ep=2")

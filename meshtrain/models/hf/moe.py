@@ -208,8 +208,8 @@ def _refusal(name: str, why: str) -> str:
 # --- expert parallel: the experts the model's ep plan declares, split by meshtrain -------------
 class HFExperts:
     """A transformers MoE layer's fused experts (``gate_up_proj`` [E, 2I, H], ``down_proj``
-    [E, H, I], ``forward(hidden_states, top_k_index, top_k_weights)``) as ep splits them
-    (meshtrain/parallel/expert/): this rank keeps rows ``rank*L ..``, its forward sorts the
+    [E, H, I], any biases [E, ...], ``forward(hidden_states, top_k_index, top_k_weights)``) as
+    ep splits them (meshtrain/parallel/expert/): this rank keeps rows ``rank*L ..``, its forward sorts the
     (token, slot) pairs by expert, sends them through ``dispatch`` and sums each token's
     outputs with its router weights; the local experts run the model's own forward (its own
     activation and matmuls) on tokens grouped by local expert, each with weight 1."""
@@ -224,9 +224,8 @@ class HFExperts:
     def split_experts(self, rank: int, size: int) -> list[torch.nn.Parameter]:
         local = self.num_experts // size
         rows = slice(rank * local, (rank + 1) * local)
-        kept = []
-        for name in self.WEIGHTS:
-            whole = getattr(self.expert_module, name)
+        kept = []  # every tensor of the experts by rows: the weights and any biases (GPT-OSS:
+        for name, whole in list(self.expert_module.named_parameters(recurse=False)):  # [E, ..])
             part = torch.nn.Parameter(whole.detach()[rows].clone(),
                                       requires_grad=whole.requires_grad)
             setattr(self.expert_module, name, part)
@@ -275,6 +274,8 @@ def hf_expert_layers(model: torch.nn.Module) -> list[HFExperts]:
                       for pattern, style in plan.items() if style == "ep_dispatch_experts"
                       and fnmatch.fnmatchcase(relative, pattern) for w in HFExperts.WEIGHTS)
         if grouped and all(getattr(module, w, None) is not None and getattr(module, w).dim() == 3
-                           for w in HFExperts.WEIGHTS) and hasattr(module, "num_experts"):
+                           for w in HFExperts.WEIGHTS) and hasattr(module, "num_experts") \
+                and all(p.shape[:1] == (module.num_experts,)  # (each tensor one row an expert)
+                        for p in module.parameters(recurse=False)):
             layers.append(HFExperts(module))
     return layers
