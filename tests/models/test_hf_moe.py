@@ -344,3 +344,19 @@ def test_gpt_oss_experts_with_biases_train_like_plain_transformers_under_ep():
     reference.pop(LOSSES)
     ranks = meshtrain_ranks(gpt_oss, "ep=2", 2, steps=3)
     compare_ranks(reference, ranks, tol=F64_TOL, relative=True, label="GptOss ep=2")
+
+
+def qwen3_moe_router_loss_off():
+    return tiny_causal_lm("Qwen3Moe", moe_intermediate_size=8, num_experts=4,
+                          num_experts_per_tok=2, **{**SIZES, "output_router_logits": False})
+
+
+@pytest.mark.timeout(400)
+def test_a_moe_model_without_router_loss_trains_like_transformers_under_pipelines():
+    """(The router loss is refused under pp; the model without it is not: pipeline stages
+    with transformers' fused experts, also split over ep.)"""
+    reference = plain_transformers(qwen3_moe_router_loss_off, steps=3)
+    reference.pop(LOSSES)
+    for layout, devices in (("pp=2", 2), ("pp=2,ep=2", 4)):
+        ranks = meshtrain_ranks(qwen3_moe_router_loss_off, layout, devices, steps=3)
+        compare_ranks(reference, ranks, tol=F64_TOL, relative=True, label=f"Qwen3Moe {layout}")
