@@ -63,6 +63,28 @@ def test_gpt_architecture_trains(corpus, tmp_path):
     assert train(corpus, tmp_path, "--model.architecture=gpt") == 0
 
 
+def test_a_moe_gpt_trains_under_expert_parallel(corpus, tmp_path):
+    """[model] num_experts makes the gpt architecture meshtrain's MoE GPT (the char_lm
+    recipe's fields): it trains under ep=2 and logs its router loss and expert load."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["train", "examples/llama_tiny.toml", f"--data.path={corpus}",
+            f"--logging.root_dir={tmp_path}", *TINY, "--model.architecture=gpt",
+            "--model.num_experts=4", "--model.router_bias_rate=0.01", "--trainer.layout=ep=2",
+            "--trainer.devices=2"]  # (its other process runs the command again: a subprocess)
+    out = subprocess.run([sys.executable, "-m", "meshtrain", *args], cwd=root, text=True,
+                         capture_output=True, timeout=200,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = next((tmp_path / "llama_tiny").iterdir())
+    header = (run / "metrics.csv").open().readline().strip().split(",")
+    assert "train/router_aux_loss" in header and "moe/layer1/tokens_max" in header, header
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--data.path={missing}"], "holds no prepared token shards"),
     (["--data.tokenizer={missing}/tokenizer.json"], "does not exist"),
@@ -70,6 +92,7 @@ def test_gpt_architecture_trains(corpus, tmp_path):
     (["--model.vocab_size=64"], "smaller than the token shards' vocab_size"),
     (["--data.seq_len=64", "--model.max_position_embeddings=48"], "above the model's maximum"),
     (["--model.architecture=bert"], "is not one of llama, qwen2, mistral, gpt"),
+    (["--model.num_experts=4"], r"makes meshtrain's own GPT a mixture of experts, not a llama"),
 ])
 def test_bad_inputs_are_clear_errors_before_any_process(corpus, tmp_path, capsys, extra, message):
     other = tmp_path / "other"

@@ -24,6 +24,11 @@ def _transformers():
         raise ConfigError(f"{exc}; or set model.architecture = \"gpt\"") from None
 
 
+#: [model] keys of meshtrain's MoE GPT (GPTConfig's fields of the same names)
+MOE_FIELDS = ("num_experts", "experts_per_token", "expert_hidden_dim", "shared_expert",
+              "router_score", "router_aux_loss_coef", "router_bias_rate")
+
+
 def model_config(config: dict, tokenizer_vocab: int):
     """The model's config: a ``transformers`` config, or a GPTConfig for ``gpt``; checked
     against the tokenizer's vocabulary and ``seq_len`` before any process starts."""
@@ -34,13 +39,19 @@ def model_config(config: dict, tokenizer_vocab: int):
         raise ConfigError(f"model.architecture {m['architecture']!r} is not one of "
                           f"{', '.join(ARCHITECTURES)}; or give model.hf_config (a config.json)")
     vocab = m["vocab_size"] or -(-tokenizer_vocab // m["vocab_multiple"]) * m["vocab_multiple"]
+    moe = {k: m[k] for k in MOE_FIELDS if k in m}
     if m["architecture"] == "gpt":
         from meshtrain.models.gpt import GPTConfig
 
         cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, num_layers=m["num_layers"],
-                        num_heads=m["num_heads"], d_model=m["hidden_size"])
+                        num_heads=m["num_heads"], d_model=m["hidden_size"], **moe)
         check_model_vocab({"vocab_size": tokenizer_vocab}, cfg.vocab_size, key="model.vocab_size")
         return cfg
+    if moe.get("num_experts"):
+        raise ConfigError(f"model.num_experts={moe['num_experts']} makes meshtrain's own GPT a "
+                          f"mixture of experts, not a {m['architecture']} model; set "
+                          "model.architecture = \"gpt\", or give a Hugging Face MoE model's "
+                          "config.json as model.hf_config (e.g. a Qwen3-MoE's)")
     tf = _transformers()
     source = m["hf_config"] or m["pretrained"]
     if source:

@@ -53,11 +53,15 @@ DEFAULTS = {
     # path: the --out folder of `meshtrain prepare`; tokenizer: its tokenizer.json unless given
     "data": {"path": "", "seq_len": 256, "tokenizer": ""},
     # sizes apply when neither hf_config nor pretrained gives the config; vocab_size 0: the
-    # tokenizer's, padded to vocab_multiple (tensor parallel splits the vocabulary)
+    # tokenizer's, padded to vocab_multiple (tensor parallel splits the vocabulary);
+    # num_experts > 0 (architecture "gpt"): every MLP a mixture of experts (docs/moe.md; a
+    # Hugging Face MoE model comes from its hf_config)
     "model": {"architecture": "llama", "hf_config": "", "pretrained": "", "hidden_size": 128,
               "num_layers": 4, "num_heads": 4, "num_kv_heads": 4, "intermediate_size": 0,
               "vocab_size": 0, "vocab_multiple": 64, "max_position_embeddings": 2048,
-              "tie_word_embeddings": False},
+              "tie_word_embeddings": False, "num_experts": 0, "experts_per_token": 2,
+              "expert_hidden_dim": 0, "shared_expert": False, "router_score": "softmax",
+              "router_aux_loss_coef": 0.01, "router_bias_rate": 0.0},
     "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
                   "warmup_steps": 30, "min_lr_ratio": 0.1},
     **_trainer_sections(),
