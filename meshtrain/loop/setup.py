@@ -170,7 +170,8 @@ def check_model_layout(t, model, loss_fn, sample_inputs=None, original=None) -> 
 def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss_fn,
                 sample_inputs) -> None:
     """Build (or take) the model, apply the layout, then create the optimizer."""
-    from meshtrain.parallel.data.fully_shard import builds_on_meta, initializer_of
+    from meshtrain.parallel.data.fully_shard import (builds_on_meta, initializer_of,
+                                                     whole_build_reason)
 
     torch.manual_seed(t.seed)  # identical initial parameters on every rank
     factory = model
@@ -178,7 +179,16 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
     if on_meta and initializer_of(model) is not None:  # the factory fills the shards
         t.parallel_options = dataclasses.replace(t.parallel_options,
                                                  initializer=initializer_of(model))
+    why = whole_build_reason(t.layout, t.meta_init, model, meta_model)
     model = meta_model if on_meta else build(model)
+    if why is not None:
+        count = sum(p.numel() for p in model.parameters())
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        t.print(f"model: each rank builds the whole model first ({count:,} parameters, "
+                f"{size / 2**20:,.1f} MiB per rank) and then keeps its part: {why}")
+    elif on_meta:
+        t.print("model: built on the meta device; each rank allocates and initialises only "
+                "its part")
     if not on_meta:  # a model object built before the Trainer: rank 0's weights everywhere
         agree_on_initial_state(model, t.mesh.everyone(), t.device, t.print)
     check_module(model, optimizer=optimizer_factory, loss_fn=loss_fn, val_data=t._val_data,

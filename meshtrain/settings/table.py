@@ -181,9 +181,10 @@ DEFINITIONS = [
        needs=("sharded|activation_checkpointing|compile",),
        error="blocks must be a function (model -> iterable of modules) or None, got {value!r}"),
     _S("meta_init", "parallel", "auto", "choice",
-       "Build a sharded model given as a factory on the meta device and let each rank "
-       'initialise only its shards (needs init_weights()); "auto": whenever possible.',
-       choices=(True, False, "auto"), needs=("sharded",),
+       "Build a sharded or tensor-parallel model given as a factory on the meta device and "
+       'let each rank initialise only its shards (needs init_weights()); "auto": whenever '
+       "possible (else the start says that each rank builds the whole model).",
+       choices=(True, False, "auto"), needs=("sharded|tp",),
        error="meta_init must be True, False or 'auto', got {value!r}"),
     _S("sequence_parallel", "parallel", False, "bool",
        "Tensor parallel: norms and dropout work on sequence shards (the sequence length must "

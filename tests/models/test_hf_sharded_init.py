@@ -84,9 +84,11 @@ def _setup_peak(layout):
 
 
 @pytest.mark.timeout(240)
-def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["zero3=2", "tp=2"])
+def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch, layout):
+    """(tp=2: built on the meta device too, each rank materialising its tp shards.)"""
     monkeypatch.chdir(tmp_path)
-    (peak0, whole), (peak1, _) = run_workers(_setup_peak, 2, ("zero3=2",), timeout=200)
+    (peak0, whole), (peak1, _) = run_workers(_setup_peak, 2, (layout,), timeout=200)
     assert whole > 800e6
     assert max(peak0, peak1) <= 0.6 * whole, (peak0, peak1, whole)
 

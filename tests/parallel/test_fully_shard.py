@@ -218,3 +218,29 @@ def test_bf16_mixed_precision_stays_close_to_fp32():
     # then differ by ~lr, so the losses are compared instead (seen: up to 0.09 apart).
     assert losses[-1] < losses[0] - 0.5, f"bf16-mixed did not learn: {losses}"
     assert max(abs(a - b) for a, b in zip(losses, reference)) < 0.2, (losses, reference)
+
+
+def test_which_layouts_build_on_meta_and_why_others_build_whole():
+    """A factory of a model with sharded init is built on meta under zero3 and under tp (not
+    under pp); the reason each rank builds the whole model otherwise, as the start prints it."""
+    from meshtrain.parallel.data.fully_shard import builds_on_meta, whole_build_reason
+    from meshtrain.parallel.layout import Layout
+
+    config = GPTConfig(vocab_size=32, seq_len=8, num_layers=2, num_heads=2, d_model=16)
+    factory = functools.partial(GPT, config)
+    with torch.device("meta"):
+        meta = factory()
+    for layout in ("zero3=2", "tp=2", "dp_shard=2,tp=2"):
+        parsed = Layout.parse(layout, 2 if layout != "dp_shard=2,tp=2" else 4)
+        assert builds_on_meta(parsed, "auto", factory, meta), layout
+        assert whole_build_reason(parsed, "auto", factory, meta) is None
+    assert whole_build_reason(Layout.parse("dp=2", 2), "auto", factory, meta) is None
+    cases = [("pp=2", factory, "auto", "cut from the whole model (pp)"),
+             ("tp=2", GPT(config), "auto", "the model was given built"),
+             ("zero3=2", factory, False, "meta_init=False"),
+             ("tp=2", functools.partial(nn.Linear, 4, 4), "auto",
+              "Linear has no sharded initialisation")]
+    for layout, model, meta_init, reason in cases:
+        with torch.device("meta"):
+            meta = model() if not isinstance(model, nn.Module) else None
+        assert reason in whole_build_reason(Layout.parse(layout, 2), meta_init, model, meta)

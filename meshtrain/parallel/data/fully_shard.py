@@ -277,17 +277,42 @@ def materialize(model: nn.Module, device: torch.device | str, init=None) -> None
 
 def builds_on_meta(layout, meta_init, model, meta_model) -> bool:
     """Build the model on the meta device, so each rank allocates only its own shards? Needs
-    a sharded layout without pp (a stage cannot re-run the whole model's initialisation), a
-    factory (not a built module) and a model that supports sharded init. ``meta_init=True``
-    insists (ConfigError when impossible); "auto" falls back quietly."""
+    a sharded or tensor-parallel layout without pp (a stage cannot re-run the whole model's
+    initialisation), a factory (not a built module) and a model that supports sharded init.
+    ``meta_init=True`` insists (ConfigError when impossible); "auto" falls back (the Trainer
+    then says at start that each rank builds the whole model, and what it costs)."""
     import torch
 
-    on_meta = (layout.is_sharded and meta_init is not False and layout.degree("pp") == 1
+    splits = layout.is_sharded or layout.degree("tp") > 1
+    on_meta = (splits and meta_init is not False and layout.degree("pp") == 1
                and not isinstance(model, torch.nn.Module) and meta_model is not None
                and (initializer_of(model) is not None or supports_meta_init(meta_model)))
     if meta_init is True and not on_meta:
         raise ConfigError(
-            "meta_init=True needs a sharded layout, a model factory (not a built module) "
+            "meta_init=True needs a sharded or tensor-parallel layout without pp, a model "
+            "factory (not a built module) "
             "and a model that supports sharded init (supports_sharded_init = True and "
             "init_weights()); use meta_init='auto' to fall back quietly")
     return on_meta
+
+
+def whole_build_reason(layout, meta_init, model, meta_model) -> str | None:
+    """Why each rank builds the whole model although ``layout`` splits its parameters (None:
+    the layout does not split them, or the model is built on the meta device)."""
+    if not (layout.is_sharded or layout.degree("tp") > 1 or layout.degree("pp") > 1):
+        return None
+    if builds_on_meta(layout, "auto" if meta_init is True else meta_init, model, meta_model):
+        return None
+    if meta_init is False:
+        return "meta_init=False"
+    if isinstance(model, nn.Module):
+        return ("the model was given built; a factory (e.g. lambda: MyModel(...)) is built on "
+                "the meta device where it supports sharded initialisation")
+    if layout.degree("pp") > 1:
+        return "a pipeline's stages are cut from the whole model (pp)"
+    if meta_model is None:
+        return "the factory cannot be built on the meta device"
+    return (f"{type(meta_model).__name__} has no sharded initialisation (supports_sharded_init "
+            "= True and init_weights(); a Hugging Face model: its factory HFCausalLM(cls, "
+            "config), unless it ties its embeddings or its _init_weights writes its children's "
+            "tensors)")
