@@ -211,6 +211,7 @@ def tiny_qwen3_moe():
     ("tp=2", 2, r"marks model\.layers\.\*\.mlp\.experts\.gate_up_proj as 'packed_colwise'"),
     ("tp=4", 4, r"splits the num_key_value_heads over 4 ranks"),
     ("cp=2", 2, r"sets attn_logit_softcapping=50.0"),
+    ("cp=2 sinks", 2, r"has attention sinks \(model\.layers\.0\.self_attn\.sinks"),
 ])
 def test_what_a_path_does_not_implement_is_refused_before_any_process(tmp_path, monkeypatch,
                                                                       layout, devices, match):
@@ -222,11 +223,18 @@ def test_what_a_path_does_not_implement_is_refused_before_any_process(tmp_path, 
         raise AssertionError("refused too late: the processes would start")
 
     monkeypatch.setattr("meshtrain.loop.setup.start_world", no_world)
-    model = {"tp=2": tiny_qwen3_moe, "tp=4": tiny_qwen3, "cp=2": tiny_gemma2_softcap}[layout]
+    model = {"tp=2": tiny_qwen3_moe, "tp=4": tiny_qwen3, "cp=2": tiny_gemma2_softcap,
+             "cp=2 sinks": tiny_gpt_oss}[layout]
+    layout = layout.split()[0]
     trainer = Trainer(**trainer_kwargs(tmp_path / "run", layout=layout, devices=devices,
                                        max_steps=1, global_batch_size=8))
     with pytest.raises(ConfigError, match=match):
         trainer.fit(model, tokens_16(), optimizer=adamw_gpt)
+
+
+def tiny_gpt_oss():
+    return tiny_causal_lm("GptOss", head_dim=8, num_local_experts=2,
+                          num_experts_per_tok=1, **SMALL)
 
 
 def tiny_gemma2_softcap():

@@ -78,6 +78,13 @@ class HFContextParallel:
         if "position_ids" not in inspect.signature(self.model.forward).parameters:
             raise ConfigError(f"{name}.forward takes no position_ids, which context parallel "
                               "needs to place each rank's tokens; drop cp from the layout")
+        sinks = next((n for n, m in self.model.named_modules()
+                      if isinstance(getattr(m, "sinks", None), torch.Tensor)), None)
+        if sinks is not None:  # (GPT-OSS: its attention passes them as s_aux)
+            raise ConfigError(
+                f"{name} has attention sinks ({sinks}.sinks: a learned logit per head in each "
+                "softmax), which meshtrain's context-parallel attention does not implement; "
+                "drop cp from the layout")
         for field, what in UNSUPPORTED.items():
             if getattr(config, field, None) not in (None, False):
                 raise ConfigError(
