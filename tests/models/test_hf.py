@@ -261,3 +261,42 @@ def test_a_refusal_recommends_only_layouts_the_model_supports(tmp_path, model, l
     with pytest.raises(ConfigError) as error:
         trainer.check(model, tokens_16(), optimizer=adamw_gpt)
     assert recommended in str(error.value), str(error.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", ["tiny", "213M"])
+def test_a_granite_scaling_its_embeddings_is_refused_under_pp_at_any_size(tmp_path, monkeypatch,
+                                                                          size):
+    """Granite multiplies inputs_embeds by embedding_multiplier in its forward: every stage
+    would do it again. Refused before any process starts, naming the field, also for a model
+    too large to build for the check (213M parameters, above BUILD_LIMIT: checked on its meta
+    copy with real stand-ins op by op; before, shapes alone passed)."""
+    from conftest import trainer_kwargs
+
+    from meshtrain import Trainer
+    from meshtrain.parallel.pipeline.check import BUILD_LIMIT
+
+    def no_world(*args, **kwargs):
+        raise AssertionError("refused too late: the processes would start")
+
+    monkeypatch.setattr("meshtrain.loop.setup.start_world", no_world)
+    sizes = dict(SMALL) if size == "tiny" else dict(
+        SMALL, vocab_size=4096, hidden_size=1024, num_hidden_layers=16, num_attention_heads=8,
+        num_key_value_heads=8, intermediate_size=2816)
+    config = transformers.GraniteConfig(**sizes, embedding_multiplier=12.0)
+    built = []
+
+    def factory():
+        built.append(torch.get_default_device().type)
+        return transformers.GraniteForCausalLM(config)
+
+    trainer = Trainer(**trainer_kwargs(tmp_path / "run", layout="pp=2", devices=2,
+                                       max_steps=1, global_batch_size=4))
+    data = random_token_data(num_samples=8, seq_len=16, vocab_size=sizes["vocab_size"])
+    with pytest.raises(ConfigError, match=r"config\.embedding_multiplier=12\.0 scales "
+                                          r"inputs_embeds .* again"):
+        trainer.fit(factory, data, optimizer=adamw_gpt)
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in factory().parameters())
+    assert (whole > BUILD_LIMIT) == (size != "tiny")
+    assert built.count("cpu") == (size == "tiny")  # the 213M one never built whole

@@ -135,6 +135,10 @@ class HFPipeline:
         "with inputs_embeds on every stage (a scale, a norm) cannot be pipelined this way: train "
         "it without pp.")
 
+    #: config fields that scale inputs_embeds inside the model's forward, so every stage
+    #: (given the previous stage's hidden state as inputs_embeds) applies them again
+    EMBEDDING_SCALES = ("embedding_multiplier", "scale_emb", "embedding_scale")
+
     def __init__(self, model: nn.Module):
         self.name = type(model).__name__
         self.post_modules = PipelinePlan(model).post_modules if isinstance(model, nn.Module) else ()
@@ -194,6 +198,14 @@ class HFPipeline:
             with _as_stage(model, [i], i == 0, i == n - 1):
                 x = run_stage(model, x, i == 0, i == n - 1)
         return x
+
+    def suspects(self, model: nn.Module) -> list[str]:
+        """The config fields likely behind a failed forward check, for its message."""
+        config = getattr(model, "config", None)
+        return [f"config.{field}={getattr(config, field)!r} scales inputs_embeds in the model's "
+                "forward, so every stage would scale the previous stage's hidden state again"
+                for field in self.EMBEDDING_SCALES
+                if getattr(config, field, None) not in (None, 1, 1.0)]
 
     def model_output(self, output) -> torch.Tensor:
         """The tensor of ``model(input_ids)`` that the stages' output must equal."""

@@ -32,14 +32,16 @@ import math
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.pipeline.stages import _POST, pipeline_blocks
 
 #: a factory's model is built for real (once, before the processes) up to this many parameter
-#: elements; a larger one is checked on its meta-device copy: uses and shapes, not values
+#: elements; a larger one is checked on its meta-device copy, each op given real stand-ins of
+#: the tensors it takes (stand_ins.py), on one sample of at most CHECK_TOKENS tokens
 BUILD_LIMIT = 2**27
+CHECK_TOKENS = 64
 PRE, POST = (-1,), (math.inf,)  # regions of forward, ordered: PRE < (2i,) block i < POST
 
 
@@ -94,9 +96,11 @@ class _UseRecorder(TorchFunctionMode):
     """Which parameters each op takes, by the region of forward the op runs in (block hooks
     move the region along)."""
 
-    def __init__(self, params: dict[int, nn.Parameter], blocks: list[nn.Module]):
+    def __init__(self, params: dict[int, nn.Parameter], blocks: list[nn.Module],
+                 stand_ins=None):
         super().__init__()
         self.params, self.region, self.uses = params, PRE, {}
+        self.stand_ins = stand_ins  # a meta model's tensors: real values for each op
         last = len(blocks) - 1
         self.handles = [h for i, block in enumerate(blocks) for h in (
             block.register_forward_pre_hook(lambda *_, i=i: self._move(_block(i))),
@@ -111,6 +115,9 @@ class _UseRecorder(TorchFunctionMode):
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor) and id(leaf) in self.params:
                 self.uses.setdefault(id(leaf), set()).add(self.region)
+        if self.stand_ins is not None:
+            real = self.stand_ins
+            args, kwargs = tree_map(lambda t: real.real(t) if t in real else t, (args, kwargs))
         return func(*args, **kwargs)
 
     def take(self) -> dict[int, set]:
@@ -139,7 +146,7 @@ def _owners(model: nn.Module, blocks: list[nn.Module],
     return {pid: " = ".join(n) for pid, n in names.items()}, owner
 
 
-def _output_finding(expected, got, on_meta: bool) -> str | None:
+def _output_finding(expected, got) -> str | None:
     """How the stages' output differs from ``model(x)``'s, or None."""
     if not isinstance(expected, torch.Tensor):
         return (f"model.forward returns a {type(expected).__name__}; the last stage's output "
@@ -149,8 +156,6 @@ def _output_finding(expected, got, on_meta: bool) -> str | None:
     if got.shape != expected.shape:
         return (f"the outputs differ in shape: model(x) gives {tuple(expected.shape)}, the "
                 f"stages {tuple(got.shape)}")
-    if on_meta:
-        return None
     want, have = expected.double(), got.double()
     diff = torch.where(want.isnan() & have.isnan(), 0.0, (have - want).abs()).nan_to_num(math.inf)
     worst = diff.max().item() if diff.numel() else 0.0
@@ -174,15 +179,23 @@ def check_stage_forward(model: nn.Module, inputs: torch.Tensor, adapter=None) ->
     blocks = adapter.blocks(model) if adapter is not None else pipeline_blocks(model)
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     device = first.device if first is not None else torch.device("cpu")
-    inputs, on_meta = inputs.to(device), device.type == "meta"
+    on_meta = device.type == "meta"
+    if on_meta:  # real values, a few tensors at a time, on one short sample (at any size)
+        from meshtrain.parallel.pipeline.stand_ins import StandIns
+
+        inputs = inputs[:1, :CHECK_TOKENS] if inputs.dim() >= 2 else inputs[:1]
+    else:
+        inputs = inputs.to(device)
     params = {id(p): p for p in model.parameters()}
     names, owner = _owners(model, blocks, *([adapter.post_modules] if adapter else []))
     modes = {module: module.training for module in model.modules()}
-    recorder = _UseRecorder(params, blocks)
+    recorder = _UseRecorder(params, blocks, StandIns(model) if on_meta else None)
     failure = got = None
     try:
         model.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), recorder:
+        # (a meta model: new tensors on the CPU beside the stand-ins, whatever the default)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                torch.device("cpu" if on_meta else device), recorder:
             try:
                 expected = model(inputs)
                 expected = adapter.model_output(expected) if adapter is not None else expected
@@ -225,12 +238,21 @@ def check_stage_forward(model: nn.Module, inputs: torch.Tensor, adapter=None) ->
     if failure is not None:
         findings.append(f"the stages fail where model(x) runs: {type(failure).__name__}: "
                         f"{failure}")
-    elif (finding := _output_finding(expected, got, on_meta)) is not None:
+    elif (finding := _with_cpu(on_meta, _output_finding, expected, got)) is not None:
         findings.append(finding)
     findings = shared + findings
+    if findings and callable(getattr(adapter, "suspects", None)):  # (the likely cause first)
+        findings = adapter.suspects(model) + findings
     if findings:
         raise ConfigError(_message(type(model).__name__, len(inputs), findings, bool(shared),
                                    getattr(adapter, "stages_doc", None)))
+
+
+def _with_cpu(on_meta: bool, fn, *args):
+    if not on_meta:
+        return fn(*args)
+    with torch.device("cpu"):
+        return fn(*args)
 
 
 def _misplaced(name: str, owner: tuple, region: tuple, conventional: bool) -> str:
