@@ -278,10 +278,12 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
     if mesh.layout.num_servers:  # the optimizer (ps/layout.py's ServerOptimizer) ends the training
         log(f"parameter servers: {mesh.layout.num_servers} server(s), "
             f"{mesh.layout.world_size} worker(s); the optimizer runs on the servers")
-    if on_meta:
+    if on_meta:  # (under pp each stage: it holds its modules under their full-model names)
         from meshtrain.parallel.data.fully_shard import materialize
 
-        materialize(engine.model, device, options.initializer)
+        runner = getattr(engine, "runner", None)
+        for module in (runner.modules if runner is not None else [engine.model]):
+            materialize(module, device, options.initializer)
     return engine
 
 

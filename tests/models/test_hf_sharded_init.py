@@ -38,9 +38,12 @@ def test_the_factory_gives_the_same_values_every_time_and_on_meta_nothing():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", ["zero3=2", "tp=2"])
-def test_layouts_match_one_process(layout):
-    assert_parity(layout, 2, steps=6, global_batch_size=8, fns=FNS)
+@pytest.mark.parametrize("layout, devices", [("zero3=2", 2), ("tp=2", 2), ("pp=2", 2),
+                                             ("pp=2,dp_shard=2", 4), ("pp=2,dp=2", 4)])
+def test_layouts_match_one_process(layout, devices):
+    """(Built on the meta device under each: under pp every stage materialises only its own
+    modules, initialised from their full-model names.)"""
+    assert_parity(layout, devices, steps=6, global_batch_size=8, fns=FNS)
 
 
 @pytest.mark.timeout(240)
@@ -84,9 +87,10 @@ def _setup_peak(layout):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", ["zero3=2", "tp=2"])
+@pytest.mark.parametrize("layout", ["zero3=2", "tp=2", "pp=2"])
 def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch, layout):
-    """(tp=2: built on the meta device too, each rank materialising its tp shards.)"""
+    """(tp=2 and pp=2: built on the meta device too, each rank materialising its tp shards or
+    its stage's modules.)"""
     monkeypatch.chdir(tmp_path)
     (peak0, whole), (peak1, _) = run_workers(_setup_peak, 2, (layout,), timeout=200)
     assert whole > 800e6

@@ -277,20 +277,25 @@ def materialize(model: nn.Module, device: torch.device | str, init=None) -> None
 
 def builds_on_meta(layout, meta_init, model, meta_model) -> bool:
     """Build the model on the meta device, so each rank allocates only its own shards? Needs
-    a sharded or tensor-parallel layout without pp (a stage cannot re-run the whole model's
-    initialisation), a factory (not a built module) and a model that supports sharded init.
+    a sharded, tensor- or pipeline-parallel layout, a factory (not a built module) and a model
+    that supports sharded init; under pp a factory that fills each module from its own name
+    (``initializer_of``: HFCausalLM), as a stage holds only some modules.
     ``meta_init=True`` insists (ConfigError when impossible); "auto" falls back (the Trainer
     then says at start that each rank builds the whole model, and what it costs)."""
     import torch
 
-    splits = layout.is_sharded or layout.degree("tp") > 1
-    on_meta = (splits and meta_init is not False and layout.degree("pp") == 1
+    splits = layout.is_sharded or layout.degree("tp") > 1 or layout.degree("pp") > 1
+    # under pp only a factory whose init fills each module from its own name (HFCausalLM):
+    # a stage holds some modules, under their full-model names
+    staged = layout.degree("pp") == 1 or initializer_of(model) is not None
+    on_meta = (splits and staged and meta_init is not False
                and not isinstance(model, torch.nn.Module) and meta_model is not None
                and (initializer_of(model) is not None or supports_meta_init(meta_model)))
     if meta_init is True and not on_meta:
         raise ConfigError(
-            "meta_init=True needs a sharded or tensor-parallel layout without pp, a model "
-            "factory (not a built module) "
+            "meta_init=True needs a sharded, tensor- or pipeline-parallel layout, a model "
+            "factory (not a built module; under pp one that initialises module by module by "
+            "name, such as HFCausalLM) "
             "and a model that supports sharded init (supports_sharded_init = True and "
             "init_weights()); use meta_init='auto' to fall back quietly")
     return on_meta
@@ -309,7 +314,8 @@ def whole_build_reason(layout, meta_init, model, meta_model) -> str | None:
         return ("the model was given built; a factory (e.g. lambda: MyModel(...)) is built on "
                 "the meta device where it supports sharded initialisation")
     if layout.degree("pp") > 1:
-        return "a pipeline's stages are cut from the whole model (pp)"
+        return ("a pipeline's stages are cut from the whole model (pp) unless the factory "
+                "initialises module by module by name (HFCausalLM)")
     if meta_model is None:
         return "the factory cannot be built on the meta device"
     return (f"{type(meta_model).__name__} has no sharded initialisation (supports_sharded_init "
