@@ -39,7 +39,8 @@ def test_the_factory_gives_the_same_values_every_time_and_on_meta_nothing():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout, devices", [("zero3=2", 2), ("tp=2", 2), ("pp=2", 2),
-                                             ("pp=2,dp_shard=2", 4), ("pp=2,dp=2", 4)])
+                                             ("pp=2,dp_shard=2", 4), ("pp=2,dp=2", 4),
+                                             ("pp=2,tp=2", 4)])
 def test_layouts_match_one_process(layout, devices):
     """(Built on the meta device under each: under pp every stage materialises only its own
     modules, initialised from their full-model names.)"""
