@@ -244,3 +244,37 @@ def test_which_layouts_build_on_meta_and_why_others_build_whole():
         with torch.device("meta"):
             meta = model() if not isinstance(model, nn.Module) else None
         assert reason in whole_build_reason(Layout.parse(layout, 2), meta_init, model, meta)
+
+
+def _start_lines(run_dir, layout, as_factory):
+    import contextlib
+    import io
+
+    from conftest import trainer_kwargs
+
+    from meshtrain import Trainer
+
+    torch.set_num_threads(1)
+    config = GPTConfig(vocab_size=32, seq_len=8, num_layers=2, num_heads=2, d_model=16)
+    model = functools.partial(GPT, config) if as_factory else GPT(config)
+    x = torch.randint(0, 32, (16, 8))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        Trainer(**trainer_kwargs(f"{run_dir}/{layout}{as_factory}", layout=layout,
+                                 max_steps=1)).fit(
+            model, torch.utils.data.TensorDataset(x, x), optimizer=lambda p: torch.optim.SGD(
+                p, lr=0.1), loss_fn=lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()))
+    return [line for line in out.getvalue().splitlines() if line.startswith("model: ")]
+
+
+@pytest.mark.timeout(120)
+def test_the_start_says_whether_each_rank_builds_the_whole_model(tmp_path):
+    """What the README promises: a layout that splits the parameters says at start that each
+    rank builds the whole model (with its size and why), or that it is built on meta."""
+    lines = run_workers(_start_lines, 2, (tmp_path, "tp=2", True), timeout=100)[0]
+    assert lines == ["model: built on the meta device; each rank allocates and initialises "
+                     "only its part"], lines
+    lines = run_workers(_start_lines, 2, (tmp_path, "tp=2", False), timeout=100)[0]
+    assert len(lines) == 1 and "each rank builds the whole model first (" in lines[0] and \
+        "parameters" in lines[0] and "the model was given built" in lines[0], lines
+    assert run_workers(_start_lines, 2, (tmp_path, "dp=2", False), timeout=100)[0] == []
