@@ -175,11 +175,12 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
 
     torch.manual_seed(t.seed)  # identical initial parameters on every rank
     factory = model
-    on_meta = builds_on_meta(t.layout, t.meta_init, model, meta_model)
+    measures = t.pipeline_options.balance != "params" and not t.pipeline_options.split_points
+    on_meta = builds_on_meta(t.layout, t.meta_init, model, meta_model, measures)
     if on_meta and initializer_of(model) is not None:  # the factory fills the shards
         t.parallel_options = dataclasses.replace(t.parallel_options,
                                                  initializer=initializer_of(model))
-    why = whole_build_reason(t.layout, t.meta_init, model, meta_model)
+    why = whole_build_reason(t.layout, t.meta_init, model, meta_model, measures)
     model = meta_model if on_meta else build(model)
     if why is not None:
         count = sum(p.numel() for p in model.parameters())

@@ -8,7 +8,9 @@ shard heads by slicing those Linear layers. The head is not tied to the token em
 Initialisation (deterministic for a given ``seed``, and the same on every device): every
 Linear and Embedding weight ~ N(0, 0.02), biases zero, LayerNorm weight 1 / bias 0; the
 projections that write into the residual stream (``attn.wo`` and ``mlp.fc_out``) use
-std ``0.02 / sqrt(2 * num_layers)`` as in GPT-2.
+std ``0.02 / sqrt(2 * num_layers)`` as in GPT-2. Each weight is drawn from a generator seeded
+by (seed, its name), so a pipeline stage holding some of the modules (under their full-model
+names) initialises them alone to the whole model's values.
 """
 
 from __future__ import annotations
@@ -172,8 +174,10 @@ class GPT(nn.Module):
     """Decoder-only language model: ``(batch, seq)`` token ids -> ``(batch, seq, vocab)`` logits."""
 
     #: init_weights() gives sharded parameters the unsharded model's values, so a sharded
-    #: layout may build this model on the meta device (see meshtrain.parallel.data.fully_shard).
+    #: layout may build this model on the meta device (see meshtrain.parallel.data.fully_shard);
+    #: each from its own name, so a pipeline stage (some of the modules) may too
     supports_sharded_init = True
+    supports_staged_init = True
 
     def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
         super().__init__()
@@ -199,6 +203,7 @@ class GPT(nn.Module):
         only its own part, so the sharded model equals the unsharded one. On the meta device
         (no storage yet) there is nothing to fill and this returns at once.
         """
+        from meshtrain.models.hf.init import module_seed  # (wrapper parts of names ignored)
         from meshtrain.parallel.data.fully_shard import copy_full_into
 
         seed = getattr(self, "_init_seed", 0) if seed is None else seed
@@ -208,7 +213,6 @@ class GPT(nn.Module):
         for name, buffer in self.named_buffers():
             if name.endswith("router.expert_bias"):  # (bias balancing starts from none)
                 buffer.zero_()
-        generator = torch.Generator().manual_seed(seed)
         residual_std = INIT_STD / math.sqrt(2 * self.config.num_layers)
         for name, param in self.named_parameters():
             module_name, _, kind = name.rpartition(".")
@@ -225,6 +229,7 @@ class GPT(nn.Module):
                 rows = getattr(module, "rows", None)  # under ep: experts' rows of the whole
                 if rows is not None:
                     shape = (self.config.num_experts, *shape[1:])
+                generator = torch.Generator().manual_seed(module_seed(seed, name))
                 values = torch.randn(shape, generator=generator, dtype=torch.float32)
                 values = values if rows is None else values[rows]
                 copy_full_into(param, values * std)  # a shard keeps its part

@@ -221,8 +221,9 @@ def test_bf16_mixed_precision_stays_close_to_fp32():
 
 
 def test_which_layouts_build_on_meta_and_why_others_build_whole():
-    """A factory of a model with sharded init is built on meta under zero3 and under tp (not
-    under pp); the reason each rank builds the whole model otherwise, as the start prints it."""
+    """A factory of a model with sharded init is built on meta under zero3 and tp, under pp
+    when it initialises each module from its name; the reason each rank builds the whole model
+    otherwise, as the start prints it."""
     from meshtrain.parallel.data.fully_shard import builds_on_meta, whole_build_reason
     from meshtrain.parallel.layout import Layout
 
@@ -235,7 +236,12 @@ def test_which_layouts_build_on_meta_and_why_others_build_whole():
         assert builds_on_meta(parsed, "auto", factory, meta), layout
         assert whole_build_reason(parsed, "auto", factory, meta) is None
     assert whole_build_reason(Layout.parse("dp=2", 2), "auto", factory, meta) is None
-    cases = [("pp=2", factory, "auto", "cut from the whole model (pp)"),
+    class OneSequence(GPT):  # (an init drawing the whole model in one sequence)
+        supports_staged_init = False
+
+    assert builds_on_meta(Layout.parse("pp=2", 2), "auto", factory, meta)  # (by name)
+    cases = [("pp=2", functools.partial(OneSequence, config), "auto",
+              "cut from the whole model (pp)"),
              ("tp=2", GPT(config), "auto", "the model was given built"),
              ("zero3=2", factory, False, "meta_init=False"),
              ("tp=2", functools.partial(nn.Linear, 4, 4), "auto",

@@ -275,11 +275,13 @@ def materialize(model: nn.Module, device: torch.device | str, init=None) -> None
     model.init_weights()
 
 
-def builds_on_meta(layout, meta_init, model, meta_model) -> bool:
+def builds_on_meta(layout, meta_init, model, meta_model, measures_blocks: bool = False) -> bool:
     """Build the model on the meta device, so each rank allocates only its own shards? Needs
     a sharded, tensor- or pipeline-parallel layout, a factory (not a built module) and a model
-    that supports sharded init; under pp a factory that fills each module from its own name
-    (``initializer_of``: HFCausalLM), as a stage holds only some modules.
+    that supports sharded init; under pp one that fills each module from its own name
+    (``initializer_of``: HFCausalLM; a class with ``supports_staged_init``: meshtrain's GPT), as
+    a stage holds only some modules, and not when the split measures the blocks on real values
+    (``measures_blocks``: pp_balance "time" or "memory").
     ``meta_init=True`` insists (ConfigError when impossible); "auto" falls back (the Trainer
     then says at start that each rank builds the whole model, and what it costs)."""
     import torch
@@ -287,7 +289,9 @@ def builds_on_meta(layout, meta_init, model, meta_model) -> bool:
     splits = layout.is_sharded or layout.degree("tp") > 1 or layout.degree("pp") > 1
     # under pp only a factory whose init fills each module from its own name (HFCausalLM):
     # a stage holds some modules, under their full-model names
-    staged = layout.degree("pp") == 1 or initializer_of(model) is not None
+    staged = layout.degree("pp") == 1 or not measures_blocks and (
+        initializer_of(model) is not None
+        or getattr(type(meta_model), "supports_staged_init", False) is True)
     on_meta = (splits and staged and meta_init is not False
                and not isinstance(model, torch.nn.Module) and meta_model is not None
                and (initializer_of(model) is not None or supports_meta_init(meta_model)))
@@ -301,21 +305,25 @@ def builds_on_meta(layout, meta_init, model, meta_model) -> bool:
     return on_meta
 
 
-def whole_build_reason(layout, meta_init, model, meta_model) -> str | None:
+def whole_build_reason(layout, meta_init, model, meta_model,
+                       measures_blocks: bool = False) -> str | None:
     """Why each rank builds the whole model although ``layout`` splits its parameters (None:
     the layout does not split them, or the model is built on the meta device)."""
     if not (layout.is_sharded or layout.degree("tp") > 1 or layout.degree("pp") > 1):
         return None
-    if builds_on_meta(layout, "auto" if meta_init is True else meta_init, model, meta_model):
+    if builds_on_meta(layout, "auto" if meta_init is True else meta_init, model, meta_model,
+                      measures_blocks):
         return None
     if meta_init is False:
         return "meta_init=False"
     if isinstance(model, nn.Module):
         return ("the model was given built; a factory (e.g. lambda: MyModel(...)) is built on "
                 "the meta device where it supports sharded initialisation")
+    if layout.degree("pp") > 1 and measures_blocks:
+        return "pp_balance measures the blocks on real values (pp_balance=\"params\" does not)"
     if layout.degree("pp") > 1:
-        return ("a pipeline's stages are cut from the whole model (pp) unless the factory "
-                "initialises module by module by name (HFCausalLM)")
+        return ("a pipeline's stages are cut from the whole model (pp) unless the model "
+                "initialises module by module by name (supports_staged_init, HFCausalLM)")
     if meta_model is None:
         return "the factory cannot be built on the meta device"
     return (f"{type(meta_model).__name__} has no sharded initialisation (supports_sharded_init "
