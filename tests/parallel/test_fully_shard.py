@@ -284,3 +284,17 @@ def test_the_start_says_whether_each_rank_builds_the_whole_model(tmp_path):
     assert len(lines) == 1 and "each rank builds the whole model first (" in lines[0] and \
         "parameters" in lines[0] and "the model was given built" in lines[0], lines
     assert run_workers(_start_lines, 2, (tmp_path, "dp=2", False), timeout=100)[0] == []
+
+
+def test_a_from_pretrained_factory_is_told_the_init_from_route(tmp_path):
+    import transformers
+
+    from meshtrain.models.hf import tiny_llama
+    from meshtrain.parallel.data.fully_shard import whole_build_reason
+    from meshtrain.parallel.layout import Layout
+
+    tiny_llama().save_pretrained(tmp_path)
+    factory = functools.partial(transformers.AutoModelForCausalLM.from_pretrained, tmp_path)
+    reason = whole_build_reason(Layout.parse("zero3=2", 2), "auto", factory, None)
+    assert "from_pretrained factory loads the whole checkpoint on every rank" in reason
+    assert "init_from=" in reason

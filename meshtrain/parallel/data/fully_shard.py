@@ -325,8 +325,23 @@ def whole_build_reason(layout, meta_init, model, meta_model,
         return ("a pipeline's stages are cut from the whole model (pp) unless the model "
                 "initialises module by module by name (supports_staged_init, HFCausalLM)")
     if meta_model is None:
-        return "the factory cannot be built on the meta device"
+        return _meta_failure(model)
     return (f"{type(meta_model).__name__} has no sharded initialisation (supports_sharded_init "
             "= True and init_weights(); a Hugging Face model: its factory HFCausalLM(cls, "
             "config), unless it ties its embeddings or its _init_weights writes its children's "
             "tensors)")
+
+
+def _meta_failure(factory) -> str:
+    """Why ``factory`` cannot be built on the meta device (it is called there again)."""
+    try:
+        with torch.device("meta"):
+            factory()
+    except Exception as error:  # noqa: BLE001 -- what to tell the user
+        if "from_pretrained" in str(error):  # (transformers refuses to load onto meta)
+            return ("a from_pretrained factory loads the whole checkpoint on every rank; to "
+                    "read only each rank's shards give its folder as init_from= with a factory "
+                    "that builds the model from its config (meshtrain.models.hf.init."
+                    "HFCausalLM(cls, AutoConfig.from_pretrained(folder)))")
+        return f"the factory cannot be built on the meta device ({type(error).__name__})"
+    return "the factory cannot be built on the meta device"
