@@ -173,7 +173,15 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
     from meshtrain.parallel.data.fully_shard import (builds_on_meta, initializer_of,
                                                      whole_build_reason)
 
+    from meshtrain.models.hf.init import from_factory
+
     torch.manual_seed(t.seed)  # identical initial parameters on every rank
+    hf = from_factory(model, meta_model, t.seed) if meta_model is not None else None
+    if hf is not None:  # the same values in every layout, sharded from the start where split
+        model = hf
+        t.print(f"model: {hf.model_class.__name__} from a factory, initialised module by module "
+                f"from seed {hf.seed} (meshtrain's seeded values, equal under every layout; "
+                "not those of transformers' own initialisation)")
     factory = model
     measures = t.pipeline_options.balance != "params" and not t.pipeline_options.split_points
     on_meta = builds_on_meta(t.layout, t.meta_init, model, meta_model, measures)

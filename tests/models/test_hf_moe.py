@@ -228,11 +228,11 @@ def test_the_validation_loss_is_the_cross_entropy_alone(tmp_path):
 def deepseek_v3():
     """A tiny DeepSeek-V3: sigmoid routing picked with an e_score_correction_bias, which
     meshtrain moves (config.router_bias_rate; transformers never does)."""
-    return tiny_causal_lm(
-        "DeepseekV3", vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=16, intermediate_size=16,
-        moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-        topk_group=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=8,
+    return tiny_causal_lm(  # (seed 1: every bias ends non-zero, some up and some down)
+        "DeepseekV3", seed=1, vocab_size=32, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+        intermediate_size=16, moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=8,
         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, experts_implementation="eager",
         router_bias_rate=0.05)
 

@@ -70,10 +70,12 @@ MEDIUM = transformers.LlamaConfig(vocab_size=4096, hidden_size=1024, num_hidden_
                                   tie_word_embeddings=False)
 
 
-def _setup_peak(layout):
+def _setup_peak(layout, plain=False):
     from conftest import end_together
 
     factory = HFCausalLM(transformers.LlamaForCausalLM, MEDIUM, seed=0)
+    if plain:  # what a user writes first: recognised, built as HFCausalLM
+        factory = lambda: transformers.LlamaForCausalLM(MEDIUM)  # noqa: E731
     options = dict(layout=layout, max_steps=1, global_batch_size=2, loggers=(),
                    progress_bar=False, save_final_checkpoint=False, resume=None)
     data = random_token_data(num_samples=4, seq_len=8, vocab_size=4096)
@@ -88,12 +90,13 @@ def _setup_peak(layout):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", ["zero3=2", "tp=2", "pp=2"])
-def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch, layout):
+@pytest.mark.parametrize("layout, plain", [("zero3=2", False), ("tp=2", False), ("pp=2", False),
+                                           ("zero3=2", True), ("tp=2", True), ("pp=2", True)])
+def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch, layout, plain):
     """(tp=2 and pp=2: built on the meta device too, each rank materialising its tp shards or
-    its stage's modules.)"""
+    its stage's modules; plain: a `lambda: LlamaForCausalLM(config)` factory.)"""
     monkeypatch.chdir(tmp_path)
-    (peak0, whole), (peak1, _) = run_workers(_setup_peak, 2, (layout,), timeout=200)
+    (peak0, whole), (peak1, _) = run_workers(_setup_peak, 2, (layout, plain), timeout=200)
     assert whole > 800e6
     assert max(peak0, peak1) <= 0.6 * whole, (peak0, peak1, whole)
 
@@ -110,3 +113,35 @@ def test_an_init_that_writes_its_submodules_is_kept_but_not_sharded():
     plain = model.transformer.h[0].attn.c_attn.weight.std().item()
     assert scaled == pytest.approx(0.02 / 4, rel=0.2) and plain == pytest.approx(0.02, rel=0.2)
     assert not factory.supports_sharded_init and TINY_LLAMA.supports_sharded_init
+
+
+def plain_llama():
+    """What a user writes first: transformers' own class and config, no meshtrain in it."""
+    return transformers.LlamaForCausalLM(TINY)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", ["zero3=2", "pp=2"])
+def test_a_plain_hf_factory_is_built_sharded_and_every_layout_agrees(layout):
+    """`lambda: LlamaForCausalLM(config)` is recognised after a call on meta and built as
+    HFCausalLM (seeded module by module from the Trainer's seed): one process and each layout
+    start from the same values, so they train alike."""
+    from meshtrain.models.hf.init import from_factory
+
+    with torch.device("meta"):
+        meta = plain_llama()
+    factory = from_factory(plain_llama, meta, seed=0)
+    assert isinstance(factory, HFCausalLM) and factory.seed == 0
+    ours, theirs = factory(), plain_llama()
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(),
+                                                  TINY_LLAMA().state_dict().values()))
+    assert not torch.equal(ours.lm_head.weight, theirs.lm_head.weight)  # not transformers'
+    assert from_factory(ours, meta, seed=0) is None  # a model object keeps its values
+    with torch.device("meta"):  # a factory that changed the model after building it: kept
+        frozen = plain_llama().requires_grad_(False)
+        cast = plain_llama().double()
+    assert from_factory(plain_llama, frozen, 0) is None and from_factory(plain_llama, cast, 0) \
+        is None
+    # (fp32: the harness's float64 runs cast the model in the factory, which keeps it as built)
+    assert_parity(layout, 2, steps=4, global_batch_size=8, fns=dict(FNS, model_fn=plain_llama),
+                  float64=False)

@@ -56,9 +56,21 @@ def _transformers():
 # --- Tiny models from configs (no download) ----------------------------------------------------
 def build_seeded(model_cls, config, seed: int) -> nn.Module:
     """``model_cls(config)`` initialised from ``seed`` (the caller's RNG untouched), SDPA
-    attention where the class supports it (else transformers' eager attention)."""
+    attention where the class supports it (else transformers' eager attention): module by
+    module as meshtrain builds a Hugging Face model from a factory (models/hf/init.py; the
+    seed marked on the model, so that a factory calling this gets these values under every
+    layout), or, for a model whose ``_init_weights`` leaves a tensor unwritten, by
+    transformers' own initialisation from the seeded global stream."""
+    from meshtrain.models.hf.init import HFCausalLM, initialises_every_tensor
+
     # works on CPU; no flash-attention needed
     config._attn_implementation = "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
+    with torch.device("meta"):
+        skeleton = model_cls(config)
+    if initialises_every_tensor(skeleton):
+        model = HFCausalLM(model_cls, config, seed, keep_attention=True)()
+        model._meshtrain_init_seed = seed
+        return model
     with torch.random.fork_rng(devices=[]):  # the same weights whatever the caller's RNG state
         torch.manual_seed(seed)
         model = model_cls(config)

@@ -27,10 +27,12 @@ WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_mod
 class HFCausalLM:
     """A picklable factory: ``model_class(config)`` on the meta device, then (unless the caller
     builds on meta) allocated and filled by :func:`seeded_init`. meshtrain builds it sharded
-    from the start under a sharded layout (``supports_sharded_init``)."""
+    from the start under a sharded layout (``supports_sharded_init``). ``keep_attention``: the
+    config's attention implementation as it is (else SDPA where the class has it)."""
 
-    def __init__(self, model_class, config, seed: int = 0):
+    def __init__(self, model_class, config, seed: int = 0, keep_attention: bool = False):
         self.model_class, self.config, self.seed = model_class, config, seed
+        self.keep_attention = keep_attention
 
     @property
     def supports_sharded_init(self) -> bool:
@@ -47,8 +49,9 @@ class HFCausalLM:
 
     def __call__(self) -> nn.Module:
         config = self.config
-        config._attn_implementation = ("sdpa" if getattr(self.model_class, "_supports_sdpa", True)
-                                       else "eager")  # works on CPU, no flash attention needed
+        if not getattr(self, "keep_attention", False):  # works on CPU, no flash attention
+            config._attn_implementation = (
+                "sdpa" if getattr(self.model_class, "_supports_sdpa", True) else "eager")
         with torch.device("meta"):
             model = self.model_class(config)
         if torch.get_default_device().type == "meta":  # the caller builds on meta
@@ -72,14 +75,16 @@ def module_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def seeded_init(model: nn.Module, seed: int, *, dry_run: bool = False) -> list[str]:
+def seeded_init(model: nn.Module, seed: int, *, dry_run: bool = False,
+                untouched: list | None = None) -> list[str]:
     """Initialise every parameter and buffer of ``model`` (a Hugging Face model, plain or with
     DTensor shards) module by module from :func:`module_seed`, with the model's own
     ``_init_weights``, children before their parent as Transformers does. Returns the modules
     whose ``_init_weights`` also writes their children's tensors (GPT-2's attention and MLP
     rescale their ``c_proj``): fine on whole tensors, refused on shards. A tensor that
     ``_init_weights`` leaves untouched is refused by name. ``dry_run`` (a meta-device model):
-    only find those modules."""
+    only find those modules, and add to ``untouched`` the tensors (any dtype) no in-place
+    write of ``_init_weights`` reached (their version counters did not move)."""
     from meshtrain.parallel.data.fully_shard import copy_full_into
 
     initialise = getattr(model, "_init_weights", None)
@@ -94,6 +99,7 @@ def seeded_init(model: nn.Module, seed: int, *, dry_run: bool = False) -> list[s
         others = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in mine]
         versions = [t._version for t in others]
         full = {n: _blank(t, meta=dry_run) for n, t in own.items()}
+        before = {n: t._version for n, t in full.items()}
         saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
         try:
             for n in own:
@@ -114,6 +120,9 @@ def seeded_init(model: nn.Module, seed: int, *, dry_run: bool = False) -> list[s
                                   "writes its submodules' tensors: it cannot be initialised "
                                   "shard by shard; build the model whole (meta_init=False)")
         if dry_run:
+            if untouched is not None:
+                untouched += [f"{name}.{n}" if name else n for n, t in full.items()
+                              if t._version == before[n]]
             continue
         for n, tensor in own.items():
             if full[n].is_floating_point() and torch.isnan(full[n]).any():
@@ -143,3 +152,54 @@ def _blank(tensor: torch.Tensor, meta: bool = False) -> torch.Tensor:
     if meta:
         return blank
     return blank.fill_(math.nan) if blank.is_floating_point() else blank.zero_()
+
+
+def initialises_every_tensor(model: nn.Module) -> bool:
+    """Does the model's own ``_init_weights`` write every parameter and buffer (a dry run on
+    ``model``, a meta-device copy)? Only then can :class:`HFCausalLM` build it from a seed."""
+    if not callable(getattr(model, "_init_weights", None)):
+        return False
+    untouched: list[str] = []
+    try:
+        seeded_init(model, 0, dry_run=True, untouched=untouched)
+    except Exception:  # noqa: BLE001 -- an init that cannot run module by module
+        return False
+    return not untouched
+
+
+def from_factory(factory, model: nn.Module | None, seed: int):
+    """The factory meshtrain builds a Hugging Face model with when the user's ``factory``
+    returns one (``model``: its meta-device copy): :class:`HFCausalLM` of its class and config,
+    from the seed ``build_seeded`` marked on it or else ``seed``, so that every layout (one
+    process included) starts from the same values and a splitting layout builds it sharded
+    from the start. None (the user's factory as it is) for a model object, a factory that is
+    already meshtrain's, a pretrained model (its config names a checkpoint: use init_from), or
+    a model whose ``_init_weights`` leaves a tensor unwritten, or a factory that changed the
+    model after building it (a dtype, frozen or added parameters, replaced modules: what it
+    did would be lost)."""
+    from meshtrain.models.hf import is_hf_model
+    from meshtrain.parallel.data.fully_shard import initializer_of
+
+    if (isinstance(factory, nn.Module) or model is None or not is_hf_model(model)
+            or initializer_of(factory) is not None
+            or getattr(model.config, "_name_or_path", "")
+            or not initialises_every_tensor(model)):
+        return None
+    try:
+        with torch.device("meta"):
+            fresh = type(model)(model.config)
+    except Exception:  # noqa: BLE001 -- not rebuildable from its config
+        return None
+    if _structure(fresh) != _structure(model):
+        return None
+    return HFCausalLM(type(model), model.config, getattr(model, "_meshtrain_init_seed", seed),
+                      keep_attention=True)
+
+
+def _structure(model: nn.Module) -> tuple:
+    """What a factory may change after construction: modules' types, tensors' shapes, dtypes
+    and whether they train."""
+    return (tuple((n, type(m)) for n, m in model.named_modules()),
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                  for n, p in model.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()))
