@@ -2,7 +2,6 @@
 
 import mmap
 
-import torch
 
 from meshtrain.observe.memory.peak_rss import PeakRSS, resident_bytes
 
@@ -32,8 +31,21 @@ def test_a_transient_allocation_is_seen_and_the_peak_resets():
     assert resident_bytes() > 0
 
 
+TORCH_TENSOR = """
+from meshtrain.observe.memory.peak_rss import PeakRSS
+with PeakRSS() as peak:
+    x = torch.ones(64 * 2**20 // 4)  # 64 MiB, above glibc's largest mmap threshold: fresh pages
+    del x
+print(peak.bytes)
+"""
+
+
 def test_a_torch_tensor_counts():
-    with PeakRSS() as peak:
-        x = torch.ones(64 * MIB // 4)  # 64 MiB, above glibc's largest mmap threshold: fresh pages
-        del x
-    assert 62 * MIB <= peak.bytes < 80 * MIB
+    """In a fresh process: in this one, earlier tests may leave the 64 MiB in an allocator's
+    cache (it measured 0 in CI after the suite's other tests in the same worker)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", TORCH_TENSOR], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert 62 * MIB <= int(out.stdout.split()[-1]) < 80 * MIB, out
