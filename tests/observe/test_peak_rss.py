@@ -2,7 +2,6 @@
 
 import mmap
 
-
 from meshtrain.observe.memory.peak_rss import PeakRSS, resident_bytes
 
 MIB = 2**20
@@ -32,6 +31,7 @@ def test_a_transient_allocation_is_seen_and_the_peak_resets():
 
 
 TORCH_TENSOR = """
+import torch
 from meshtrain.observe.memory.peak_rss import PeakRSS
 with PeakRSS() as peak:
     x = torch.ones(64 * 2**20 // 4)  # 64 MiB, above glibc's largest mmap threshold: fresh pages
