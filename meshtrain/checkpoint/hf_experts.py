@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 
 from meshtrain.errors import ConfigError
 
@@ -166,3 +167,55 @@ def _converter_of(name: str, converters):
             if "*" not in target and name.endswith(target):
                 return converter, target
     return None, None
+
+
+# --- which rows of a whole tensor this rank holds under ep ---------------------------------
+def owner_of(model: nn.Module, name: str) -> nn.Module:
+    """The module holding tensor ``name`` (a name without wrappers' parts: ``_clean``)."""
+    from meshtrain.checkpoint.hf_weights import _clean
+
+    prefix = name.rpartition(".")[0]
+    try:
+        return model.get_submodule(prefix)
+    except AttributeError:  # (under a wrapper: activation checkpointing, compile)
+        return next(m for n, m in model.named_modules() if _clean(n) == prefix)
+
+
+def ep_share(model: nn.Module, name: str):
+    """The ep mesh of the module owning ``name`` when ep split its rows (else None)."""
+    module = owner_of(model, name)
+    return getattr(module, "ep_mesh", None) if getattr(module, "rows", None) is not None \
+        else None
+
+
+def whole_shape(model: nn.Module, name: str, target) -> tuple[int, ...]:
+    """The shape of ``name`` in one process's model: under ep the experts of every rank."""
+    shape = list(target.shape)
+    ep = ep_share(model, name)
+    if ep is not None:
+        shape[0] *= ep.size()
+    return tuple(shape)
+
+
+def held_indices(model: nn.Module, name: str, target) -> list:
+    """Per dim, the indices of the whole tensor this rank holds (None: the whole dim): a
+    DTensor's local elements, under ep among this rank's experts (a folder that stores the
+    experts fused, as GPT-OSS does)."""
+    from meshtrain.checkpoint.hf_weights import _local_indices
+
+    indices = _local_indices(target)
+    if ep_share(model, name) is not None:
+        indices[0] = expert_rows(model, name, indices[0])
+    return indices
+
+
+def expert_rows(model: nn.Module, name: str, index) -> torch.Tensor:
+    """The experts (dim-0 rows) of ``name`` this rank holds: under ep the owning module's
+    ``rows`` (FSDP-sharded over edp: the DTensor's local rows of those), else a DTensor's
+    local rows, else all of them."""
+    module = owner_of(model, name)
+    rows = getattr(module, "rows", None)
+    if index is not None:  # (it failed before: rows of the ep share read as the whole's)
+        return index + rows.start if rows is not None else index
+    total = getattr(model.get_parameter(name), "shape", (0,))[0] if rows is None else None
+    return torch.arange(rows.start, rows.stop) if rows is not None else torch.arange(total)

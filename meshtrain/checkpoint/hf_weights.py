@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from meshtrain.checkpoint.hf_experts import expert_rows, held_indices, owner_of, whole_shape
 from meshtrain.errors import ConfigError
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -281,10 +282,10 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike, *,
             for source, names in entries:
                 target = tensors[names[0]]
                 shape = tuple(handles[path].get_slice(source).get_shape())
-                if shape != _whole_shape(model, names[0], target):
+                if shape != whole_shape(model, names[0], target):
                     raise ConfigError(
                         f"{names[0]}: {folder} holds shape {shape} ({source} in {path.name}), "
-                        f"the model {_whole_shape(model, names[0], target)}"
+                        f"the model {whole_shape(model, names[0], target)}"
                         f"{_config_hint(folder_config, model)}")
                 if target.device.type == "meta":
                     raise ConfigError(
@@ -297,7 +298,7 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike, *,
                     target = tensors[names[0]]
                     local = target.to_local() if hasattr(target, "to_local") else target
                     part = _read_local(handles[path], source,
-                                       _held_indices(model, names[0], target))
+                                       held_indices(model, names[0], target))
                     if tuple(part.shape) != tuple(local.shape):  # (an unknown placement)
                         raise ConfigError(
                             f"{names[0]}: computed a local slice of shape {tuple(part.shape)} "
@@ -342,7 +343,7 @@ def _load_fused(model: nn.Module, tensors: dict, fused: dict, files: dict, safe_
         for name, source in fused.items():
             target = tensors[name]
             indices = _local_indices(target)
-            owner = _owner(model, name)
+            owner = owner_of(model, name)
             ep = getattr(owner, "ep_mesh", None)  # (under ep: this rank's rows of the whole)
             whole = target.shape[0] * (ep.size() if ep is not None else 1)
             if source.num_experts != whole or any(i is not None for i in indices[1:]):
@@ -350,7 +351,7 @@ def _load_fused(model: nn.Module, tensors: dict, fused: dict, files: dict, safe_
                     f"{name}: the folder holds {source.num_experts} experts stored apart, the "
                     f"model {whole} (placements {getattr(target, 'placements', None)}; "
                     "meshtrain reads fused experts split by expert only)")
-            rows = _expert_rows(model, name, indices[0]).tolist()
+            rows = expert_rows(model, name, indices[0]).tolist()
             local = target.to_local() if hasattr(target, "to_local") else target
             part = read_fused(source, read if report is not None else shape_of, rows)
             if tuple(part.shape) != tuple(local.shape):
@@ -368,50 +369,3 @@ def _load_fused(model: nn.Module, tensors: dict, fused: dict, files: dict, safe_
         for opened in handles.values():
             if hasattr(opened, "__exit__"):
                 opened.__exit__(None, None, None)
-
-
-def _owner(model: nn.Module, name: str) -> nn.Module:
-    """The module holding tensor ``name`` (a name without wrappers' parts: ``_clean``)."""
-    prefix = name.rpartition(".")[0]
-    try:
-        return model.get_submodule(prefix)
-    except AttributeError:  # (under a wrapper: activation checkpointing, compile)
-        return next(m for n, m in model.named_modules() if _clean(n) == prefix)
-
-
-def _ep_share(model: nn.Module, name: str):
-    """The ep mesh of the module owning ``name`` when ep split its rows (else None)."""
-    module = _owner(model, name)
-    return getattr(module, "ep_mesh", None) if getattr(module, "rows", None) is not None \
-        else None
-
-
-def _whole_shape(model: nn.Module, name: str, target) -> tuple[int, ...]:
-    """The shape of ``name`` in one process's model: under ep the experts of every rank."""
-    shape = list(target.shape)
-    ep = _ep_share(model, name)
-    if ep is not None:
-        shape[0] *= ep.size()
-    return tuple(shape)
-
-
-def _held_indices(model: nn.Module, name: str, target) -> list:
-    """Per dim, the indices of the whole tensor this rank holds (None: the whole dim): a
-    DTensor's local elements, under ep among this rank's experts (a folder that stores the
-    experts fused, as GPT-OSS does)."""
-    indices = _local_indices(target)
-    if _ep_share(model, name) is not None:
-        indices[0] = _expert_rows(model, name, indices[0])
-    return indices
-
-
-def _expert_rows(model: nn.Module, name: str, index) -> torch.Tensor:
-    """The experts (dim-0 rows) of ``name`` this rank holds: under ep the owning module's
-    ``rows`` (FSDP-sharded over edp: the DTensor's local rows of those), else a DTensor's
-    local rows, else all of them."""
-    module = _owner(model, name)
-    rows = getattr(module, "rows", None)
-    if index is not None:  # (it failed before: rows of the ep share read as the whole's)
-        return index + rows.start if rows is not None else index
-    total = getattr(model.get_parameter(name), "shape", (0,))[0] if rows is None else None
-    return torch.arange(rows.start, rows.stop) if rows is not None else torch.arange(total)
