@@ -47,12 +47,38 @@ def test_layouts_match_one_process(layout, devices):
     assert_parity(layout, devices, steps=6, global_batch_size=8, fns=FNS)
 
 
+def test_materialize_keeps_a_tie_that_to_empty_undoes():
+    from meshtrain.parallel.data.fully_shard import materialize
+
+    with torch.device("meta"):
+        model = TIED()
+    materialize(model, "cpu", TIED.init_weights)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, TIED().lm_head.weight)
+
+
+def _tied_after_prepare(layout):
+    trainer = Trainer(layout=layout, max_steps=1, global_batch_size=8, loggers=(),
+                      progress_bar=False, save_final_checkpoint=False, resume=None)
+    trainer.prepare(TIED, random_token_data(), optimizer=adamw_gpt)
+    model = trainer.engine.model
+    names = [n for n, _ in model.named_parameters()]
+    return (model.lm_head.weight is model.model.embed_tokens.weight, len(names),
+            sum(len(g["params"]) for g in trainer.optimizer.param_groups))
+
+
 @pytest.mark.timeout(240)
-def test_tied_embeddings_stay_tied_and_match_one_process():
+@pytest.mark.parametrize("layout", ["zero3=2", "tp=2"])
+def test_tied_embeddings_built_sharded_stay_tied_and_match_one_process(layout):
+    """Built on meta and materialised per rank: to_empty gives each tied attribute storage of
+    its own, materialize ties them again (one parameter, one gradient, one optimizer entry)."""
     model = TIED()
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert not TIED.supports_sharded_init  # built whole under zero3, with the same values
-    assert_parity("zero3=2", 2, steps=6, global_batch_size=8, fns=dict(FNS, model_fn=TIED))
+    assert TIED.supports_sharded_init
+    once = len(list(model.parameters()))
+    for tied, params, in_optimizer in run_workers(_tied_after_prepare, 2, (layout,), timeout=200):
+        assert tied and params == once and in_optimizer == once
+    assert_parity(layout, 2, steps=6, global_batch_size=8, fns=dict(FNS, model_fn=TIED))
 
 
 def test_a_module_its_init_leaves_untouched_is_refused():
@@ -70,12 +96,13 @@ MEDIUM = transformers.LlamaConfig(vocab_size=4096, hidden_size=1024, num_hidden_
                                   tie_word_embeddings=False)
 
 
-def _setup_peak(layout, plain=False):
+def _setup_peak(layout, plain=False, tied=False):
     from conftest import end_together
 
-    factory = HFCausalLM(transformers.LlamaForCausalLM, MEDIUM, seed=0)
+    config = transformers.LlamaConfig(**{**MEDIUM.to_dict(), "tie_word_embeddings": tied})
+    factory = HFCausalLM(transformers.LlamaForCausalLM, config, seed=0)
     if plain:  # what a user writes first: recognised, built as HFCausalLM
-        factory = lambda: transformers.LlamaForCausalLM(MEDIUM)  # noqa: E731
+        factory = lambda: transformers.LlamaForCausalLM(config)  # noqa: E731
     options = dict(layout=layout, max_steps=1, global_batch_size=2, loggers=(),
                    progress_bar=False, save_final_checkpoint=False, resume=None)
     data = random_token_data(num_samples=4, seq_len=8, vocab_size=4096)
@@ -90,14 +117,17 @@ def _setup_peak(layout, plain=False):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout, plain", [("zero3=2", False), ("tp=2", False), ("pp=2", False),
-                                           ("zero3=2", True), ("tp=2", True), ("pp=2", True)])
-def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch, layout, plain):
+@pytest.mark.parametrize("layout, plain, tied", [
+    ("zero3=2", False, False), ("tp=2", False, False), ("pp=2", False, False),
+    ("zero3=2", True, False), ("tp=2", True, False), ("pp=2", True, False),
+    ("zero3=2", True, True)])
+def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch, layout, plain, tied):
     """(tp=2 and pp=2: built on the meta device too, each rank materialising its tp shards or
-    its stage's modules; plain: a `lambda: LlamaForCausalLM(config)` factory.)"""
+    its stage's modules; plain: a `lambda: LlamaForCausalLM(config)` factory; tied: with
+    tie_word_embeddings.)"""
     monkeypatch.chdir(tmp_path)
-    (peak0, whole), (peak1, _) = run_workers(_setup_peak, 2, (layout, plain), timeout=200)
-    assert whole > 800e6
+    (peak0, whole), (peak1, _) = run_workers(_setup_peak, 2, (layout, plain, tied), timeout=200)
+    assert whole > (780e6 if tied else 800e6)
     assert max(peak0, peak1) <= 0.6 * whole, (peak0, peak1, whole)
 
 

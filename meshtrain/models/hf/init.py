@@ -36,12 +36,9 @@ class HFCausalLM:
 
     @property
     def supports_sharded_init(self) -> bool:
-        """Built on meta under a sharded layout? Not with tied embeddings (materialising a
-        sharded model unties them, and re-tying after FSDP would bypass its bookkeeping), nor
-        when a module's ``_init_weights`` writes its children's tensors (GPT-2). Such a model
-        is built whole on every rank, with the same values."""
-        if getattr(self.config, "tie_word_embeddings", False):
-            return False
+        """Built on meta under a sharded layout? Not when a module's ``_init_weights`` writes
+        its children's tensors (GPT-2): such a model is built whole on every rank, with the
+        same values. (Tied embeddings stay tied: ``materialize`` re-ties them.)"""
         if not hasattr(self, "_reaching"):
             with torch.device("meta"):
                 self._reaching = seeded_init(self(), self.seed, dry_run=True)

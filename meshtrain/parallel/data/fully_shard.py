@@ -261,8 +261,10 @@ def materialize(model: nn.Module, device: torch.device | str, init=None) -> None
     """Allocate a meta-built model's storage on ``device`` (after :func:`apply_fsdp`: only this
     rank's shards) and fill it with ``init(model)``, or else ``model.init_weights()``; buffers are
     that function's job too."""
+    ties = _tie_groups(model)
     if init is not None:
         model.to_empty(device=torch.device(device))
+        _retie(model, ties)
         init(model)
         return
     if not callable(getattr(model, "init_weights", None)):
@@ -272,7 +274,28 @@ def materialize(model: nn.Module, device: torch.device | str, init=None) -> None
             f"init_weights(self) method, or build the model on a real device instead"
         )
     model.to_empty(device=torch.device(device))
+    _retie(model, ties)
     model.init_weights()
+
+
+def _tie_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) pairs that hold one parameter (tied embeddings), each group in the
+    order FSDP meets them (its first is the one FSDP tracks, the others are its "shared")."""
+    holders: dict[int, list] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, name))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, ties: list) -> None:
+    """Give the tied attributes back their one parameter after ``to_empty``, which gives plain
+    tensors storage of their own each (a pipeline stage's; a DTensor keeps its object): the
+    first holder's, so the optimizer, the gradient and the checkpoint see one tensor."""
+    for (first, name), *others in ties:
+        for module, other in others:
+            module._parameters[other] = first._parameters[name]
 
 
 def builds_on_meta(layout, meta_init, model, meta_model, measures_blocks: bool = False) -> bool:
@@ -328,7 +351,7 @@ def whole_build_reason(layout, meta_init, model, meta_model,
         return _meta_failure(model)
     return (f"{type(meta_model).__name__} has no sharded initialisation (supports_sharded_init "
             "= True and init_weights(); a Hugging Face model: its factory HFCausalLM(cls, "
-            "config), unless it ties its embeddings or its _init_weights writes its children's "
+            "config), unless its _init_weights writes its children's "
             "tensors)")
 
 
