@@ -170,26 +170,18 @@ def check_model_layout(t, model, loss_fn, sample_inputs=None, original=None) -> 
 def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss_fn,
                 sample_inputs) -> None:
     """Build (or take) the model, apply the layout, then create the optimizer."""
-    from meshtrain.parallel.data.fully_shard import (builds_on_meta, initializer_of,
-                                                     whole_build_reason)
-
-    from meshtrain.models.hf.init import from_factory
-
     torch.manual_seed(t.seed)  # identical initial parameters on every rank
-    hf = from_factory(model, meta_model, t.seed) if meta_model is not None else None
-    if hf is not None:  # the same values in every layout, sharded from the start where split
-        model = hf
-        t.print(f"model: {hf.model_class.__name__} from a factory, initialised module by module "
-                f"from seed {hf.seed} (meshtrain's seeded values, equal under every layout; "
-                "not those of transformers' own initialisation)")
-    factory = model
     measures = t.pipeline_options.balance != "params" and not t.pipeline_options.split_points
-    on_meta = builds_on_meta(t.layout, t.meta_init, model, meta_model, measures)
-    if on_meta and initializer_of(model) is not None:  # the factory fills the shards
+    choice = choose_build(t.layout, t.meta_init, model, meta_model, t.seed, measures)
+    if choice.factory is not model:  # the same values in every layout, sharded where split
+        t.print(f"model: {choice.factory.model_class.__name__} from a factory, initialised "
+                f"module by module from seed {choice.factory.seed} (meshtrain's seeded values, "
+                "equal under every layout; not those of transformers' own initialisation)")
+    factory, on_meta, why = choice.factory, choice.on_meta, choice.why_whole
+    if on_meta and choice.initializer is not None:  # the factory fills the shards
         t.parallel_options = dataclasses.replace(t.parallel_options,
-                                                 initializer=initializer_of(model))
-    why = whole_build_reason(t.layout, t.meta_init, model, meta_model, measures)
-    model = meta_model if on_meta else build(model)
+                                                 initializer=choice.initializer)
+    model = meta_model if on_meta else build(factory)
     if why is not None:
         count = sum(p.numel() for p in model.parameters())
         size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -235,6 +227,35 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
                                                         t._settings)
     t.lr_scheduler = scheduler_factory(t.optimizer) if scheduler_factory else None
     torch.manual_seed(t.seed + 1 + t.rank)  # dropout: different per rank, reproducible
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildChoice:
+    """How a layout builds the model (the Trainer's and the planner's simulated world's
+    choice): ``factory`` (the user's, or ``HFCausalLM`` for a factory returning a Hugging Face
+    model), ``on_meta`` (each rank materialises only its part, filled by ``initializer`` or
+    the model's ``init_weights``), else ``why_whole`` (None: the layout splits nothing)."""
+
+    factory: object
+    on_meta: bool
+    why_whole: str | None
+    initializer: object = None
+
+
+def choose_build(layout, meta_init, model, meta_model, seed: int,
+                 measures_blocks: bool = False) -> BuildChoice:
+    """:class:`BuildChoice` for ``model`` (a module or a factory; ``meta_model``: its copy on
+    the meta device, None when it could not be built there)."""
+    from meshtrain.models.hf.init import from_factory
+    from meshtrain.parallel.data.meta_init import (builds_on_meta, initializer_of,
+                                                   whole_build_reason)
+
+    hf = from_factory(model, meta_model, seed) if meta_model is not None else None
+    factory = hf if hf is not None else model
+    on_meta = builds_on_meta(layout, meta_init, factory, meta_model, measures_blocks)
+    return BuildChoice(factory, on_meta,
+                       whole_build_reason(layout, meta_init, factory, meta_model, measures_blocks),
+                       initializer_of(factory) if on_meta else None)
 
 
 def start_monitor(t, flops: float) -> None:

@@ -204,7 +204,7 @@ class GPT(nn.Module):
         (no storage yet) there is nothing to fill and this returns at once.
         """
         from meshtrain.models.hf.init import module_seed  # (wrapper parts of names ignored)
-        from meshtrain.parallel.data.fully_shard import copy_full_into
+        from meshtrain.parallel.data.meta_init import copy_full_into
 
         seed = getattr(self, "_init_seed", 0) if seed is None else seed
         self._init_seed = seed

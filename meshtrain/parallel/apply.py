@@ -279,7 +279,7 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
         log(f"parameter servers: {mesh.layout.num_servers} server(s), "
             f"{mesh.layout.world_size} worker(s); the optimizer runs on the servers")
     if on_meta:  # (under pp each stage: it holds its modules under their full-model names)
-        from meshtrain.parallel.data.fully_shard import materialize
+        from meshtrain.parallel.data.meta_init import materialize
 
         runner = getattr(engine, "runner", None)
         for module in (runner.modules if runner is not None else [engine.model]):

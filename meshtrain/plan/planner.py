@@ -312,7 +312,21 @@ def build_pick(spec: ModelSpec, estimator: Estimator, pick: Estimate) -> list[st
         lines.append(f"  rank {rank}: {built.local_params / 1e6:,.1f}M parameters, model state "
                      f"{gib(built.total)} GiB (estimated {gib(estimated)} GiB: {verdict}), "
                      f"built in {built.seconds:.1f} s")
+        lines.append("    " + setup_line(built))
     return lines
+
+
+def setup_line(built) -> str:
+    """The set-up a rank of the pick goes through in the Trainer (the same choice)."""
+    setup = built.setup
+    if built.whole_build is not None:
+        return (f"set-up: each rank builds the whole model first, {gib(setup.held)} GiB "
+                f"({built.whole_build})")
+    return (f"set-up: built on the meta device, the rank holds its shards, {gib(setup.held)} "
+            f"GiB, and draws at most {gib(setup.staging)} GiB at once on the host "
+            f"({setup.staging_module or 'the model'} whole; a CPU rank: "
+            f"{gib(setup.peak)} GiB in all), against {gib(built.num_params * 4)} GiB for the "
+            "whole model in fp32")
 
 
 if __name__ == "__main__":

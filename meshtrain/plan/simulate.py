@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.errors import ConfigError
+from meshtrain.loop.setup import choose_build
 from meshtrain.observe.memory.zero_formulas import ModelStateBytes, local_tensor
 from meshtrain.parallel.apply import ParallelOptions, parallelize
+from meshtrain.parallel.data.meta_init import SetupBytes, setup_bytes
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.mesh import ParallelMesh
 
@@ -40,6 +42,9 @@ class RankState(ModelStateBytes):
     num_params: int  # the whole model's parameter elements
     local_params: int  # elements stored on this rank
     seconds: float
+    # set-up, as the Trainer builds this rank (meshtrain.parallel.data.meta_init.SetupBytes)
+    setup: SetupBytes | None = None
+    whole_build: str | None = None  # why each rank builds the whole model first (None: not)
 
 
 @contextlib.contextmanager
@@ -65,7 +70,9 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
              optimizer_bytes_per_param: int = 8, optimizer_bytes_per_tensor: int = 4,
              ) -> RankState:
     """Build ``layout`` on ``world_size`` ranks (default: the layout's) as rank ``rank`` sees it
-    and return its model-state bytes. ``model``: a factory, called under the meta device.
+    and return its model-state bytes, and what building it costs the rank before its first step
+(``setup``: the Trainer's choice, on meta or whole, :func:`meshtrain.loop.setup.choose_build`).
+``model``: a factory, called under the meta device.
     Gradients are counted as the trainable local parameters (FSDP shards them like the
     parameters); the optimizer as ``optimizer_bytes_per_param`` per trainable local element
     (AdamW in fp32: 8) plus ``optimizer_bytes_per_tensor`` per trainable parameter tensor
@@ -83,7 +90,11 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
         with torch.device("meta"):
             whole = model()
         num_params = sum(p.numel() for p in whole.parameters())
+        whole_bytes = sum(t.numel() * t.element_size()
+                          for t in (*whole.parameters(), *whole.buffers()))
+        choice = choose_build(layout, "auto", model, whole, seed=0)
         modules = this_ranks_modules(whole, mesh, options, pipeline)
+        setup = setup_bytes(modules, choice.on_meta, whole_bytes)
         params = [p for m in modules for p in m.parameters()]
     local = [(local_tensor(p).numel(), p.element_size(), p.requires_grad) for p in params]
     trainable = sum(n for n, _, grad in local if grad)
@@ -95,7 +106,8 @@ def simulate(model: Callable[[], torch.nn.Module], layout: str | Layout, *,
                      num_params=num_params, local_params=sum(n for n, _, _ in local),
                      params=sum(n * size for n, size, _ in local),
                      grads=sum(n * size for n, size, grad in local if grad),
-                     optimizer=optimizer, seconds=time.perf_counter() - start)
+                     optimizer=optimizer, seconds=time.perf_counter() - start, setup=setup,
+                     whole_build=choice.why_whole)
 
 
 def default_options(layout: Layout, options, pipeline, *, sequence_parallel: bool = False):

@@ -48,7 +48,7 @@ def test_layouts_match_one_process(layout, devices):
 
 
 def test_materialize_keeps_a_tie_that_to_empty_undoes():
-    from meshtrain.parallel.data.fully_shard import materialize
+    from meshtrain.parallel.data.meta_init import materialize
 
     with torch.device("meta"):
         model = TIED()
@@ -129,6 +129,16 @@ def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch, layo
     (peak0, whole), (peak1, _) = run_workers(_setup_peak, 2, (layout, plain, tied), timeout=200)
     assert whole > (780e6 if tied else 800e6)
     assert max(peak0, peak1) <= 0.6 * whole, (peak0, peak1, whole)
+    # what `meshtrain plan --build` reports for the layout (the same choice, built in a
+    # simulated world): shards plus the largest module drawn whole, within 15% of the measure
+    from meshtrain.plan.simulate import simulate
+
+    config = transformers.LlamaConfig(**{**MEDIUM.to_dict(), "tie_word_embeddings": tied})
+    for rank, peak in enumerate((peak0, peak1)):
+        predicted = simulate(lambda: transformers.LlamaForCausalLM(config), layout, rank=rank)
+        assert predicted.whole_build is None
+        assert 0.9 * predicted.setup.peak <= peak <= 1.15 * predicted.setup.peak, (
+            rank, peak, predicted.setup)
 
 
 def test_an_init_that_writes_its_submodules_is_kept_but_not_sharded():

@@ -12,10 +12,9 @@ from conftest import assert_matches_one_process, gloo_mesh, max_diff
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.data.fully_shard import (
-    apply_fsdp, build_on_meta, check_offload, find_blocks, materialize, mixed_precision_policy,
-    supports_meta_init,
-)
+from meshtrain.parallel.data.fully_shard import (apply_fsdp, check_offload, find_blocks,
+                                                 mixed_precision_policy)
+from meshtrain.parallel.data.meta_init import build_on_meta, materialize, supports_meta_init
 
 CONFIG = dict(vocab_size=16, seq_len=8, num_layers=2, d_model=16, num_heads=2)
 STEPS, BATCH = 10, 8
@@ -224,7 +223,7 @@ def test_which_layouts_build_on_meta_and_why_others_build_whole():
     """A factory of a model with sharded init is built on meta under zero3 and tp, under pp
     when it initialises each module from its name; the reason each rank builds the whole model
     otherwise, as the start prints it."""
-    from meshtrain.parallel.data.fully_shard import builds_on_meta, whole_build_reason
+    from meshtrain.parallel.data.meta_init import builds_on_meta, whole_build_reason
     from meshtrain.parallel.layout import Layout
 
     config = GPTConfig(vocab_size=32, seq_len=8, num_layers=2, num_heads=2, d_model=16)
@@ -290,7 +289,7 @@ def test_a_from_pretrained_factory_is_told_the_init_from_route(tmp_path):
     import transformers
 
     from meshtrain.models.hf import tiny_llama
-    from meshtrain.parallel.data.fully_shard import whole_build_reason
+    from meshtrain.parallel.data.meta_init import whole_build_reason
     from meshtrain.parallel.layout import Layout
 
     tiny_llama().save_pretrained(tmp_path)

@@ -13,7 +13,7 @@ from conftest import assert_matches_one_process, gloo_mesh, max_diff
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import run_workers
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.parallel.data.fully_shard import materialize
+from meshtrain.parallel.data.meta_init import materialize
 from meshtrain.parallel.tensor.tensor_parallel import (
     ReplicateParallel, apply_tp, check_tp, complete_partial_grads, full_value, model_tp_plan,
     loss_parallel_context, mlp_plan,

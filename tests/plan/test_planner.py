@@ -279,3 +279,23 @@ def test_a_deepseek_v3_shaped_model_is_planned_on_256_devices_and_its_pick_built
     built = re.search(r"built (\S+) at world size 256", out)
     assert built and "ep=" in built.group(1), out
     assert out.count("estimated") == out.count("equal)") >= 1, out
+
+
+def test_a_70b_pipeline_pick_sets_up_at_its_shard_size(capsys):
+    """Llama 3 70B on 32 x 8 H100 with pp: the pick built in a simulated world reports each
+    pipeline end's set-up as the Trainer would run it (the same choice: built on the meta
+    device, meshtrain.loop.setup.choose_build), holding its shards (its parameters' bytes),
+    not the 263 GiB model; what is drawn at once is one module (the embedding or the head)."""
+    import re
+
+    assert cli(["plan", "examples/llama3/70b.json", "--nodes", "32", "--global-batch", "256",
+                "--seq-len", "4096", "--top", "1", "--pin", "pp=2", "--build"]) == 0
+    out = capsys.readouterr().out
+    setups = re.findall(r"rank (\d+): ([\d.,]+)M parameters.*\n\s+set-up: built on the meta "
+                        r"device, the rank holds its shards, ([\d.]+) GiB, and draws at most "
+                        r"([\d.]+) GiB at once on the host \((\S+) whole.*against (\d+) GiB", out)
+    assert [s[0] for s in setups] == ["0", "128"], out
+    for _, params, held, staged, module, whole in setups:
+        assert float(held) == pytest.approx(float(params.replace(",", "")) * 4e6 / 2**30, abs=0.06)
+        assert float(held) + float(staged) < float(whole) / 40
+    assert {s[4] for s in setups} == {"model.embed_tokens", "lm_head"}

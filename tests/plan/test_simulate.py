@@ -54,7 +54,7 @@ def _real_world_bytes(layout):
     """A real world: the same model built on meta, the layout applied, one AdamW step."""
     from meshtrain.observe.memory.probe import model_state_bytes
     from meshtrain.parallel.apply import ParallelOptions, parallelize
-    from meshtrain.parallel.data.fully_shard import materialize
+    from meshtrain.parallel.data.meta_init import materialize
     from meshtrain.parallel.layout import Layout
     from meshtrain.parallel.mesh import ParallelMesh
     from meshtrain.parallel.tensor.tensor_parallel import complete_partial_grads

@@ -82,7 +82,7 @@ def seeded_init(model: nn.Module, seed: int, *, dry_run: bool = False,
     ``_init_weights`` leaves untouched is refused by name. ``dry_run`` (a meta-device model):
     only find those modules, and add to ``untouched`` the tensors (any dtype) no in-place
     write of ``_init_weights`` reached (their version counters did not move)."""
-    from meshtrain.parallel.data.fully_shard import copy_full_into
+    from meshtrain.parallel.data.meta_init import copy_full_into
 
     initialise = getattr(model, "_init_weights", None)
     if not callable(initialise):
@@ -175,7 +175,7 @@ def from_factory(factory, model: nn.Module | None, seed: int):
     model after building it (a dtype, frozen or added parameters, replaced modules: what it
     did would be lost)."""
     from meshtrain.models.hf import is_hf_model
-    from meshtrain.parallel.data.fully_shard import initializer_of
+    from meshtrain.parallel.data.meta_init import initializer_of
 
     if (isinstance(factory, nn.Module) or model is None or not is_hf_model(model)
             or initializer_of(factory) is not None
