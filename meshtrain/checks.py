@@ -135,20 +135,27 @@ def first_inputs(dataset, count: int):
     (for measuring blocks on a sample); dict samples (``{"input_ids", "labels"}``) batched whole,
     as the loader would; None for other samples."""
     def inputs():
-        if isinstance(dataset, IterableDataset):
-            from meshtrain.data.stream import first_items
-
-            samples = first_items(dataset, count)
-        else:
-            samples = [dataset[i] for i in range(min(len(dataset), count))]
-        if samples and all(isinstance(s, dict) for s in samples):
-            from torch.utils.data import default_collate
-
-            return default_collate(samples)
-        if not all(isinstance(s, (tuple, list)) for s in samples):
-            return None
-        return torch.stack([s[0] for s in samples])
+        batch = first_batch(dataset, count)
+        return batch[0] if isinstance(batch, (tuple, list)) else batch
     return inputs
+
+
+def first_batch(dataset, count: int):
+    """The first ``count`` samples batched as the loader batches them ((inputs, targets) pairs
+    or dicts); None for other samples."""
+    from torch.utils.data import default_collate
+
+    if isinstance(dataset, IterableDataset):
+        from meshtrain.data.stream import first_items
+
+        samples = first_items(dataset, count)
+    else:
+        samples = [dataset[i] for i in range(min(len(dataset), count))]
+    if samples and all(isinstance(s, dict) for s in samples):
+        return default_collate(samples)
+    if not samples or not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in samples):
+        return None
+    return (torch.stack([s[0] for s in samples]), default_collate([s[1] for s in samples]))
 
 
 def is_data_factory(data) -> bool:

@@ -104,7 +104,9 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
         from meshtrain.plan.auto import plan_layout
 
         plan_layout(t, model, meta_model, sample_inputs, lambda t: check_model_layout(
-            t, meta_model, loss_fn, sample_inputs, model))
+            t, meta_model, loss_fn, sample_inputs, model), loss_fn=loss_fn,
+            example=(lambda: checks.first_batch(train_set, 1)) if train_set is not None
+            else None)
     else:
         check_model_layout(t, meta_model, loss_fn, sample_inputs, model)
     return train_set, meta_model

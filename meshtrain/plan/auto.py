@@ -6,7 +6,9 @@
 The layout string's pairs after ``auto`` pin axes (as ``meshtrain plan --pin``); the planned
 settings (micro_batch_size, activation_checkpointing, sequence_parallel, pp_schedule,
 stages_per_rank) are pinned by giving them a value other than their default. Everything else
-is the planner's to choose. The machines: ``plan_cluster`` (a preset), or this machine's
+is the planner's to choose. The model: meshtrain's GPT and Hugging Face causal LMs from their
+configs; any other as it is, probed with the job's sample and loss (plan/own_model.py). The
+machines: ``plan_cluster`` (a preset), or this machine's
 measured speed on CPU and the GPU's preset (H100, H200) by name. The pick is the fastest
 estimated row that the Trainer's own checks accept; under several processes rank 0's pick is
 the job's (each rank plans, and a measured machine can differ slightly between ranks).
@@ -41,9 +43,10 @@ def auto_pins(layout) -> dict | None:
         raise ConfigError(f"layout={layout!r}: {error}; write e.g. layout=\"auto,tp=2\"") from None
 
 
-def model_spec(model: torch.nn.Module | None) -> ModelSpec:
-    """What the planner probes: meshtrain's GPT or a Hugging Face causal LM (it builds the
-    model's blocks at other depths on meta, so it needs the model's config)."""
+def model_spec(model: torch.nn.Module | None, example=None, loss_fn=None) -> ModelSpec:
+    """What the planner probes: meshtrain's GPT or a Hugging Face causal LM from its config
+    (it builds their blocks at other depths on meta); any other model as it is, with the job's
+    sample ``example`` (a function giving one batch) and ``loss_fn`` (plan/own_model.py)."""
     from meshtrain.models.gpt import GPT
 
     if isinstance(model, GPT):
@@ -52,11 +55,16 @@ def model_spec(model: torch.nn.Module | None) -> ModelSpec:
     if model is not None and type(config).__name__ != "dict" and hasattr(
             config, "num_hidden_layers") and hasattr(model, "generate"):
         return ModelSpec.from_config(config)
-    what = type(model).__name__ if model is not None else "a factory that cannot build on meta"
-    raise ConfigError(f'layout="auto" plans meshtrain\'s GPT and Hugging Face causal LMs (it '
-                      f"rebuilds their blocks at other depths); the model here is {what}. Give a "
-                      'layout (e.g. layout="zero3=4"); `meshtrain plan` ranks the options for '
-                      "a config")
+    if not isinstance(model, torch.nn.Module):  # (a factory that cannot build on meta)
+        raise ConfigError('layout="auto" probes the model on the meta device, and the model '
+                          "factory cannot build there (it failed under torch.device(\"meta\")); "
+                          'give a layout (e.g. layout="zero3=4")')
+    from meshtrain.plan.own_model import OwnModelSpec
+    from meshtrain.parallel.whole_state import skeleton
+
+    meta = model if all(t.is_meta for t in (*model.parameters(), *model.buffers())) \
+        else skeleton(model)
+    return OwnModelSpec.from_model(meta, example() if example is not None else None, loss_fn)
 
 
 def seq_len_of(sample_inputs, spec: ModelSpec) -> int:
@@ -103,7 +111,7 @@ class Pick:
 
 
 def choose(settings: dict, model, sample_inputs, *, world_size: int, local_world_size: int,
-           device_type: str, pins: dict, accepts) -> Pick:
+           device_type: str, pins: dict, accepts, example=None, loss_fn=None) -> Pick:
     """The fastest estimated layout whose settings ``accepts(settings)`` takes (the Trainer's
     checks; raises ConfigError when it does not) under the user's pins."""
     from meshtrain.plan.planner import plan, table
@@ -114,9 +122,10 @@ def choose(settings: dict, model, sample_inputs, *, world_size: int, local_world
         raise ConfigError('layout="auto" plans before the process group exists (it builds the '
                           "model in a simulated world); create the Trainer before "
                           "init_process_group, or give a layout")
-    spec = model_spec(model)
+    spec = model_spec(model, example, loss_fn)
     cluster = cluster_for(settings, world_size, local_world_size, device_type)
-    job = Job(settings["global_batch_size"], seq_len_of(sample_inputs, spec))
+    job = Job(settings["global_batch_size"],
+              1 if spec.own else seq_len_of(sample_inputs, spec))
     pinned = {k: settings[k] for k, default in PLANNED.items() if settings[k] != default}
     result = plan(spec, cluster, job, pins=pins, fixed=pinned)
     refused = []
@@ -144,7 +153,8 @@ def choose(settings: dict, model, sample_inputs, *, world_size: int, local_world
                       + f"; drop or change {names}")
 
 
-def plan_layout(trainer, model, meta_model, sample_inputs, check_model) -> None:
+def plan_layout(trainer, model, meta_model, sample_inputs, check_model, *, loss_fn=None,
+                example=None) -> None:
     """Pick the layout for ``trainer`` (made with layout="auto") and take it: the fastest row
     that the Trainer's settings checks and ``check_model(trainer)`` (the model against the
     layout) accept. Prints the planner's top rows and the pick."""
@@ -165,7 +175,7 @@ def plan_layout(trainer, model, meta_model, sample_inputs, check_model) -> None:
     pick = choose(t._settings, meta_model if meta_model is not None else model, sample_inputs,
                   world_size=t.world_size, device_type=t.device_type, pins=t._auto_pins,
                   local_world_size=env.local_world_size if env else t.world_size,
-                  accepts=accepts)
+                  accepts=accepts, example=example, loss_fn=loss_fn)
     t.print(pick.summary)
 
 

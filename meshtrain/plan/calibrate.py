@@ -45,12 +45,19 @@ def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
             seconds: float = 0.1) -> tuple[float, float, int] | None:
     """(seconds per micro-batch, seconds per sample, FLOPs per sample) from runs at
     micro-batches of 1 and 16."""
+    depth = None if spec.own else 1  # an own model runs whole, an LM with one block
     with torch.device("meta"):
-        if sum(p.numel() for p in spec.build(1).parameters()) > MAX_PARAMS:
+        if sum(p.numel() for p in spec.build(depth).parameters()) > MAX_PARAMS:
             return None
-    probe = probe_model(spec, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
-                        seq_len=seq_len)
-    flops = probe.first.flops + probe.block.flops + probe.last.flops
+    if spec.own:
+        from meshtrain.plan.probe import probe_own
+
+        probe = probe_own(spec)
+    else:
+        probe = probe_model(spec, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
+                            seq_len=seq_len)
+    flops = probe.first.flops + probe.block.flops * (spec.num_layers if spec.own else 1) \
+        + probe.last.flops
     world = tp * cp
     layout = Layout.parse(",".join(f"{a}={d}" for a, d in (("cp", cp), ("tp", tp)) if d > 1)
                           or "dp=1", world)
@@ -60,7 +67,7 @@ def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
     try:
         with fake_world(world, 0), torch.random.fork_rng(devices=[]):  # the caller's RNG kept
             torch.manual_seed(0)  # nothing moves in this world: values are whatever memory held
-            model = spec.build(1)
+            model = spec.build(depth)
             if layout.degrees:
                 from meshtrain.parallel.mesh import ParallelMesh
 
@@ -81,8 +88,8 @@ def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
 def _run(spec, model, batch: int, length: int, seconds: float) -> float:
     """Seconds of one forward and backward at ``batch`` sequences: the fastest of the runs in
     ``seconds`` (at least 3), as timeit does, so that another process's burst does not count."""
-    tokens = torch.zeros(batch, length, dtype=torch.long)
-    return _fastest_by_turns([lambda: spec.loss(model, tokens).backward()], seconds)[0]
+    inputs = spec.batch(batch, length)
+    return _fastest_by_turns([lambda: spec.loss(model, inputs).backward()], seconds)[0]
 
 
 @functools.lru_cache(maxsize=64)
@@ -100,7 +107,7 @@ def sharding_host_seconds(spec, shards: int, zero_stage: int, seq_len: int,
     from meshtrain.parallel.mesh import ParallelMesh
 
     layout = Layout.parse(f"zero{zero_stage}={shards}", shards)
-    tokens = torch.zeros(1, seq_len, dtype=torch.long)
+    tokens = spec.batch(1, seq_len)
     threads = torch.get_num_threads()
     torch.set_flush_denormal(True)
     torch.set_num_threads(1)

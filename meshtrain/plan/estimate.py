@@ -147,6 +147,10 @@ class Estimator:
                                stages_per_rank=stages_per_rank)
 
     def probe(self, layout: Layout, candidate: Candidate) -> Probe:
+        if self.spec.own:  # (data parallel and pp only: the model probed whole, as it is)
+            from meshtrain.plan.probe import probe_own
+
+            return probe_own(self.spec, self.dtype)
         return probe_model(self.spec, tp=layout.degree("tp"), cp=layout.degree("cp"),
                            sequence_parallel=candidate.sequence_parallel,
                            seq_len=self.job.seq_len, dtype=self.dtype)

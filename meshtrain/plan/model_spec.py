@@ -31,9 +31,19 @@ class ModelSpec:
     vocab_size: int
     max_seq_len: int
 
+    own = False  # a user's own model (plan/own_model.py), probed whole with its own batch
+
     @property
     def is_hf(self) -> bool:
         return not type(self.config).__name__ == "GPTConfig"
+
+    def refuses(self, axis: str) -> str | None:
+        """Why ``axis`` is not planned for this model (an own model's; an LM's: none)."""
+        return None
+
+    def batch(self, size: int, seq_len: int, device="cpu") -> torch.Tensor:
+        """What :meth:`loss` takes for ``size`` sequences (token ids; values do not matter)."""
+        return torch.zeros(size, seq_len, dtype=torch.long, device=device)
 
     @property
     def num_experts(self) -> int:

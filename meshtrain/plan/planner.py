@@ -78,6 +78,9 @@ def candidates(spec: ModelSpec, cluster: Cluster, job: Job, pins: dict | None = 
         if tp > 1 and tp > dpn:
             yield f"tp={tp}", f"tp={tp} would cross nodes ({dpn} devices per node)"
             continue
+        if tp > 1 and spec.refuses("tp"):
+            yield f"tp={tp}", spec.refuses("tp")
+            continue
         if tp > 1 and spec.num_experts:
             yield f"tp={tp}", (f"tp={tp}: meshtrain does not split experts by tensor "
                                f"parallel ({spec.num_experts} experts a layer)")
@@ -91,12 +94,18 @@ def candidates(spec: ModelSpec, cluster: Cluster, job: Job, pins: dict | None = 
                 yield f"cp={cp},tp={tp}", (f"cp x tp = {cp * tp} would cross nodes ({dpn} "
                                            "devices per node)")
                 continue
+            if cp > 1 and spec.refuses("cp"):
+                yield f"cp={cp}", spec.refuses("cp")
+                continue
             if cp > 1 and job.seq_len % (2 * cp):
                 yield f"cp={cp}", f"seq_len {job.seq_len} does not split into 2 x cp={cp} chunks"
                 continue
             for pp in divisors(world // (tp * cp)):
                 if pp > 1 and cp > 1:
                     continue  # the layout grammar refuses cp with pp
+                if pp > 1 and spec.refuses("pp"):
+                    yield f"pp={pp}", spec.refuses("pp")
+                    continue
                 if pp > 1 and spec.balances_routers:
                     yield f"pp={pp}", (f"pp={pp}: meshtrain balances the routers over each "
                                        "micro-step's global batch, which a pipeline splits")

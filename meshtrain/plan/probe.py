@@ -229,3 +229,70 @@ def probe_model(spec, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = Fal
                                                            block.saved_selective + block.inputs))
     return Probe(block=block, first=first, last=last,
                  dtype_bytes=torch.empty((), dtype=dtype).element_size())
+
+
+@functools.lru_cache(maxsize=16)
+def probe_own(spec, dtype: torch.dtype = torch.float32) -> Probe:
+    """Per-sample costs of a user's own model (plan/own_model.py): one forward and backward of
+    the whole model on meta with the job's sample and loss, split at its blocks' boundaries
+    by hooks (a block: the average of its blocks; the backward's FLOPs shared out as the
+    forward's)."""
+    with torch.device("meta"):
+        model = spec.build().to(dtype)
+    params = {_storage(p) for p in model.parameters()}
+    blocks = spec.blocks(model)
+    saved: dict[int, int] = {}
+    recorder = _Recorder(None)
+    marks: list[tuple[int, int, frozenset]] = []  # at the first block's start, the last's end
+    inputs: list[int] = []
+
+    def pack(t):
+        key = _storage(t)
+        if key not in params:
+            saved[key] = _nbytes(t)
+        return t
+
+    def mark():
+        return sum(saved.values()), recorder.flops, frozenset(saved)
+
+    def before(module, args, kwargs):
+        if not marks:
+            marks.append(mark())
+        inputs.append(sum(_nbytes(a) for a in tree_flatten((args, kwargs))[0]
+                          if isinstance(a, torch.Tensor) and a.is_floating_point()))
+
+    def after(module, args, kwargs, output):
+        marks[1:] = [mark()]
+
+    handles = [h for b in blocks for h in (
+        b.register_forward_pre_hook(before, with_kwargs=True),
+        b.register_forward_hook(after, with_kwargs=True))]
+    batch = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                     and t.is_floating_point() else t, spec.batch(1, device="meta"))
+    try:
+        with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = spec.loss(model, batch)
+            forward_flops, recorder.in_forward = recorder.flops, False
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    (first_saved, first_flops, first_keys), (end_saved, end_flops, end_keys) = marks
+    n = len(blocks)
+    backward = (recorder.flops - forward_flops) / max(1, forward_flops)  # per forward FLOP
+    inside = end_keys - first_keys
+    block = Cost(saved=(end_saved - first_saved) // n,
+                 saved_selective=min((end_saved - first_saved) // n, sum(
+                     saved[k] for k in inside if k in recorder.saved_by_policy) // n
+                     + max(inputs) if inputs else 0),
+                 inputs=max(inputs) if inputs else 0,
+                 forward_flops=(end_flops - first_flops) // n,
+                 flops=round((end_flops - first_flops) / n * (1 + backward)))
+    first = Cost(saved=first_saved, forward_flops=first_flops,
+                 flops=round(first_flops * (1 + backward)))
+    rest = forward_flops - end_flops
+    last = Cost(saved=sum(saved.values()) - end_saved, forward_flops=rest,
+                flops=round(rest * (1 + backward)))
+    return Probe(block=block, first=first, last=last,
+                 dtype_bytes=torch.empty((), dtype=dtype).element_size())
+

@@ -87,12 +87,119 @@ def test_what_cannot_be_planned_is_refused_before_any_process(tmp_path, settings
     assert not torch.distributed.is_initialized()
 
 
+def failing_on_meta():
+    model = mlp()
+    model[0].weight.numpy()  # (a meta tensor has no data)
+    return model
+
+
 def test_a_model_the_planner_cannot_probe_is_refused(tmp_path):
     trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, global_batch_size=16,
                                        layout="auto", devices=2))
-    with pytest.raises(ConfigError, match='Give a layout'):
-        trainer.check(mlp, regression_data(), optimizer=adamw_gpt,
+    with pytest.raises(ConfigError, match='cannot build there.*give a layout'):
+        trainer.check(failing_on_meta, regression_data(), optimizer=adamw_gpt,
                       loss_fn=torch.nn.functional.mse_loss)
+    with pytest.raises(ConfigError, match='could not probe Sequential.*Give a layout'):
+        trainer.check(mlp, regression_data(), optimizer=adamw_gpt,
+                      loss_fn=lambda output, target: output.sum().item())  # not on meta
+
+
+class CNN(torch.nn.Module):
+    """A user's own image classifier: nothing meshtrain knows, no config."""
+
+    def __init__(self):
+        super().__init__()
+        conv = dict(kernel_size=3, padding=1)
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, **conv), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, **conv),
+            torch.nn.ReLU(), torch.nn.Conv2d(8, 8, **conv), torch.nn.ReLU())
+        self.head = torch.nn.Linear(8 * 6 * 6, 5)
+
+    def forward(self, images):
+        return self.head(self.features(images).flatten(1))
+
+
+def image_data(seed: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(64, 3, 6, 6, generator=gen),
+                                          torch.randint(0, 5, (64,), generator=gen))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, -1).unbind(2)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.out(y.transpose(1, 2).reshape(b, n, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyTransformer(torch.nn.Module):
+    """A user's own causal transformer written with F.scaled_dot_product_attention."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, depth: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList(Block(width) for _ in range(depth))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+CNN_FNS = dict(model_fn=CNN, data_fn=image_data, loss_fn=torch.nn.functional.cross_entropy,
+               optimizer_fn=adamw_gpt)
+TRANSFORMER_FNS = dict(model_fn=TinyTransformer, data_fn=token_data, loss_fn=lm_loss,
+                       optimizer_fn=adamw_gpt)
+
+
+@pytest.mark.parametrize("fns, blocks", [(CNN_FNS, 3), (TRANSFORMER_FNS, 4)])
+def test_auto_plans_a_users_own_model(tmp_path, fns, blocks, capsys):
+    """A model of the user's own (no config meshtrain knows) is probed as it is, on meta with
+    the job's sample and loss: its blocks priced (the CNN's repeated convolutions, the
+    transformer's layers), data parallel and pp planned, tp and cp refused with the reason."""
+    from meshtrain.plan.own_model import OwnModelSpec
+    from meshtrain.plan.auto import model_spec
+    from meshtrain import checks
+
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, global_batch_size=16,
+                                       layout="auto", devices=4))
+    trainer.check(fns["model_fn"], fns["data_fn"](), optimizer=adamw_gpt, loss_fn=fns["loss_fn"])
+    out = capsys.readouterr().out
+    picked = re.search(r'layout="auto" picked (\S+)', out).group(1)
+    assert str(trainer.layout).split(",")[0].split("=")[0] in picked, (picked, trainer.layout)
+    assert "for tp give a layout" in out and "for cp give a layout" in out
+    with torch.device("meta"):
+        meta = fns["model_fn"]()
+    spec = model_spec(meta, lambda: checks.first_batch(fns["data_fn"](), 1), fns["loss_fn"])
+    assert isinstance(spec, OwnModelSpec) and spec.num_layers == blocks
+    assert spec.pipelines == (fns is TRANSFORMER_FNS)  # (the CNN's blocks are not model.layers)
+    from meshtrain.plan.probe import probe_own
+
+    probe = probe_own(spec)
+    assert probe.block.saved > 0 and probe.block.flops > 2 * probe.block.forward_flops > 0
+    assert probe.last.saved > 0 and probe.block.inputs > 0
+
+
+@pytest.mark.parametrize("fns, devices", [(CNN_FNS, 2), (TRANSFORMER_FNS, 4)],
+                         ids=["cnn", "transformer"])
+def test_auto_trains_a_users_own_model_like_one_process(fns, devices):
+    """(The transformer on 4 processes: here, 2026-11-28, the pick was pp=2,dp=2 mb=4, a
+    pipeline cutting the user's own blocks; a faster machine may pick dp=4.)"""
+    assert_parity("auto", devices, steps=4, fns=fns)
 
 
 def test_auto_trains_like_one_process():
