@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from meshtrain.errors import ConfigError
-from meshtrain.plan.estimate import Candidate, Job
+from meshtrain.plan.candidate import Candidate, Job
 from meshtrain.plan.model_spec import ModelSpec
 
 #: The Trainer settings a pick sets, and their defaults (a value other than these pins it).

@@ -23,7 +23,8 @@ import time
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.layout import Layout
 from meshtrain.plan.cluster import Cluster, gib
-from meshtrain.plan.estimate import Candidate, Estimate, Estimator, Job
+from meshtrain.plan.candidate import Candidate, Estimate, Job
+from meshtrain.plan.estimate import Estimator
 from meshtrain.plan.model_spec import ModelSpec
 
 
