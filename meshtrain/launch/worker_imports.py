@@ -29,6 +29,8 @@ import meshtrain.observe.progress
 import meshtrain.optim
 import meshtrain.parallel.context.context_parallel
 import meshtrain.parallel.data.data_parallel
+import meshtrain.parallel.data.fully_shard
+import meshtrain.parallel.data.meta_init
 import meshtrain.parallel.expert
 import meshtrain.parallel.data.local_sgd
 import meshtrain.parallel.pipeline.partition
@@ -37,3 +39,4 @@ import meshtrain.parallel.shm.p2p
 import meshtrain.parallel.data.sync_batchnorm
 import meshtrain.parallel.tensor.tp_debug
 import meshtrain.parallel.tensor.tp_shapes
+import meshtrain.settings
