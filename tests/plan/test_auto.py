@@ -214,3 +214,13 @@ def test_auto_outside_the_trainer_names_the_way_to_the_pick():
     for spec in ("auto", "auto,tp=2"):
         with pytest.raises(LayoutError, match="the Trainer's to plan.*--trainer.layout=auto --dry-run"):
             Layout.parse(spec, 4)
+
+
+def test_auto_plans_a_users_own_model_given_as_an_object(tmp_path):
+    """The path a user takes first: the model built, not a factory (probed on a meta copy)."""
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, global_batch_size=16,
+                                       layout="auto", devices=2))
+    model = CNN()
+    trainer.check(model, image_data(), optimizer=adamw_gpt,
+                  loss_fn=torch.nn.functional.cross_entropy)
+    assert trainer.layout.world_size == 2 and not next(model.parameters()).is_meta
