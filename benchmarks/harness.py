@@ -165,6 +165,8 @@ def end_process_group() -> None:
     optimizers whose work went through the group are still alive."""
     import torch.distributed as dist
 
+    if not dist.is_initialized():  # a one-process run made none
+        return
     drain_collectives()
     dist.destroy_process_group()
 

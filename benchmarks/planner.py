@@ -8,8 +8,18 @@ passes below) and its peak resident memory during ``fit`` above its resident siz
 (``meshtrain.observe.memory.peak_rss.PeakRSS``); a second run of 2 steps measures the peak bytes
 of live tensors (``meshtrain.observe.memory.tensor_peak.TensorPeak``, which slows every
 operator, so not in the timed run; it includes the shared-memory rings): what the estimate
-counts, with the cluster's ``reserved`` allowance at 0. The resident peak adds what glibc's
-heap keeps after frees, the libraries' own buffers, gloo's threads. Reported:
+counts, with the cluster's allowance at 0. Runs are made with ``report=False``: the report
+page costs rank 0 about 40 MiB more at the end of ``fit`` (matplotlib and Jinja2 imported and
+drawn; 80 against 41 MiB resident for the smallest GPT on 4 processes, 2026-11-28), which the
+estimate does not count.
+
+Memory is judged twice: against live tensors (what the estimate counts without an allowance)
+and against the resident peak, the estimate with the allowance measured here first on runs
+that are not in the table (:func:`allowance`): ``reserved``, what a training process holds
+besides its tensors, and ``heap_keep``, the part of the freed activations and transients the
+host allocator keeps resident. Both depend on the allocator the processes run on: glibc's heap
+keeps far more than jemalloc (``LD_PRELOAD=.../libjemalloc.so.2``); the JSON records which, and
+``Cluster.preset("this-machine")`` reads the allowance back for the same allocator.
 
 * pick/best: measured step time of the planner's pick over the fastest measured (goal <= 1.10);
 * tau: Kendall's tau between the predicted and the measured order of step times (goal >= 0.7);
@@ -19,10 +29,7 @@ heap keeps after frees, the libraries' own buffers, gloo's threads. Reported:
 Step times are the median of ``--passes`` passes over all the layouts (each pass runs every
 layout once, in the same order, so a burst of another job on the machine hits one pass of a
 few layouts, not a layout's every run); pick/best and tau are also given per pass, as their
-spread. Memory is judged twice: against live tensors (what the estimate counts, the line
-above) and against the resident peak, the estimate plus the resident cost of a training process
-besides its tensors measured here first (``base``: the smallest GPT trained on the same
-processes, its resident peak less its live tensors).
+spread.
 
     python benchmarks/planner.py [--steps 8] [--passes 3] [--out results/planner.json]
 """
@@ -30,6 +37,7 @@ processes, its resident peak less its live tensors).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import statistics
 import sys
@@ -41,7 +49,8 @@ import torch
 from harness import end_process_group, machine, table, write_json
 
 from meshtrain.launch.spawn import run_workers
-from meshtrain.plan.cluster import Cluster
+from meshtrain.plan.candidate import Candidate
+from meshtrain.plan.cluster import Cluster, host_allocator
 from meshtrain.plan.estimate import Estimator, Job
 from meshtrain.plan.model_spec import ModelSpec
 from meshtrain.plan.planner import plan
@@ -74,7 +83,7 @@ def worker(model: str, settings: dict, steps: int, tensors: bool = False) -> dic
         trainer = Trainer(accelerator="cpu", max_steps=steps, global_batch_size=GLOBAL_BATCH,
                           callbacks=[clock], loggers=(), progress_bar=False,
                           save_final_checkpoint=False, log_every_n_steps=steps, run_dir=run_dir,
-                          **settings)
+                          report=False, **settings)
         trainer.fit(lambda: spec.build(), data,
                     optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
                     loss_fn=losses.cross_entropy())
@@ -99,9 +108,9 @@ def tp_rings(trainer) -> int:
     return group.mapped_bytes() if isinstance(group, SharedMemoryCollectives) else 0
 
 
-def measure(model: str, settings: dict, steps: int) -> dict:
-    ranks = run_workers(worker, WORLD, (model, settings, steps), timeout=600, threads=1)
-    tensors = run_workers(worker, WORLD, (model, settings, 2, True), timeout=600, threads=1)
+def measure(model: str, settings: dict, steps: int, world: int = WORLD) -> dict:
+    ranks = run_workers(worker, world, (model, settings, steps), timeout=600, threads=1)
+    tensors = run_workers(worker, world, (model, settings, 2, True), timeout=600, threads=1)
     return {"step_s": max(r["step_s"] for r in ranks), "rss": max(r["peak"] for r in ranks),
             "peak": max(r["peak"] for r in tensors), "ranks": ranks, "tensor_ranks": tensors}
 
@@ -120,14 +129,20 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, help="run only the first N layouts (smoke)")
     parser.add_argument("--passes", type=int, default=3, help="timed passes over the layouts")
     args = parser.parse_args(argv)
-    base = resident_base(args.steps)
-    print(f"resident cost of a training process besides its tensors: {base / 2**20:.1f} MiB "
-          f"(the smallest GPT on {WORLD} processes)", flush=True)
-
-    cluster = Cluster.preset("this-machine", processes=WORLD)  # reserved: 0
     spec, job = ModelSpec.load(MODEL), Job(GLOBAL_BATCH, SEQ)
+    # the estimate as it counts live tensors (judged against TensorPeak), planned first: its
+    # calibration times the model here, on a machine no worker of ours is busy on
+    cluster = dataclasses.replace(Cluster.preset("this-machine", processes=WORLD), reserved=0,
+                                  heap_keep=0.0)
     estimator = Estimator(spec, cluster, job)
     result = plan(spec, cluster, job, estimator=estimator)
+    base, heap_keep = allowance(spec, job, args.steps)
+    print(f"allowance ({host_allocator()}): {base / 2**20:.1f} MiB a training process holds "
+          f"besides its tensors (the smallest GPT on {WORLD} processes), heap_keep "
+          f"{heap_keep:.2f} of the activations and transients (the GPT in one process)",
+          flush=True)
+    # and with the measured allowance (judged against the resident peak)
+    resident_cluster = dataclasses.replace(cluster, reserved=base, heap_keep=heap_keep)
     best_of_layout: dict[str, object] = {}
     for row in result.rows:  # fastest first: the first row of each layout is its best variant
         best_of_layout.setdefault(row.candidate.layout, row)
@@ -158,18 +173,18 @@ def main(argv=None) -> int:
     errors = [(e.memory_total - m["peak"]) / m["peak"] * 100 for e, m in zip(rows, measured)]
     under = max([0.0] + [-x for x in errors])
     mean_err = statistics.mean(abs(x) for x in errors)
-    resident = [(e.memory_total + base - m["rss"]) / m["rss"] * 100
-                for e, m in zip(rows, measured)]
+    resident_estimator = Estimator(spec, resident_cluster, job)
+    with_allowance = [resident_estimator.estimate(e.candidate).memory_total for e in rows]
+    resident = [(r - m["rss"]) / m["rss"] * 100 for r, m in zip(with_allowance, measured)]
     rss_under = max([0.0] + [-x for x in resident])
     rss_err = statistics.mean(abs(x) for x in resident)
     print(table(["layout", "pred s", "meas s", "passes", "pred MiB", "tensors MiB", "err %",
-                 "+base MiB", "RSS MiB", "err %"],
+                 "+allowance MiB", "RSS MiB", "err %"],
                 [[str(e.candidate), f"{e.step_seconds:.3f}", f"{m['step_s']:.3f}",
                   "/".join(f"{t:.2f}" for t in m["step_s_passes"]),
                   f"{e.memory_total / 2**20:.1f}", f"{m['peak'] / 2**20:.1f}", f"{x:+.1f}",
-                  f"{(e.memory_total + base) / 2**20:.1f}", f"{m['rss'] / 2**20:.1f}",
-                  f"{r:+.1f}"]
-                 for e, m, x, r in zip(rows, measured, errors, resident)]))
+                  f"{a / 2**20:.1f}", f"{m['rss'] / 2**20:.1f}", f"{r:+.1f}"]
+                 for e, m, x, r, a in zip(rows, measured, errors, resident, with_allowance)]))
     write_json(args.out, {"machine": machine(), "model": MODEL, "world": WORLD,
                           "global_batch": GLOBAL_BATCH, "seq_len": SEQ,
                           "rows": [
@@ -179,25 +194,37 @@ def main(argv=None) -> int:
                           "pick_over_best": pick_over_best, "tau": tau,
                           "mem_under_max": under, "mem_err_mean": mean_err,
                           "passes": spread, "resident_base": base,
+                          "allowance": {"allocator": host_allocator(), "reserved": base,
+                                        "heap_keep": heap_keep},
                           "rss_under_max": rss_under, "rss_err_mean": rss_err})
     print(f"per pass: pick/best {' '.join(f'{x:.2f}' for x in spread['pick_over_best'])}, "
           f"tau {' '.join(f'{x:.2f}' for x in spread['tau'])}")
-    print(f"planner (resident, estimate + base {base / 2**20:.1f} MiB): mem_under_max="
-          f"{rss_under:.1f}% mem_err_mean={rss_err:.1f}%")
+    print(f"planner (resident: live tensors + {base / 2**20:.1f} MiB + {heap_keep:.2f} of "
+          f"activations and transients, {host_allocator()}): mem_under_max={rss_under:.1f}% "
+          f"mem_err_mean={rss_err:.1f}%")
     print(f"planner: pick/best={pick_over_best:.2f} tau={tau:.2f} mem_under_max={under:.1f}% "
           f"mem_err_mean={mean_err:.1f}%")
     return 0
 
 
-def resident_base(steps: int) -> int:
-    """What a training process holds besides its tensors (the process group and its threads,
-    what the Trainer imports and keeps, the heap's own): the smallest GPT trained on the same
-    processes, the worst rank's resident peak less the worst rank's live tensors."""
+def allowance(spec, job, steps: int) -> tuple[int, float]:
+    """The memory a training process holds here besides its live tensors, measured on runs
+    that are not among the judged layouts: ``reserved``, what a process of the smallest GPT
+    holds above its tensors on the same processes (the process group and its threads, what the
+    Trainer imports and keeps); ``heap_keep``, the fraction of the job's activations and
+    transients the host allocator still holds after freeing them, from the job's model trained
+    in one process (its resident peak less its live tensors and ``reserved``, over its
+    estimated activations and transients)."""
     tiny = "gpt:num_layers=2,num_heads=2,d_model=16,vocab_size=32,seq_len=128"
-    settings = {"layout": f"dp={WORLD}"}
-    rss = run_workers(worker, WORLD, (tiny, settings, steps), timeout=600, threads=1)
-    tensors = run_workers(worker, WORLD, (tiny, settings, 2, True), timeout=600, threads=1)
-    return max(r["peak"] for r in rss) - max(r["peak"] for r in tensors)
+    small = measure(tiny, {"layout": f"dp={WORLD}"}, steps)
+    reserved = small["rss"] - small["peak"]
+    one = {"layout": "dp=1", "micro_batch_size": 4}
+    alone = measure(MODEL, one, steps, world=1)
+    cluster = dataclasses.replace(Cluster.preset("this-machine", processes=1), reserved=0,
+                                  heap_keep=0.0)
+    memory = Estimator(spec, cluster, job).estimate(Candidate("dp=1", 4)).memory
+    kept = alone["rss"] - alone["peak"] - reserved
+    return reserved, max(0.0, kept / (memory["activations"] + memory["transient"]))
 
 
 if __name__ == "__main__":

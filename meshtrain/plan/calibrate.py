@@ -42,9 +42,10 @@ def achieved_flops(spec, *, tp: int, cp: int, sequence_parallel: bool, seq_len: 
 
 @functools.lru_cache(maxsize=64)
 def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
-            seconds: float = 0.1) -> tuple[float, float, int] | None:
+            seconds: float = 0.3) -> tuple[float, float, int] | None:
     """(seconds per micro-batch, seconds per sample, FLOPs per sample) from runs at
-    micro-batches of 1 and 16."""
+    micro-batches of 1 and 16, timed by turns (the fastest of each, at least 3 rounds in
+    ``seconds``)."""
     depth = None if spec.own else 1  # an own model runs whole, an LM with one block
     with torch.device("meta"):
         if sum(p.numel() for p in spec.build(depth).parameters()) > MAX_PARAMS:
@@ -75,7 +76,11 @@ def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
                                                     sequence_parallel=sequence_parallel)
                 (model,) = this_ranks_modules(model, ParallelMesh(layout, "cpu"), options,
                                               pipeline)
-            one, many = (_run(spec, model, batch, seq_len // cp, seconds) for batch in (1, 16))
+            # by turns: a slower stretch of the machine weighs on both alike (timed apart, a
+            # burst during one of them moved the split between fixed and per-sample cost,
+            # and with it the planner's pick: benchmarks/README.md, 2026-11-28)
+            one, many = _fastest_by_turns([_pass(spec, model, batch, seq_len // cp)
+                                           for batch in (1, 16)], seconds)
     finally:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(False)
@@ -85,11 +90,10 @@ def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
     return max(0.0, one - per_sample), per_sample, flops
 
 
-def _run(spec, model, batch: int, length: int, seconds: float) -> float:
-    """Seconds of one forward and backward at ``batch`` sequences: the fastest of the runs in
-    ``seconds`` (at least 3), as timeit does, so that another process's burst does not count."""
+def _pass(spec, model, batch: int, length: int):
+    """One forward and backward at ``batch`` sequences, as a function to time."""
     inputs = spec.batch(batch, length)
-    return _fastest_by_turns([lambda: spec.loss(model, inputs).backward()], seconds)[0]
+    return lambda: spec.loss(model, inputs).backward()
 
 
 @functools.lru_cache(maxsize=64)

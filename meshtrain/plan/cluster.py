@@ -49,6 +49,11 @@ class Cluster:
     shared_table: dict | None = None
     compute_share: float = 1.0  # of a core per process (this machine: cores / processes)
     drift: float = 0.0  # seconds a collective waits for ranks drifting apart while computing
+    # of what a step allocates and frees again (activations, the loss's and the collectives'
+    # temporaries), the fraction the host allocator keeps resident (glibc's heap keeps freed
+    # chunks): measured on this machine by benchmarks/planner.py; 0 where ``reserved`` is
+    # the whole allowance (GPU presets: the CUDA caching allocator's)
+    heap_keep: float = 0.0
     peak_note: str = ""
 
     @property
@@ -114,6 +119,25 @@ PRESETS = {
 }
 
 
+def measured_allowance(path: Path) -> tuple[int, float]:
+    """(reserved bytes, heap_keep) of a CPU process here as benchmarks/planner.py measured
+    them (``allowance`` in its JSON), for the allocator this process runs on; (0, 0.0)
+    when not measured: the estimate then counts live tensors only."""
+    if not path.exists():
+        return 0, 0.0
+    allowance = json.loads(path.read_text()).get("allowance") or {}
+    if allowance.get("allocator") != host_allocator():
+        return 0, 0.0
+    return int(allowance["reserved"]), float(allowance["heap_keep"])
+
+
+def host_allocator() -> str:
+    """"jemalloc" or "tcmalloc" when this process runs on one (``LD_PRELOAD``), else "glibc"."""
+    maps = Path("/proc/self/maps")
+    text = maps.read_text() if maps.exists() else ""
+    return next((name for name in ("jemalloc", "tcmalloc") if f"lib{name}" in text), "glibc")
+
+
 def this_machine(processes: int, comm: str | Path | None = None) -> Cluster:
     """This machine running ``processes`` CPU processes of one torch thread each: compute from
     a matmul probe (the estimate replaces it by the job's own model timed,
@@ -139,10 +163,12 @@ def this_machine(processes: int, comm: str | Path | None = None) -> Cluster:
         shared.setdefault(row["op"], []).append((row["bytes"], row["seconds"]))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = min(1.0, cores / processes)
+    reserved, heap_keep = measured_allowance(results / "planner.json")
     flops = matmul_flops() * share
     return Cluster("this-machine", 1, processes, memory=memory // processes, flops=flops,
                    compute_share=share, drift=data.get("drift_seconds", 0.0),
-                   intra_bw=1e9, inter_bw=1e9, latency=1e-4, reserved=0, overlap=0.0,
+                   intra_bw=1e9, inter_bw=1e9, latency=1e-4, reserved=reserved,
+                   heap_keep=heap_keep, overlap=0.0,
                    memory_bw=5e9 * min(1.0, cores / processes), dtype="fp32",
                    comm_table={op: sorted(rows) for op, rows in table.items()},
                    shared_table={op: sorted(rows) for op, rows in shared.items()} or None,

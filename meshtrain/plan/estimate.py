@@ -7,8 +7,11 @@ the micro-batch and the micro-batches a pipeline schedule keeps in flight (none:
 (zero3: the root unit, or a block and the one prefetched; zero2: the whole stage, kept from
 forward to backward; unsharded gradients while accumulating) or DDP's gradient buckets; the
 largest transient (the loss's gradients, two fp32 vocabulary-wide tensors per token, or a block
-recomputed under checkpointing); AdamW's step temporaries; and the cluster's ``reserved``
-allowance. The peak (:attr:`Estimate.memory_total`) is not their sum: gradients and
+recomputed under checkpointing); AdamW's step temporaries; and the allowance beside tensors:
+the cluster's ``reserved`` (runtime, libraries, the CUDA caching allocator's reserve) plus, on
+a host allocator that keeps freed memory, ``heap_keep`` of the activations and transients
+(both measured on this machine by benchmarks/planner.py, so that the estimate predicts the
+resident peak: with neither, it counts live tensors only). The peak (:attr:`Estimate.memory_total`) is not their sum: gradients and
 activations are live together only while micro-batches accumulate (benchmarks/README.md, "The
 planner against measured runs").
 
@@ -118,8 +121,10 @@ class Estimator:
                           max(probe.last.saved, (2 + (pp > 1)) * logits) if last else 0,
                           probe.block.saved - kept if c.activation_checkpointing else 0),
                       "reserved": cl.reserved,
+                      "allocator": 0.0,
                       "transport": self._transport(layout, c, r, blocks, v, probe),
                       "step_temporaries": self._step_temporaries(layout, state.params)}
+            memory["allocator"] = cl.heap_keep * (memory["activations"] + memory["transient"])
             if worst_memory is None or peak(memory, m > 1 or pp > 1) > peak(worst_memory,
                                                                                m > 1 or pp > 1):
                 worst_memory = memory  # the first stage holds more in flight, the last the loss

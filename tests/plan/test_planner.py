@@ -299,3 +299,28 @@ def test_a_70b_pipeline_pick_sets_up_at_its_shard_size(capsys):
         assert float(held) == pytest.approx(float(params.replace(",", "")) * 4e6 / 2**30, abs=0.06)
         assert float(held) + float(staged) < float(whole) / 40
     assert {s[4] for s in setups} == {"model.embed_tokens", "lm_head"}
+
+
+def test_measured_host_allowance_is_added_for_the_allocator_it_was_measured_on(tmp_path):
+    """The resident estimate (benchmarks/planner.py measures ``reserved`` and ``heap_keep``):
+    the allowance adds ``reserved`` plus ``heap_keep`` of the activations and transients to the
+    peak, and this-machine reads it back only for the allocator it was measured on."""
+    import dataclasses
+    import json
+
+    from meshtrain.plan.cluster import host_allocator, measured_allowance
+
+    spec, job = ModelSpec.load(GPT), Job(8, S)
+    bare = dataclasses.replace(Cluster.preset("8xh100"), reserved=0)
+    kept = dataclasses.replace(bare, reserved=40 << 20, heap_keep=0.5)
+    candidate = Candidate("dp=8", 1)
+    plain, resident = (Estimator(spec, c, job).estimate(candidate) for c in (bare, kept))
+    transient = plain.memory["activations"] + plain.memory["transient"]
+    assert resident.memory["allocator"] == 0.5 * transient
+    assert resident.memory_total - plain.memory_total == (40 << 20) + 0.5 * transient
+    path = tmp_path / "planner.json"
+    assert measured_allowance(path) == (0, 0.0)  # not measured: live tensors only
+    for allocator, expected in ((host_allocator(), (40 << 20, 0.5)), ("other", (0, 0.0))):
+        path.write_text(json.dumps({"allowance": {"allocator": allocator,
+                                                  "reserved": 40 << 20, "heap_keep": 0.5}}))
+        assert measured_allowance(path) == expected

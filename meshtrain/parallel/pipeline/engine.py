@@ -275,6 +275,16 @@ class PipelineEngine(Engine):
         with self.precision.autocast(), batch_group(self.batch_pg):
             return self.runner.forward_only(inputs)
 
+    def end_of_training(self) -> None:
+        super().end_of_training()
+        timeline = getattr(self, "_timeline", None)
+        if timeline is not None:  # rank 0, after a recorded step
+            from meshtrain.parallel.pipeline import plot_timeline
+
+            events, path, title = timeline
+            plot_timeline(events, path, title=title)
+            self._timeline = None
+
     def _split(self, batch):
         """(inputs, targets) of a batch: the adapter's split (a dict batch), else the pair."""
         return self.adapter.split_batch(batch) if self.adapter is not None else batch
@@ -283,7 +293,7 @@ class PipelineEngine(Engine):
         """The pipeline diagram of one step, and its measured bubble beside the formula."""
         from meshtrain.observe.run_files import PIPELINE, write_json
         from meshtrain.parallel.pipeline import (
-            bubble_fraction, ideal_bubble_fraction, plot_timeline, replay,
+            bubble_fraction, ideal_bubble_fraction, replay,
         )
 
         if self.run_dir is None or torch.distributed.get_rank() != 0:
@@ -296,8 +306,11 @@ class PipelineEngine(Engine):
         measured = statistics.median(self._bubbles)  # (a step killed early keeps what it has)
         free = statistics.median(self._free)
         path = self.run_dir / "pipeline_timeline.png"
-        plot_timeline(events, path, title=f"{self.pipeline.schedule}, p={pp}, m={m}, step "
-                      f"{self._num_calls}: bubble {self._bubbles[-1]:.2f} (formula {ideal:.2f})")
+        # drawn when training ends (end_of_training), not here: matplotlib's import and a
+        # drawing on rank 0 in the middle of the run stalled every stage behind it
+        self._timeline = (events, path, f"{self.pipeline.schedule}, p={pp}, m={m}, step "
+                          f"{self._num_calls}: bubble {self._bubbles[-1]:.2f} (formula "
+                          f"{ideal:.2f})")
         write_json(self.run_dir / PIPELINE, {
             "schedule": self.pipeline.schedule, "pp": pp, "microbatches": m,
             "stages_per_rank": self.pipeline.stages_per_rank, "step": self._num_calls,
@@ -307,8 +320,8 @@ class PipelineEngine(Engine):
         if self._num_calls == self.RECORDED[-1]:
             self.log(f"pipeline steps {self.RECORDED[0]}-{self._num_calls}: measured bubble "
                      f"{measured:.2f} (median), {free:.2f} with free communication (what the "
-                     f"stages' times leave), formula (p-1)/(v*m+p-1) = {ideal:.2f}; timeline: "
-                     f"{path}")
+                     f"stages' times leave), formula (p-1)/(v*m+p-1) = {ideal:.2f}; timeline "
+                     f"(drawn when training ends): {path}")
 
 
 def merge_stages(stages: list[torch.nn.Module]) -> torch.nn.Module:
