@@ -11,6 +11,7 @@ from parity import (
 )
 
 from meshtrain import Trainer
+from meshtrain.optim import AdamW
 from meshtrain.errors import ConfigError, LayoutError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,10 +124,28 @@ def test_a_server_count_that_does_not_split_the_parameters_is_refused(num_server
     assert trainer.mesh is None  # no world was started
 
 
-def test_several_parameter_groups_are_refused():
-    from meshtrain.parallel.ps.layout import ServerOptimizer
+def two_rates(named_params):  # biases at three times the matrices' rate, no decay on them
+    named_params = list(named_params)
+    return torch.optim.AdamW(
+        [{"params": [p for n, p in named_params if p.dim() > 1], "weight_decay": 0.1},
+         {"params": [p for n, p in named_params if p.dim() <= 1], "lr": 3e-2,
+          "weight_decay": 0.0}], lr=1e-2)
 
-    model = mlp()
-    groups = [{"params": [model[0].weight]}, {"params": [model[0].bias], "weight_decay": 0.0}]
-    with pytest.raises(ConfigError, match="one group"):
-        ServerOptimizer(torch.optim.AdamW(groups), model, client=None)
+
+two_rates.takes_names = True
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("optimizer", [AdamW(lr=1e-2, weight_decay=0.1), two_rates],
+                         ids=["recipe-adamw", "two-rates"])
+def test_parameter_groups_keep_their_hyperparameters_on_the_servers(optimizer):
+    """The recipe's AdamW (weight decay on matrices only) and groups with their own learning
+    rates: ps=1,dp=2 equals one process in float64 (each group's decay and rate reached the
+    server: one group's hyperparameters for all would differ by ~1e-3)."""
+    settings = {"max_steps": STEPS, "global_batch_size": 16}
+    reference = train_state(settings, optimizer_fn=optimizer, float64=True)
+    ranks = run_ranks({**settings, "layout": "ps=1,dp=2", "devices": 3}, 3, timeout=200,
+                      optimizer_fn=optimizer, float64=True)
+    workers, servers = split(ranks, 1)
+    assert compare_ranks(reference, workers, label="ps=1,dp=2 groups") <= 1e-10
+    assert max_param_diff(servers[0], reference) <= 1e-10

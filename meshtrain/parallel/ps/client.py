@@ -41,6 +41,7 @@ class PSClient:
         self.shards = [[n for n in self.params if assignment[n] == i] for i in range(len(servers))]
         self.step_count = self.bytes_sent = self.bytes_received = self.bytes_per_step = 0
         self.versions = [0] * len(servers)  # of each server's parameters last copied in
+        self.groups = [list(self.params)]  # the optimizer's parameter groups, by name
 
     def init_servers(self, optimizer_factory: OptimizerFactory) -> None:
         """(Worker 0, once.) Give each server its parameters and the optimizer factory."""
@@ -58,7 +59,7 @@ class PSClient:
         """Push this worker's gradients (to all servers at once), wait for the updated
         parameters, copy them in and clear the gradients (unless ``zero_grad=False``: the
         caller does). ``lr`` overrides the servers' learning rate for this update (a
-        worker-side LR schedule)."""
+        worker-side LR schedule): one for every group, or a list, one per group."""
         futs, sent = [], 0
         for server, shard in zip(self.servers, self.shards):
             grads = {n: self.params[n].grad.detach().cpu() for n in shard  # RPC sends CPU
@@ -85,7 +86,7 @@ class PSClient:
     def state_dict(self) -> dict:
         """{"model": {name: fp32 param}, "optimizer": full-model optimizer state}, the latter
         in ``get_state_dict``'s format: {"state": {name: {...}}, "param_groups": [{...,
-        "params": [names in model order]}]} (one group; hyperparameters of server 0)."""
+        "params": [names]}]}, a group per :attr:`groups` (hyperparameters of server 0)."""
         states = self.gather()
         params, optim = {}, {}
         for state in states:
@@ -94,7 +95,8 @@ class PSClient:
         names = list(self.params)
         return {"model": {n: params[n] for n in names},
                 "optimizer": {"state": {n: optim[n] for n in names if n in optim},
-                              "param_groups": [dict(states[0]["param_groups"][0], params=names)]}}
+                              "param_groups": [dict(hyper, params=group) for hyper, group
+                                               in zip(states[0]["param_groups"], self.groups)]}}
 
     def load_state_dict(self, state: dict) -> None:
         """Send a :meth:`state_dict` (or DCP-loaded equivalent) back to the servers and into

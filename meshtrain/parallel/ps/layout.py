@@ -18,7 +18,6 @@ So a ``ps`` checkpoint resumes under ``dp`` and back.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 
@@ -88,47 +87,58 @@ def serve_job(index: int, rank: int, num_processes: int, store) -> dict:
     return ps.serve(index, rank, num_processes, store)
 
 
-def _make_optimizer(cls, hyper: dict, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """``cls`` over ``params`` with the worker's hyperparameters (those its constructor takes,
-    then every one set on the group, e.g. AdamW's ``decoupled_weight_decay``)."""
-    taken = inspect.signature(cls.__init__).parameters
-    optimizer = cls(params, **{k: v for k, v in hyper.items() if k in taken})
-    optimizer.param_groups[0].update(hyper)
-    return optimizer
+class ServerOptimizerFactory:
+    """What a server builds its optimizer with (picklable): the worker optimizer's class and
+    each of its parameter groups' hyperparameters, and the group of each parameter by name.
+    A server keeps every group, empty where it holds none of the group's parameters, so that
+    its group ``i`` is the worker's group ``i`` (a learning rate per group, checkpoints)."""
+
+    def __init__(self, cls, groups: list[dict], group_of: dict[str, int]):
+        self.cls, self.groups, self.group_of = cls, groups, group_of
+
+    def named(self, params: dict[str, torch.Tensor]) -> torch.optim.Optimizer:
+        taken = inspect.signature(self.cls.__init__).parameters
+        first = self.groups[0]
+        optimizer = self.cls([{"params": [p for n, p in params.items() if self.group_of[n] == i]}
+                              for i in range(len(self.groups))],
+                             **{k: v for k, v in first.items() if k in taken})
+        for group, hyper in zip(optimizer.param_groups, self.groups):
+            group.update(hyper)  # every one set on the group (e.g. decoupled_weight_decay)
+        return optimizer
 
 
 class ServerOptimizer(torch.optim.Optimizer):
     """A worker's optimizer under ``ps``: ``step()`` pushes the gradients to the servers, which
-    run ``local``'s class with its hyperparameters, and copies back their parameters.
+    run ``local``'s class with each of its parameter groups' hyperparameters, and copies back
+    their parameters.
 
-    ``param_groups`` (what a scheduler changes) and ``state`` are ``local``'s; ``local`` itself
-    never steps: it receives the servers' state for checkpoints (:meth:`fetch`)."""
+    ``param_groups`` (what a scheduler changes: each group's learning rate goes with every
+    push) and ``state`` are ``local``'s; ``local`` itself never steps: it receives the servers'
+    state for checkpoints (:meth:`fetch`)."""
 
     def __init__(self, local: torch.optim.Optimizer, model: torch.nn.Module, client: PSClient):
-        if len(local.param_groups) != 1:
-            raise ConfigError(
-                f"the optimizer has {len(local.param_groups)} parameter groups; under a ps "
-                "layout the servers run one optimizer over their parameters with one set of "
-                "hyperparameters: use one group (e.g. torch.optim.AdamW(params, ...)), or "
-                "layout='dp=N'")
         super().__init__(local.param_groups, local.defaults)
         self.param_groups, self.state = local.param_groups, local.state
         self.local, self.model, self.client = local, model, client
         self.open = True
         names = {id(p): n for n, p in model.named_parameters()}
-        self.names = [names[id(p)] for p in local.param_groups[0]["params"]]
+        groups = [[names[id(p)] for p in g["params"]] for g in local.param_groups]
+        self.names = [n for group in groups for n in group]  # the state dict's index order
+        client.groups = groups
 
-    def server_factory(self):
-        """What the servers build their optimizer with (picklable: class and hyperparameters)."""
-        group = self.local.param_groups[0]
-        return functools.partial(_make_optimizer, type(self.local),
-                                 {k: group[k] for k in self.local.defaults})
+    def server_factory(self) -> ServerOptimizerFactory:
+        """What the servers build their optimizer with."""
+        return ServerOptimizerFactory(
+            type(self.local), [{k: v for k, v in g.items() if k != "params"}
+                               for g in self.local.param_groups],
+            {n: i for i, group in enumerate(self.client.groups) for n in group})
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ConfigError("an optimizer closure (LBFGS) cannot run on parameter servers")
-        self.client.step(lr=self.param_groups[0]["lr"], zero_grad=False)  # zero_grad() does
+        self.client.step(lr=[g["lr"] for g in self.param_groups], zero_grad=False)  # zero_grad()
+        # does
 
     def fetch(self) -> None:
         """Copy the servers' parameters into the model and their optimizer state into
@@ -150,7 +160,8 @@ class ServerOptimizer(torch.optim.Optimizer):
             self.client.load_state_dict({
                 "model": {n: params[n].detach() for n in self.names},
                 "optimizer": {"state": {self.names[i]: s for i, s in sd["state"].items()},
-                              "param_groups": [dict(sd["param_groups"][0], params=self.names)]}})
+                              "param_groups": [dict(g, params=names) for g, names
+                                               in zip(sd["param_groups"], self.client.groups)]}})
         dist.barrier()
         self.client.pull()
 

@@ -108,7 +108,11 @@ class ParameterServer:
         check_ps_settings(1, num_workers, mode, staleness, None)
         self.params = {n: master(t.detach()).clone().requires_grad_(True)
                        for n, t in params.items()}
-        self.optimizer = optimizer_factory(list(self.params.values()))
+        # a factory that places parameters in groups by name (the Trainer's:
+        # ps/layout.py ServerOptimizerFactory) has ``named``; else it takes the tensors
+        named = getattr(optimizer_factory, "named", None)
+        self.optimizer = (named(self.params) if named is not None
+                          else optimizer_factory(list(self.params.values())))
         self.num_workers, self.mode, self.staleness = num_workers, mode, staleness
         self.lock = threading.Lock()
         self.version = 0
@@ -197,8 +201,9 @@ class ParameterServer:
         for name, p in self.params.items():
             p.grad = grads.get(name)
         if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            lrs = lr if isinstance(lr, list) else [lr] * len(self.optimizer.param_groups)
+            for group, value in zip(self.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = value
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
