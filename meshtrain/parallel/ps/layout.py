@@ -137,8 +137,8 @@ class ServerOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ConfigError("an optimizer closure (LBFGS) cannot run on parameter servers")
-        self.client.step(lr=[g["lr"] for g in self.param_groups], zero_grad=False)  # zero_grad()
-        # does
+        # each group's rate as the scheduler left it; zero_grad() clears the gradients
+        self.client.step(lr=[g["lr"] for g in self.param_groups], zero_grad=False)
 
     def fetch(self) -> None:
         """Copy the servers' parameters into the model and their optimizer state into
