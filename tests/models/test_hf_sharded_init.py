@@ -130,14 +130,17 @@ def test_no_rank_holds_the_whole_model_during_set_up(tmp_path, monkeypatch, layo
     assert whole > (780e6 if tied else 800e6)
     assert max(peak0, peak1) <= 0.6 * whole, (peak0, peak1, whole)
     # what `meshtrain plan --build` reports for the layout (the same choice, built in a
-    # simulated world): shards plus the largest module drawn whole, within 15% of the measure
+    # simulated world): shards plus the largest module drawn whole, near the measure; the
+    # measure adds what glibc's heap keeps of the set-up's freed buffers, which varies from
+    # run to run (pp=2 plain, rank 1: 1.07 of the prediction alone, 1.153 once in the
+    # fresh-clone CI of 2026-11-28 beside another test worker); a whole build would be ~2x
     from meshtrain.plan.simulate import simulate
 
     config = transformers.LlamaConfig(**{**MEDIUM.to_dict(), "tie_word_embeddings": tied})
     for rank, peak in enumerate((peak0, peak1)):
         predicted = simulate(lambda: transformers.LlamaForCausalLM(config), layout, rank=rank)
         assert predicted.whole_build is None
-        assert 0.9 * predicted.setup.peak <= peak <= 1.15 * predicted.setup.peak, (
+        assert 0.9 * predicted.setup.peak <= peak <= 1.25 * predicted.setup.peak, (
             rank, peak, predicted.setup)
 
 
