@@ -49,7 +49,7 @@ def peak(m: dict, accumulates: bool) -> float:
     """The most bytes live at once of the parts ``m`` (see :attr:`Estimate.memory_total`)."""
     backward = m["activations"] + m["transient"] + (m["grads"] if accumulates else 0)
     return (m["params"] + m["optimizer"] + m["gathered"] + m["reserved"] + m["transport"]
-            + m.get("allocator", 0)
+            + m["allocator"]
             + max(backward, m["grads"] + m["step_temporaries"]))
 
 
