@@ -284,6 +284,9 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
         runner = getattr(engine, "runner", None)
         for module in (runner.modules if runner is not None else [engine.model]):
             materialize(module, device, options.initializer)
+    tied = getattr(engine, "tied", None)
+    if tied is not None:  # pipeline/tied.py: the first stage's copy starts as the last's
+        tied.start()
     return engine
 
 

@@ -66,9 +66,6 @@ def test_stages_compose_to_the_model_and_keep_full_names():
 
 def test_refusals():
     adapter = hf_pp_support(tiny_llama())
-    with pytest.raises(ConfigError, match="tie_word_embeddings"):
-        tied = tiny_llama(tie_word_embeddings=True)
-        adapter.split(tied, [1], 0)
     with pytest.raises(ConfigError, match="declares no pipeline plan"):
         hf_pp_support(tiny_gpt2())
     ids = torch.zeros(2, 4, dtype=torch.long)
@@ -88,16 +85,85 @@ def test_forward_check_refuses_stages_that_differ(monkeypatch):
         check_stage_forward(model, adapter.example_inputs(model), adapter)
 
 
-def test_tied_llama_is_refused_before_any_process(tmp_path, monkeypatch):
+def test_tied_embeddings_under_a_v_schedule_are_refused_before_any_process(tmp_path,
+                                                                          monkeypatch):
     def no_world(*args, **kwargs):
         raise AssertionError("the pipeline check let the model through: processes would start")
 
     monkeypatch.setattr("meshtrain.loop.setup.start_world", no_world)
     trainer = Trainer(**trainer_kwargs(tmp_path / "run", layout="pp=2", devices=2, max_steps=1,
-                                       global_batch_size=8))
-    with pytest.raises(ConfigError, match="shared across stages"):
-        trainer.fit(partial(tiny_llama, tie_word_embeddings=True), random_token_data(),
-                    optimizer=adamw_gpt)
+                                       global_batch_size=8, pp_schedule="zbv", stages_per_rank=2))
+    with pytest.raises(ConfigError, match="first and the last stage on one rank"):
+        trainer.fit(partial(tiny_llama, num_layers=4, tie_word_embeddings=True),
+                    random_token_data(), optimizer=adamw_gpt)
+
+
+def test_tied_stages_hold_the_weight_under_its_own_name_on_both_ends():
+    model = tied_qwen2()
+    adapter = hf_pp_support(model)
+    check_stage_forward(model, adapter.example_inputs(model), adapter)  # the check lets it by
+    stages = [adapter.split(model, [1, 3], i) for i in range(3)]
+    x = adapter.example_inputs(model)
+    for stage in stages:
+        x = stage(x)
+    assert torch.equal(x, model(adapter.example_inputs(model)).logits)
+    first, middle, last = (dict(s.named_parameters()) for s in stages)
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
+    assert not any("embed" in name for name in middle)
+    # the last stage: one tensor, named as one process names it (checkpoints, optimizer state)
+    assert "model.embed_tokens.weight" in last and "lm_head.weight" not in last
+    assert stages[2].lm_head.weight is stages[2].model.embed_tokens.weight
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout, procs", [("pp=2", 2), ("pp=4", 4), ("pp=2,dp_shard=2", 4)])
+def test_tied_qwen2_matches_one_process(layout, procs):
+    """The embedding's copy on the last stage: the same values at the start and the sum of both
+    uses' gradients every step (pp=4: summed in a group of the first and last pp rank)."""
+    assert_parity(layout, procs, steps=STEPS, global_batch_size=BATCH, micro_batch_size=MICRO,
+                  fns=dict(DICT_FNS, model_fn=tied_qwen2, data_fn=tokens_64))
+
+
+def _tied_fit(run_dir, layout, steps, resume=None):
+    from meshtrain.parallel.whole_state import whole_state
+
+    trainer = Trainer(**trainer_kwargs(run_dir, layout=layout, max_steps=steps,
+                                       global_batch_size=BATCH, micro_batch_size=MICRO,
+                                       save_final_checkpoint=True, resume=resume))
+    model = trainer.fit(tied_qwen2, tokens_64(), optimizer=adamw_gpt)
+    return whole_state(model, trainer.layout.degree("pp"))
+
+
+@pytest.mark.timeout(300)
+def test_tied_checkpoints_resume_across_pp_and_export_one_tensor(tmp_path):
+    """A pp=2 checkpoint of tied Qwen2 resumes in one process and a one-process one under pp=2,
+    both continuing the one-process run; `export --hf` writes one tensor for both uses."""
+    from meshtrain.checkpoint.hf_export import export_hf
+    from meshtrain.launch.spawn import run_workers
+
+    import transformers
+
+    straight = _tied_fit(tmp_path / "straight", None, 4)
+    once = _tied_fit(tmp_path / "once", None, 2)
+    piped = run_workers(_tied_fit, 2, (tmp_path / "piped", "pp=2", 2), timeout=200)[0]
+    for name, value in once.items():
+        assert torch.allclose(piped[name], value, atol=1e-5), name
+    resumed = _tied_fit(tmp_path / "resumed", None, 4,
+                        resume=tmp_path / "piped" / "checkpoints" / "final")
+    across = run_workers(_tied_fit, 2, (tmp_path / "across", "pp=2", 4,
+                                        tmp_path / "once" / "checkpoints" / "final"),
+                         timeout=200)[1]
+    assert max((a - straight[k]).abs().max().item() for k, a in once.items()) > 1e-3
+    for state in (resumed, across):
+        for name, value in straight.items():
+            assert torch.allclose(state[name], value, atol=1e-5), name
+        assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    out = export_hf(tmp_path / "piped" / "checkpoints" / "final", tmp_path / "hf",
+                    config=tied_qwen2().config)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.allclose(model.lm_head.weight, once["lm_head.weight"], atol=1e-5)
 
 
 def test_llama_pp2_dict_batches_match_one_process():
@@ -170,6 +236,15 @@ def test_the_check_runs_on_training_samples_as_long_as_the_sequence(tmp_path, mo
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32,
              tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def tied_qwen2():
+    """Qwen2 with its output head tied to the input embedding (as Qwen2.5-0.5B-3B)."""
+    return tiny_causal_lm("Qwen2", **dict(SMALL, num_hidden_layers=4, tie_word_embeddings=True))
+
+
+def tokens_64():
+    return random_token_data(vocab_size=64)
 
 
 def mistral_window():

@@ -84,10 +84,10 @@ def test_split_model_errors():
         split_model(tiny_gpt(), [2], 2)
     with pytest.raises(ConfigError, match="model.layers"):
         split_model(nn.Linear(2, 2), [1], 0)
-    tied = tiny_gpt()
-    tied.head.weight = tied.tok_emb.weight
-    with pytest.raises(ConfigError, match="ties parameters"):
-        split_model(tied, [2], 0)
+    tied = tiny_gpt()  # a block sharing the embedding's weight: a middle stage
+    tied.layers[1].register_parameter("shared", tied.tok_emb.weight)
+    with pytest.raises(ConfigError, match="ties parameters of its blocks"):
+        split_model(tied, [1, 3], 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -158,14 +158,29 @@ def test_head_tied_to_the_embedding_through_forward_is_refused(rank_0_of_two, tm
     assert "untie" in message  # what to do
 
 
-def test_shared_module_tie_is_refused_before_any_process(rank_0_of_two, tmp_path):
-    def tied_gpt():
-        model = tiny_gpt(num_layers=4)
-        model.head.weight = model.tok_emb.weight
-        return model
+def tied_gpt():
+    model = tiny_gpt(num_layers=4)
+    model.head.weight = model.tok_emb.weight
+    return model
 
-    message = _refused(tmp_path, tied_gpt)
-    assert "shared" in message and "tok_emb.weight" in message
+
+@pytest.mark.timeout(240)
+def test_a_head_module_tied_to_the_embedding_trains_as_one_process():
+    """A tie the stages use as the model does (a head module holding the embedding's weight)
+    passes the check: the first and last stage each hold a copy under the name one process
+    gives it (tok_emb.weight), their gradients summed (pipeline/tied.py)."""
+    from meshtrain.parallel.pipeline import split_model
+    from parity import assert_parity
+
+    model = tied_gpt()
+    last = split_model(model, [2], 1)
+    assert last.head.weight is last.tok_emb.weight and "tok_emb.weight" in dict(
+        last.named_parameters())
+    assert dict(last.named_parameters()).keys() == {
+        n for n, _ in model.named_parameters()} - {n for n, _ in split_model(
+            model, [2], 0).named_parameters()} | {"tok_emb.weight"}
+    assert_parity("pp=2", 2, steps=6, global_batch_size=8, micro_batch_size=2,
+                  fns=dict(GPT4_FNS, model_fn=tied_gpt))
 
 
 # ---- (d) conventional models pass ---------------------------------------------------------------

@@ -79,16 +79,24 @@ def _set(module: nn.Module, name: str, value) -> None:
     setattr(module.get_submodule(owner) if owner else module, attr, value)
 
 
+def _tied(model: nn.Module) -> bool:
+    """Does the output head reuse the input embedding's weight (``tie_word_embeddings``)?"""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
 @contextlib.contextmanager
 def _as_stage(model: nn.Module, keep: list[int], first: bool, last: bool):
     """``model`` changed into the stage holding layers ``keep`` (and the first/last stage's
-    modules), restored on exit: what :meth:`HFPipeline.split` keeps, without copying."""
+    modules), restored on exit: what :meth:`HFPipeline.split` keeps, without copying. The last
+    stage of a model with tied embeddings keeps the input embedding too (never called there: it
+    holds the head's weight under the model's own name, parallel/pipeline/tied.py)."""
     plan = PipelinePlan(model)
     base, config = plan.base, model.config
     layers = get_module(base, plan.layers)
     names = list(layers._modules)
     changes = {plan.layers: StageLayers({names[i]: layers[i] for i in keep})}
-    if not first:
+    if not first and not (last and _tied(model)):
         changes[plan.embed] = None  # the hidden state comes in as inputs_embeds
         changes.update({key: nn.Identity() for key in plan.pre})
     if not last:
@@ -156,12 +164,6 @@ class HFPipeline:
                 0 <= stage_index < len(bounds) - 1):
             raise ConfigError(f"split_points {list(split_points)} / stage {stage_index} do not "
                               f"cut {n} layers into stages")
-        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-        if head is not None and embed is not None and head.weight is embed.weight:
-            raise ConfigError(
-                f"{self.name} ties its output head to its input embedding "
-                "(tie_word_embeddings=True), but the first and last pipeline stages cannot "
-                "share a weight; build it with tie_word_embeddings=False, or train without pp")
         first, last = stage_index == 0, stage_index == len(bounds) - 2
         keep = list(range(bounds[stage_index], bounds[stage_index + 1]))
         with _as_stage(model, keep, first, last) as plan:

@@ -103,6 +103,16 @@ def materialize(model: nn.Module, device: torch.device | str, init=None) -> None
     model.init_weights()
 
 
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Names that share one parameter (tied embeddings): each group in the order
+    ``named_parameters`` meets them, so its first is the name one process saves and optimizes
+    the parameter under."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def _tie_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """(module, attribute) pairs that hold one parameter (tied embeddings), each group in the
     order FSDP meets them (its first is the one FSDP tracks, the others are its "shared")."""

@@ -14,9 +14,11 @@ absolute difference). A ``TorchFunctionMode`` records which parameters every op 
 (before the first block, inside block ``i``, between blocks, after the last block), so the
 message names the cause: parameters that ``forward`` uses and the stages never would, weights
 shared across stages (one Parameter used in two places: ``h @ self.embed.weight.T`` after the
-last block, where the last stage does not hold the embedding; a shared module such as a tied
-head is caught the same way), and a parameter used in one place only, where the stage that
-holds it does not run (a head module named ``fc``: the first stage holds it).
+last block, where the last stage does not hold the embedding; a weight shared by a block and
+another stage's module), and a parameter used in one place only, where the stage that
+holds it does not run (a head module named ``fc``: the first stage holds it). A weight the
+stages themselves use before the first block and after the last (a head module tied to the
+embedding) passes: the first and last stage each hold a copy (pipeline/tied.py).
 
 A model pipelined by an adapter (``PipelineOptions.adapter``, e.g. a Hugging Face model) is
 checked the same way with the adapter's composition (``adapter.stage_forward``) against
@@ -223,6 +225,8 @@ def check_stage_forward(model: nn.Module, inputs: torch.Tensor, adapter=None) ->
                             f"anything")
         regions = sorted(r for r in used if not _is_between(r))
         elsewhere = [r for r in regions if r != owner[pid]]
+        if regions == [PRE, POST] and {PRE, POST} <= stage_uses.get(pid, set()):
+            continue  # tied between the first and the last stage, as the stages use it: tied.py
         if len(regions) > 1:  # one Parameter used in two regions: by two stages
             shared += [f"{names[pid]} is held by {_holder(owner[pid])} but also used "
                        f"{_where(region)}: a weight shared across stages" for region in elsewhere]

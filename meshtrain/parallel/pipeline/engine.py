@@ -84,6 +84,10 @@ def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
         raise ConfigError(
             "pipeline layouts need loss_fn: the last stage computes loss_fn(output, targets) "
             "on each micro-batch; pass loss_fn= to fit")
+    from meshtrain.parallel.pipeline.tied import check_ties
+
+    check_ties(model if model is not None else (original if isinstance(original, torch.nn.Module)
+                                                else None), options.schedule)
     if layout.zero_stage == 3 and options.schedule in SHARDING_BREAKS:
         raise ConfigError(
             f"pp_schedule={options.schedule!r} with zero3/dp_shard gives wrong gradients in "
@@ -125,7 +129,9 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
                    parallelize: Callable) -> PipelineEngine:
     """Split ``model`` into stages, keep this rank's, ``parallelize`` each (TP, checkpointing,
     FSDP as for a whole model), and build the schedule."""
+    from meshtrain.parallel.data.meta_init import tied_names
     from meshtrain.parallel.pipeline.partition import partition_blocks
+    from meshtrain.parallel.pipeline.tied import TiedWeights
     from meshtrain.parallel.pipeline import (
         PipelineRunner, pipeline_blocks, rank_stages, split_model,
     )
@@ -157,10 +163,13 @@ def apply_pipeline(model, mesh, *, device, options, pipeline: PipelineOptions, p
         f"balanced), schedule {pipeline.schedule}, {num_microbatches} micro-batches, send/recv "
         f"{'through shared memory' if p2p_group is not None else 'on the process group'}")
     merged = merge_stages(stages)
+    ties = tied_names(model)
     engine = PipelineEngine(merged, merged, mesh, device=device, precision=precision,
                             loss_fn=loss_fn, options=options, grad_accum_steps=1)
     engine.runner, engine.pipeline, engine.split_points = runner, pipeline, split
     engine.adapter = adapter
+    if ties:  # (an embedding reused as the head: a copy on the first and on the last stage)
+        engine.tied = TiedWeights(ties, stages, indices, num_stages, mesh)
     from meshtrain.moe.pipeline import pipeline_routing
 
     # meshtrain's MoE layers balance their routers inside the stages (moe/pipeline.py)
@@ -183,6 +192,7 @@ class PipelineEngine(Engine):
     """This rank's stages under a schedule: one loader draw is the step's whole batch."""
 
     runner = pipeline = split_points = log = run_dir = adapter = None
+    tied = None  # weights tied between the first and the last stage: pipeline/tied.py
     step_loss = first_stage = None  # a research module's: step_split.py
     num_microbatches, _num_calls = 1, 0
     RECORDED = (3, 4, 5)  # the steps whose timeline is recorded (1-based calls)
@@ -239,14 +249,21 @@ class PipelineEngine(Engine):
             self.batch_idx += num
         return inputs, torch.arange(num, device=self.device)
 
+    def sync_gradients(self) -> None:
+        super().sync_gradients()
+        if self.tied is not None:  # both copies of a tied weight get the sum of their grads
+            self.tied.sum_grads()
+
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Each rank holds its stages: the squared norms are summed over the pp group."""
+        """Each rank holds its stages: the squared norms are summed over the pp group (a tied
+        weight's second copy left out)."""
         from meshtrain.parallel.pipeline import clip_grad_norm_
 
         if self.layout.expert_degree > 1:  # (and ep's experts' over the ep group)
             return super().clip_grad_norm(max_norm)
-
-        return plain(clip_grad_norm_(list(self.parameters()), max_norm, self.mesh.axis("pp")))
+        copies = frozenset(self.tied.copies) if self.tied is not None else frozenset()
+        return plain(clip_grad_norm_(list(self.parameters()), max_norm, self.mesh.axis("pp"),
+                                     copies))
 
     @torch.no_grad()
     def eval_loss(self, batch, with_output: bool = False) -> torch.Tensor | None:

@@ -200,13 +200,15 @@ class PipelineRunner:
         return last
 
 
-def clip_grad_norm_(parameters, max_norm: float | None, pp_group) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float | None, pp_group,
+                    copies: frozenset[int] = frozenset()) -> torch.Tensor:
     """Clip by the global L2 norm over all pipeline stages (each rank holds only its stages'
     gradients, so the squared local norms are summed over the pp group first); return that
-    norm, before clipping. ``max_norm=None`` only measures."""
+    norm, before clipping. ``max_norm=None`` only measures. ``copies``: ids of parameters
+    another stage also holds (tied weights, pipeline/tied.py): clipped, not counted again."""
     group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
     params = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if id(p) not in copies], 2.0)
     if hasattr(norm, "full_tensor"):  # DTensor gradients (FSDP2): sum over the shards first
         norm = norm.full_tensor()
     squared = norm.to(torch.promote_types(norm.dtype, torch.float32)) ** 2  # (float64 stays)

@@ -116,19 +116,20 @@ def split_model(model: nn.Module, split_points: list[int], stage_index: int) -> 
     names = list(stage.layers._modules)
     kept = {name: child for name, child in stage.named_children()
             if name == "layers" or (name in _POST and last) or (name not in _POST and first)}
-    dropped = [child for name, child in stage.named_children() if name not in kept]
+    dropped = {name: child for name, child in stage.named_children() if name not in kept}
     kept_ids = {id(p) for child in kept.values() for p in child.parameters()}
-    if any(id(p) in kept_ids for child in dropped for p in child.parameters()):
-        raise ConfigError("the model ties parameters between its embedding and head (or across "
-                          "stages); pipeline stages cannot share them, untie the weights")
+    shared = {id(p) for child in dropped.values() for p in child.parameters()} & kept_ids
+    if shared and not (first or last):
+        raise ConfigError("the model ties parameters of its blocks to modules outside them; "
+                          "pipeline stages cannot share them, untie the weights")
     pre_modules = [name for name in kept if name not in ("layers", *_POST)]
     if first and pre_modules and not callable(getattr(stage, "embed", None)):
         raise ConfigError(f"{type(model).__name__} has modules {pre_modules} besides layers, "
                           f"norm and head; define model.embed(x) so the first stage knows "
                           f"how to run them")
     for name in list(stage._modules):
-        if name not in kept:
-            setattr(stage, name, None)
+        if name not in kept:  # (a weight tied to a kept module stays, under its own name)
+            setattr(stage, name, _holding(dropped[name], shared) if name in dropped else None)
     if not first:
         for name in list(stage._parameters):
             stage.register_parameter(name, None)
@@ -136,6 +137,23 @@ def split_model(model: nn.Module, split_points: list[int], stage_index: int) -> 
     stage._pp_first, stage._pp_last = first, last
     stage.forward = types.MethodType(_stage_forward, stage)
     return stage
+
+
+def _holding(module: nn.Module, ids: set[int]) -> nn.Module | None:
+    """A bare module holding only ``module``'s parameters whose ids are in ``ids``, at their
+    paths (a first or last stage's copy of a tied weight keeps the name one process gives it:
+    pipeline/tied.py), or None when it holds none."""
+    if not any(id(p) in ids for p in module.parameters()):
+        return None
+    holder = nn.Module()
+    for name, param in module.named_parameters(recurse=False):
+        if id(param) in ids:
+            holder.register_parameter(name, param)
+    for name, child in module.named_children():
+        held = _holding(child, ids)
+        if held is not None:
+            holder.add_module(name, held)
+    return holder
 
 
 def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.data.meta_init import tied_names
 from meshtrain.parallel.tensor.sequence_parallel import (
     ColwiseFromSequence, GatherSequenceInput, RowwiseToSequence, complete_partial_grads,
 )
@@ -279,7 +280,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
     names = [name for name, _ in model.named_modules()]
     plan = {k: v for k, v in plan.items() if any(module_matches(n, k) for n in names)}
     plan = replicate_the_rest(model, plan)
-    ties = _tied_names(model)
+    ties = tied_names(model)
     parallelize_module(model, tp_mesh, plan)
     _tie_again(model, ties)
     _replicate_held_parameters(model, tp_mesh)
@@ -304,14 +305,6 @@ def _replicate_held_parameters(model: nn.Module, tp_mesh) -> None:
                 local = DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False)
                 module.register_parameter(name, nn.Parameter(local, param.requires_grad))
             run_on_local_params(module, partial_grads=False, names=plain)
-
-
-def _tied_names(model: nn.Module) -> list[list[str]]:
-    """Names that share one parameter (tied embeddings): each group, first name first."""
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
 
 
 def _tie_again(model: nn.Module, ties: list[list[str]]) -> None:
