@@ -63,6 +63,22 @@ def test_gpt_architecture_trains(corpus, tmp_path):
     assert train(corpus, tmp_path, "--model.architecture=gpt") == 0
 
 
+def test_document_mask_trains_on_documents_kept_apart(corpus, tmp_path, monkeypatch):
+    """[data] document_mask: the batches carry position ids restarting at each document and
+    no target across one (meshtrain.packing; tests/test_packing.py shows the attention)."""
+    from meshtrain.data import tokens
+
+    seen = []
+    getitem = tokens.PackedTokens.__getitem__
+    monkeypatch.setattr(tokens.PackedTokens, "__getitem__",
+                        lambda self, i: seen.append(getitem(self, i)) or seen[-1])
+    assert train(corpus, tmp_path, "--data.document_mask=true") == 0
+    assert seen and all("position_ids" in s for s in seen)
+    restarts = sum(int((s["position_ids"][1:] == 0).sum()) for s in seen)
+    cut = sum(int((s["labels"] == -100).sum()) for s in seen)
+    assert restarts > 0 and cut >= restarts
+
+
 def test_a_moe_gpt_trains_under_expert_parallel(corpus, tmp_path):
     """[model] num_experts makes the gpt architecture meshtrain's MoE GPT (the char_lm
     recipe's fields): it trains under ep=2 and logs its router loss and expert load."""
@@ -93,6 +109,8 @@ def test_a_moe_gpt_trains_under_expert_parallel(corpus, tmp_path):
     (["--data.seq_len=64", "--model.max_position_embeddings=48"], "above the model's maximum"),
     (["--model.architecture=bert"], "is not one of llama, qwen2, mistral, gpt"),
     (["--model.num_experts=4"], r"makes meshtrain's own GPT a mixture of experts, not a llama"),
+    (["--model.architecture=gpt", "--data.document_mask=true"],
+     "document_mask needs a Hugging Face architecture"),
 ])
 def test_bad_inputs_are_clear_errors_before_any_process(corpus, tmp_path, capsys, extra, message):
     other = tmp_path / "other"

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import Dataset
 
 from meshtrain.errors import ConfigError
+from meshtrain.packing import cut_targets
 
 FORMAT = "meshtrain-tokens/1"
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB per shard in uint16
@@ -183,21 +184,28 @@ class PackedTokens(Dataset):
       sample has no target);
     * ``document_positions=True`` (dict batches only): also ``"position_ids"``, counting from
       0 at each document's first token (the token after each eos the writer appended).
+    * ``document_mask=True`` (dict batches only): documents kept apart, ``"position_ids"`` as
+      above and no target across a boundary (``labels`` -100 on each document's first token,
+      meshtrain.packing.cut_targets); a Hugging Face model given these positions masks its
+      attention to each document (meshtrain.packing).
 
     Opening reads only ``meta.json`` (and stats the token files); shards are memory-mapped on
     first use in each process, so the dataset pickles into DataLoader workers cheaply.
     """
 
     def __init__(self, folder: str | os.PathLike, seq_len: int, *, dict_batches: bool = False,
-                 document_positions: bool = False) -> None:
+                 document_positions: bool = False, document_mask: bool = False) -> None:
         _positive_int("seq_len", seq_len)
-        if document_positions and not dict_batches:
-            raise ConfigError("document_positions=True returns 'position_ids', which needs dict "
-                              "batches; pass dict_batches=True as well.")
+        for name, value in (("document_positions", document_positions),
+                            ("document_mask", document_mask)):
+            if value and not dict_batches:
+                raise ConfigError(f"{name}=True returns 'position_ids', which needs dict "
+                                  "batches; pass dict_batches=True as well.")
         self.folder = Path(folder)
         self.meta = read_meta(folder)
         self.seq_len, self.dict_batches = seq_len, bool(dict_batches)
-        self.document_positions = bool(document_positions)
+        self.document_mask = bool(document_mask)
+        self.document_positions = bool(document_positions) or self.document_mask
         self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         shards = self.meta["shards"]
         for shard in shards:
@@ -307,6 +315,8 @@ class PackedTokens(Dataset):
         sample = {"input_ids": ids, "labels": ids.clone()}
         if self.document_positions:
             sample["position_ids"] = torch.from_numpy(self._positions(start, self.seq_len))
+        if self.document_mask:
+            sample["labels"] = cut_targets(sample["labels"], sample["position_ids"])
         return sample
 
 

@@ -51,7 +51,8 @@ def _trainer_sections() -> dict[str, dict]:
 DEFAULTS = {
     "job": {"recipe": "causal_lm"},
     # path: the --out folder of `meshtrain prepare`; tokenizer: its tokenizer.json unless given
-    "data": {"path": "", "seq_len": 256, "tokenizer": ""},
+    # document_mask: attention and targets kept inside each packed document (meshtrain.packing)
+    "data": {"path": "", "seq_len": 256, "tokenizer": "", "document_mask": False},
     # sizes apply when neither hf_config nor pretrained gives the config; vocab_size 0: the
     # tokenizer's, padded to vocab_multiple (tensor parallel splits the vocabulary);
     # num_experts > 0 (architecture "gpt"): every MLP a mixture of experts (docs/moe.md; a
@@ -94,9 +95,15 @@ def load_data(config: dict):
     train, val, tokenizer = data_paths(config["data"])
     check_tokenizer(train, tokenizer)
     hf = config["model"]["architecture"] != "gpt"
-    seq_len = config["data"]["seq_len"]
-    train_set = PackedTokens(train, seq_len, dict_batches=hf)
-    val_set = PackedTokens(val, seq_len, dict_batches=hf) if (val / "meta.json").is_file() else None
+    seq_len, documents = config["data"]["seq_len"], bool(config["data"].get("document_mask"))
+    if documents and not hf:
+        raise ConfigError("data.document_mask needs a Hugging Face architecture (llama, qwen2, "
+                          "mistral or an hf_config): meshtrain's GPT reads (input, target) "
+                          "pairs without positions; set model.architecture, or drop "
+                          "document_mask")
+    kwargs = dict(dict_batches=hf, document_mask=documents)
+    train_set = PackedTokens(train, seq_len, **kwargs)
+    val_set = PackedTokens(val, seq_len, **kwargs) if (val / "meta.json").is_file() else None
     return train_set, val_set, train_set.meta
 
 

@@ -109,6 +109,27 @@ def test_dict_batches_and_document_positions(tmp_path):
         PackedTokens(tmp_path / "s", seq_len, document_positions=True)
 
 
+def test_document_mask_drops_the_targets_that_cross_a_document(tmp_path):
+    docs = _docs(seed=3, n=40)
+    _write(tmp_path / "s", docs, shard_tokens=6)
+    stream = _stream(docs)
+    seq_len = 9
+    ds = PackedTokens(tmp_path / "s", seq_len, dict_batches=True, document_mask=True)
+    positioned = PackedTokens(tmp_path / "s", seq_len, dict_batches=True,
+                              document_positions=True)
+    cut = 0
+    for i in range(len(ds)):
+        s, p = ds[i], positioned[i]
+        assert torch.equal(s["position_ids"], p["position_ids"])
+        for t in range(1, seq_len):  # labels[t] is token t-1's target (transformers' shift)
+            crosses = stream[i * seq_len + t - 1] == EOS  # an eos: the next document's token
+            assert s["labels"][t].item() == (-100 if crosses else stream[i * seq_len + t])
+            cut += crosses
+    assert cut > 5
+    with pytest.raises(ConfigError, match="dict_batches=True"):
+        PackedTokens(tmp_path / "s", seq_len, document_mask=True)
+
+
 def test_position_of_a_document_spanning_many_shards(tmp_path):
     docs = [[1, 2], list(range(1, 30)), [3]]
     _write(tmp_path / "s", docs, shard_tokens=4)

@@ -5,7 +5,9 @@ declares ``_supports_attention_backend`` calls whatever function its ``config._a
 names. :class:`HFContextParallel` registers :func:`cp_attention_function` there: this rank's
 queries over the keys and values of every cp rank
 (:func:`meshtrain.parallel.context.context_parallel.cp_attention`), with the causal mask built from the
-tokens' global positions and, when the layer passes one, its sliding window. Each batch
+tokens' global positions and, when the layer passes one, its sliding window; packed documents
+(``position_ids`` restarting at each, meshtrain.packing) are kept apart as one process keeps
+them. Each batch
 ``{"input_ids", "labels"}`` is cut by the zig-zag order, with ``position_ids`` for the model's
 positions and the labels shifted *before* the cut (``shift_labels``: a token's target may sit on
 another rank).
@@ -55,7 +57,7 @@ def cp_attention_function(module, query, key, value, attention_mask, dropout: fl
                               f"model's config); drop cp from the layout")
     out = cp_attention(query, key, value, module.meshtrain_cp_mesh, dropout_p=dropout,
                        scale=scaling, kv_groups=query.size(1) // key.size(1),
-                       window=sliding_window)
+                       window=sliding_window, position_ids=kwargs.get("position_ids"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -121,8 +123,10 @@ class HFContextParallel:
         ids = batch["input_ids"]
         out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "attention_mask")}
         out["input_ids"] = shard_sequence(ids, rank, degree)
-        positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
-        out["position_ids"] = shard_sequence(positions, rank, degree)
+        positions = batch.get("position_ids")  # (packed documents: restarting at each)
+        if positions is None:
+            positions = torch.arange(ids.size(1), device=ids.device)
+        out["position_ids"] = shard_sequence(positions.expand_as(ids), rank, degree)
         labels = batch.get("labels")
         if labels is not None:
             shifted = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)

@@ -116,17 +116,25 @@ def _as_stage(model: nn.Module, keep: list[int], first: bool, last: bool):
             config.layer_types = layer_types
 
 
-def run_stage(model: nn.Module, x: torch.Tensor, first: bool, last: bool) -> torch.Tensor:
+def run_stage(model: nn.Module, x: torch.Tensor, first: bool, last: bool,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The model's own forward on a stage: from token ids when ``first``, else from the hidden
-    state (``inputs_embeds``); the logits when ``last``, else the hidden state."""
+    state (``inputs_embeds``); the logits when ``last``, else the hidden state. ``position_ids``:
+    the batch's (packed documents: each stage's attention keeps to them, meshtrain.packing)."""
     inputs = {"input_ids" if first else "inputs_embeds": x, "use_cache": False}
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids.to(x.device)
     if last:
         return type(model).forward(model, **inputs).logits
     return model.base_model(**inputs)[0]
 
 
 def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return run_stage(self, x, self._pp_first, self._pp_last)
+    side = getattr(self, "_pp_side", None)  # this micro-batch's position ids (runner.py)
+    positions = side[self._pp_chunk].get("position_ids") if side else None
+    if x.is_meta:  # torch's shape inference: positions change no shape
+        positions = None
+    return run_stage(self, x, self._pp_first, self._pp_last, positions)
 
 
 class HFPipeline:
@@ -186,11 +194,18 @@ class HFPipeline:
         if mask is not None and not bool(mask.all()):
             raise ConfigError("pipeline parallel of a Hugging Face model does not support "
                               "padding (an attention_mask with zeros); pack the sequences")
-        extra = sorted(set(batch) - {"input_ids", "labels", "attention_mask"})
+        extra = sorted(set(batch) - {"input_ids", "labels", "attention_mask", "position_ids"})
         if extra:
-            raise ConfigError(f"pipeline parallel of {self.name} takes batches with input_ids "
-                              f"and labels only; got also {extra}")
+            raise ConfigError(f"pipeline parallel of {self.name} takes batches with input_ids, "
+                              f"labels and position_ids only; got also {extra}")
         return batch["input_ids"], batch["labels"]
+
+    def side_inputs(self, batch) -> dict | None:
+        """What every stage reads beside the hidden state: the batch's ``position_ids`` (packed
+        documents), or None."""
+        if isinstance(batch, dict) and batch.get("position_ids") is not None:
+            return {"position_ids": batch["position_ids"]}
+        return None
 
     def stage_forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Stages of one layer each, run one after another on the whole model (changed in place

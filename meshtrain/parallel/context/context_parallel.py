@@ -25,6 +25,7 @@ except ImportError:  # torch < 2.13 (e.g. the 2.11 of the GPU image): the same a
     )
 
 from meshtrain.errors import ConfigError
+from meshtrain.packing import document_mask
 
 
 def check_cp(seq_len: int, cp_degree: int) -> None:
@@ -87,7 +88,8 @@ def _gather_sequence(local: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
                  dropout_p: float = 0.0, scale: float | None = None,
-                 kv_groups: int = 1, window: int | None = None) -> torch.Tensor:
+                 kv_groups: int = 1, window: int | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys and values.
 
     ``q``, ``k``, ``v``: this rank's ``(batch, heads, local_len, head_dim)``, tokens in
@@ -96,7 +98,9 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     attention, each K/V head serves that many query heads (repeated after the gather, so the
     collective carries the K/V heads only). ``window``: a sliding window, a query attends to the
     ``window`` latest keys up to itself (``0 <= q_pos - k_pos < window``, as transformers'
-    sliding-window masks).
+    sliding-window masks). ``position_ids``: this rank's tokens' ``(batch, local_len)``
+    positions; where they restart (packed documents, meshtrain.packing) a query attends only
+    to keys of its own document (the positions of every rank gathered to tell them apart).
     """
     if kv_groups > 1:
         def repeat(t):
@@ -105,6 +109,11 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
         def repeat(t):
             return t
     if cp_mesh is None or cp_mesh.size() == 1:
+        if position_ids is not None:  # (one rank: its documents are the whole window's)
+            pos = torch.arange(q.size(-2), device=q.device)
+            mask = _causal_mask(pos, pos, window) & document_mask(position_ids)
+            return F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask,
+                                                  dropout_p=dropout_p, scale=scale)
         if window is None:
             return F.scaled_dot_product_attention(q, repeat(k), repeat(v), dropout_p=dropout_p,
                                                   is_causal=True, scale=scale)
@@ -129,8 +138,12 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     v_full = v_full[..., :width]
     q_pos = local_positions(local_len, cp_rank, cp_degree, device=q.device)
     k_pos = torch.arange(local_len * cp_degree, device=q.device)
-    return F.scaled_dot_product_attention(q, repeat(k_full), repeat(v_full),
-                                          attn_mask=_causal_mask(q_pos, k_pos, window),
+    mask = _causal_mask(q_pos, k_pos, window)
+    if position_ids is not None:  # the window's positions: which document each token is in
+        whole = _gather_sequence(position_ids.expand(q.size(0), -1), 1, cp_mesh.get_group())
+        whole = unshard_sequence(list(whole.chunk(cp_degree, 1)), cp_degree, 1)
+        mask = mask & document_mask(whole, q_pos, k_pos)
+    return F.scaled_dot_product_attention(q, repeat(k_full), repeat(v_full), attn_mask=mask,
                                           dropout_p=dropout_p, scale=scale)
 
 

@@ -203,6 +203,7 @@ class PipelineEngine(Engine):
             inputs, targets = self._step_inputs(batch, "training_step", self.num_microbatches)
         else:
             inputs, targets = self._split(batch)
+            self._set_side(batch, self.num_microbatches)
         self._num_calls += 1
         record = self._num_calls in self.RECORDED  # past one-time start-up costs
         self.runner.scale_loss = self.precision.scale_loss  # the schedule runs the backward
@@ -277,6 +278,7 @@ class PipelineEngine(Engine):
             self.eval_idx += 1
             self.eval_seen = None
             return loss.detach() if loss is not None else None
+        self._set_side(batch, 1)
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             loss = self.runner.eval_loss(*self._split(batch))
         self.eval_seen = (self.runner.eval_output, batch) if with_output else None
@@ -289,6 +291,7 @@ class PipelineEngine(Engine):
 
         inputs = (self.adapter.split_batch(batch)[0] if self.adapter is not None
                   else prediction_inputs(batch))
+        self._set_side(batch, 1)
         with self.precision.autocast(), batch_group(self.batch_pg):
             return self.runner.forward_only(inputs)
 
@@ -301,6 +304,12 @@ class PipelineEngine(Engine):
             events, path, title = timeline
             plot_timeline(events, path, title=title)
             self._timeline = None
+
+    def _set_side(self, batch, chunks: int) -> None:
+        """What the stages read beside the hidden state (the adapter's ``side_inputs``: a
+        Hugging Face model's position ids of packed documents), cut into ``chunks``."""
+        side = getattr(self.adapter, "side_inputs", None)
+        self.runner.set_side_inputs(side(batch) if side is not None else None, chunks)
 
     def _split(self, batch):
         """(inputs, targets) of a batch: the adapter's split (a dict batch), else the pair."""

@@ -55,6 +55,8 @@ class PipelineRunner:
         p2p = self.group if p2p_group is None else p2p_group
         self.stages = [PipelineStage(m, i, num_stages, device, group=p2p)
                        for m, i in zip(self.modules, self.indices)]
+        for stage in self.stages:  # (which micro-batch a forward is of: set_side_inputs)
+            stage.forward_one_chunk = _numbered(stage.forward_one_chunk, stage.submod)
         cls = lean(SCHEDULES[schedule])  # torch's schedule, its action loop made leaner
         target = self.stages[0] if schedule in SINGLE_STAGE else self.stages
         self.schedule = cls(target, num_microbatches, loss_fn=self._train_loss,
@@ -64,6 +66,18 @@ class PipelineRunner:
 
     def parameters(self):
         return [p for m in self.modules for p in m.parameters()]
+
+    def set_side_inputs(self, side: dict | None, chunks: int) -> None:
+        """Tensors each stage's forward may read beside the tensor it receives (a Hugging Face
+        model's ``position_ids`` of packed documents: every pp rank loads the whole batch),
+        cut into ``chunks`` micro-batches as the schedule cuts the inputs: a stage's forward of
+        micro-batch ``i`` finds them in ``module._pp_side[i]`` (``module._pp_chunk`` = i)."""
+        parts = None
+        if side:
+            cut = [torch.tensor_split(value, chunks) for value in side.values()]
+            parts = [dict(zip(side, values)) for values in zip(*cut)]
+        for module in self.modules:
+            module._pp_side, module._pp_chunk = parts, 0
 
     def _train_loss(self, output, target) -> torch.Tensor:
         """The loss of one micro-batch, as the schedule runs backward on it: divided by the
@@ -142,6 +156,9 @@ class PipelineRunner:
 
         methods = (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
                    ("backward_weight_one_chunk", "W"))
+        # (put back after: an instance's own wrapper, as _numbered's, or else the method)
+        before = [{name: stage.__dict__.get(name) for name, _ in methods}
+                  for stage in self.stages]
         for stage in self.stages:
             for name, kind in methods:
                 timed(stage, name, kind)
@@ -153,9 +170,12 @@ class PipelineRunner:
             yield
         finally:
             self._record_loss = None
-            for stage in self.stages:
+            for stage, own in zip(self.stages, before):
                 for name, _ in methods:
-                    del stage.__dict__[name]
+                    if own[name] is None:
+                        del stage.__dict__[name]
+                    else:
+                        stage.__dict__[name] = own[name]
 
     @torch.no_grad()
     def eval_loss(self, inputs, targets) -> torch.Tensor | None:
@@ -198,6 +218,14 @@ class PipelineRunner:
             for m, mode in zip(self.modules, modes):
                 m.train(mode)
         return last
+
+
+def _numbered(forward_one_chunk, module):
+    """A stage's ``forward_one_chunk`` that first tells its module which micro-batch it runs."""
+    def run(fwd_chunk_id, *args, **kwargs):
+        module._pp_chunk = fwd_chunk_id
+        return forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+    return run
 
 
 def clip_grad_norm_(parameters, max_norm: float | None, pp_group,

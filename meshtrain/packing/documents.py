@@ -1,0 +1,49 @@
+"""Documents packed into one window, told apart by their position ids.
+
+A packed window holds the end of one document, whole documents, and the start of another, each
+followed by the end-of-text token. Its ``position_ids`` restart at 0 on each document's first
+token (``PackedTokens(..., document_mask=True)``), and that is all a model needs to keep its
+attention inside a document: a new document starts wherever the position does not go up by one
+(transformers' rule, ``find_packed_sequence_indices``, so that a Hugging Face model given
+``position_ids`` and no ``attention_mask`` masks the same way). :func:`document_mask` is that mask
+for ``F.scaled_dot_product_attention`` in a model of your own; meshtrain's context-parallel
+attention builds the same from the gathered positions, and the pipeline stages pass the positions
+on (docs/llm.md, "Packed documents").
+
+A token's target is the next token: the last token of a document (its end-of-text) would be
+trained to predict the next document's first token, from a context that cannot see it.
+:func:`cut_targets` drops those targets, as torchtitan does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """The document index of each token (0, 1, ... along the last dim): a new one wherever
+    the position does not follow the previous token's by one."""
+    step = torch.diff(position_ids, prepend=position_ids[..., :1] - 1, dim=-1)
+    return (step != 1).cumsum(-1)
+
+
+def document_mask(position_ids: torch.Tensor, q_index: torch.Tensor | None = None,
+                  k_index: torch.Tensor | None = None) -> torch.Tensor:
+    """``(batch, 1, queries, keys)`` booleans for ``F.scaled_dot_product_attention``: True where
+    a token may attend to a key (causal, the same document). ``position_ids``: ``(batch, L)`` of
+    the whole window. ``q_index`` / ``k_index``: which tokens of it the queries and keys are (by
+    default all, in order; context parallel gives a rank's share of the queries)."""
+    docs = document_ids(position_ids)
+    length = position_ids.size(-1)
+    q = torch.arange(length, device=docs.device) if q_index is None else q_index
+    k = torch.arange(length, device=docs.device) if k_index is None else k_index
+    same = docs[:, q, None] == docs[:, None, k]
+    return (same & (q[:, None] >= k[None, :]))[:, None]
+
+
+def cut_targets(labels: torch.Tensor, position_ids: torch.Tensor,
+                ignore_index: int = -100) -> torch.Tensor:
+    """Labels in transformers' convention (``labels[t + 1]`` is token ``t``'s target) without the
+    targets that cross a document boundary: ``ignore_index`` on each document's first token."""
+    starts = torch.diff(position_ids, prepend=position_ids[..., :1] - 1, dim=-1) != 1
+    return labels.masked_fill(starts, ignore_index)

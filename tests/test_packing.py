@@ -1,0 +1,129 @@
+"""Packed documents kept apart (meshtrain.packing): no attention and no target across a document
+boundary, so packed training is training on the documents one per row, under every layout."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers  # noqa: F401  (the `test` extra installs it: these tests never skip)
+from parity import LOSSES, adamw_gpt, assert_parity, params_of, train_state
+
+from meshtrain.models.hf import tiny_llama
+from meshtrain.packing import cut_targets, document_ids, document_mask
+
+torch.set_num_threads(1)
+SEQ, ROWS, VOCAB = 16, 40, 32
+
+
+def _lengths(row: int) -> tuple[int, int]:
+    """Two documents fill each packed row (their lengths vary from row to row)."""
+    first = 3 + (7 * row) % 11
+    return first, SEQ - first
+
+
+def _tokens(row: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(row))
+
+
+def packed_docs() -> list[dict]:
+    """Each row two documents: position ids restarting at the second, its first label cut."""
+    rows = []
+    for row in range(ROWS):
+        ids = _tokens(row)
+        first, second = _lengths(row)
+        positions = torch.cat([torch.arange(first), torch.arange(second)])
+        rows.append({"input_ids": ids, "labels": cut_targets(ids, positions),
+                     "position_ids": positions})
+    return rows
+
+
+def unpacked_docs() -> list[dict]:
+    """The same documents one per row, padded at the end (attention mask 0, labels -100)."""
+    rows = []
+    for row in range(ROWS):
+        ids = _tokens(row)
+        first, _ = _lengths(row)
+        for doc in (ids[:first], ids[first:]):
+            pad = SEQ - len(doc)
+            mask = torch.cat([torch.ones(len(doc), dtype=torch.long),
+                              torch.zeros(pad, dtype=torch.long)])
+            padded = F.pad(doc, (0, pad))
+            rows.append({"input_ids": padded, "attention_mask": mask,
+                         "labels": padded.masked_fill(mask == 0, -100)})
+    return rows
+
+
+def llama():
+    return tiny_llama(num_layers=4, seq_len=SEQ)
+
+
+FNS = dict(model_fn=llama, data_fn=packed_docs, loss_fn=None, optimizer_fn=adamw_gpt)
+
+
+def test_document_ids_and_mask_follow_the_positions():
+    positions = torch.tensor([[3, 4, 0, 1, 2, 0, 0, 1]])  # a document begun before the window
+    assert document_ids(positions).tolist() == [[0, 0, 1, 1, 1, 2, 3, 3]]
+    mask = document_mask(positions)[0, 0]
+    assert mask[4].tolist() == [False, False, True, True, True, False, False, False]
+    assert mask[7].tolist() == [False] * 6 + [True, True]
+    assert torch.equal(document_mask(torch.arange(8)[None])[0, 0],
+                       torch.ones(8, 8, dtype=torch.bool).tril())
+    # a model of your own: SDPA with the mask is attention within each document
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    alone = F.scaled_dot_product_attention(q[..., 2:5, :], k[..., 2:5, :], v[..., 2:5, :],
+                                           is_causal=True)
+    assert torch.allclose(out[..., 2:5, :], alone, atol=1e-15)
+
+
+def test_a_token_has_zero_gradient_from_earlier_documents():
+    model = llama().double()
+    ids = packed_docs()[3]
+    embeds = model.get_input_embeddings()(ids["input_ids"][None]).detach().requires_grad_(True)
+    first, _ = _lengths(3)
+    for positions, leaks in ((ids["position_ids"][None], False), (None, True)):
+        embeds.grad = None
+        logits = model(inputs_embeds=embeds, position_ids=positions).logits
+        logits[0, first:].sum().backward()  # the second document's outputs
+        earlier = embeds.grad[0, :first]
+        assert (earlier.abs().sum() > 0) == leaks  # without positions: one causal window
+        assert embeds.grad[0, first:].abs().sum() > 0
+    assert torch.count_nonzero(earlier) > 0
+    embeds.grad = None
+    model(inputs_embeds=embeds, position_ids=ids["position_ids"][None]).logits[0, first:].sum().backward()
+    assert torch.count_nonzero(embeds.grad[0, :first]) == 0  # exactly zero, not small
+
+
+def test_packed_training_equals_training_on_the_documents_one_per_row():
+    """20 steps in float64: two packed rows a step against their four documents padded, the
+    loss a mean over the same targets: every step's loss and the weights agree."""
+    common = dict(max_steps=20, shuffle=False, log_grad_norm=True)
+    packed = train_state(dict(common, global_batch_size=2), float64=True, **FNS)
+    unpacked = train_state(dict(common, global_batch_size=4), float64=True,
+                           **dict(FNS, data_fn=unpacked_docs))
+    # (transformers computes the loss in float32 whatever the model: the sum over the tokens,
+    # in another order, rounds at 1e-7; each token's gradient is the same)
+    assert torch.allclose(packed[LOSSES], unpacked[LOSSES], rtol=1e-6, atol=0)
+    start = llama().state_dict()
+    assert max((packed[k] - start[k]).abs().max().item() for k in start) > 1e-2  # it trained
+    for name, value in params_of(unpacked).items():
+        assert torch.allclose(packed[name], value, rtol=1e-12, atol=1e-14), name
+    mixed = train_state(dict(common, global_batch_size=2), float64=True,  # positions dropped
+                        **dict(FNS, data_fn=without_positions))
+    assert not torch.allclose(mixed[LOSSES], unpacked[LOSSES], rtol=1e-4, atol=0)
+
+
+def without_positions() -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "position_ids"} for row in packed_docs()]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout, procs, options", [
+    ("dp=2", 2, {}), ("tp=2", 2, {}), ("cp=2", 2, {}), ("pp=2", 2, {"micro_batch_size": 2}),
+    ("pp=2", 2, {"micro_batch_size": 1, "parallel_kwargs": dict(
+        pp_schedule="interleaved-1f1b", stages_per_rank=2)})],
+    ids=["dp=2", "tp=2", "cp=2", "pp=2", "pp=2-interleaved"])
+def test_packed_documents_match_one_process(layout, procs, options):
+    """Under cp a document crosses the cut between ranks (the zig-zag chunks of 4 tokens):
+    the gathered positions keep each query in its document. Under pp every stage gets its
+    micro-batch's positions (4 micro-batches: a wrong one shows)."""
+    assert_parity(layout, procs, steps=6, global_batch_size=8, fns=FNS, **options)
