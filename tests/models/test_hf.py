@@ -99,8 +99,6 @@ def test_tp_config_errors():
         hf_tp_plan(tiny_llama(num_heads=4, num_kv_heads=2), tp=4)
     with pytest.raises(ConfigError, match="declares no tensor-parallel plan"):
         default_tp_plan(tiny_gpt2(), 2)
-    with pytest.raises(ConfigError, match="sequence_parallel"):
-        default_tp_plan(tiny_llama(), 2, sequence_parallel=True)
     with pytest.raises(ConfigError, match="out_features of model.layers.0.mlp.gate_proj=24"):
         hf_tp_plan(tiny_llama(intermediate_size=24, num_heads=16, num_kv_heads=16), tp=16)
     moe = tiny_causal_lm("Qwen3Moe", vocab_size=32, hidden_size=16, num_hidden_layers=1,

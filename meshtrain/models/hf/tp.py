@@ -124,16 +124,18 @@ def hf_tp_plan(model: nn.Module, tp: int | None = None) -> dict[str, ParallelSty
 def default_tp_plan(model: nn.Module, tp: int | None = None, *, sequence_parallel: bool = False,
                     loss_parallel: bool = False) -> dict[str, ParallelStyle] | None:
     """The declared plan of a Hugging Face model, or ``None`` for other models (which supply
-    their own). Sequence and loss parallel are not available for Hugging Face models."""
+    their own); with sequence and/or loss parallel built on it (models/hf/tp_sequence.py)."""
     from meshtrain.models.hf import is_hf_model
 
     if not is_hf_model(model):
         return None
+    plan = hf_tp_plan(model, tp)
     if sequence_parallel or loss_parallel:
-        raise ConfigError(
-            "sequence_parallel and loss_parallel are not available for Hugging Face models "
-            "(the model computes its loss itself from replicated logits); turn them off")
-    return hf_tp_plan(model, tp)
+        from meshtrain.models.hf.tp_sequence import sequence_plan
+
+        plan = sequence_plan(model, plan, sequence_parallel=sequence_parallel,
+                             loss_parallel=loss_parallel)
+    return plan
 
 
 def hf_tp_plans(tp_degree: int, sequence_parallel: bool, loss_parallel: bool):

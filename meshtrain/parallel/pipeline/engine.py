@@ -230,7 +230,8 @@ class PipelineEngine(Engine):
                 loss = self.runner.step(inputs, targets)
         if self.step_loss is not None and self.step_loss.module is not None:
             self.step_loss.commit(self.num_microbatches)  # what the micro-batches' steps logged
-        loss = loss.detach() if loss is not None else torch.zeros((), device=self.device)
+        # (plain: under loss parallel the last stage's loss is a replicated DTensor)
+        loss = plain(loss.detach()) if loss is not None else torch.zeros((), device=self.device)
         if self.router_loss is not None:  # the MoE balancing loss this rank's stages added
             loss = loss + self.router_loss.added_loss().to(loss.dtype)
         self.unit = throughput_unit(inputs if inputs is not None else batch)
@@ -281,6 +282,7 @@ class PipelineEngine(Engine):
         self._set_side(batch, 1)
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             loss = self.runner.eval_loss(*self._split(batch))
+        loss = plain(loss) if loss is not None else None
         self.eval_seen = (self.runner.eval_output, batch) if with_output else None
         return loss
 
