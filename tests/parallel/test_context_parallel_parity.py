@@ -47,9 +47,15 @@ def test_cp_with_pp_is_refused_by_the_layout():
         Layout.parse("pp=2,cp=2", 4)
 
 
-def test_a_model_without_context_parallel_support_is_refused():
+def test_a_model_whose_attention_meshtrain_cannot_see_is_refused():
     from meshtrain.parallel.apply import ParallelOptions, check_model
     from meshtrain.parallel.layout import Layout
 
-    with pytest.raises(ConfigError, match="Linear does not support context parallel"):
-        check_model(torch.nn.Linear(4, 4), Layout.parse("cp=2", 2), ParallelOptions())
+    layout, options = Layout.parse("cp=2", 2), ParallelOptions()
+    with pytest.raises(ConfigError, match="Linear does not support context parallel .*calls no "
+                                          "F.scaled_dot_product_attention"):
+        check_model(torch.nn.Linear(4, 4), layout, options,
+                    sample_inputs=lambda: torch.zeros(2, 8, 4))
+    with pytest.raises(ConfigError, match="needs .inputs, targets. samples"):
+        check_model(torch.nn.Linear(4, 4), layout, options,
+                    sample_inputs=lambda: {"input_ids": torch.zeros(2, 8)})

@@ -25,7 +25,8 @@ except ImportError:  # torch < 2.13 (e.g. the 2.11 of the GPU image): the same a
     )
 
 from meshtrain.errors import ConfigError
-from meshtrain.packing import document_mask
+from meshtrain.packing import document_ids, document_mask
+from meshtrain.parallel.context import blockwise
 
 
 def check_cp(seq_len: int, cp_degree: int) -> None:
@@ -138,10 +139,18 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     v_full = v_full[..., :width]
     q_pos = local_positions(local_len, cp_rank, cp_degree, device=q.device)
     k_pos = torch.arange(local_len * cp_degree, device=q.device)
-    mask = _causal_mask(q_pos, k_pos, window)
+    whole = None
     if position_ids is not None:  # the window's positions: which document each token is in
         whole = _gather_sequence(position_ids.expand(q.size(0), -1), 1, cp_mesh.get_group())
         whole = unshard_sequence(list(whole.chunk(cp_degree, 1)), cp_degree, 1)
+    if blockwise.ENABLED and blockwise.supported(q, k, v, dropout_p):  # (blockwise.py)
+        k_docs = document_ids(whole) if whole is not None else None
+        return blockwise.block_attention(
+            q, repeat(k_full), repeat(v_full), q_pos, chunk=local_len // 2, window=window,
+            q_docs=k_docs[:, q_pos] if k_docs is not None else None, k_docs=k_docs,
+            scale=scale)
+    mask = _causal_mask(q_pos, k_pos, window)  # (dropout, GPU, unequal head widths)
+    if whole is not None:
         mask = mask & document_mask(whole, q_pos, k_pos)
     return F.scaled_dot_product_attention(q, repeat(k_full), repeat(v_full), attn_mask=mask,
                                           dropout_p=dropout_p, scale=scale)
@@ -157,21 +166,31 @@ def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -
 # -- the apply step ---------------------------------------------------------------------------
 def cp_support(model: torch.nn.Module, adapter=None):
     """What makes ``model`` context parallel: the model itself (meshtrain's GPT has the methods),
-    or what ``adapter(model)`` returns for it (the Trainer's adapter for Hugging Face models)."""
+    what ``adapter(model)`` returns for it (the Trainer's adapter for Hugging Face models), or
+    else meshtrain's reading of its SDPA calls (sdpa.py)."""
     support = adapter(model) if adapter is not None else None
-    return model if support is None else support
+    if support is not None:
+        return support
+    if callable(getattr(model, "enable_context_parallel", None)):
+        return model
+    from meshtrain.parallel.context.sdpa import SDPAContextParallel
+
+    return SDPAContextParallel(model)
 
 
-def check_cp_model(model: torch.nn.Module, cp_degree: int, adapter=None) -> None:
+def check_cp_model(model: torch.nn.Module, cp_degree: int, adapter=None,
+                   sample_inputs=None) -> None:
     """A model takes part in context parallelism through ``enable_context_parallel(cp_mesh)``
-    (its attention then calls :func:`cp_attention`, its positions :func:`local_positions`);
-    ``check_context_parallel(cp_degree)``, when it has one, checks its sizes."""
+    (its attention then calls :func:`cp_attention`, its positions :func:`local_positions`), or
+    through its ``F.scaled_dot_product_attention`` calls (sdpa.py, checked on a training sample:
+    ``sample_inputs``); ``check_context_parallel(cp_degree)``, when it has one, checks its
+    sizes."""
+    from meshtrain.parallel.context.sdpa import SDPAContextParallel
+
     support = cp_support(model, adapter)
-    if not callable(getattr(support, "enable_context_parallel", None)):
-        raise ConfigError(
-            f"{type(model).__name__} does not support context parallel (cp): it needs "
-            "enable_context_parallel(cp_mesh), which makes its attention gather keys and values "
-            "over the cp group (see meshtrain.models.gpt); drop cp from the layout")
+    if isinstance(support, SDPAContextParallel):
+        support.check_context_parallel(cp_degree, sample_inputs)
+        return
     check = getattr(support, "check_context_parallel", None)
     if callable(check):
         check(cp_degree)

@@ -1,0 +1,178 @@
+"""Context parallel for a model of your own whose attention calls
+``F.scaled_dot_product_attention``, without changes to its code.
+
+Each rank runs the model on its zig-zag share of every sequence (context_parallel.py). What in
+its forward depends on the whole sequence is seen through a ``TorchFunctionMode`` active while
+the model runs:
+
+- ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` becomes
+  :func:`~meshtrain.parallel.context.context_parallel.cp_attention`: this rank's queries over
+  every rank's keys and values (grouped-query attention, ``enable_gqa``, included);
+- positions: ``torch.arange(n)`` for the local length ``n``, and a slice ``[:n]`` of one of the
+  model's parameters or buffers along a dimension (``self.pos[:T]``, ``self.freqs[:, :T]``), give
+  the global positions of this rank's tokens instead (``local_positions``), so a learned or
+  rotary position table is read at the right rows, and its gradient goes to them.
+
+Before any process starts the forward runs once on the meta device on a training sample
+(:meth:`SDPAContextParallel.check_context_parallel`): a model whose forward calls no SDPA is
+refused (meshtrain cannot see its attention: it needs ``enable_context_parallel``), and so is an
+SDPA call that is not causal or passes a mask (what ``cp_attention`` would not compute).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from meshtrain.errors import ConfigError
+
+_SDPA = F.scaled_dot_product_attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")
+
+
+def _sdpa_args(args, kwargs) -> dict:
+    return {**dict(zip(_SDPA_ARGS, args)), **kwargs}
+
+
+def _refusal(name: str, call: dict) -> str | None:
+    if call.get("attn_mask") is not None:
+        return (f"{name} calls F.scaled_dot_product_attention with an attn_mask, which "
+                "meshtrain's context parallel does not split (it computes causal attention over "
+                "the gathered keys); use is_causal=True without a mask, or drop cp")
+    if not call.get("is_causal", False):
+        return (f"{name} calls F.scaled_dot_product_attention without is_causal=True; "
+                "meshtrain's context parallel computes causal attention only; drop cp")
+    return None
+
+
+class _Probe(TorchFunctionMode):
+    """Records the SDPA calls of one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            self.calls.append(_sdpa_args(args, kwargs))
+        return func(*args, **kwargs)
+
+
+class _ContextParallelMode(TorchFunctionMode):
+    """While the model runs on this rank's share: SDPA over the cp group, positions global."""
+
+    def __init__(self, model: nn.Module, cp_mesh):
+        super().__init__()
+        self.model, self.cp_mesh, self.local_len = model, cp_mesh, None
+        self.tables: set[int] = set()
+
+    def positions(self, device=None) -> torch.Tensor:
+        from meshtrain.parallel.context.context_parallel import local_positions
+
+        return local_positions(self.local_len, self.cp_mesh.get_local_rank(), self.cp_mesh.size(),
+                               device=device)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            from meshtrain.parallel.context.context_parallel import cp_attention
+
+            call = _sdpa_args(args, kwargs)
+            refusal = _refusal(type(self.model).__name__, call)
+            if refusal is not None:
+                raise ConfigError(refusal)
+            q, k, v = call["query"], call["key"], call["value"]
+            return cp_attention(q, k, v, self.cp_mesh, dropout_p=call.get("dropout_p", 0.0),
+                                scale=call.get("scale"), kv_groups=q.size(-3) // k.size(-3))
+        if func is torch.arange and self._is_local_range(args, kwargs):
+            positions = self.positions(kwargs.get("device"))
+            return positions.to(kwargs["dtype"]) if kwargs.get("dtype") else positions
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
+            dim = self._table_slice(*args)
+            if dim is not None:
+                return args[0].index_select(dim, self.positions(args[0].device))
+        return func(*args, **kwargs)
+
+    def _is_local_range(self, args, kwargs) -> bool:
+        if kwargs.get("step") not in (None, 1) or kwargs.get("start") not in (None, 0):
+            return False
+        ends = [a for a in args if not isinstance(a, torch.Tensor)]
+        return (ends == [self.local_len] or ends == [0, self.local_len]) and len(args) <= 2
+
+    def _table_slice(self, tensor, index) -> int | None:
+        """The dim that ``tensor[index]`` cuts to the local length from 0, when ``tensor`` is
+        one of the model's parameters or buffers and the index only does that."""
+        if not (isinstance(tensor, nn.Parameter) or id(tensor) in self.tables):
+            return None
+        index = index if isinstance(index, tuple) else (index,)
+        cuts = [d for d, i in enumerate(index) if isinstance(i, slice) and i.start in (None, 0)
+                and i.stop == self.local_len and i.step in (None, 1)]
+        whole = [d for d, i in enumerate(index) if i == slice(None)]
+        if len(cuts) == 1 and len(cuts) + len(whole) == len(index) and \
+                tensor.size(cuts[0]) >= self.local_len:
+            return cuts[0]
+        return None
+
+
+def _sequence_length(args, kwargs) -> int | None:
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return first.size(1) if first is not None and first.dim() >= 2 else None
+
+
+class SDPAContextParallel:
+    """What makes ``model`` context parallel when it brings nothing of its own (see the
+    module's doc)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def check_context_parallel(self, cp_degree: int, sample_inputs=None) -> None:
+        from meshtrain.parallel.context.context_parallel import check_cp
+
+        name = type(self.model).__name__
+        if sample_inputs is None:  # (checked before the processes started, on a sample)
+            return
+        inputs = sample_inputs()
+        if not isinstance(inputs, torch.Tensor):
+            raise ConfigError(
+                f"{name} has no enable_context_parallel(cp_mesh), and meshtrain finds the "
+                "attention of a model of your own by running it once on a training sample, "
+                "which needs (inputs, targets) samples whose inputs are a tensor; give the model "
+                "enable_context_parallel (see meshtrain.models.gpt), or drop cp")
+        check_cp(inputs.size(1), cp_degree)
+        probe = _Probe()
+        device = next(self.model.parameters()).device  # (a meta copy: new tensors there too)
+        try:
+            with torch.no_grad(), torch.device(device), probe:
+                self.model(inputs.to(device))
+        except Exception:  # noqa: BLE001 - not cp's to report (the first step says why)
+            return
+        if not probe.calls:
+            raise ConfigError(
+                f"{name} does not support context parallel (cp): its forward calls no "
+                "F.scaled_dot_product_attention (meshtrain splits the attention it can see) "
+                "and it has no enable_context_parallel(cp_mesh); use SDPA with is_causal=True, "
+                "add enable_context_parallel (see meshtrain.models.gpt), or drop cp")
+        for call in probe.calls:
+            refusal = _refusal(name, call)
+            if refusal is not None:
+                raise ConfigError(refusal)
+
+    def enable_context_parallel(self, cp_mesh) -> None:
+        mode = _ContextParallelMode(self.model, cp_mesh)
+
+        def enter(module, args, kwargs):
+            mode.local_len = _sequence_length(args, kwargs)
+            mode.tables = {id(b) for b in module.buffers()}
+            mode.__enter__()
+
+        def leave(module, args, kwargs, output):
+            mode.__exit__(None, None, None)
+            return output
+
+        self.model.register_forward_pre_hook(enter, with_kwargs=True)
+        self.model.register_forward_hook(leave, with_kwargs=True, always_call=True)
