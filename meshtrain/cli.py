@@ -34,20 +34,47 @@ import sys
 from meshtrain import __version__
 from meshtrain.errors import ConfigError
 
-USAGE = __doc__
+#: every command, with one line (``meshtrain --help``; the module's doc has the forms)
+COMMANDS = {
+    "train": "train the job a config describes (CONFIG.toml [--section.key value ...])",
+    "lr-find": "learning-rate range test of a config's job",
+    "memory": "per-rank model-state memory of a config's job (one step)",
+    "parity": "train K steps in one process and under each layout, and compare",
+    "run": "start a script on N processes (torchrun's flags)",
+    "slurm": "write (and submit) an sbatch script for a script",
+    "export": "a checkpoint as one state_dict file, or as a Hugging Face folder (--hf)",
+    "upgrade-checkpoint": "an older meshtrain's checkpoint made safe to load (--trust)",
+    "bench": "collectives' time and bandwidth on this machine (bench comm)",
+    "plan": "every legal layout of a model on a cluster, ranked by estimated step time",
+    "prepare": "text or JSON lines -> token shards for the causal_lm recipe",
+    "report": "a run folder's one-page report (report.html)",
+    "sweep": "hyperparameter search (Optuna) over a config's job",
+}
+USAGE = ("usage: meshtrain COMMAND [ARGS ...]   (meshtrain COMMAND --help: its arguments)\n\n"
+         "commands:\n" + "".join(f"  {name:<20}{text}\n" for name, text in COMMANDS.items())
+         + "  --version           meshtrain's version\n\nforms:\n"
+         + __doc__.split("\n", 2)[2].rstrip() + "\n\nA config's settings: meshtrain train "
+         "--help, docs/reference.md.")
 
 
 def _recipe(argv: list[str], mode: str) -> int:
-    from meshtrain.recipes import run_config
+    from meshtrain.recipes import resolve_config, run_config
+    from meshtrain.settings.reference import help_text
 
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: meshtrain {mode} CONFIG.toml [--dry-run] [--section.key=value ...]\n\n"
+    if not argv or "-h" in argv or "--help" in argv:
+        config = None
+        if argv and not argv[0].startswith("-"):  # CONFIG --help: its settings, resolved
+            config = resolve_config(argv[0], [a for a in argv[1:]
+                                              if a not in ("-h", "--help", "--dry-run")])[1]
+        print(f"usage: meshtrain {mode} CONFIG.toml [--dry-run] [--section.key value ...]\n\n"
               "--dry-run prints the resolved config (every section and setting), makes every "
               "check train makes before any process starts (settings, data, the model against "
-              "the layout on a meta-device copy) and exits without training.\nSections and "
-              "settings: docs/reference.md.\n\nExample: "
-              f"meshtrain {mode} examples/char_gpt.toml --trainer.layout=zero3=2 "
-              "--parallel.activation_checkpointing=full")
+              "the layout on a meta-device copy) and exits without training. A setting is "
+              "written --section.key value or --section.key=value (docs/reference.md).\n\n"
+              f"Example: meshtrain {mode} examples/char_gpt.toml --trainer.layout zero3=2 "
+              "--parallel.activation_checkpointing full\n\n"
+              + ("settings of this config:" if config is not None else "settings:")
+              + "\n\n" + help_text(config))
         return 0 if argv else 2
     dry_run = "--dry-run" in argv
     args = [a for a in argv if a != "--dry-run"]
@@ -113,10 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             from meshtrain.launch.slurm import slurm
 
             return slurm(rest)
-        raise ConfigError(
-            f"unknown command {command!r}; commands: train, lr-find, memory, parity, run, slurm, "
-            "export, upgrade-checkpoint, bench, plan, prepare, report, sweep (see --help)"
-        )
+        raise ConfigError(f"unknown command {command!r}; commands: {', '.join(COMMANDS)} "
+                          "(see meshtrain --help)")
     except ConfigError as error:
         print(f"meshtrain: error: {error}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Job configuration: TOML files, ``--section.key=value`` overrides, and the resolved result.
+"""Job configuration: TOML files, ``--section.key=value`` (or ``--section.key value``)
+overrides, and the resolved result.
 
 A config is a two-level mapping (``[section]`` then ``key = value``). Resolution is
 ``defaults <- file <- overrides``; a key the defaults do not know is an error that lists the
@@ -34,7 +35,8 @@ def parse_override(text: str) -> tuple[str, str, object]:
     body = text[2:] if text.startswith("--") else text
     if "=" not in body or "." not in body.split("=", 1)[0]:
         raise ConfigError(
-            f"cannot read override {text!r}: write --section.key=value, e.g. --trainer.max_steps=10"
+            f"cannot read override {text!r}: write --section.key=value or --section.key value, "
+            "e.g. --trainer.max_steps=10"
         )
     dotted, raw = body.split("=", 1)
     section, key = dotted.split(".", 1)
@@ -43,6 +45,23 @@ def parse_override(text: str) -> tuple[str, str, object]:
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is a string: --trainer.layout=dp=2
     return section, key, value
+
+
+def join_overrides(args: list[str]) -> list[str]:
+    """``--section.key value`` pairs joined into ``--section.key=value`` (LightningCLI's and
+    torchtitan's space form beside meshtrain's ``=`` form); other arguments as they are."""
+    joined, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        name = arg[2:] if arg.startswith("--") else ""
+        if name and "=" not in name and "." in name and i + 1 < len(args) and \
+                not args[i + 1].startswith("--"):
+            joined.append(f"{arg}={args[i + 1]}")
+            i += 2
+            continue
+        joined.append(arg)
+        i += 1
+    return joined
 
 
 def unknown_key_message(known: dict[str, dict], section: str, key: str, origin: str,
@@ -93,7 +112,7 @@ def resolve(defaults: dict, file_config: dict, overrides: list[str],
             raise ConfigError(f"top-level key {section!r} must be a [section] table")
         for key, value in values.items():
             put(section, key, value, "the config file")
-    for text in overrides:
+    for text in join_overrides(list(overrides)):
         section, key, value = parse_override(text)
         put(section, key, value, f"override {text!r}")
     return config

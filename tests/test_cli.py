@@ -134,6 +134,35 @@ def test_version_and_help():
     assert any("export" in line and "--hf" in line for line in out.stdout.splitlines())
 
 
+def test_help_lists_commands_and_every_setting_with_its_default():
+    out = meshtrain("--help", cwd=ROOT)
+    commands = out.stdout.split("commands:")[1].split("forms:")[0].splitlines()
+    assert any(line.split()[:1] == ["sweep"] for line in commands)  # one line each
+    out = meshtrain("train", "--help", cwd=ROOT)
+    assert out.returncode == 0
+    assert "  --trainer.max_steps  (default: none)" in out.stdout
+    assert "  --checkpoint.resume  (default: \"auto\")" in out.stdout
+    out = meshtrain("train", "examples/char_gpt.toml", "--trainer.max_steps", "7", "--help",
+                    cwd=ROOT)  # a config's values, the space form read
+    assert "  --trainer.max_steps  (value: 7)" in out.stdout, out.stdout[-2000:]
+    assert "[model]" in out.stdout
+
+
+def test_overrides_take_the_space_form_too(tmp_path):
+    from meshtrain.config import join_overrides
+
+    out = meshtrain("train", str(ROOT / "examples/char_gpt.toml"), "--trainer.max_steps", "5",
+                    "--trainer.devices", "1", "--trainer.layout", "none", "--logging.root_dir",
+                    str(tmp_path), "--checkpoint.resume", "none", cwd=ROOT, timeout=200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "max_steps = 5" in out.stdout and "fit: 5 steps" in out.stdout
+
+    assert join_overrides(["--trainer.max_steps", "10", "--trainer.layout=dp=2",
+                           "--optimizer.lr", "-1e-3"]) == [
+        "--trainer.max_steps=10", "--trainer.layout=dp=2", "--optimizer.lr=-1e-3"]
+    assert join_overrides(["--dry-run", "x"]) == ["--dry-run", "x"]  # not a setting
+
+
 def test_overrides_are_read_as_toml_values():
     assert parse_override("--trainer.max_steps=10") == ("trainer", "max_steps", 10)
     assert parse_override("--trainer.layout=dp=2") == ("trainer", "layout", "dp=2")

@@ -330,5 +330,7 @@ def resume_fit(trainer, path) -> None:
             f"{getattr(trainer, setting)}): nothing would be trained; raise {setting} to "
             f"continue that run past step {step}, or start a new run with resume=None{elsewhere}")
     trainer.load_checkpoint(path)
+    fresh = ("; resume=None (--checkpoint.resume=none) starts a new run instead"
+             if trainer.resume == "auto" else "")
     trainer.print(f"resumed from {path} at step {trainer.global_step} (training on to step "
-                  f"{total} in {trainer.run_dir})")
+                  f"{total} in {trainer.run_dir}){fresh}")

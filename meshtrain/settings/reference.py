@@ -153,3 +153,32 @@ def docstring() -> str:
         text = f"{s.name}: {s.doc} ({kind}; default {s.default!r}{needs}; {where})"
         lines += textwrap.wrap(text, width=96, initial_indent="    ", subsequent_indent="        ")
     return "\n".join(lines)
+
+
+def help_text(config: dict | None = None) -> str:
+    """The settings a config can hold, by section, for ``meshtrain train --help``: each as
+    ``--section.key`` with its default (or, given a resolved ``config``, its value there; a
+    recipe's own sections too) and the first sentence of its doc."""
+    import re
+    import textwrap
+
+    from meshtrain.settings import SETTINGS
+
+    lines = []
+    sections = config if config is not None else {s.section: {} for s in SETTINGS.values()}
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        known = [s for s in SETTINGS.values() if s.section == section and s.config]
+        names = [s.name for s in known] + [k for k in values if k not in SETTINGS]
+        for name in names:
+            setting = SETTINGS.get(name)
+            value = toml_value(values[name]) if name in values else default_text(setting)
+            what = "value" if config is not None else "default"
+            lines.append(f"  --{section}.{name}  ({what}: {value})")
+            if setting is not None:
+                first = re.split(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z])", setting.doc)[0]
+                first = first.rstrip(".") + "."
+                lines += textwrap.wrap(first, 92, initial_indent=" " * 6,
+                                       subsequent_indent=" " * 6)
+        lines.append("")
+    return "\n".join(lines)

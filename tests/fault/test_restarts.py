@@ -51,6 +51,7 @@ def test_sigkill_at_a_step_restarts_and_matches_the_uninterrupted_run(uninterrup
     code, output = meshtrain_run(tmp_path, "--fault", "kill", "--fault-step", "5")
     assert code == 0, output
     assert "resumed from" in output and "step_00000004" in output
+    assert "resume=None (--checkpoint.resume=none) starts a new run instead" in output
     _check_same_run(tmp_path, uninterrupted, resumed_at=4)
 
 
