@@ -66,7 +66,9 @@ def _recipe(argv: list[str], mode: str) -> int:
         if argv and not argv[0].startswith("-"):  # CONFIG --help: its settings, resolved
             config = resolve_config(argv[0], [a for a in argv[1:]
                                               if a not in ("-h", "--help", "--dry-run")])[1]
-        print(f"usage: meshtrain {mode} CONFIG.toml [--dry-run] [--section.key value ...]\n\n"
+        print(f"usage: meshtrain {mode} CONFIG.toml [--dry-run] [--quiet] [--section.key value "
+              "...]\n\n--quiet: the meshtrain logger at WARNING (no progress lines; the run's "
+              "files are written as always).\n"
               "--dry-run prints the resolved config (every section and setting), makes every "
               "check train makes before any process starts (settings, data, the model against "
               "the layout on a meta-device copy) and exits without training. A setting is "
@@ -77,7 +79,11 @@ def _recipe(argv: list[str], mode: str) -> int:
               + "\n\n" + help_text(config))
         return 0 if argv else 2
     dry_run = "--dry-run" in argv
-    args = [a for a in argv if a != "--dry-run"]
+    if "--quiet" in argv:  # the meshtrain logger at WARNING: no progress lines (observe/run_log.py)
+        import logging
+
+        logging.getLogger("meshtrain").setLevel(logging.WARNING)
+    args = [a for a in argv if a not in ("--dry-run", "--quiet")]
     if not args or args[0].startswith("--"):
         raise ConfigError(f"meshtrain {mode} needs the config file first: "
                           f"meshtrain {mode} CONFIG.toml [--dry-run] [--section.key=value ...]")

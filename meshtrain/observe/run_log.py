@@ -1,9 +1,48 @@
-"""What a fit shows and writes on global rank zero: printed lines (through the progress bar
-while it runs), metrics to the loggers, the memory table and the loss plot."""
+"""What a fit shows and writes on global rank zero: its lines (through the progress bar while
+it runs), metrics to the loggers, the memory table and the loss plot.
+
+The lines go through the ``meshtrain`` logger of Python's ``logging`` (level INFO), as
+Lightning's go through ``lightning.pytorch``: ``logging.getLogger("meshtrain").setLevel(
+logging.WARNING)`` (or ``meshtrain train --quiet``) silences them, a handler of your own
+redirects them. Unless configured otherwise the logger prints the bare message to standard
+output on global rank zero; ``MESHTRAIN_LOG_RANKS=all`` prints every rank's, prefixed with its
+rank. The files of a run (metrics.csv, the loggers', memory.txt) do not depend on it.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from pathlib import Path
+
+LOGGER = logging.getLogger("meshtrain")
+
+
+class _Stdout(logging.StreamHandler):
+    """Standard output as it is when a line is written (a test's or a notebook's capture)."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):  # (StreamHandler sets it once; sys.stdout is read each time)
+        pass
+
+
+if not LOGGER.handlers:  # a library user's own configuration wins
+    LOGGER.addHandler(_Stdout())
+    LOGGER.setLevel(logging.INFO)
+    LOGGER.propagate = False
+
+
+def _all_ranks() -> bool:
+    return os.environ.get("MESHTRAIN_LOG_RANKS", "").lower() == "all"
 
 
 class RunLog:
@@ -19,13 +58,21 @@ class RunLog:
 
             self.loggers = make_loggers(logger_names, run_dir, hparams)
 
-    def print(self, *args, **kwargs) -> None:
-        if not self.is_zero:
+    def print(self, *args, sep: str = " ", **_) -> None:
+        """One line at INFO on the ``meshtrain`` logger (see the module's doc)."""
+        every = _all_ranks()
+        if not (self.is_zero or every) or not LOGGER.isEnabledFor(logging.INFO):
             return
+        message = sep.join(str(a) for a in args)
+        if every:
+            rank = os.environ.get("RANK", "0")
+            message = "\n".join(f"[rank {rank}] {line}" for line in message.split("\n"))
         if self.bar is not None and self.bar.enabled:
-            self.bar.log(" ".join(str(a) for a in args))
+            self.bar.log(message)
         else:
-            print(*args, **kwargs, flush=True)
+            LOGGER.info(message)
+            for handler in LOGGER.handlers:
+                handler.flush()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Metrics to every logger. After ``finish`` (``test``/``validate`` after ``fit``) the
