@@ -76,6 +76,58 @@ class TokenAccuracy(Metric):
         return float(sums[0] / sums[1].clamp(min=1))
 
 
+class TorchMetric(Metric):
+    """A ``torchmetrics`` metric (``Accuracy``, ``MeanSquaredError``, ...) as a meshtrain
+    metric: each batch updates it from fresh on ``(output, targets)`` of an ``(inputs,
+    targets)`` batch, and its states, all sums (``dist_reduce_fx="sum"``), are added into
+    meshtrain's sums, reduced over every rank with the loss; ``compute`` puts the totals back
+    into its states and calls its own ``compute`` (no sync of its own: the sums are already
+    the whole evaluation's). A metric with a state that is not a sum (a list of predictions,
+    a max) is refused, naming it. Logged under ``name`` (default: the class name in lower
+    case, e.g. ``val/multiclassaccuracy``)."""
+
+    def __init__(self, metric, name: str | None = None):
+        states = getattr(metric, "_defaults", {})
+        reductions = getattr(metric, "_reductions", {})
+        odd = [k for k in states if not isinstance(states[k], torch.Tensor)
+               or getattr(reductions.get(k), "__name__", reductions.get(k))
+               not in ("sum", "dim_zero_sum")]
+        if odd:
+            raise ConfigError(
+                f"the torchmetrics metric {type(metric).__name__} keeps states {odd} that are "
+                "not sums (lists, maxima, means), which meshtrain does not reduce; write a "
+                "meshtrain.metrics.Metric for it")
+        self.metric, self.name = metric, name or type(metric).__name__.lower()
+        self.shapes = {k: v.shape for k, v in states.items()}
+        self.num_sums = sum(v.numel() for v in states.values())
+
+    def update(self, sums: torch.Tensor, output, batch) -> None:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError(f"the torchmetrics metric {self.name} is updated with (output, "
+                              f"targets) and needs (inputs, targets) batches; got "
+                              f"{type(batch).__name__}")
+        self.metric.reset()
+        self.metric.to(sums.device)
+        self.metric.update(plain(getattr(output, "logits", output)).detach(), batch[1])
+        sums += torch.cat([getattr(self.metric, k).detach().double().flatten()
+                           for k in self.shapes])
+
+    def compute(self, sums: torch.Tensor, loss: float) -> float:
+        self.metric.reset()
+        for key, part in zip(self.shapes, sums.split([s.numel() for s in self.shapes.values()])):
+            state = getattr(self.metric, key)
+            setattr(self.metric, key, part.reshape(self.shapes[key]).to(state.dtype))
+        self.metric._update_count = 1
+        self.metric._computed = None
+        with self.metric.sync_context(should_sync=False):
+            return float(self.metric.compute())
+
+
+def _is_torchmetric(item) -> bool:
+    return type(item).__module__.startswith("torchmetrics") or any(
+        c.__module__.startswith("torchmetrics") for c in type(item).__mro__)
+
+
 BUILTIN = {"perplexity": Perplexity, "token_accuracy": TokenAccuracy}
 
 
@@ -87,9 +139,11 @@ def resolve(metrics) -> list[Metric]:
     for item in metrics or ():
         if isinstance(item, str) and item in BUILTIN:
             item = BUILTIN[item]()
+        elif not isinstance(item, Metric) and _is_torchmetric(item):
+            item = TorchMetric(item)
         if not isinstance(item, Metric):
-            raise ConfigError(f"unknown metric {item!r} in metrics; use {', '.join(BUILTIN)} "
-                              "or meshtrain.metrics.Metric objects")
+            raise ConfigError(f"unknown metric {item!r} in metrics; use {', '.join(BUILTIN)}, "
+                              "meshtrain.metrics.Metric or torchmetrics objects")
         out.append(item)
     names = [m.name for m in out]
     if len(set(names)) != len(names) or "loss" in names:
