@@ -2,10 +2,13 @@
 utilisation (MFU) = achieved model FLOP/s per rank / that peak.
 
 * FLOPs per item: a model's own ``flops_per_token()`` when it has one (meshtrain's GPT and
-  Llama add attention's 12·L·d·T), else 6 × its parameters outside embedding tables (a forward
-  multiply-add per parameter per token is 2 FLOPs, its backward 4; an embedding is a lookup).
-  For inputs that are not token ids the same count is per sample. These are the model's
-  FLOPs: recomputation (activation checkpointing) and padding do not count, as in PaLM's MFU.
+  Llama add attention's 12·L·d·T); else counted by torch's ``FlopCounterMode`` over one forward
+  and backward of a meta-device copy on the first training samples (matmuls, attention,
+  convolutions: what the model computes, attention included, at no cost), divided by their
+  tokens (integer inputs) or samples; else, when that cannot run, 6 × its parameters outside
+  embedding tables (a forward multiply-add per parameter per token is 2 FLOPs, its backward
+  4; an embedding is a lookup). These are the model's FLOPs: recomputation (activation
+  checkpointing) and padding do not count, as in PaLM's MFU.
 * The peak per device: the ``peak_tflops`` setting; else a GPU's dense bf16 peak from
   :data:`GPU_PEAK_TFLOPS`; else (CPU) a float32 matmul measured once in the process with its
   threads (what a rank can reach here, not a data-sheet number).
@@ -37,12 +40,51 @@ def count_flop_params(model: torch.nn.Module) -> int:
     return total
 
 
-def flops_per_item(model: torch.nn.Module, seq_len: int | None = None) -> float:
-    """Model FLOPs (forward + backward) per token, or per sample for other inputs."""
+def flops_per_item(model: torch.nn.Module, seq_len: int | None = None, *,
+                   meta_model: torch.nn.Module | None = None, sample=None) -> float:
+    """Model FLOPs (forward + backward) per token, or per sample for other inputs: the model's
+    own count, else counted on ``meta_model`` (a meta-device copy) with ``sample`` (the first
+    training inputs: a tensor or a dict of them), else 6 × the matmul parameters."""
     own = getattr(model, "flops_per_token", None)
     if callable(own):
         return float(own(seq_len))
-    return 6.0 * count_flop_params(model)
+    counted = counted_flops_per_item(meta_model, sample) if meta_model is not None else None
+    return counted if counted is not None else 6.0 * count_flop_params(model)
+
+
+def counted_flops_per_item(meta_model: torch.nn.Module, sample) -> float | None:
+    """``FlopCounterMode``'s count of one forward and backward of ``meta_model`` on ``sample``
+    (moved to the meta device) per token (integer inputs) or sample; None when it cannot run
+    (no sample, an output without a tensor, a forward that needs real values)."""
+    from torch.utils._pytree import tree_leaves, tree_map
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if sample is None:
+        return None
+    inputs = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
+    first = next((t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        return None
+    items = first.numel() if not first.is_floating_point() and first.dim() == 2 else len(first)
+    counter = FlopCounterMode(display=False)
+    was_training = meta_model.training
+    try:
+        with counter, torch.device("meta"):
+            meta_model.train()
+            out = meta_model(**inputs) if isinstance(inputs, dict) else meta_model(inputs)
+            out = getattr(out, "logits", out)
+            tensor = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                           and t.is_floating_point() and t.requires_grad), None)
+            if tensor is None:
+                return None
+            tensor.float().sum().backward()
+    except Exception:  # noqa: BLE001 - an estimate: 6 x parameters then
+        return None
+    finally:
+        meta_model.train(was_training)
+        meta_model.zero_grad(set_to_none=True)
+    total = counter.get_total_flops()
+    return float(total) / items if total > 0 else None
 
 
 @functools.cache
