@@ -80,10 +80,32 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta, store=Non
 
     if store is None and (STORE_ENV in os.environ or RESTART_COUNT_ENV in os.environ):
         store = job_store(env, timeout)
+    if "nccl" in backend:
+        flight_recorder_defaults(os.environ)
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
     register_shutdown()
+
+
+#: NCCL's flight recorder (what torchtitan turns on): the last collectives of every rank kept
+#: in a ring buffer and dumped to files when a collective times out, the first thing to read
+#: after a hang (``python -m torch.distributed.flight_recorder.fr_trace DIR``). Set unless the
+#: environment sets them (TORCH_NCCL_TRACE_BUFFER_SIZE=0 turns it off).
+FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": os.path.join("flight_recorder", "rank_")}
+
+
+def flight_recorder_defaults(environ, run_dir=None) -> None:
+    """Turn NCCL's flight recorder on in ``environ`` where it says nothing of it; its dumps go
+    to ``run_dir/flight_recorder/`` (once the run folder is known: torch reads the path when it
+    dumps), else ``./flight_recorder/``."""
+    for name, value in FLIGHT_RECORDER.items():
+        environ.setdefault(name, value)
+    if run_dir is not None and environ["TORCH_FR_DUMP_TEMP_FILE"] == FLIGHT_RECORDER[
+            "TORCH_FR_DUMP_TEMP_FILE"]:
+        environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(run_dir, "flight_recorder", "rank_")
+        os.makedirs(os.path.join(run_dir, "flight_recorder"), exist_ok=True)
 
 
 def register_shutdown() -> None:

@@ -8,6 +8,7 @@ checks and the world: :func:`serve` keeps them answering the workers until train
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from datetime import timedelta
 
@@ -159,6 +160,10 @@ def setup_run_dir(t) -> None:
             t.resume, run_dir=t._run_dir_arg, root_dir=t.root_dir, name=t.name,
             rank=t.rank, shapes=t._model_shapes)
         t.run_log.open(t.run_dir, t.loggers, t.hparams())
+        if torch.distributed.is_initialized() and "nccl" in str(torch.distributed.get_backend()):
+            from meshtrain.launch.spawn import flight_recorder_defaults
+
+            flight_recorder_defaults(os.environ, str(t.run_dir))  # its dumps: the run folder
 
 
 def check_model_layout(t, model, loss_fn, sample_inputs=None, original=None) -> None:
