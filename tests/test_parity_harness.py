@@ -67,7 +67,7 @@ def clip_each_stage_by_its_own_norm():
     """The pipeline's clipping without the sum over stages: each rank's local norm."""
     import meshtrain.parallel.pipeline as pipeline
 
-    def local_clip(parameters, max_norm, pp_group):
+    def local_clip(parameters, max_norm, pp_group, copies=frozenset()):
         params = [p for p in parameters if p.grad is not None]
         if max_norm is None:
             return torch.nn.utils.get_total_norm([p.grad for p in params])

@@ -28,6 +28,7 @@ import meshtrain.observe.model_summary
 import meshtrain.observe.progress
 import meshtrain.optim
 import meshtrain.parallel.context.context_parallel
+import meshtrain.parallel.context.sdpa
 import meshtrain.parallel.data.data_parallel
 import meshtrain.parallel.data.fully_shard
 import meshtrain.parallel.data.meta_init
@@ -35,6 +36,7 @@ import meshtrain.parallel.expert
 import meshtrain.parallel.data.local_sgd
 import meshtrain.parallel.pipeline.partition
 import meshtrain.parallel.pipeline.check
+import meshtrain.parallel.pipeline.tied
 import meshtrain.parallel.shm.p2p
 import meshtrain.parallel.data.sync_batchnorm
 import meshtrain.parallel.tensor.tp_debug

@@ -212,9 +212,7 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
         grad_accum_steps=t.grad_accum_steps, on_meta=on_meta,
         sample_inputs=sample_inputs, log=t.print, run_dir=t.run_dir)
     t.model = t.engine.model
-    # model: whole, before a pipeline split; counted on the meta copy where it states none
-    start_monitor(t, flops_per_item(model, meta_model=meta_model,
-                                    sample=sample_inputs() if sample_inputs else None))
+    start_monitor(t, flops_per_item(model))  # model: whole, before a pipeline split
     if t.init_from is not None:  # pretrained weights: each rank reads its own shards
         load_hf_weights(t.model, t.init_from, partial=t.layout.degree("pp") > 1)
     stages = getattr(getattr(t.engine, "runner", None), "modules", [])  # (under pp)

@@ -2,10 +2,10 @@
 utilisation (MFU) = achieved model FLOP/s per rank / that peak.
 
 * FLOPs per item: a model's own ``flops_per_token()`` when it has one (meshtrain's GPT and
-  Llama add attention's 12·L·d·T); else counted by torch's ``FlopCounterMode`` over one forward
-  and backward of a meta-device copy on the first training samples (matmuls, attention,
-  convolutions: what the model computes, attention included, at no cost), divided by their
-  tokens (integer inputs) or samples; else, when that cannot run, 6 × its parameters outside
+  Llama add attention's 12·L·d·T); else, given a meta-device copy and a sample (the Trainer
+  does not pass them yet: docs/observability.md), counted by torch's ``FlopCounterMode`` over
+  one forward and backward (matmuls, attention, convolutions), divided by the sample's tokens
+  (integer inputs) or samples; else 6 × its parameters outside
   embedding tables (a forward multiply-add per parameter per token is 2 FLOPs, its backward
   4; an embedding is a lookup). These are the model's FLOPs: recomputation (activation
   checkpointing) and padding do not count, as in PaLM's MFU.
