@@ -124,6 +124,6 @@ def without_positions() -> list[dict]:
     ids=["dp=2", "tp=2", "cp=2", "pp=2", "pp=2-interleaved"])
 def test_packed_documents_match_one_process(layout, procs, options):
     """Under cp a document crosses the cut between ranks (the zig-zag chunks of 4 tokens):
-    the gathered positions keep each query in its document. Under pp every stage gets its
+    the window's document ids (taken before the cut) keep each query in its document. Under pp every stage gets its
     micro-batch's positions (4 micro-batches: a wrong one shows)."""
     assert_parity(layout, procs, steps=6, global_batch_size=8, fns=FNS, **options)

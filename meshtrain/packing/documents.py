@@ -7,7 +7,8 @@ attention inside a document: a new document starts wherever the position does no
 (transformers' rule, ``find_packed_sequence_indices``, so that a Hugging Face model given
 ``position_ids`` and no ``attention_mask`` masks the same way). :func:`document_mask` is that mask
 for ``F.scaled_dot_product_attention`` in a model of your own; meshtrain's context-parallel
-attention builds the same from the gathered positions, and the pipeline stages pass the positions
+attention builds the same from the window's document ids (computed once per batch, before
+the sequence is cut), and the pipeline stages pass the positions
 on (docs/llm.md, "Packed documents").
 
 A token's target is the next token: the last token of a document (its end-of-text) would be

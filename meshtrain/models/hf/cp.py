@@ -57,7 +57,7 @@ def cp_attention_function(module, query, key, value, attention_mask, dropout: fl
                               f"model's config); drop cp from the layout")
     out = cp_attention(query, key, value, module.meshtrain_cp_mesh, dropout_p=dropout,
                        scale=scaling, kv_groups=query.size(1) // key.size(1),
-                       window=sliding_window, position_ids=kwargs.get("position_ids"))
+                       window=sliding_window, documents=module.meshtrain_cp_batch.get("documents"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -106,10 +106,12 @@ class HFContextParallel:
             config.meshtrain_attention_before_cp = config._attn_implementation
         config._attn_implementation = _NAME if cp_mesh is not None else \
             config.meshtrain_attention_before_cp
+        batch: dict = {}  # what the current batch tells every layer (its documents)
         for module in self.model.modules():  # the function finds the mesh on its module
-            module.meshtrain_cp_mesh = cp_mesh
+            module.meshtrain_cp_mesh, module.meshtrain_cp_batch = cp_mesh, batch
 
     def shard_context_parallel_batch(self, batch: dict, cp_mesh) -> dict:
+        from meshtrain.packing import document_ids
         from meshtrain.parallel.context.context_parallel import shard_sequence
 
         if not isinstance(batch, dict) or "input_ids" not in batch:
@@ -124,8 +126,15 @@ class HFContextParallel:
         out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "attention_mask")}
         out["input_ids"] = shard_sequence(ids, rank, degree)
         positions = batch.get("position_ids")  # (packed documents: restarting at each)
+        documents = None
         if positions is None:
             positions = torch.arange(ids.size(1), device=ids.device)
+        else:  # which document each token is in, once per batch, before the cut
+            documents = document_ids(positions.expand_as(ids))
+            documents = documents if bool(documents[:, -1].any()) else None
+        shared = getattr(self.model, "meshtrain_cp_batch", None)  # (enable_context_parallel's)
+        if shared is not None:
+            shared["documents"] = documents
         out["position_ids"] = shard_sequence(positions.expand_as(ids), rank, degree)
         labels = batch.get("labels")
         if labels is not None:

@@ -25,7 +25,6 @@ except ImportError:  # torch < 2.13 (e.g. the 2.11 of the GPU image): the same a
     )
 
 from meshtrain.errors import ConfigError
-from meshtrain.packing import document_ids, document_mask
 from meshtrain.parallel.context import blockwise
 
 
@@ -90,7 +89,7 @@ def _gather_sequence(local: torch.Tensor, dim: int, group) -> torch.Tensor:
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
                  dropout_p: float = 0.0, scale: float | None = None,
                  kv_groups: int = 1, window: int | None = None,
-                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys and values.
 
     ``q``, ``k``, ``v``: this rank's ``(batch, heads, local_len, head_dim)``, tokens in
@@ -99,9 +98,9 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     attention, each K/V head serves that many query heads (repeated after the gather, so the
     collective carries the K/V heads only). ``window``: a sliding window, a query attends to the
     ``window`` latest keys up to itself (``0 <= q_pos - k_pos < window``, as transformers'
-    sliding-window masks). ``position_ids``: this rank's tokens' ``(batch, local_len)``
-    positions; where they restart (packed documents, meshtrain.packing) a query attends only
-    to keys of its own document (the positions of every rank gathered to tell them apart).
+    sliding-window masks). ``documents``: ``(batch, seq_len)`` document ids of the whole window
+    in sequence order (packed documents, meshtrain.packing.document_ids; computed once per batch
+    before the cut): a query attends only to keys of its own document.
     """
     if kv_groups > 1:
         def repeat(t):
@@ -110,9 +109,9 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
         def repeat(t):
             return t
     if cp_mesh is None or cp_mesh.size() == 1:
-        if position_ids is not None:  # (one rank: its documents are the whole window's)
+        if documents is not None:
             pos = torch.arange(q.size(-2), device=q.device)
-            mask = _causal_mask(pos, pos, window) & document_mask(position_ids)
+            mask = _causal_mask(pos, pos, window) & _same_document(documents, pos, pos)
             return F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask,
                                                   dropout_p=dropout_p, scale=scale)
         if window is None:
@@ -139,21 +138,22 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     v_full = v_full[..., :width]
     q_pos = local_positions(local_len, cp_rank, cp_degree, device=q.device)
     k_pos = torch.arange(local_len * cp_degree, device=q.device)
-    whole = None
-    if position_ids is not None:  # the window's positions: which document each token is in
-        whole = _gather_sequence(position_ids.expand(q.size(0), -1), 1, cp_mesh.get_group())
-        whole = unshard_sequence(list(whole.chunk(cp_degree, 1)), cp_degree, 1)
     if blockwise.ENABLED and blockwise.supported(q, k, v, dropout_p):  # (blockwise.py)
-        k_docs = document_ids(whole) if whole is not None else None
         return blockwise.block_attention(
             q, repeat(k_full), repeat(v_full), q_pos, chunk=local_len // 2, window=window,
-            q_docs=k_docs[:, q_pos] if k_docs is not None else None, k_docs=k_docs,
+            q_docs=documents[:, q_pos] if documents is not None else None, k_docs=documents,
             scale=scale)
     mask = _causal_mask(q_pos, k_pos, window)  # (dropout, GPU, unequal head widths)
-    if whole is not None:
-        mask = mask & document_mask(whole, q_pos, k_pos)
+    if documents is not None:
+        mask = mask & _same_document(documents, q_pos, k_pos)
     return F.scaled_dot_product_attention(q, repeat(k_full), repeat(v_full), attn_mask=mask,
                                           dropout_p=dropout_p, scale=scale)
+
+
+def _same_document(documents: torch.Tensor, q_pos: torch.Tensor,
+                   k_pos: torch.Tensor) -> torch.Tensor:
+    """``(batch, 1, queries, keys)``: True where query and key are in the same document."""
+    return (documents[:, q_pos, None] == documents[:, None, k_pos])[:, None]
 
 
 def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
