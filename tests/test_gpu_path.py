@@ -172,3 +172,18 @@ def test_breakdown_on_cuda_adds_up_and_mfu_uses_the_device_peak():
     known = [peak for key, peak in GPU_PEAK_TFLOPS if key in name]
     if known:
         assert env["peak_tflops"] == known[0] and name in env["peak_source"]
+
+
+def test_profile_steps_on_cuda_write_a_memory_snapshot():
+    """``profile_steps`` on CUDA: a Chrome trace and the allocator's history of those steps
+    (torch.cuda.memory's snapshot, for pytorch.org/memory_viz), with the blocks they held."""
+    import pickle
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        train_state(dict(COMMON, accelerator="cuda", max_steps=4, profile_steps=[2, 3],
+                         run_dir=run_dir), **GPT4_FNS)
+        with open(f"{run_dir}/traces/memory_rank0.pickle", "rb") as f:
+            snapshot = pickle.load(f)
+        assert (tempfile.os.path.exists(f"{run_dir}/traces/rank0.json"))
+    assert snapshot["segments"] and any(trace for trace in snapshot["device_traces"])
+    assert any(event["action"] == "alloc" for event in snapshot["device_traces"][0])

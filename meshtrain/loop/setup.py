@@ -25,7 +25,7 @@ from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.world import start_world
 from meshtrain.loop.seeding import agree_on_initial_state
 from meshtrain.module.core import attach, check_module, configured_optimizers, is_manual
-from meshtrain.observe.flops import flops_per_item
+from meshtrain.observe.flops import FirstBatchCount, flops_per_item
 from meshtrain.observe.monitor import RunMonitor
 from meshtrain.parallel.apply import apply_layout, build_optimizer, check_model
 from meshtrain.parallel.layout import Layout
@@ -212,7 +212,9 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
         grad_accum_steps=t.grad_accum_steps, on_meta=on_meta,
         sample_inputs=sample_inputs, log=t.print, run_dir=t.run_dir)
     t.model = t.engine.model
-    start_monitor(t, flops_per_item(model))  # model: whole, before a pipeline split
+    start_monitor(t, flops_per_item(model),  # model: whole, before a pipeline split
+                  None if callable(getattr(model, "flops_per_token", None)) or t.rank != 0
+                  else FirstBatchCount(t._whole_template))
     if t.init_from is not None:  # pretrained weights: each rank reads its own shards
         load_hf_weights(t.model, t.init_from, partial=t.layout.degree("pp") > 1)
     stages = getattr(getattr(t.engine, "runner", None), "modules", [])  # (under pp)
@@ -265,15 +267,16 @@ def choose_build(layout, meta_init, model, meta_model, seed: int,
                        initializer_of(factory) if on_meta else None)
 
 
-def start_monitor(t, flops: float) -> None:
-    """The run's measurements (meshtrain/observe/monitor.py); the engine gets its clock."""
+def start_monitor(t, flops: float, count=None) -> None:
+    """The run's measurements (meshtrain/observe/monitor.py); the engine gets its clock.
+    ``count``: FLOPs to count on the first batch's shapes (a model that states none)."""
     t.monitor = RunMonitor(run_dir=t.run_dir, rank=t.rank, device=torch.device(t.device),
                            group=t.mesh.everyone(), world_size=t.world_size,
                            every=t.breakdown_every_n_steps, straggler_margin=t.straggler_margin,
                            profile_steps=t.profile_steps, log=t.print)
     t.engine.timer = t.monitor.timer
     t.monitor.start(flops_per_item=flops, peak_setting=t.peak_tflops, layout=str(t.layout),
-                    settings=t.hparams())
+                    settings=t.hparams(), count=count)
 
 
 def build(model) -> torch.nn.Module:

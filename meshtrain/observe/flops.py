@@ -2,11 +2,12 @@
 utilisation (MFU) = achieved model FLOP/s per rank / that peak.
 
 * FLOPs per item: a model's own ``flops_per_token()`` when it has one (meshtrain's GPT and
-  Llama add attention's 12·L·d·T); else, given a meta-device copy and a sample (the Trainer
-  does not pass them yet: docs/observability.md), counted by torch's ``FlopCounterMode`` over
-  one forward and backward (matmuls, attention, convolutions), divided by the sample's tokens
-  (integer inputs) or samples; else 6 × its parameters outside
-  embedding tables (a forward multiply-add per parameter per token is 2 FLOPs, its backward
+  Llama add attention's 12·L·d·T); else counted by torch's ``FlopCounterMode`` over one
+  forward and backward of a meta-device copy on the shapes of rank 0's first training batch
+  (matmuls, attention, convolutions; nothing computed: :class:`FirstBatchCount`, which the
+  Trainer runs at its first logging interval), divided by the batch's tokens (integer inputs)
+  or samples; else (a forward that needs real values, a ``training_step`` of its own) 6 × its
+  parameters outside embedding tables (a forward multiply-add per parameter per token is 2 FLOPs, its backward
   4; an embedding is a lookup). These are the model's FLOPs: recomputation (activation
   checkpointing) and padding do not count, as in PaLM's MFU.
 * The peak per device: the ``peak_tflops`` setting; else a GPU's dense bf16 peak from
@@ -16,6 +17,7 @@ utilisation (MFU) = achieved model FLOP/s per rank / that peak.
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 
@@ -56,12 +58,23 @@ def counted_flops_per_item(meta_model: torch.nn.Module, sample) -> float | None:
     """``FlopCounterMode``'s count of one forward and backward of ``meta_model`` on ``sample``
     (moved to the meta device) per token (integer inputs) or sample; None when it cannot run
     (no sample, an output without a tensor, a forward that needs real values)."""
-    from torch.utils._pytree import tree_leaves, tree_map
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils._pytree import tree_map
 
     if sample is None:
         return None
     inputs = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
+    counted = _count(meta_model, inputs)
+    if counted is None and isinstance(inputs, dict) and "attention_mask" in inputs:
+        # a padding mask's code reads its values (transformers checks whether it masks
+        # anything); SDPA over the whole length costs the same FLOPs with it or without
+        counted = _count(meta_model, {k: v for k, v in inputs.items() if k != "attention_mask"})
+    return counted
+
+
+def _count(meta_model: torch.nn.Module, inputs) -> float | None:
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import FlopCounterMode
+
     first = next((t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
     if first is None or first.dim() == 0:
         return None
@@ -85,6 +98,45 @@ def counted_flops_per_item(meta_model: torch.nn.Module, sample) -> float | None:
         meta_model.zero_grad(set_to_none=True)
     total = counter.get_total_flops()
     return float(total) / items if total > 0 else None
+
+
+class FirstBatchCount:
+    """The count of :func:`counted_flops_per_item` for a model that states none, on the shapes of
+    the first training batch: :meth:`see` keeps that batch's inputs as meta tensors (no values
+    held), :meth:`count` runs the meta copy built from ``template`` (the Trainer's
+    ``_whole_template``: a factory, called on the meta device, or a skeleton of the model,
+    copied) once. The copy runs the user's forward a second time, on no data: a forward that
+    needs values gives None (the caller keeps 6 × parameters)."""
+
+    def __init__(self, template):
+        self.template, self.sample, self.done = template, None, False
+
+    def see(self, batch) -> None:
+        from torch.utils._pytree import tree_map
+
+        if self.sample is None and not self.done:
+            inputs = (batch if isinstance(batch, dict) else batch[0]
+                      if isinstance(batch, (tuple, list)) and len(batch) == 2 else None)
+            meta = tree_map(lambda t: torch.empty_like(t, device="meta")
+                            if isinstance(t, torch.Tensor) else t, inputs)
+            self.sample, self.done = meta, inputs is None
+
+    def count(self) -> float | None:
+        """FLOPs per item, once (None: no batch seen yet, or not countable)."""
+        if self.done or self.sample is None:
+            return None
+        self.done = True
+        try:
+            if isinstance(self.template, torch.nn.Module):
+                model = copy.deepcopy(self.template).to("meta")
+            else:
+                with torch.device("meta"):
+                    model = self.template()
+        except Exception:  # noqa: BLE001 - an estimate: 6 x parameters then
+            return None
+        if not isinstance(model, torch.nn.Module):
+            return None
+        return counted_flops_per_item(model, self.sample)
 
 
 @functools.cache

@@ -27,6 +27,9 @@ from meshtrain.observe.step_timer import make_step_timer
 from meshtrain.observe.stragglers import own_work
 
 
+MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept in a CUDA memory snapshot
+
+
 class RunMonitor:
     def __init__(self, *, run_dir: Path, rank: int, device: torch.device, group, world_size: int,
                  every: int | None, straggler_margin: float | None, profile_steps=None,
@@ -41,6 +44,7 @@ class RunMonitor:
         self._profile_steps = sorted(profile_steps or ())
         self._profiler = None
         self._unit = None
+        self._count = None  # FLOPs to count on the first batch (rank zero)
         self.items = self.train_s = 0.0  # the fit's items (tokens or samples), over the ranks
         self._loop_start = None
 
@@ -50,13 +54,18 @@ class RunMonitor:
 
     # -- the run --------------------------------------------------------------------------------
     def start(self, *, flops_per_item: float, peak_setting: float | None, layout: str,
-              settings: dict | None = None) -> None:
+              settings: dict | None = None, count=None) -> None:
         """Record the environment (rank zero), and the peak MFU is measured against (rank zero
         alone computes MFU): a CPU's is a 50 ms matmul measurement, made here at start-up
-        rather than in the middle of the first logging interval's step."""
+        rather than in the middle of the first logging interval's step. ``count``: a
+        :class:`~meshtrain.observe.flops.FirstBatchCount` for a model that states no FLOPs
+        (``flops_per_item`` is then 6 x parameters until the first logging interval)."""
         self.flops_per_item, self._peak_setting = flops_per_item, peak_setting
         if not self.is_zero:
             return
+        self._count = count
+        if count is not None:  # the first batch's shapes, taken as it leaves the loader
+            self.timer.peek = count.see
         env = DistEnv.from_environ()
         device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                        else platform.processor() or platform.machine())
@@ -122,6 +131,15 @@ class RunMonitor:
             dist.broadcast(flag, group=self.group, group_src=0)
         return bool(flag.item())
 
+    def _counted(self) -> None:
+        """The FLOPs per item counted on the first batch's shapes, once, where they count."""
+        count, self._count, self.timer.peek = self._count, None, None
+        counted = count.count()
+        if counted is not None:
+            self.flops_per_item = counted
+            run_files.update_environment(self.run_dir, flops_per_item=counted,
+                                         flops_source="FlopCounterMode, first batch's shapes")
+
     def interval_metrics(self, items_per_s: float, unit: str, items: float = 0.0,
                          seconds: float = 0.0) -> dict[str, float]:
         """Model TFLOP/s per rank and MFU over a logging interval (of ``items`` over all ranks
@@ -134,6 +152,8 @@ class RunMonitor:
             run_files.update_environment(self.run_dir, unit=unit)
         if not self.is_zero or not self.flops_per_item or unit not in ("tokens", "samples"):
             return {}
+        if self._count is not None:
+            self._counted()
         if self.peak is None:
             self._find_peak()
         achieved, fraction = mfu(self.flops_per_item, items_per_s, self.world_size, self.peak)
@@ -227,6 +247,9 @@ class RunMonitor:
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
+            # and the CUDA allocator's history: every allocation and free with its stack, for
+            # https://pytorch.org/memory_viz (torch's documented memory-snapshot functions)
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
         self._profiler = profile(activities=activities)
         self._profiler.__enter__()
 
@@ -239,5 +262,10 @@ class RunMonitor:
         path.parent.mkdir(exist_ok=True)
         profiler.export_chrome_trace(str(path))
         first, last = self._profile_steps[0], self._profile_steps[-1]
+        memory = ""
+        if self.device.type == "cuda":
+            torch.cuda.memory._dump_snapshot(str(path.parent / f"memory_rank{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            memory = "; CUDA memory snapshots memory_rank*.pickle (https://pytorch.org/memory_viz)"
         self.event("profile", f"torch profiler trace of steps {first}-{last} on every rank "
-                   "(open in https://ui.perfetto.dev)", last, path.parent)
+                   f"(open in https://ui.perfetto.dev){memory}", last, path.parent)

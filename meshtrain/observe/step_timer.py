@@ -36,6 +36,7 @@ class _Parts:
     """The context managers both timers share, over their enter/leave and pause/unpause."""
 
     active = False
+    peek = None  # called with each batch the loader gives (the monitor's FLOPs count: once)
 
     @contextlib.contextmanager
     def part(self, name: str):
@@ -284,4 +285,7 @@ class TimedBatches:
 
     def __next__(self):
         with self.timer.part("data"):
-            return next(self.batches)
+            batch = next(self.batches)
+        if self.timer.peek is not None:
+            self.timer.peek(batch)
+        return batch

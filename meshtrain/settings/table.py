@@ -331,7 +331,8 @@ DEFINITIONS = [
        needs=("ranks", "breakdown_every_n_steps!=None")),
     _S("profile_steps", "logging", (), "steps",
        "Optimizer steps to trace with the torch profiler (from the first listed to the last): "
-       "a Chrome trace per rank in run_dir/traces/, linked from the report."),
+       "a Chrome trace per rank in run_dir/traces/, linked from the report (on CUDA also a "
+       "memory snapshot per rank, for pytorch.org/memory_viz)."),
     _S("peak_tflops", "logging", None, "number",
        "One device's peak TFLOP/s for MFU; none: a GPU's dense bf16 peak from meshtrain's "
        "table (H100, H200, B200, ...), on CPU a matmul measured on rank 0.", none=True),

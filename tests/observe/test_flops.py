@@ -1,6 +1,7 @@
 """FLOPs per token for a model that states none: torch's FlopCounterMode over one forward and
 backward of a meta-device copy (meshtrain/observe/flops.py), against the GPT's own formula."""
 
+import pytest
 import torch
 
 from meshtrain.models.gpt import GPT, GPTConfig
@@ -38,3 +39,69 @@ def test_a_model_without_its_own_count_is_counted_not_estimated():
     assert counted == counted_flops_per_item(meta, sample)
     assert counted > flops_per_item(meta) * 1.05  # 6 x params misses the attention
     assert flops_per_item(meta, meta_model=meta, sample=None) == flops_per_item(meta)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Token rows as (inputs, targets) pairs, or as a Hugging Face batch's dicts with a
+    padding mask (whose values transformers' mask code reads)."""
+
+    def __init__(self, as_dict=False):
+        self.rows, self.as_dict = torch.randint(0, 64, (32, 33)), as_dict
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = self.rows[i]
+        if self.as_dict:
+            return {"input_ids": row[:-1], "labels": row[:-1],
+                    "attention_mask": torch.ones(32, dtype=torch.long)}
+        return row[:-1], row[1:]
+
+
+def _fitted_flops(tmp_path, model, data, **kwargs) -> float:
+    import json
+
+    from conftest import quiet_trainer
+
+    from meshtrain.observe import run_files
+
+    trainer = quiet_trainer(tmp_path, devices=1, max_steps=2, log_every_n_steps=1,
+                            global_batch_size=4)
+    trainer.fit(model, data, optimizer=lambda p: torch.optim.SGD(p, lr=0.01), **kwargs)
+    env = json.loads((trainer.run_dir / run_files.ENVIRONMENT).read_text())
+    return env["flops_per_item"]
+
+
+def _lm_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("given", ["object", "factory"])
+def test_the_trainer_counts_a_model_that_states_no_flops(tmp_path, given):
+    """The Trainer's MFU for a model without flops_per_token: counted on its first batch's
+    shapes (attention included), not 6 x parameters; a model object or a factory."""
+    torch.manual_seed(0)
+    model = NoFormula() if given == "object" else NoFormula
+    counted = _fitted_flops(tmp_path, model, Tokens(), loss_fn=_lm_loss)
+    own = NoFormula().gpt.flops_per_token(32)
+    assert abs(counted / own - 1) < 0.03, (counted, own)
+    assert counted > flops_per_item(NoFormula()) * 1.05
+
+
+@pytest.mark.timeout(120)
+def test_a_hugging_face_factory_with_a_padding_mask_is_counted(tmp_path):
+    """A plain ``lambda: LlamaForCausalLM(cfg)`` fed dict batches with ``attention_mask``: the
+    mask's values cannot be read on meta, so it is counted without it (SDPA costs the same)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    counted = _fitted_flops(tmp_path, lambda: transformers.LlamaForCausalLM(cfg),
+                            Tokens(as_dict=True))
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(cfg)
+    matmuls = sum(p.numel() for n, p in meta.named_parameters() if "embed" not in n)
+    attention = 12 * 2 * 64 * 32  # 12 L d T
+    assert abs(counted / (6 * matmuls + attention) - 1) < 0.03, counted
