@@ -8,24 +8,24 @@ thread per rank), each repeat measures, as the slower rank's time:
 
 * ``sync save``: ``CheckpointManager.save`` (non-finite check, DCP write with fsync, rename):
   the time the caller is blocked;
-* ``async save, blocking``: the same with ``async_save=True``: the time until ``save`` returns
-  (non-finite check, setting up the folder, DCP's staging copy of the state into CPU memory);
+* ``async save, until save() returns``: the same with ``async_save=True`` (folder set-up, the
+  small per-rank files, the state dict; the copy into host memory runs in torch's
+  ``DefaultStager`` thread); ``until the copy is made``: plus ``before_update()`` at once;
 * ``async save, until committed``: from the start of ``save`` to the end of ``wait()`` called
   right after it (nothing else running);
 * ``async + training``: the same, but the ranks run training steps of the checkpointed model
   meanwhile (forward and backward on ``--batch`` rows, ``before_update()``, AdamW), polling
-  once per step and committing once every rank's write is done. On CPU the write runs in a
-  writer process per rank (meshtrain/checkpoint/writer_process.py, the Trainer's default);
-  ``thread writer``: the same with DCP writing in a thread of the training process (what a
-  GPU run or a machine without room in /dev/shm gets), its own manager and buffers;
+  once per step and committing once every rank's write is done (DCP writes in a thread of
+  the training process). The rows of meshtrain's former stager and writer process, which
+  this replaced, are in benchmarks/results/checkpoint_stagers.json (benchmarks/README.md);
 * ``load``: ``load_checkpoint`` of the sync checkpoint into the same sharded model and
   optimizer (DCP read + ``set_state_dict``); the files were just written, so they are read from
   the page cache;
 * ``non-finite check``: the NaN/Inf scan of parameters and optimizer state alone.
 
 A tiny model is saved and loaded once first (not timed), so that one-time costs of DCP's first
-save and load stay out of the first repeat; the order of the four cases (sync + load, async,
-async + training with each writer) rotates from repeat to repeat, and each checkpoint is
+save and load stay out of the first repeat; the order of the three cases (sync + load, async,
+async + training) rotates from repeat to repeat, and each checkpoint is
 deleted after its case. The training "step time alone" is measured over ``--steps-alone`` steps
 right before each async + training case. MiB/s = checkpoint size / median time.
 
@@ -48,7 +48,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from harness import WallClock, init_gloo, machine, spread, table, write_json
 
-from meshtrain.checkpoint import writer_process
 from meshtrain.checkpoint.manager import CheckpointManager, checkpoint_name, local_all_finite
 from meshtrain.checkpoint.state import load_checkpoint
 from meshtrain.launch.spawn import run_workers
@@ -61,8 +60,6 @@ MEASURES = [
     ("async_total_s", "async save, until committed"),
     ("async_train_blocking_s", "async + training, blocking (save + waits)"),
     ("async_train_total_s", "async + training, until committed"),
-    ("async_train_thread_blocking_s", "async + training, thread writer, blocking"),
-    ("async_train_thread_total_s", "async + training, thread writer, until committed"),
     ("load_s", "load"),
     ("check_s", "non-finite check"),
 ]
@@ -108,22 +105,10 @@ def bench_worker(cfg: dict, base: str) -> dict:
     # The background saves share one manager, as in a training run: its first save allocates
     # the host buffers (timed apart), later ones reuse them.
     amgr = CheckpointManager(Path(base) / "async", async_save=True, process_group=ckpt_group)
-    if amgr._process is not None:  # its writer's start (imports), which a run's steps overlap
-        amgr._process.wait_ready()
     dist.barrier()
     amgr.save_to(Path(base) / "first", 0, model, optimizer, {}, {"step": 0}, background=True)
     first = {"async_first_blocking_s": amgr.last_blocking_s + amgr.before_update()}
     amgr.wait()
-    # The same, written by DCP in a thread of this process (what a GPU run, or one without
-    # room in /dev/shm, gets): its first save is made while no shared memory is found.
-    tmgr = CheckpointManager(Path(base) / "async-thread", async_save=True,
-                             process_group=ckpt_group)
-    shared, writer_process.SHARED_DIR = writer_process.SHARED_DIR, str(Path(base) / "no-shm")
-    tmgr.save_to(Path(base) / "first-thread", 0, model, optimizer, {}, {"step": 0},
-                 background=True)
-    writer_process.SHARED_DIR = shared
-    tmgr.wait()
-    assert amgr._writer is not None and tmgr._writer is None, "not a process and a thread"
     rows, size = [], None
 
     def train_step(fences: list[float], mgr=amgr):
@@ -185,10 +170,7 @@ def bench_worker(cfg: dict, base: str) -> dict:
         row[f"async_train{tag}_total_s"] = mgr.last_save_s
         row[f"train_steps_during_write{tag}"] = steps
 
-    def async_train_thread(root, step, row):
-        async_train(root, step, row, tmgr, "_thread")
-
-    phases = [sync_and_load, async_wait, async_train, async_train_thread]
+    phases = [sync_and_load, async_wait, async_train]
     for rep in range(cfg["repeats"]):
         row, root = {}, Path(base) / f"rep{rep}"
         turn = rep % len(phases)
@@ -208,15 +190,8 @@ def summarize(ranks: list[dict]) -> dict:
     slower = [{k: max(r["rows"][i][k] for r in ranks) for k in ranks[0]["rows"][i]}
               for i in range(repeats)]
     out = {k: spread(row[k] for row in slower) for k, _ in MEASURES}
-    for key in ("train_steps_during_write", "train_step_alone_ms", "train_step_during_write_ms",
-                "train_steps_during_write_thread", "train_step_alone_thread_ms",
-                "train_step_during_write_thread_ms"):
+    for key in ("train_steps_during_write", "train_step_alone_ms", "train_step_during_write_ms"):
         out[key] = [row[key] for row in slower]
-    # how much a step slows while the write runs: process writer over thread writer, paired
-    out["slowdown_process_vs_thread"] = [
-        (row["train_step_during_write_ms"] / row["train_step_alone_ms"])
-        / (row["train_step_during_write_thread_ms"] / row["train_step_alone_thread_ms"])
-        for row in slower]
     out["checkpoint_bytes"] = ranks[0]["checkpoint_bytes"]
     out["async_first_blocking_s"] = max(r["async_first_blocking_s"] for r in ranks)
     out["blocking_vs_sync"] = [row["async_train_blocking_s"] / row["sync_blocking_s"]
@@ -243,14 +218,10 @@ def format_table(summary: dict) -> str:
                  f"{ratios[len(ratios) // 2]:.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f}); "
                  f"the first async save (allocating the host buffers) blocked "
                  f"{summary['async_first_blocking_s']:.3f} s until copied")
-    for tag, writer in (("", "process"), ("_thread", "thread")):
-        lines.append(f"training steps during the async write ({writer} writer): "
-                     f"{summary[f'train_steps_during_write{tag}']}; ms/step alone "
-                     f"{ms(summary[f'train_step_alone{tag}_ms'])}, during the write "
-                     f"{ms(summary[f'train_step_during_write{tag}_ms'])} (per repeat)")
-    slow = sorted(summary["slowdown_process_vs_thread"])
-    lines.append(f"step slowdown during the write, process writer / thread writer, paired: "
-                 f"median {slow[len(slow) // 2]:.3f} (min {slow[0]:.3f}, max {slow[-1]:.3f})")
+    lines.append(f"training steps during the async write: "
+                 f"{summary['train_steps_during_write']}; ms/step alone "
+                 f"{ms(summary['train_step_alone_ms'])}, during the write "
+                 f"{ms(summary['train_step_during_write_ms'])} (per repeat)")
     return "\n".join(lines)
 
 

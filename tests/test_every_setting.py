@@ -107,8 +107,8 @@ PROBES = {
     "checkpoint_every_n_epochs": Probe(1),
     "checkpoint_every_n_minutes": Probe(1e-9),
     "keep_last_k": Probe(1, base={"checkpoint_every_n_steps": 1}),
-    # (a writer process per rank takes seconds to start: one process here; two ranks write in
-    # the background in tests/checkpoint/test_trainer_checkpoints.py)
+    # (one process here; two ranks write in the background in
+    # tests/checkpoint/test_trainer_checkpoints.py)
     "async_checkpoint": Probe(True, base={"checkpoint_every_n_steps": 1}, worlds=("one",)),
     "resume": Probe(MAKE("checkpoint")),
     "init_from": Probe(MAKE("hf_folder")),

@@ -6,12 +6,11 @@ minutes, keeps the last k, and never leaves a half-written folder that looks com
 save goes into ``.tmp-<name>`` and is renamed by rank 0 once all ranks have written.
 
 With ``async_save=True`` the model and optimizer state is copied into host buffers kept from
-save to save, in a background thread while the next step's forward and backward run
-(``staging.py``; :meth:`CheckpointManager.before_update` waits for the copy and the Trainer
-calls it before each optimizer update), then written while training goes on: on CPU by a
-writer process of this rank's own (``writer_process.py``: the buffers are shared-memory files
-it maps; DCP plans in a background thread of this process), on a GPU or where shared memory
-is short by DCP in that background thread; one save is in flight at most. The caller commits
+save to save, in a background thread while the next step's forward and backward run (torch's
+``DefaultStager``, with meshtrain's checks around it: ``staging.py``;
+:meth:`CheckpointManager.before_update` waits for the copy and the Trainer calls it before
+each optimizer update), then written by DCP in a background thread while training goes on;
+one save is in flight at most. The caller commits
 it once every rank's write is done (:meth:`~CheckpointManager.poll` on every rank, then
 :meth:`~CheckpointManager.commit`), or blocks for it with :meth:`~CheckpointManager.wait`.
 """
@@ -46,10 +45,7 @@ from meshtrain.checkpoint.state import (
     tmp_path,
     write_extras,
 )
-from meshtrain.checkpoint.staging import HostStager, NonFiniteState, _tensors
-from meshtrain.checkpoint.writer_process import (
-    ProcessFileWriter, SharedBuffers, WriterProcess, shared_memory_fits,
-)
+from meshtrain.checkpoint.staging import CheckedStager, NonFiniteState
 from meshtrain.errors import ConfigError, MeshtrainError
 
 DCP_METADATA = ".metadata"
@@ -174,7 +170,7 @@ class CheckpointManager:
         every_n_minutes: a save is due this long after the last one started (or None).
         keep_last_k: after each commit, delete all but the newest k ``step_*`` checkpoints.
         async_save: copy and write in the background (DCP ``async_save`` with
-            :class:`~meshtrain.checkpoint.staging.HostStager`); call :meth:`before_update`
+            :class:`~meshtrain.checkpoint.staging.CheckedStager`); call :meth:`before_update`
             before changing the model or optimizer state after a save.
         process_group: the group DCP's own collectives use. With ``async_save`` it should be a
             gloo group of its own so the background write never interleaves with training
@@ -194,10 +190,7 @@ class CheckpointManager:
         self._last_start = _now()
         self._pending: tuple[Future, int, Path, Path, float] | None = None
         self._last_written: tuple[Path, int] | None = None  # (folder, step) of the last save
-        self._stager: HostStager | None = None  # background saves' host copy (staging.py)
-        self._writer: tuple[WriterProcess, SharedBuffers] | None = None  # (CPU: the process)
-        # started now (its imports overlap training, not the first save), used on CPU only
-        self._process = WriterProcess() if async_save and not torch.cuda.is_available() else None
+        self._stager: CheckedStager | None = None  # background saves' host copy (staging.py)
         self.on_commit = None  # called with (folder, step, seconds) when a save is in place
         self.extra_state = None  # () -> {name: state}: the callbacks' state, saved as "callbacks"
 
@@ -265,9 +258,7 @@ class CheckpointManager:
             if not background:
                 dcp.save(state, **where)
             else:
-                stager = self._host_stager(model, state)
-                if self._writer is not None:
-                    where["storage_writer"] = ProcessFileWriter(tmp, *self._writer)
+                stager = self._host_stager(model)
                 future = dcp.async_save(
                     state, async_checkpointer_type=AsyncCheckpointerType.THREAD,
                     async_stager=stager, **where)
@@ -287,23 +278,12 @@ class CheckpointManager:
             self.last_save_s = self.last_blocking_s
         return path
 
-    def _host_stager(self, model, state: dict) -> HostStager:
-        """The stager of background saves (host buffers reused from save to save); the model's
-        buffers are copied at once, everything else while the next step computes. On CPU,
-        with room for the state in shared memory, the buffers are shared-memory files and a
-        writer process writes them."""
+    def _host_stager(self, model) -> CheckedStager:
+        """The stager of background saves (its host buffers reused from save to save; pinned
+        on a GPU); the model's buffers are copied at once, everything else while the next step
+        computes."""
         if self._stager is None:
-            on_gpu = any(_local(p).is_cuda for p in model.parameters())
-            nbytes = sum(_local(t).numel() * _local(t).element_size() for _, t in _tensors(state))
-            if not on_gpu and shared_memory_fits(nbytes):
-                buffers = SharedBuffers()
-                self._writer = self._process or WriterProcess(), buffers
-                self._stager = HostStager(shared=buffers)
-            else:
-                self._stager = HostStager(pin_memory=on_gpu)
-                if self._process is not None:
-                    self._process.close()
-            self._process = None
+            self._stager = CheckedStager(on_gpu=any(_local(p).is_cuda for p in model.parameters()))
         self._stager.parameters = {_local(p).untyped_storage().data_ptr()
                                    for p in model.parameters()}
         self._stager.check, self._stager.check_group = True, self.process_group

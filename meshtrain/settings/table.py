@@ -258,7 +258,8 @@ DEFINITIONS = [
     _S("async_checkpoint", "checkpoint", False, "bool",
        "Write periodic checkpoints in the background: the state is copied to reused host "
        "buffers while the next step computes (its optimizer update waits for the copy), then "
-       "written (on CPU by a writer process of each rank's own).", needs=(_PERIODIC,)),
+       "written by DCP in a background thread (torch's DefaultStager and async_save).",
+       needs=(_PERIODIC,)),
     _S("resume", "checkpoint", "auto", "resume",
        '"auto": continue the newest unfinished run of this job and model (root_dir/name), or '
        "run_dir's newest checkpoint; a checkpoint folder; none: start afresh.", none=True,
