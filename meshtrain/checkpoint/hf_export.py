@@ -53,6 +53,9 @@ def _reference_names(config) -> tuple[dict[str, tuple[int, ...]], dict[str, str]
 
 
 def _write_shards(state: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
+    """``state`` as safetensors shards of at most ``max_shard_bytes`` and their index. (DCP's
+    ``HuggingFaceStorageWriter`` took 8.4x as long for the same files: benchmarks/hf_weights.py
+    --export.)"""
     from safetensors.torch import save_file
 
     shards: list[dict[str, torch.Tensor]] = [{}]
