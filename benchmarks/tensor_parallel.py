@@ -61,7 +61,11 @@ VARIANTS = {"tp": {}, "tp+sp": {"sequence_parallel": True}, "tp+lp": {"loss_para
 # the same on the tp axis's gloo group (local_comm="backend"): step time only (same counts)
 GLOO_VARIANTS = {f"{name} gloo": options for name, options in VARIANTS.items()
                  if name != "tp+lp"}
-ALL_VARIANTS = {**VARIANTS, **GLOO_VARIANTS}
+# sequence parallel on the shared-memory group through DTensor's own redistribution
+# (sequence_parallel.DTENSOR_REDISTRIBUTE) instead of meshtrain's two autograd functions, which
+# run there only (on gloo, "tp+sp gloo", DTensor's redistribution runs): step time only
+DTENSOR_VARIANTS = {"tp+sp dtensor": {"sequence_parallel": True}}
+ALL_VARIANTS = {**VARIANTS, **GLOO_VARIANTS, **DTENSOR_VARIANTS}
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -161,10 +165,15 @@ def _tp_cases(cfg: Config, repeats: int, rank: int) -> dict:
             latency[f"{name} {label}"] = 1e3 * median_time(run, before=dist.barrier)
 
     opt_s = [0.0]  # time in optimizer.step + zero_grad, summed
+    dtensor_models = [models[v, n][0] for v, n in models if v in DTENSOR_VARIANTS]
+
+    from meshtrain.parallel.tensor import sequence_parallel
 
     def train_step(model, opt, lp):
+        sequence_parallel.DTENSOR_REDISTRIBUTE = model in dtensor_models
         with loss_parallel_context(lp):
             lm_loss(model(x), y).backward()
+        sequence_parallel.DTENSOR_REDISTRIBUTE = False
         complete_partial_grads(model.parameters())
         start = time.perf_counter()
         opt.step()
@@ -267,7 +276,12 @@ def summarize(cfg: Config, ranks: list[dict]) -> dict:
                 "x_tp": (paired_ratio(times, step_s[f"{tp} L={layers}"])
                          if variant != "1proc" else None),
             }
-    return {"comm": comm, "timing": timing, "all_reduce_ms": ranks[0]["all_reduce_ms"],
+    # sequence parallel through DTensor's redistribution over meshtrain's own functions
+    dtensor = {f"{own} L={n}": paired_ratio(step_s[f"{v} L={n}"], step_s[f"{own} L={n}"])
+               for n in cfg.layers
+               for v, own in (("tp+sp dtensor", "tp+sp"),)}
+    return {"comm": comm, "timing": timing, "dtensor_over_own": dtensor,
+            "all_reduce_ms": ranks[0]["all_reduce_ms"],
             "profile": ranks[0]["profile"], "transport": ranks[0]["transport"]}
 
 
@@ -303,6 +317,10 @@ def format_tables(summary: dict) -> str:
     profile = table(("variant", "wall ms/step", "matmul", "collectives", "other"),
                      [(name, *(f"{row[k]:.1f}" for k in ("wall", "matmul", "collectives", "other")))
                       for name, row in summary["profile"].items()])
+    if summary.get("dtensor_over_own"):
+        timing += ("\n\nsequence parallel through DTensor's redistribution / through meshtrain's "
+                   "functions, paired: " + ", ".join(
+                       f"{k} {v:.3f}" for k, v in summary["dtensor_over_own"].items()))
     timing += "\n\nrank 0 under torch.profiler, ms per step by operator self time:\n" + profile
     latency = ", ".join(f"{k} {v:.2f} ms" for k, v in summary["all_reduce_ms"].items())
     transport = summary.get("transport", "gloo")

@@ -1,6 +1,8 @@
 """Sequence parallelism's all-gathers and reduce-scatters on the sequence dim (Korthikanti et al.
 2022) as Megatron-LM does them: two autograd functions on local tensors, used by the
-tensor-parallel plans' styles below instead of DTensor's redistribution.
+tensor-parallel plans' styles below instead of DTensor's redistribution where the tp axis is
+meshtrain's shared-memory group (CPU processes of one host); on any other group (gloo, NCCL)
+DTensor's own redistribution runs.
 
 Between a block's pairs of matrices the activations are sharded on the sequence dim. Before a
 column-parallel pair they are all-gathered (backward: the partial input gradients are
@@ -10,11 +12,14 @@ reduce-scattered (backward: the shards' gradients are all-gathered). DTensor's
 of the activation (functional collectives gather on dim 0, then ``torch.cat`` the chunks; the
 reduce-scatter the other way round). On the tp axis's shared-memory group
 (``shm/collectives.py``) the chunks are received straight into their place in the output and
-sent straight from theirs; on any other group torch's functional collectives do it (NCCL,
-gloo), as DTensor would, without the planning. Under ``CommDebugMode``
-(``tp_debug.comm_counts``) the functional path is taken so that the collectives are counted; in
-a graph torch.compile traces, DTensor's redistribution is used as before (the autograd
-functions there gave wrong gradients in torch 2.13).
+sent straight from theirs. Measured (benchmarks/tensor_parallel.py, "tp+sp dtensor" rows; two
+runs on 2026-11-28): a step through DTensor's redistribution took 1.10-1.16x (L = 2, 4 blocks)
+of one through these functions on the shared-memory group, but 0.88-0.94x on gloo, where the
+functions had run torch's functional collectives: so on gloo, NCCL and any group but the
+shared-memory one DTensor's redistribution runs (torch's own facility, at least as fast where
+measured; NCCL not yet measured). Under ``CommDebugMode`` (``tp_debug.comm_counts``) and in a
+graph torch.compile traces DTensor's redistribution runs too (the autograd functions gave
+wrong gradients under torch.compile in torch 2.13).
 
 The replicated parameters used on sequence shards (the norms) get a partial gradient on each
 rank: :func:`complete_partial_grads` sums them all once per step (the Trainer, after the last
@@ -42,6 +47,11 @@ from meshtrain.parallel.shm.collectives import SharedMemoryCollectives
 # torch 2.13's names; older ones (the GPU image's 2.11) have the *_tensor ones alone
 _ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+# True: DTensor's own redistribution everywhere instead of the two functions (what
+# benchmarks/tensor_parallel.py's "tp+sp dtensor" rows time against them; never set in a run)
+DTENSOR_REDISTRIBUTE = False
 
 
 def _direct(group) -> bool:
@@ -123,16 +133,15 @@ class _Scatter(torch.autograd.Function):
 
 def gather_sequence(x: torch.Tensor, mesh, dim: int) -> DTensor:
     """``x``, this rank's shard on ``dim`` (a plain tensor or a DTensor sharded so), as the
-    whole replicated DTensor; any other DTensor, and any input in a graph torch.compile traces
-    (where these functions gave wrong gradients in torch 2.13), through DTensor's own
-    redistribution."""
+    whole replicated DTensor: through :class:`_Gather` on the shared-memory group, else (any
+    other group, any other DTensor, a graph torch.compile traces) DTensor's redistribution."""
+    dtensor = DTENSOR_REDISTRIBUTE or not _direct(mesh.get_group())
     if not isinstance(x, DTensor):
-        if torch.compiler.is_compiling():
+        if dtensor:
             x = DTensor.from_local(x, mesh, [Shard(dim)], run_check=False)
         else:
             return _Gather.apply(x, mesh, dim % x.dim())
-    if torch.compiler.is_compiling() or x.placements not in ((Shard(dim),),
-                                                              (Shard(dim % x.dim()),)):
+    if dtensor or x.placements not in ((Shard(dim),), (Shard(dim % x.dim()),)):
         return x.redistribute(mesh, [Replicate()])
     return _Gather.apply(x.to_local(), mesh, dim % x.dim())
 
@@ -186,7 +195,7 @@ class RowwiseToSequence(RowwiseParallel):
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         (layout,) = output_layouts
         if isinstance(layout, Shard) and _sum_partial(outputs) and \
-                not torch.compiler.is_compiling():
+                _direct(device_mesh.get_group()) and not DTENSOR_REDISTRIBUTE:
             shard = scatter_partial(outputs, device_mesh, layout.dim)
             return shard if use_local_output else DTensor.from_local(
                 shard, device_mesh, [layout], run_check=False)
