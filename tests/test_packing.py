@@ -8,7 +8,7 @@ import transformers  # noqa: F401  (the `test` extra installs it: these tests ne
 from parity import LOSSES, adamw_gpt, assert_parity, params_of, train_state
 
 from meshtrain.models.hf import tiny_llama
-from meshtrain.packing import cut_targets, document_ids, document_mask
+from meshtrain.packing import cut_targets, document_block_mask, document_ids, document_mask
 
 torch.set_num_threads(1)
 SEQ, ROWS, VOCAB = 16, 40, 32
@@ -73,6 +73,26 @@ def test_document_ids_and_mask_follow_the_positions():
     alone = F.scaled_dot_product_attention(q[..., 2:5, :], k[..., 2:5, :], v[..., 2:5, :],
                                            is_causal=True)
     assert torch.allclose(out[..., 2:5, :], alone, atol=1e-15)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_the_flexattention_block_mask_is_the_same_attention():
+    """document_block_mask for a GPU model's flex_attention: the same outputs as SDPA with
+    document_mask (float64; forward only: FlexAttention has no CPU backward in torch 2.13), and
+    the blocks no query of a document may see are left out of the kernel's work."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    lengths = [20, 30, 14, 64]  # a window of three documents, then one of a single document
+    positions = torch.cat([torch.arange(n) for n in lengths]).view(2, 64)
+    q, k, v = (torch.randn(2, 4, 64, 16, dtype=torch.float64) for _ in range(3))
+    block_mask = document_block_mask(positions, block_size=16)
+    out = flex_attention(q, k, v, block_mask=block_mask)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions))
+    assert (out - want).abs().max() < 1e-13
+    # causal alone would keep 10 of the 16 blocks per window; the documents drop 2 of them in
+    # the first window (queries 32-63 see none of keys 0-15, all of the first document)
+    kept = block_mask.to_dense().sum(dim=(-1, -2)).flatten().tolist()
+    assert kept == [8, 10], kept
 
 
 def test_a_token_has_zero_gradient_from_earlier_documents():

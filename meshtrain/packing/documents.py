@@ -6,7 +6,9 @@ token (``PackedTokens(..., document_mask=True)``), and that is all a model needs
 attention inside a document: a new document starts wherever the position does not go up by one
 (transformers' rule, ``find_packed_sequence_indices``, so that a Hugging Face model given
 ``position_ids`` and no ``attention_mask`` masks the same way). :func:`document_mask` is that mask
-for ``F.scaled_dot_product_attention`` in a model of your own; meshtrain's context-parallel
+for ``F.scaled_dot_product_attention`` in a model of your own, :func:`document_block_mask` the
+same as a FlexAttention ``BlockMask`` (a GPU model calling ``torch.compile(flex_attention)``:
+blocks outside every document are skipped, not masked); meshtrain's context-parallel
 attention builds the same from the window's document ids (computed once per batch, before
 the sequence is cut), and the pipeline stages pass the positions
 on (docs/llm.md, "Packed documents").
@@ -40,6 +42,24 @@ def document_mask(position_ids: torch.Tensor, q_index: torch.Tensor | None = Non
     k = torch.arange(length, device=docs.device) if k_index is None else k_index
     same = docs[:, q, None] == docs[:, None, k]
     return (same & (q[:, None] >= k[None, :]))[:, None]
+
+
+def document_block_mask(position_ids: torch.Tensor, block_size: int = 128):
+    """:func:`document_mask` as a FlexAttention ``BlockMask`` (causal, the same document) for
+    ``flex_attention(q, k, v, block_mask=...)``, built on ``position_ids``' device. Blocks no
+    query may see are skipped by the compiled kernel: a window of many short documents costs
+    about the sum of their squares, not the window's. In torch 2.13 FlexAttention trains on GPUs
+    only (on a CPU it runs forward without gradients; use :func:`document_mask` with SDPA)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    docs = document_ids(position_ids)
+    batch, length = docs.shape
+
+    def same_document_causal(b, h, q, k):
+        return (k <= q) & (docs[b, q] == docs[b, k])
+
+    return create_block_mask(same_document_causal, batch, None, length, length,
+                             device=str(docs.device), BLOCK_SIZE=block_size)
 
 
 def cut_targets(labels: torch.Tensor, position_ids: torch.Tensor,
