@@ -126,17 +126,19 @@ class FirstBatchCount:
         if self.done or self.sample is None:
             return None
         self.done = True
-        try:
-            if isinstance(self.template, torch.nn.Module):
-                model = copy.deepcopy(self.template).to("meta")
-            else:
-                with torch.device("meta"):
-                    model = self.template()
-        except Exception:  # noqa: BLE001 - an estimate: 6 x parameters then
-            return None
-        if not isinstance(model, torch.nn.Module):
-            return None
-        return counted_flops_per_item(model, self.sample)
+        # (mid-run on rank 0: a factory that seeds must not move the stream dropout draws from)
+        with torch.random.fork_rng(devices=[]):
+            try:
+                if isinstance(self.template, torch.nn.Module):
+                    model = copy.deepcopy(self.template).to("meta")
+                else:
+                    with torch.device("meta"):
+                        model = self.template()
+            except Exception:  # noqa: BLE001 - an estimate: 6 x parameters then
+                return None
+            if not isinstance(model, torch.nn.Module):
+                return None
+            return counted_flops_per_item(model, self.sample)
 
 
 @functools.cache

@@ -105,3 +105,20 @@ def test_a_hugging_face_factory_with_a_padding_mask_is_counted(tmp_path):
     matmuls = sum(p.numel() for n, p in meta.named_parameters() if "embed" not in n)
     attention = 12 * 2 * 64 * 32  # 12 L d T
     assert abs(counted / (6 * matmuls + attention) - 1) < 0.03, counted
+
+
+def test_counting_leaves_the_random_stream_of_training_alone():
+    """The count builds the model again on rank 0 mid-run: a factory that seeds (a user's
+    ``torch.manual_seed(0)`` inside it) must not reset the stream dropout draws from."""
+    from meshtrain.observe.flops import FirstBatchCount
+
+    def factory():
+        torch.manual_seed(0)
+        return NoFormula()
+
+    count = FirstBatchCount(factory)
+    count.see((torch.zeros(2, 32, dtype=torch.long), None))
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    assert count.count() is not None
+    assert torch.equal(torch.get_rng_state(), state)
