@@ -184,10 +184,13 @@ class PackedTokens(Dataset):
       sample has no target);
     * ``document_positions=True`` (dict batches only): also ``"position_ids"``, counting from
       0 at each document's first token (the token after each eos the writer appended).
-    * ``document_mask=True`` (dict batches only): documents kept apart, ``"position_ids"`` as
-      above and no target across a boundary (``labels`` -100 on each document's first token,
-      meshtrain.packing.cut_targets); a Hugging Face model given these positions masks its
-      attention to each document (meshtrain.packing).
+    * ``document_mask=True``: no target across a document boundary. Dict batches: documents
+      kept apart, ``"position_ids"`` as above and ``labels`` -100 on each document's first token
+      (meshtrain.packing.cut_targets); a Hugging Face model given these positions masks its
+      attention to each document (meshtrain.packing). Pairs: the target of each document's
+      last token (its eos, whose next token starts another document) is -100; a model that
+      finds the documents from the eos ids keeps them apart (meshtrain's GPT with
+      ``document_eos``).
 
     Opening reads only ``meta.json`` (and stats the token files); shards are memory-mapped on
     first use in each process, so the dataset pickles into DataLoader workers cheaply.
@@ -196,16 +199,15 @@ class PackedTokens(Dataset):
     def __init__(self, folder: str | os.PathLike, seq_len: int, *, dict_batches: bool = False,
                  document_positions: bool = False, document_mask: bool = False) -> None:
         _positive_int("seq_len", seq_len)
-        for name, value in (("document_positions", document_positions),
-                            ("document_mask", document_mask)):
-            if value and not dict_batches:
-                raise ConfigError(f"{name}=True returns 'position_ids', which needs dict "
-                                  "batches; pass dict_batches=True as well.")
+        if document_positions and not dict_batches:
+            raise ConfigError("document_positions=True returns 'position_ids', which needs dict "
+                              "batches; pass dict_batches=True as well.")
         self.folder = Path(folder)
         self.meta = read_meta(folder)
         self.seq_len, self.dict_batches = seq_len, bool(dict_batches)
         self.document_mask = bool(document_mask)
-        self.document_positions = bool(document_positions) or self.document_mask
+        self.document_positions = bool(document_positions) or (self.document_mask and
+                                                               self.dict_batches)
         self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         shards = self.meta["shards"]
         for shard in shards:
@@ -310,7 +312,11 @@ class PackedTokens(Dataset):
         start = index * self.seq_len
         window = torch.from_numpy(self.read(start, self.seq_len + 1))
         if not self.dict_batches:
-            return window[:-1], window[1:]
+            targets = window[1:]
+            if self.document_mask:  # no target in another document (its first token)
+                starts = torch.from_numpy(self._positions(start + 1, self.seq_len)) == 0
+                targets = targets.masked_fill(starts, -100)
+            return window[:-1], targets
         ids = window[:-1]
         sample = {"input_ids": ids, "labels": ids.clone()}
         if self.document_positions:

@@ -29,6 +29,18 @@ MOE_FIELDS = ("num_experts", "experts_per_token", "expert_hidden_dim", "shared_e
               "router_score", "router_aux_loss_coef", "router_bias_rate")
 
 
+def gpt_moe_metric_names(config: dict) -> list[str]:
+    """The routing metrics a run of meshtrain's MoE GPT logs (``[model] num_experts`` > 0:
+    every block an MoE layer), for a recipe's ``metrics(config)``; [] for a dense model (a
+    Hugging Face MoE model's are not listed)."""
+    from meshtrain.moe.balance import routing_metric_names
+
+    m = config["model"]
+    if m.get("architecture", "gpt") != "gpt" or not m.get("num_experts"):
+        return []
+    return routing_metric_names(m["num_layers"], m.get("router_aux_loss_coef", 0) > 0)
+
+
 def model_config(config: dict, tokenizer_vocab: int):
     """The model's config: a ``transformers`` config, or a GPTConfig for ``gpt``; checked
     against the tokenizer's vocabulary and ``seq_len`` before any process starts."""

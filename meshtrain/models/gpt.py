@@ -40,7 +40,12 @@ class GPTConfig:
     width over ``experts_per_token``, so a token computes about as much as in the dense
     model), plus one dense ``shared_expert`` if set; ``router_score`` "softmax" or
     "sigmoid"; balanced by the load-balancing loss (``router_aux_loss_coef`` x, 0 = off)
-    and/or by a per-expert bias moved ``router_bias_rate`` a step (0 = off)."""
+    and/or by a per-expert bias moved ``router_bias_rate`` a step (0 = off).
+
+    ``document_eos``: the end-of-text id that ends each document of packed windows (the
+    ``eos_id`` of ``meshtrain prepare``'s shards). Set, a token attends only to its own document
+    and its position counts from the document's first token (meshtrain.packing.eos_documents);
+    train with targets cut at each eos (``PackedTokens(..., document_mask=True)``)."""
 
     vocab_size: int
     seq_len: int
@@ -57,6 +62,7 @@ class GPTConfig:
     router_score: str = "softmax"
     router_aux_loss_coef: float = 0.01
     router_bias_rate: float = 0.0
+    document_eos: int | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -81,6 +87,11 @@ class GPTConfig:
                 f"GPTConfig.experts_per_token={self.experts_per_token} must be between 1 and "
                 f"num_experts={self.num_experts}: a token cannot be routed to more experts than "
                 "there are")
+        if self.document_eos is not None and not (
+                _is_int(self.document_eos) and 0 <= self.document_eos < self.vocab_size):
+            raise ConfigError(f"GPTConfig.document_eos={self.document_eos!r} is not a token id of "
+                              f"the {self.vocab_size}-token vocabulary; give the shards' eos_id "
+                              "(meta.json), or None for one causal window")
         if self.router_aux_loss_coef < 0 or self.router_bias_rate < 0:
             raise ConfigError("GPTConfig.router_aux_loss_coef and router_bias_rate must be >= 0 "
                               f"(0 = off), got {self.router_aux_loss_coef!r} and "
@@ -114,7 +125,8 @@ class CausalSelfAttention(nn.Module):
         """Heads held by this module (all of them, or this rank's shard under tensor parallel)."""
         return self.wq.out_features // self.head_dim
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents``: the document ids of the whole window (packed documents, GPT.documents)."""
         batch, seq, _ = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
@@ -122,10 +134,11 @@ class CausalSelfAttention(nn.Module):
 
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
         dropout = self.dropout if self.training else 0.0
-        if self.cp_mesh is not None:  # this rank's queries over the whole sequence's keys
+        if self.cp_mesh is not None or documents is not None:
+            # this rank's queries over the whole sequence's keys (cp), in their documents
             from meshtrain.parallel.context.context_parallel import cp_attention
 
-            out = cp_attention(q, k, v, self.cp_mesh, dropout_p=dropout)
+            out = cp_attention(q, k, v, self.cp_mesh, dropout_p=dropout, documents=documents)
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
@@ -165,8 +178,8 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config) if not config.is_moe else moe_mlp(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), documents)
         return x + self.mlp(self.norm2(x))
 
 
@@ -188,6 +201,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.d_model, bias=config.bias)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self._cp_window = None  # (cp) the window's documents, found before the cut
         self.init_weights(seed)
 
     @torch.no_grad()
@@ -284,24 +298,48 @@ class GPT(nn.Module):
 
         check_cp(self.config.seq_len, cp_degree)
 
+    def shard_context_parallel_batch(self, batch, cp_mesh):
+        """This rank's part of ``batch`` (every tensor cut along the sequence), the window's
+        documents found first (``document_eos``)."""
+        from meshtrain.parallel.context.context_parallel import shard_batch
+
+        self._cp_window = self.documents(batch[0] if isinstance(batch, (tuple, list)) else batch,
+                                         whole=True)
+        return shard_batch(batch, cp_mesh)
+
+    # -- packed documents (document_eos): ids of the whole window, read by every block --------
+    def documents(self, idx: torch.Tensor, whole: bool = False) -> torch.Tensor | None:
+        """The document ids of the window (None without ``document_eos``); under cp, unless
+        ``idx`` is ``whole``, those found before the cut."""
+        from meshtrain.packing import eos_documents
+
+        if self.config.document_eos is None:
+            return None
+        if getattr(self, "cp_mesh", None) is not None and not whole:
+            return self._cp_window
+        return eos_documents(idx, self.config.document_eos)
+
+    def pipeline_side_inputs(self, batch) -> dict | None:
+        """What every pipeline stage's blocks read: the window's document ids, or None."""
+        documents = self.documents(batch[0] if isinstance(batch, (tuple, list)) else batch)
+        return None if documents is None else {"documents": documents}
+
     def num_params(self) -> int:
         """Number of parameter elements (embeddings included)."""
         return sum(p.numel() for p in self.parameters())
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token plus position embedding of ``(batch, seq)`` ids -> ``(batch, seq, d_model)``."""
+    def embed(self, idx: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Token plus position embedding of ``(batch, seq)`` ids -> ``(batch, seq, d_model)``;
+        with ``documents`` (the window's document ids) positions count from each document's
+        first token."""
         if idx.dim() != 2:
-            raise ConfigError(
-                f"GPT expects token ids of shape (batch, seq), got shape {tuple(idx.shape)}; "
-                f"add a batch dimension with idx.unsqueeze(0)."
-            )
+            raise ConfigError(f"GPT expects token ids of shape (batch, seq), got shape "
+                              f"{tuple(idx.shape)}; add a batch dimension with idx.unsqueeze(0).")
         seq = idx.shape[1]
         if seq > self.config.seq_len:
-            raise ConfigError(
-                f"input has {seq} tokens but the model's seq_len is {self.config.seq_len}; "
-                f"crop it to the last {self.config.seq_len} tokens or build the model with a "
-                f"larger seq_len."
-            )
+            raise ConfigError(f"input has {seq} tokens but the model's seq_len is "
+                              f"{self.config.seq_len}; crop it to the last {self.config.seq_len}"
+                              " tokens or build the model with a larger seq_len.")
         cp_mesh = getattr(self, "cp_mesh", None)
         if cp_mesh is not None:  # idx is this rank's share of the sequence
             from meshtrain.parallel.context.context_parallel import local_positions
@@ -310,12 +348,18 @@ class GPT(nn.Module):
                                         device=idx.device)
         else:
             positions = torch.arange(seq, device=idx.device)
+        if documents is not None:
+            from meshtrain.packing import document_positions
+
+            positions = document_positions(documents)[:, positions]
         return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.embed(idx)
+        documents = self.documents(idx)
+        extra = {} if documents is None else {"documents": documents}
+        h = self.embed(idx, **extra)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, **extra)
         return self.head(self.norm(h))
 
     @torch.no_grad()

@@ -171,6 +171,16 @@ def load_metrics(counts: torch.Tensor) -> dict[str, float]:
     return metrics
 
 
+def routing_metric_names(moe_layers: int, aux: bool) -> list[str]:
+    """The names :func:`routing_metrics` logs for a model of ``moe_layers`` MoE layers, with
+    ``train/router_aux_loss`` when its balancing loss is on (``aux``: a coefficient > 0)."""
+    per_layer = [f"moe/layer{i}/tokens_{s}" for i in range(moe_layers)
+                 for s in ("min", "mean", "max")]
+    per_layer += [f"moe/layer{i}/imbalance" for i in range(moe_layers)]
+    return (["train/router_aux_loss"] if aux else []) + per_layer + \
+        (["moe/imbalance"] if moe_layers else [])
+
+
 def recording(router_loss):
     """``router_loss.recording()``, or nothing to record."""
     return router_loss.recording() if router_loss is not None else contextlib.nullcontext()

@@ -21,6 +21,7 @@ trained to predict the next document's first token, from a context that cannot s
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -28,6 +29,22 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     the position does not follow the previous token's by one."""
     step = torch.diff(position_ids, prepend=position_ids[..., :1] - 1, dim=-1)
     return (step != 1).cumsum(-1)
+
+
+def eos_documents(idx: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """The document index of each of packed token ids ``(batch, L)`` in which every document
+    ends with ``eos_id`` (as ``meshtrain prepare`` writes them): a new one after each eos (the
+    window's first tokens, the end of a document begun before it, are document 0). What a
+    model given only token ids (meshtrain's GPT with ``document_eos``) keeps apart."""
+    return F.pad(idx[..., :-1] == eos_id, (1, 0)).cumsum(-1)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """The position of each token in its document, from the document ids of a window (each
+    document's first token in the window counts 0)."""
+    index = torch.arange(documents.size(-1), device=documents.device).expand_as(documents)
+    new = F.pad(documents[..., 1:] != documents[..., :-1], (1, 0), value=True)
+    return index - torch.where(new, index, torch.zeros_like(index)).cummax(-1).values
 
 
 def document_mask(position_ids: torch.Tensor, q_index: torch.Tensor | None = None,

@@ -16,6 +16,7 @@ unigram baseline of the same tokenizer, and a sample.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from meshtrain.callbacks import Callback
 from meshtrain.config import dumps_toml
 from meshtrain.errors import ConfigError
 from meshtrain.metrics import fit_metric_names
-from meshtrain.models.from_config import model_config, model_factory
+from meshtrain.models.from_config import gpt_moe_metric_names, model_config, model_factory
 from meshtrain.optim import AdamW
 from meshtrain.plan.auto import resolved_config
 from meshtrain.recipes.char_lm import MEMORY_RUN, cosine_with_warmup
@@ -96,11 +97,6 @@ def load_data(config: dict):
     check_tokenizer(train, tokenizer)
     hf = config["model"]["architecture"] != "gpt"
     seq_len, documents = config["data"]["seq_len"], bool(config["data"].get("document_mask"))
-    if documents and not hf:
-        raise ConfigError("data.document_mask needs a Hugging Face architecture (llama, qwen2, "
-                          "mistral or an hf_config): meshtrain's GPT reads (input, target) "
-                          "pairs without positions; set model.architecture, or drop "
-                          "document_mask")
     kwargs = dict(dict_batches=hf, document_mask=documents)
     train_set = PackedTokens(train, seq_len, **kwargs)
     val_set = PackedTokens(val, seq_len, **kwargs) if (val / "meta.json").is_file() else None
@@ -113,7 +109,8 @@ def metrics(config: dict) -> list[str]:
     (checked to exist, as a run would) have a val split."""
     _, val, _ = data_paths(config["data"])
     validation = (val / "meta.json").is_file()
-    return fit_metric_names(settings.flatten(config), unit="tokens", validation=validation)
+    return (fit_metric_names(settings.flatten(config), unit="tokens", validation=validation)
+            + gpt_moe_metric_names(config))
 
 
 def unigram_baseline(train_set, val_set, vocab_size: int, max_tokens: int = 50_000_000) -> float:
@@ -136,6 +133,19 @@ def _tokenizer_vocab(tokenizer_path: Path) -> int:
 
 
 # -- the job -------------------------------------------------------------------------------------
+def job_model_config(config: dict):
+    """The model's config for this job's tokenizer; meshtrain's GPT with ``data.document_mask``
+    keeps the documents apart at the shards' eos id (GPTConfig.document_eos: its batches are
+    (input, target) pairs, without positions)."""
+    from meshtrain.data.tokens import read_meta
+
+    train, _, tokenizer = data_paths(config["data"])
+    cfg = model_config(config, _tokenizer_vocab(tokenizer))
+    if config["data"].get("document_mask") and config["model"]["architecture"] == "gpt":
+        cfg = dataclasses.replace(cfg, document_eos=read_meta(train)["eos_id"])
+    return cfg
+
+
 def trainer_keywords(config: dict) -> dict:
     keywords = settings.flatten(config)
     if config["model"]["pretrained"] and keywords.get("init_from") is None:
@@ -150,8 +160,7 @@ def check(config: dict, mode: str = "train") -> str:
     keywords = trainer_keywords(config)
     trainer = Trainer(**keywords)
     train_set, val_set, _ = load_data(config)
-    _, _, tokenizer = data_paths(config["data"])
-    cfg = model_config(config, _tokenizer_vocab(tokenizer))
+    cfg = job_model_config(config)
     parts = _parts(config, cfg, trainer.seed, keywords["max_steps"] or 10**9)
     train = mode == "train"  # lr-find and memory: no validation data, no scheduler
     trainer.check(parts["model"], train_set, val_set if train else None,
@@ -181,8 +190,7 @@ class _SaveRun(Callback):
 def job(config: dict) -> dict:
     """What ``meshtrain parity`` trains."""
     train_set, _, meta = load_data(config)
-    _, _, tokenizer = data_paths(config["data"])
-    cfg = model_config(config, _tokenizer_vocab(tokenizer))
+    cfg = job_model_config(config)
     flat = settings.flatten(config)
     return dict(_parts(config, cfg, flat["seed"], flat["max_steps"] or 10**9),
                 train_data=train_set)
@@ -203,7 +211,7 @@ def _parts(config: dict, cfg, seed: int, total_steps: int) -> dict:
 def run(config: dict, mode: str = "train"):
     train_set, val_set, meta = load_data(config)
     _, _, tokenizer_path = data_paths(config["data"])
-    cfg = model_config(config, _tokenizer_vocab(tokenizer_path))
+    cfg = job_model_config(config)
     keywords = trainer_keywords(config)
     if mode == "memory":
         keywords = settings.impose(keywords, MEMORY_RUN)

@@ -126,8 +126,14 @@ def test_document_mask_drops_the_targets_that_cross_a_document(tmp_path):
             assert s["labels"][t].item() == (-100 if crosses else stream[i * seq_len + t])
             cut += crosses
     assert cut > 5
-    with pytest.raises(ConfigError, match="dict_batches=True"):
-        PackedTokens(tmp_path / "s", seq_len, document_mask=True)
+    # (input, target) pairs: the target of each eos (another document's first token) is cut
+    pairs = PackedTokens(tmp_path / "s", seq_len, document_mask=True)
+    for i in range(len(pairs)):
+        x, y = pairs[i]
+        assert x.tolist() == stream[i * seq_len:(i + 1) * seq_len]
+        want = [-100 if stream[t] == EOS else stream[t + 1]
+                for t in range(i * seq_len, (i + 1) * seq_len)]
+        assert y.tolist() == want, i
 
 
 def test_position_of_a_document_spanning_many_shards(tmp_path):

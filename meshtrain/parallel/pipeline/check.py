@@ -84,10 +84,12 @@ def stage_forward(model: nn.Module, x):
         for child in model:
             x = child(x)
         return x
+    side = getattr(model, "pipeline_side_inputs", None)  # (what every stage reads besides)
+    extra = (side(x) if callable(side) else None) or {}
     if callable(getattr(model, "embed", None)):
-        x = model.embed(x)
+        x = model.embed(x, **extra)
     for block in pipeline_blocks(model):
-        x = block(x)
+        x = block(x, **extra)
     for name in _POST:
         if getattr(model, name, None) is not None:
             x = getattr(model, name)(x)

@@ -309,8 +309,10 @@ class PipelineEngine(Engine):
 
     def _set_side(self, batch, chunks: int) -> None:
         """What the stages read beside the hidden state (the adapter's ``side_inputs``: a
-        Hugging Face model's position ids of packed documents), cut into ``chunks``."""
-        side = getattr(self.adapter, "side_inputs", None)
+        Hugging Face model's position ids of packed documents; else the model's own
+        ``pipeline_side_inputs``: meshtrain's GPT's document ids), cut into ``chunks``."""
+        side = getattr(self.adapter, "side_inputs", None) if self.adapter is not None else \
+            getattr(self.runner.modules[0], "pipeline_side_inputs", None)
         self.runner.set_side_inputs(side(batch) if side is not None else None, chunks)
 
     def _split(self, batch):

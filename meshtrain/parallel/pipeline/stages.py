@@ -157,10 +157,12 @@ def _holding(module: nn.Module, ids: set[int]) -> nn.Module | None:
 
 
 def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    side = getattr(self, "_pp_side", None)  # the model's pipeline_side_inputs (runner.py)
+    extra = side[self._pp_chunk] if side else {}
     if self._pp_first and callable(getattr(self, "embed", None)):
-        x = self.embed(x)
+        x = self.embed(x, **extra)
     for block in self.layers.values():
-        x = block(x)
+        x = block(x, **extra)
     if self._pp_last:
         for name in _POST:
             if getattr(self, name, None) is not None:
