@@ -10,6 +10,12 @@ allocator's runs in a process of their own (``LD_PRELOAD`` is read at process st
 allocators alternated in every repeat so that load from other jobs hits both alike.
 
     python benchmarks/allocator.py [--repeats 3] [--out results/allocator.json]
+    python benchmarks/allocator.py --fit results/planner.json   # the best allowance's bound
+
+``--fit``: how close any allowance of the form tensors + a + b x (activations + transients) +
+c x (gathered + transport buffers) could come to a planner run's resident peaks, fitted by
+least squares on the judged rows themselves (so a bound: an allowance measured elsewhere does
+no better).
 """
 
 from __future__ import annotations
@@ -63,13 +69,36 @@ def run(allocator: str, names: list[str], steps: int) -> dict[str, dict]:
     return {r["layout"]: r for r in rows}
 
 
+def fit(path: str) -> None:
+    import numpy as np
+
+    rows = json.loads(Path(path).read_text())["rows"]
+    terms, above, rss = [], [], []
+    for row in rows:
+        m, measured = row["predicted_memory"], row["measured"]
+        terms.append([1.0, m["activations"] + m["transient"], m["gathered"] + m["transport"]])
+        above.append(measured["rss"] - measured["peak"])  # resident beyond live tensors
+        rss.append(measured["rss"])
+    a, y, rss = np.array(terms), np.array(above, dtype=float), np.array(rss, dtype=float)
+    coef = np.linalg.lstsq(a, y, rcond=None)[0]
+    short = (y - a @ coef) / rss * 100
+    print(f"{path}: a={coef[0] / 2**20:.1f} MiB b={coef[1]:.2f} c={coef[2]:.2f}: under by at "
+          f"most {max(short.max(), 0):.1f} %, mean error {np.abs(short).mean():.1f} % "
+          f"({len(rows)} layouts)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results/allocator.json"))
     parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--fit", nargs="+", metavar="PLANNER_JSON")
     args = parser.parse_args(argv)
+    if args.fit:
+        for path in args.fit:
+            fit(path)
+        return 0
     if args.one:
         one_allocator(args.one, args.steps)
         return 0
