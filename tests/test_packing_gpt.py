@@ -90,10 +90,11 @@ def test_packed_training_equals_training_on_the_documents_one_per_row():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout, options", [
-    ("zero3=2", {}), ("tp=2", {"parallel_kwargs": {"sequence_parallel": True}}), ("cp=2", {}),
+    ("zero3=2", {}), ("tp=2", {}), ("tp=2", {"parallel_kwargs": {"sequence_parallel": True}}),
+    ("cp=2", {}),
     ("pp=2", {"micro_batch_size": 2}),
     ("pp=2", {"micro_batch_size": 2, "activation_checkpointing": "full"})],
-    ids=["zero3=2", "tp=2-sp", "cp=2", "pp=2", "pp=2-checkpointed"])
+    ids=["zero3=2", "tp=2", "tp=2-sp", "cp=2", "pp=2", "pp=2-checkpointed"])
 def test_packed_documents_match_one_process(layout, options):
     """Under cp each rank holds two chunks of 4 tokens (zig-zag), and documents cross the cut:
     the window's documents are found before the cut. Under pp every stage's blocks get their

@@ -179,7 +179,9 @@ class Block(nn.Module):
         self.mlp = MLP(config) if not config.is_moe else moe_mlp(config)
 
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), documents)
+        # (a keyword, and only when given: tensor parallel's input hooks count positional ones)
+        h = self.norm1(x)
+        x = x + (self.attn(h) if documents is None else self.attn(h, documents=documents))
         return x + self.mlp(self.norm2(x))
 
 
