@@ -27,6 +27,7 @@ import meshtrain.observe.memory.probe
 import meshtrain.observe.model_summary
 import meshtrain.observe.progress
 import meshtrain.optim
+import meshtrain.packing
 import meshtrain.parallel.context.context_parallel
 import meshtrain.parallel.context.sdpa
 import meshtrain.parallel.data.data_parallel

@@ -313,12 +313,12 @@ class GPT(nn.Module):
     def documents(self, idx: torch.Tensor, whole: bool = False) -> torch.Tensor | None:
         """The document ids of the window (None without ``document_eos``); under cp, unless
         ``idx`` is ``whole``, those found before the cut."""
-        from meshtrain.packing import eos_documents
-
         if self.config.document_eos is None:
             return None
         if getattr(self, "cp_mesh", None) is not None and not whole:
             return self._cp_window
+        from meshtrain.packing import eos_documents
+
         return eos_documents(idx, self.config.document_eos)
 
     def pipeline_side_inputs(self, batch) -> dict | None:
