@@ -202,3 +202,42 @@ def test_a_token_id_outside_the_vocabulary_is_refused_by_the_dry_run(corpus, tmp
     config = config.__class__(**{**config.to_dict(), field: 7})  # an id of the vocabulary
     config.save_pretrained(tmp_path / "hf")
     assert train(corpus, tmp_path, f"--model.hf_config={tmp_path / 'hf'}", dry_run=True) == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe aux loss", "deepseek_v3 bias"])
+def test_a_hugging_face_moe_model_logs_the_routing_names_the_recipe_lists(corpus, tmp_path,
+                                                                           family):
+    """A Hugging Face MoE model from model.hf_config: its router loss (output_router_logits)
+    or its routers' bias balancing (router_bias_rate) is logged under the names
+    ``metrics(config)`` gives, so a sweep may take one as its objective."""
+    from meshtrain.models.hf import _transformers
+
+    t = _transformers()
+    sizes = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=64, moe_intermediate_size=16)
+    if family.startswith("qwen3_moe"):
+        config = t.Qwen3MoeConfig(**sizes, intermediate_size=32, num_experts=4,
+                                  num_experts_per_tok=2, output_router_logits=True,
+                                  router_aux_loss_coef=0.01)
+    else:
+        config = t.DeepseekV3Config(**{**sizes, "num_key_value_heads": 2},
+                                    intermediate_size=32, n_routed_experts=4,
+                                    num_experts_per_tok=2, n_group=1, topk_group=1,
+                                    first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=None,
+                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                    experts_implementation="eager")
+        config.router_bias_rate = 0.01
+    config.save_pretrained(tmp_path / "hf")
+    extra = [f"--model.hf_config={tmp_path / 'hf'}"]
+    assert train(corpus, tmp_path, *extra) == 0
+    run = next((tmp_path / "llama_tiny").iterdir())
+    header = (run / "metrics.csv").open().readline().strip().split(",")[1:]
+    config = resolve_config("examples/llama_tiny.toml", [f"--data.path={corpus}", *TINY,
+                                                         *extra])[1]
+    names = causal_lm.metrics(config)
+    routing = {n for n in names if n.startswith(("moe/", "train/router"))}
+    if family.endswith("aux loss"):
+        assert routing == {"train/router_aux_loss"}
+    else:  # the one MoE layer (the first is dense) counted
+        assert "moe/layer0/imbalance" in routing and "moe/layer1/imbalance" not in routing
+    assert set(header) == set(names), header

@@ -29,16 +29,19 @@ MOE_FIELDS = ("num_experts", "experts_per_token", "expert_hidden_dim", "shared_e
               "router_score", "router_aux_loss_coef", "router_bias_rate")
 
 
-def gpt_moe_metric_names(config: dict) -> list[str]:
-    """The routing metrics a run of meshtrain's MoE GPT logs (``[model] num_experts`` > 0:
-    every block an MoE layer), for a recipe's ``metrics(config)``; [] for a dense model (a
-    Hugging Face MoE model's are not listed)."""
-    from meshtrain.moe.balance import routing_metric_names
+def moe_metric_names(model_factory) -> list[str]:
+    """The routing metrics a run of the model ``model_factory`` builds logs (its routers'
+    balancing loss and expert load, meshtrain.moe.balance), for a recipe's
+    ``metrics(config)``: the model built on the meta device (no weights) and asked as the
+    Engine asks it; [] for a dense model."""
+    import torch
 
-    m = config["model"]
-    if m.get("architecture", "gpt") != "gpt" or not m.get("num_experts"):
-        return []
-    return routing_metric_names(m["num_layers"], m.get("router_aux_loss_coef", 0) > 0)
+    from meshtrain.models.hf import hf_router_loss
+    from meshtrain.moe.balance import router_loss_of, routing_metric_names
+
+    with torch.device("meta"):
+        model = model_factory()
+    return routing_metric_names(router_loss_of(model, hf_router_loss))
 
 
 def model_config(config: dict, tokenizer_vocab: int):

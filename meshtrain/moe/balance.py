@@ -171,14 +171,20 @@ def load_metrics(counts: torch.Tensor) -> dict[str, float]:
     return metrics
 
 
-def routing_metric_names(moe_layers: int, aux: bool) -> list[str]:
-    """The names :func:`routing_metrics` logs for a model of ``moe_layers`` MoE layers, with
-    ``train/router_aux_loss`` when its balancing loss is on (``aux``: a coefficient > 0)."""
-    per_layer = [f"moe/layer{i}/tokens_{s}" for i in range(moe_layers)
+def routing_metric_names(router_loss) -> list[str]:
+    """The names :func:`routing_metrics` logs for a model whose router loss (as
+    :func:`router_loss_of` gives it) is ``router_loss``: ``train/router_aux_loss`` when its
+    balancing loss is on (a coefficient > 0), and the expert load of every layer it counts
+    (``counted_layers``: the rows of its ``after_step`` counts); [] without one."""
+    if router_loss is None:
+        return []
+    counted = getattr(router_loss, "counted_layers", 0) if callable(
+        getattr(router_loss, "after_step", None)) else 0
+    per_layer = [f"moe/layer{i}/tokens_{s}" for i in range(counted)
                  for s in ("min", "mean", "max")]
-    per_layer += [f"moe/layer{i}/imbalance" for i in range(moe_layers)]
-    return (["train/router_aux_loss"] if aux else []) + per_layer + \
-        (["moe/imbalance"] if moe_layers else [])
+    per_layer += [f"moe/layer{i}/imbalance" for i in range(counted)]
+    return (["train/router_aux_loss"] if router_loss.coef else []) + per_layer + \
+        (["moe/imbalance"] if counted else [])
 
 
 def recording(router_loss):

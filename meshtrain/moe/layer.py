@@ -176,6 +176,11 @@ class MoERouting:
                         layer.tokens_per_expert = torch.zeros_like(counts, dtype=torch.float64)
                     layer.tokens_per_expert += counts
 
+    @property
+    def counted_layers(self) -> int:
+        """The rows of :meth:`after_step`'s counts: one per MoE layer."""
+        return len(self.layers)
+
     def stats(self, batch=None) -> RouterStats:
         rows = []
         for recorded in self._recorded:

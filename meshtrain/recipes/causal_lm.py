@@ -28,7 +28,7 @@ from meshtrain.callbacks import Callback
 from meshtrain.config import dumps_toml
 from meshtrain.errors import ConfigError
 from meshtrain.metrics import fit_metric_names
-from meshtrain.models.from_config import gpt_moe_metric_names, model_config, model_factory
+from meshtrain.models.from_config import model_config, model_factory, moe_metric_names
 from meshtrain.optim import AdamW
 from meshtrain.plan.auto import resolved_config
 from meshtrain.recipes.char_lm import MEMORY_RUN, cosine_with_warmup
@@ -109,8 +109,9 @@ def metrics(config: dict) -> list[str]:
     (checked to exist, as a run would) have a val split."""
     _, val, _ = data_paths(config["data"])
     validation = (val / "meta.json").is_file()
-    return (fit_metric_names(settings.flatten(config), unit="tokens", validation=validation)
-            + gpt_moe_metric_names(config))
+    routing = moe_metric_names(model_factory(config, job_model_config(config), seed=0))
+    return fit_metric_names(settings.flatten(config), unit="tokens",
+                            validation=validation) + routing
 
 
 def unigram_baseline(train_set, val_set, vocab_size: int, max_tokens: int = 50_000_000) -> float:

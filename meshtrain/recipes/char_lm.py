@@ -24,7 +24,7 @@ from meshtrain.config import dumps_toml
 from meshtrain.data.text import CharChunks, CharTokenizer, split_tokens, stdlib_text, unigram_cross_entropy
 from meshtrain.errors import ConfigError
 from meshtrain.metrics import fit_metric_names
-from meshtrain.models.from_config import gpt_moe_metric_names
+from meshtrain.models.from_config import moe_metric_names
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.plan.auto import resolved_config
 from meshtrain.trainer import Trainer
@@ -106,8 +106,9 @@ def check(config: dict, mode: str = "train") -> str:
 def metrics(config: dict) -> list[str]:
     """The names a run of this job logs (``meshtrain sweep`` checks its objective against them
     before any trial): the Trainer's, over token ids, with validation (val_fraction > 0)."""
+    sizes = model_config(config, vocab_size=1)  # (the routers do not depend on it)
     return (fit_metric_names(settings.flatten(config), unit="tokens", validation=True)
-            + gpt_moe_metric_names(config))
+            + moe_metric_names(lambda: GPT(sizes)))
 
 
 def load_text(data: dict) -> str:

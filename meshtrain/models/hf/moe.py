@@ -104,6 +104,11 @@ class HFBiasBalance:
         finally:
             self._recording = False
 
+    @property
+    def counted_layers(self) -> int:
+        """The rows of :meth:`after_step`'s counts: one per router."""
+        return len(self.routers)
+
     @torch.no_grad()
     def after_step(self, group=None) -> torch.Tensor:
         """Once per optimizer step: the step's picks [routers, E] summed over ``group``, each
