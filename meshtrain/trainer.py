@@ -104,6 +104,7 @@ class Trainer:
     num_skipped_steps = property(lambda self: self.state.num_skipped_steps)
     num_rollbacks = property(lambda self: self.state.num_rollbacks)
     is_global_zero = property(lambda self: self.rank == 0)
+    val_data = property(lambda self: self._val_data)  # what fit validates on (None: nothing)
 
     # this rank's index among the ranks that see different samples
     dp_rank = property(lambda self: self.mesh.batch_rank if self.mesh is not None else 0)

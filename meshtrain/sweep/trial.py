@@ -105,7 +105,7 @@ class TrialReporter(Callback):
 
     def on_train_step_end(self, trainer, metrics: dict) -> None:
         """Without validation data, the objective is checked at the first log."""
-        if self.checked or not metrics or getattr(trainer, "_val_data", None) is not None:
+        if self.checked or not metrics or trainer.val_data is not None:
             return
         self.checked, metric, word = True, self.info["metric"], GO
         if trainer.is_global_zero and metric not in self._logged(trainer, metrics):
