@@ -158,6 +158,37 @@ def first_batch(dataset, count: int):
     return (torch.stack([s[0] for s in samples]), default_collate([s[1] for s in samples]))
 
 
+def check_pipeline_reads(dataset, original, num_workers: int) -> None:
+    """Under pp every stage reads each sample itself (the first its inputs, the last its
+    targets). A dataset that draws random numbers as it reads (its first sample read twice
+    differs) then needs loader workers, seeded alike on every stage; in the main process the
+    stages' streams part with their different dropout draws. ConfigError saying so."""
+    if isinstance(original, DataLoader):
+        num_workers = original.num_workers
+    if num_workers or isinstance(dataset, IterableDataset):
+        return
+    if not _same(dataset[0], dataset[0]):
+        raise ConfigError(
+            f"{type(dataset).__name__}[0] gives another sample each time it is read (it draws "
+            "random numbers); under pp each stage reads the sample itself, and in the main "
+            "process their random streams differ, so the first stage's inputs and the last "
+            "stage's targets would come from different draws. Set num_workers=1 (or more): "
+            "loader workers are seeded alike on every stage")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool((a == b).all()) if hasattr(a == b, "all") else bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
 def is_data_factory(data) -> bool:
     """A function that builds the dataset (after ``prepare_data``), not a dataset itself."""
     return callable(data) and not isinstance(data, (Dataset, DataLoader))

@@ -207,8 +207,8 @@ class Trainer:
                 lr_scheduler=lr_scheduler)
 
     def _loader_options(self) -> dict:
-        return {"num_workers": self.num_workers, "loader_seed": self.seed + self.rank,
-                "pin_memory": self.device_type == "cuda"}
+        return {"num_workers": self.num_workers, "pin_memory": self.device_type == "cuda",
+                "loader_seed": self.seed + self.dp_rank}  # (alike where the samples are)
 
     # -- the loop ---------------------------------------------------------------------------------
     def _fit_loop(self) -> None:

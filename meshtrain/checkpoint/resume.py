@@ -246,7 +246,8 @@ def restore(path, model, optimizer, *, identity: dict, seed: int, rank: int,
     """Collective: load a checkpoint into ``model`` and ``optimizer`` after refusing one of
     another run (``identity``: see :func:`check_same_run`) or another model (``shapes``: the
     whole model's, see :func:`model_shapes`); return its trainer state. When the saved RNG
-    streams belong to other ranks, start reproducible new ones."""
+    streams belong to other ranks, start reproducible new ones (``rank``: the stream's,
+    ParallelMesh.random_rank)."""
     from meshtrain.checkpoint.state import load_checkpoint
 
     path = Path(path)
@@ -302,7 +303,8 @@ def restore_trainer(t, path) -> None:
     named = stateful_callbacks(t.callbacks)
     states = {name: callback.state_dict() for name, callback in named}
     state = restore(path, t.model, t.optimizer, identity=run_identity(t), seed=t.seed,
-                    rank=t.rank, shapes=t._model_shapes, extra=states)
+                    rank=t.mesh.random_rank if t.mesh is not None else t.rank,
+                    shapes=t._model_shapes, extra=states)
     for name, callback in named:
         if name in states:
             callback.load_state_dict(states[name])

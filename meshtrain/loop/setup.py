@@ -100,6 +100,8 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
                  pp=layout.degree("pp"), metrics=t.metrics,
                  zero1=layout.zero_stage == 1 and layout.degree("dp") > 1,
                  layout=t.layout, settings={**t._settings, "grad_accum_steps": t.grad_accum_steps})
+    if layout.degree("pp") > 1 and train_set is not None:
+        checks.check_pipeline_reads(train_set, train_data, t.num_workers)
     sample_inputs = checks.first_inputs(train_set, 2) if train_set is not None else None
     if t.layout is None:  # layout="auto": the planner's pick that these checks accept
         from meshtrain.plan.auto import plan_layout
@@ -235,7 +237,8 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
         t.optimizer = t.engine.averager = start_servers(t.model, t.optimizer, t.layout,
                                                         t._settings)
     t.lr_scheduler = scheduler_factory(t.optimizer) if scheduler_factory else None
-    torch.manual_seed(t.seed + 1 + t.rank)  # dropout: different per rank, reproducible
+    # dropout: different per rank (tp's ranks alike: mesh.random_rank), reproducible
+    torch.manual_seed(t.seed + 1 + (t.mesh.random_rank if t.mesh is not None else t.rank))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,6 +152,19 @@ class ParallelMesh:
         """This rank's index among the ranks that see different samples."""
         return self.batch.get_local_rank() if self.batch is not None else 0
 
+    @property
+    def random_rank(self) -> int:
+        """This rank's random stream (dropout, a dataset's draws in the main process): the
+        first rank of its tensor- and context-parallel group, which compute the same samples
+        together (tp's ranks hold the same activations outside the split parts: different
+        masks would make them disagree); data-parallel ranks and pipeline stages draw apart."""
+        if self.mesh is None:
+            return 0
+        names = self.mesh.mesh_dim_names or ()
+        at = [0 if name in ("tp", "cp") else i
+              for name, i in zip(names, self.mesh.get_coordinate())]
+        return int(self.mesh.mesh[tuple(at)])
+
     def mean_loss(self, value: torch.Tensor) -> float:
         """``value`` averaged over the loss axes (after summing over pipeline stages, where
         only the last stage holds the loss and the others hold zero)."""

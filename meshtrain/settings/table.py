@@ -116,8 +116,9 @@ DEFINITIONS = [
     _S("seed", "trainer", 0, "int",
        "Seeds Python's random, NumPy and torch when the Trainer is built (a model object built "
        "after it starts the same on every rank and in one process), a factory's model, the data "
-       "order and each rank's dropout. Ranks whose models still differ get rank 0's weights, "
-       "with a warning."),
+       "order and each rank's dropout (alike on the ranks of a tp or cp group, which compute "
+       "the same samples; loader workers alike on the ranks that read the same samples). Ranks "
+       "whose models still differ get rank 0's weights, with a warning."),
     _S("shuffle", "trainer", True, "bool",
        "Shuffle the training data each epoch (one seeded order, independent of the number of "
        "ranks)."),

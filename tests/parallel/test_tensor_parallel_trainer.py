@@ -239,3 +239,51 @@ def test_a_forward_that_reads_a_parameter_directly_is_told_what_to_change():
     with pytest.raises(WorkerFailed, match=r"reads another module's parameter directly(.|\n)*"
                                            r"Call the module instead"):
         run_workers(_direct_read_rank, 2, timeout=100)
+
+
+@pytest.mark.parametrize("layout, streams", [
+    ("dp=2,tp=2", [0, 0, 2, 2]), ("pp=2,tp=2", [0, 0, 2, 2]), ("tp=2,cp=2", [0, 0, 0, 0]),
+    ("dp=2,cp=2", [0, 0, 2, 2]), ("dp=4", [0, 1, 2, 3]), ("pp=2,dp=2", [0, 1, 2, 3])])
+def test_tp_and_cp_groups_share_a_random_stream_and_the_other_ranks_do_not(layout, streams):
+    """Dropout's seed: a tp group's ranks hold the same activations outside the split parts, so
+    they draw alike, and so do cp's (the same samples); data-parallel ranks and pipeline stages
+    draw their own (a fake world of 4 ranks)."""
+    from meshtrain.parallel.layout import Layout
+    from meshtrain.parallel.mesh import ParallelMesh
+    from meshtrain.plan.simulate import fake_world
+
+    seen = []
+    for rank in range(4):
+        with fake_world(4, rank):
+            seen.append(ParallelMesh(Layout.parse(layout, 4), "cpu").random_rank)
+    assert seen == streams
+
+
+def _dropout_rank(dropout):
+    from parity import SEQ, VOCAB, lm_loss, token_data
+
+    from meshtrain import Trainer
+    from meshtrain.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=2, d_model=16,
+                       bias=False, dropout=dropout)
+    trainer = Trainer(layout="tp=2", max_steps=4, global_batch_size=8, loggers=(), report=False,
+                      progress_bar=False, checkpoint_every_n_steps=None, model_summary=False)
+    model = trainer.fit(lambda: GPT(config), token_data(), optimizer=sgd, loss_fn=lm_loss)
+    norms = {n: getattr(p, "to_local", lambda: p)().detach().clone()  # (replicated DTensors)
+             for n, p in model.named_parameters() if "norm" in n}
+    return trainer.rank, norms
+
+
+@pytest.mark.timeout(200)
+def test_a_gpt_with_dropout_trains_under_tp_with_its_replicated_parts_alike():
+    """Dropout under tp: the replicated activations draw the same masks on both ranks (before,
+    each rank drew its own and the tp check refused the run in its first step), so the
+    replicated weights stay equal; and dropout is on (the weights differ from dropout 0)."""
+    ranks = run_workers(_dropout_rank, 2, (0.2,), timeout=150)
+    (_, first), (_, second) = sorted(ranks, key=lambda r: r[0])
+    assert first and first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    _, plain = min(run_workers(_dropout_rank, 2, (0.0,), timeout=150), key=lambda r: r[0])
+    assert any(not torch.allclose(first[n], plain[n]) for n in first)
