@@ -4,8 +4,8 @@ strategy reads (``Trainer.__init__``, and layout="auto" once the planner has pic
 from __future__ import annotations
 
 from meshtrain import checks
-from meshtrain.models.hf import (hf_cp_support, hf_expert_layers, hf_loss_items, hf_pp_support,
-                                hf_router_loss, hf_tp_plans)
+from meshtrain.models.hf import (hf_call_kwargs, hf_cp_support, hf_expert_layers, hf_loss_items,
+                                hf_pp_support, hf_router_loss, hf_tp_plans)
 from meshtrain.parallel.apply import ParallelOptions
 from meshtrain.parallel.batch_plan import plan_batches
 from meshtrain.parallel.pipeline.engine import PipelineOptions
@@ -21,7 +21,7 @@ def use_layout(t, s: dict, world_size: int) -> None:
                               s["stages_per_rank"])
     parallel_options = ParallelOptions.from_settings(s, hf_tp_plans(
         layout.degree("tp"), s["sequence_parallel"], s["loss_parallel"]), hf_cp_support,
-        hf_loss_items, hf_router_loss, hf_expert_layers)
+        hf_loss_items, hf_router_loss, hf_expert_layers, hf_call_kwargs)
     t._settings, t.layout, t.batch_plan = s, layout, batch_plan
     t.world_size = layout.world_size  # the mesh's ranks (not ps servers)
     t.micro_batch_size = batch_plan.micro_batch_size

@@ -50,6 +50,8 @@ class ParallelOptions:
     router_loss: Callable[[torch.nn.Module], object | None] | None = None
     # module -> its MoE layers ep can split, where it has no meshtrain MoE layers (expert/)
     expert_layers: Callable[[torch.nn.Module], list] | None = None
+    # module -> keyword arguments of its training forward, when it returns its own loss
+    call_kwargs: Callable[[torch.nn.Module], dict] | None = None
     sync_batchnorm: bool = True
     local_sgd_every: int | None = None  # local SGD (local_sgd.py): average parameters every H
     outer_lr: float | None = None
@@ -60,7 +62,7 @@ class ParallelOptions:
 
     @classmethod
     def from_settings(cls, s: dict, tp_plan=None, context_parallel=None,
-                      loss_items=None, router_loss=None, expert_layers=None
+                      loss_items=None, router_loss=None, expert_layers=None, call_kwargs=None
                       ) -> ParallelOptions:
         """From the Trainer's settings (meshtrain.settings); ``tp_plan`` replaces a missing one,
         ``context_parallel`` adapts models that lack the methods (see ``cp_support``),
@@ -77,6 +79,7 @@ class ParallelOptions:
                    tp_plan=tp_plan, tp_check_steps=s["tp_check_steps"],
                    context_parallel=context_parallel, loss_items=loss_items,
                    router_loss=router_loss, expert_layers=expert_layers,
+                   call_kwargs=call_kwargs,
                    sync_batchnorm=s["sync_batchnorm"], local_sgd_every=s["local_sgd_every"],
                    outer_lr=s["outer_lr"], outer_momentum=s["outer_momentum"])
 

@@ -97,6 +97,7 @@ class Engine:
         # loss leaves to meshtrain (meshtrain.moe.balance)
         self.router_loss = None if self.step_call else router_loss_of(
             model, options.router_loss if loss_fn is None else None)
+        self.model_kwargs = options.call_kwargs(model) if options.call_kwargs else {}
         # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
         self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
         if self.tp_checks_left:  # what split-input modules see, for the first steps' check
@@ -109,8 +110,10 @@ class Engine:
 
     @property
     def call_kwargs(self) -> dict | None:
-        """More keyword arguments for the model's own loss (its router loss left to us)."""
-        return None if self.router_loss is None else self.router_loss.call_kwargs
+        """More keyword arguments for the model's own loss (its router loss left to us; a
+        Hugging Face model's use_cache=False: ParallelOptions.call_kwargs)."""
+        routed = self.router_loss.call_kwargs if self.router_loss is not None else {}
+        return {**self.model_kwargs, **routed}
 
     @property
     def loss_group(self):

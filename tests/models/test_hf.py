@@ -142,6 +142,23 @@ def test_llama_context_parallel_parity():
     assert_parity("cp=2", 2, steps=10, global_batch_size=BATCH, fns=LLAMA12_FNS)
 
 
+def _cached_llama():
+    from meshtrain.models.hf import tiny_llama
+
+    model = tiny_llama()
+    model.config.use_cache = True  # (transformers' default: a user's config has it)
+    return model
+
+
+@pytest.mark.timeout(200)
+def test_llama_with_its_kv_cache_on_and_recomputed_blocks_matches_one_process():
+    """A recomputed block would append its keys and values to the model's KV cache again (under
+    cp its attention got twice the keys and the first step failed): meshtrain trains a
+    Hugging Face model with use_cache=False."""
+    assert_parity("cp=2", 2, steps=4, global_batch_size=BATCH,
+                  fns=dict(LLAMA12_FNS, model_fn=_cached_llama), activation_checkpointing="full")
+
+
 def test_llama_context_parallel_batch_keeps_every_target_once():
     from meshtrain.models.hf import HFContextParallel
     from meshtrain.parallel.context.context_parallel import unshard_sequence

@@ -37,7 +37,7 @@ from meshtrain.models.hf.tp import default_tp_plan, hf_tp_plan, hf_tp_plans
 
 __all__ = [
     "HFContextParallel", "RandomTokenDataset", "build_seeded", "causal_lm_loss",
-    "count_lm_targets", "default_tp_plan", "hf_cp_support", "hf_expert_layers", "hf_loss_items",
+    "count_lm_targets", "default_tp_plan", "hf_call_kwargs", "hf_cp_support", "hf_expert_layers", "hf_loss_items",
     "hf_pp_support", "hf_router_loss", "hf_tp_plan", "hf_tp_plans", "is_hf_model", "random_token_data",
     "tiny_causal_lm", "tiny_gpt2", "tiny_llama",
 ]
@@ -152,6 +152,14 @@ def hf_loss_items(model: nn.Module):
     if not (is_hf_model(model) and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))):
         return None
     return count_lm_targets
+
+
+def hf_call_kwargs(model: nn.Module) -> dict:
+    """For ``ParallelOptions.call_kwargs``: a Hugging Face model trains without its KV cache
+    (``use_cache=False``, as transformers' own gradient checkpointing sets it): a block that
+    activation checkpointing recomputes would append its keys and values to the cache a second
+    time, and under cp its attention then got twice the keys. {} for other models."""
+    return {"use_cache": False} if is_hf_model(model) else {}
 
 
 def count_lm_targets(batch) -> torch.Tensor:
