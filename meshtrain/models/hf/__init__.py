@@ -158,8 +158,12 @@ def hf_call_kwargs(model: nn.Module) -> dict:
     """For ``ParallelOptions.call_kwargs``: a Hugging Face model trains without its KV cache
     (``use_cache=False``, as transformers' own gradient checkpointing sets it): a block that
     activation checkpointing recomputes would append its keys and values to the cache a second
-    time, and under cp its attention then got twice the keys. {} for other models."""
-    return {"use_cache": False} if is_hf_model(model) else {}
+    time, and under cp its attention then got twice the keys. {} for other models, and for
+    one whose forward takes no ``use_cache``."""
+    import inspect
+
+    takes = is_hf_model(model) and "use_cache" in inspect.signature(model.forward).parameters
+    return {"use_cache": False} if takes else {}
 
 
 def count_lm_targets(batch) -> torch.Tensor:
