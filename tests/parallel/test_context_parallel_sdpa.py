@@ -102,3 +102,13 @@ def test_attention_meshtrain_cannot_split_is_refused_before_any_process(tmp_path
                                        global_batch_size=8))
     with pytest.raises(ConfigError, match="with an attn_mask"):
         trainer.fit(MaskedAttention, tokens(), optimizer=adamw_gpt, loss_fn=lm_loss)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_your_sdpa_transformer_with_recomputed_blocks_matches_one_process(mode):
+    """Activation checkpointing recomputes each block in the backward, outside the model's
+    forward: its attention must again span the cp group (before, the recompute ran local
+    attention and the first step failed)."""
+    assert_parity("cp=2", 2, steps=4, global_batch_size=8, fns=FNS,
+                  activation_checkpointing=mode)

@@ -13,6 +13,9 @@ the model runs:
   the global positions of this rank's tokens instead (``local_positions``), so a learned or
   rotary position table is read at the right rows, and its gradient goes to them.
 
+A block that activation checkpointing recomputes in the backward runs outside the model's
+forward; the mode is entered around it again (hooks on the model's inner modules).
+
 Before any process starts the forward runs once on the meta device on a training sample
 (:meth:`SDPAContextParallel.check_context_parallel`): a model whose forward calls no SDPA is
 refused (meshtrain cannot see its attention: it needs ``enable_context_parallel``), and so is an
@@ -69,6 +72,16 @@ class _ContextParallelMode(TorchFunctionMode):
         super().__init__()
         self.model, self.cp_mesh, self.local_len = model, cp_mesh, None
         self.tables: set[int] = set()
+        self.active = False
+        self.reentered: list[nn.Module] = []  # blocks recomputed in the backward (see below)
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
 
     def positions(self, device=None) -> torch.Tensor:
         from meshtrain.parallel.context.context_parallel import local_positions
@@ -176,3 +189,21 @@ class SDPAContextParallel:
 
         self.model.register_forward_pre_hook(enter, with_kwargs=True)
         self.model.register_forward_hook(leave, with_kwargs=True, always_call=True)
+
+        # a block that activation checkpointing recomputes runs again in the backward, outside
+        # the model's forward: the mode is entered around it again (local_len as last set)
+        def enter_again(module, args, kwargs):
+            if not mode.active:
+                mode.reentered.append(module)
+                mode.__enter__()
+
+        def leave_again(module, args, kwargs, output):
+            if mode.reentered and mode.reentered[-1] is module:
+                mode.reentered.pop()
+                mode.__exit__(None, None, None)
+            return output
+
+        for module in self.model.modules():
+            if module is not self.model and next(module.children(), None) is not None:
+                module.register_forward_pre_hook(enter_again, with_kwargs=True)
+                module.register_forward_hook(leave_again, with_kwargs=True, always_call=True)
