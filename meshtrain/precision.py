@@ -41,12 +41,19 @@ class CollectiveGradScaler(torch.amp.GradScaler):
     (one skips the step and halves the scale, another steps). Here the flag is MAX-reduced over
     the world after unscaling: one tiny all-reduce per step."""
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def _ensure_scale(self, optimizer: torch.optim.Optimizer) -> None:
         if self._enabled and self._scale is None:  # a pipeline rank without the loss: the
             # last stage scaled it (the gradients it sent back are scaled), scale() ran there
             device = next((p.device for g in optimizer.param_groups for p in g["params"]),
                           torch.device(self._device))
             self._lazy_init_scale_growth_tracker(device)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        self._ensure_scale(optimizer)  # (without clipping, step is the first to need it)
+        return super().step(optimizer, *args, **kwargs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self._ensure_scale(optimizer)
         super().unscale_(optimizer)
         if not (self._enabled and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size() > 1):

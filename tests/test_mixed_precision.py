@@ -87,6 +87,19 @@ def test_mixed_precision_layout_matches_one_process(precision, layout):
                   f"{precision} {layout} vs {precision} one process")
 
 
+@pytest.mark.timeout(200)
+def test_fp16_under_pp_without_clipping_or_norms_matches_one_process():
+    """Nothing unscales the gradients before the step (no clipping, no gradient norm logged):
+    the first stage's scaler, which never scaled a loss, still steps (it failed before)."""
+    ranks = run_ranks(dict(COMMON, precision="fp16-mixed", layout="pp=2", log_grad_norm=False),
+                      2, **FNS)
+    reference = one_process("fp16-mixed", micro_batch_size=8)
+    limit = limits("fp16-mixed", "pp=2")
+    for rank, state in enumerate(ranks):
+        got = deviation({**state, GRAD_NORMS: reference[GRAD_NORMS]}, reference)
+        assert got["param"] <= limit["param"] and got["loss"] <= limit["loss"], (rank, got)
+
+
 # -- overflow ---------------------------------------------------------------------------------
 class _InjectInf(Callback):
     """Rank 0 puts an inf into one of its (scaled) gradients after step 2's backward; records
