@@ -97,8 +97,16 @@ def apply_activation_checkpointing(
                 "activation checkpointing once"
             )
     for block in blocks:
+        before = set(block._forward_pre_hooks)
         if mode == "full":
             checkpoint(block)
         else:
             checkpoint(block, context_fn=functools.partial(
                 create_selective_checkpoint_contexts, save_matmuls_and_attention))
+        # The checkpoint keeps the block's inputs as its first pre-hook sees them and its
+        # recompute calls the block again, running the other pre-hooks once more. So the
+        # checkpoint's goes first: an input hook laid on the block before it (tensor
+        # parallel's slicing of the sequence-parallel stream at the first block) then works
+        # on the same input in the recompute as in the forward (it sliced a slice before).
+        for key in [k for k in block._forward_pre_hooks if k not in before]:
+            block._forward_pre_hooks.move_to_end(key, last=False)
