@@ -47,7 +47,8 @@ if __name__ == "__main__":
                        dropout=0.1)
     trainer = Trainer(layout=layout, devices=2, max_steps=3, global_batch_size=4, loggers=(),
                       report=False, progress_bar=False, checkpoint_every_n_steps=None,
-                      model_summary=False, num_workers=num_workers, shuffle=False)
+                      model_summary=False, num_workers=num_workers, shuffle=False,
+                      root_dir=os.path.join(folder, "runs"))
     trainer.fit(lambda: GPT(config), Drawn(), loss_fn=loss_fn,
                 optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
 """
