@@ -240,6 +240,30 @@ def test_what_a_module_cannot_do_is_refused_before_any_process(tmp_path):
         MNISTLike().log("x", 1.0)
 
 
+class AdamWModule(MNISTLike):
+    """configure_optimizers returns torch's AdamW: under zero1 meshtrain rebuilds it from its
+    defaults, which hold decoupled_weight_decay, not a constructor argument (it failed)."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def _adamw_rank(run_dir, layout):
+    torch.set_num_threads(1)
+    trainer = quiet_trainer(run_dir, **({"layout": layout} if layout else {}), max_steps=4,
+                            global_batch_size=16, shuffle=False)
+    model = trainer.fit(AdamWModule, images(64))
+    return state_of(model) if trainer.is_global_zero else None
+
+
+@pytest.mark.timeout(150)
+def test_a_module_s_own_adamw_under_zero1_trains_as_one_process(tmp_path):
+    reference = _adamw_rank(str(tmp_path / "one"), None)
+    state = run_workers(_adamw_rank, 2, (str(tmp_path / "zero1"), "zero1=2"), timeout=120)[0]
+    for name, value in reference.items():
+        assert torch.allclose(state[name], value, atol=1e-5, rtol=0), name
+
+
 class TwoOptimizers(MNISTLike):
     def configure_optimizers(self):
         return (torch.optim.SGD(self.fc1.parameters(), lr=0.1),

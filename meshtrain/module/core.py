@@ -210,7 +210,10 @@ def configured_optimizers(model: torch.nn.Module, zero1: bool):
             "configure_optimizers must return one optimizer with one parameter group and no "
             "scheduler there; pass optimizer=lambda params: ... (and lr_scheduler=) to fit "
             "instead, or use zero2")
-    kind, defaults = type(optimizer), dict(optimizer.defaults)
+    from meshtrain.parallel.data.zero1 import constructor_options
+
+    kind = type(optimizer)  # (AdamW's defaults hold decoupled_weight_decay, not an argument)
+    defaults = constructor_options(kind, dict(optimizer.defaults))
     return (lambda params: kind(params, **defaults)), None
 
 

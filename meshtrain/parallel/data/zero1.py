@@ -92,7 +92,7 @@ def optimizer_spec(optimizer_factory, params: list | None = None
             f"the optimizer factory kept {len(kept)} of the {len(params)} parameters it was "
             f"given ({name}); under zero1 every parameter it receives must be in one group"
         )
-    options = _constructor_options(type(probe_opt), probe_opt.defaults)
+    options = constructor_options(type(probe_opt), probe_opt.defaults)
     try:
         type(probe_opt)([torch.nn.Parameter(torch.zeros(2))], **options)
     except Exception as error:
@@ -103,7 +103,7 @@ def optimizer_spec(optimizer_factory, params: list | None = None
     return type(probe_opt), options, groups
 
 
-def _constructor_options(optimizer_class, defaults: dict) -> dict:
+def constructor_options(optimizer_class, defaults: dict) -> dict:
     """The entries of ``defaults`` the constructor accepts (AdamW records
     ``decoupled_weight_decay`` in its defaults but does not take it as an argument)."""
     signature = inspect.signature(optimizer_class.__init__).parameters
@@ -236,7 +236,7 @@ def _initial_state(optimizer: ZeroRedundancyOptimizer, params) -> dict[str, dict
         zero_lr = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
         if members:
             groups.append({**_options(group), "params": members, "lr": zero_lr})
-    probe = type(local)(groups, **_constructor_options(type(local), local.defaults))
+    probe = type(local)(groups, **constructor_options(type(local), local.defaults))
     probe.step()
     return {fqn: dict(probe.state[copy]) for fqn, copy in copies.items()}
 
