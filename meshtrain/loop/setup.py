@@ -237,7 +237,7 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
         t.optimizer = t.engine.averager = start_servers(t.model, t.optimizer, t.layout,
                                                         t._settings)
     t.lr_scheduler = scheduler_factory(t.optimizer) if scheduler_factory else None
-    # dropout: different per rank (tp's ranks alike: mesh.random_rank), reproducible
+    # dropout: different per rank (a tp or cp group's alike: mesh.random_rank), reproducible
     torch.manual_seed(t.seed + 1 + (t.mesh.random_rank if t.mesh is not None else t.rank))
 
 

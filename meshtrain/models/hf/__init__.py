@@ -37,9 +37,9 @@ from meshtrain.models.hf.tp import default_tp_plan, hf_tp_plan, hf_tp_plans
 
 __all__ = [
     "HFContextParallel", "RandomTokenDataset", "build_seeded", "causal_lm_loss",
-    "count_lm_targets", "default_tp_plan", "hf_call_kwargs", "hf_cp_support", "hf_expert_layers", "hf_loss_items",
-    "hf_pp_support", "hf_router_loss", "hf_tp_plan", "hf_tp_plans", "is_hf_model", "random_token_data",
-    "tiny_causal_lm", "tiny_gpt2", "tiny_llama",
+    "count_lm_targets", "default_tp_plan", "hf_call_kwargs", "hf_cp_support", "hf_expert_layers",
+    "hf_loss_items", "hf_pp_support", "hf_router_loss", "hf_tp_plan", "hf_tp_plans",
+    "is_hf_model", "random_token_data", "tiny_causal_lm", "tiny_gpt2", "tiny_llama",
 ]
 
 _INSTALL_HINT = "install the optional extra: pip install 'meshtrain[hf]' (transformers>=4.50)"
