@@ -259,16 +259,16 @@ def test_tp_and_cp_groups_share_a_random_stream_and_the_other_ranks_do_not(layou
     assert seen == streams
 
 
-def _dropout_rank(dropout):
+def _dropout_rank(run_dir, dropout):
+    from conftest import quiet_trainer
     from parity import SEQ, VOCAB, lm_loss, token_data
 
-    from meshtrain import Trainer
     from meshtrain.models.gpt import GPT, GPTConfig
 
     config = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, num_heads=2, d_model=16,
                        bias=False, dropout=dropout)
-    trainer = Trainer(layout="tp=2", max_steps=4, global_batch_size=8, loggers=(), report=False,
-                      progress_bar=False, checkpoint_every_n_steps=None, model_summary=False)
+    trainer = quiet_trainer(run_dir, layout="tp=2", max_steps=4, global_batch_size=8,
+                            model_summary=False)
     model = trainer.fit(lambda: GPT(config), token_data(), optimizer=sgd, loss_fn=lm_loss)
     norms = {n: getattr(p, "to_local", lambda: p)().detach().clone()  # (replicated DTensors)
              for n, p in model.named_parameters() if "norm" in n}
@@ -276,16 +276,17 @@ def _dropout_rank(dropout):
 
 
 @pytest.mark.timeout(200)
-def test_a_gpt_with_dropout_trains_under_tp_with_its_replicated_parts_alike():
+def test_a_gpt_with_dropout_trains_under_tp_with_its_replicated_parts_alike(tmp_path):
     """Dropout under tp: the replicated activations draw the same masks on both ranks (before,
     each rank drew its own and the tp check refused the run in its first step), so the
     replicated weights stay equal; and dropout is on (the weights differ from dropout 0)."""
-    ranks = run_workers(_dropout_rank, 2, (0.2,), timeout=150)
+    ranks = run_workers(_dropout_rank, 2, (str(tmp_path / "on"), 0.2), timeout=150)
     (_, first), (_, second) = sorted(ranks, key=lambda r: r[0])
     assert first and first.keys() == second.keys()
     for name in first:
         assert torch.equal(first[name], second[name]), name
-    _, plain = min(run_workers(_dropout_rank, 2, (0.0,), timeout=150), key=lambda r: r[0])
+    _, plain = min(run_workers(_dropout_rank, 2, (str(tmp_path / "off"), 0.0), timeout=150),
+                   key=lambda r: r[0])
     assert any(not torch.allclose(first[n], plain[n]) for n in first)
 
 
