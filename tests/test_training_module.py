@@ -141,22 +141,31 @@ class SequenceLM(meshtrain.TrainingModule):
         return adamw_gpt(self.parameters())
 
 
-def _cp_rank(run_dir, layout):
+def _module_rank(run_dir, layout, module):
+    """Rank 0's state after 4 steps of ``module`` ("lm": SequenceLM on 12-token sequences,
+    "adamw": AdamWModule on images) under ``layout`` (None: one process)."""
     from parity import token_data_seq12
 
     torch.set_num_threads(1)
+    model_class, data, batch = {"lm": (SequenceLM, token_data_seq12, 8),
+                                "adamw": (AdamWModule, lambda: images(64), 16)}[module]
     trainer = quiet_trainer(run_dir, **({"layout": layout} if layout else {}), max_steps=4,
-                            global_batch_size=8, shuffle=False)
-    model = trainer.fit(SequenceLM, token_data_seq12())
+                            global_batch_size=batch, shuffle=False)
+    model = trainer.fit(model_class, data())
     return state_of(model) if trainer.is_global_zero else None
+
+
+def _same_as_one_process(tmp_path, layout, module):
+    reference = _module_rank(str(tmp_path / "one"), None, module)
+    state = run_workers(_module_rank, 2, (str(tmp_path / "two"), layout, module),
+                        timeout=120)[0]
+    for name, value in reference.items():
+        assert torch.allclose(state[name], value, atol=1e-5, rtol=0), name
 
 
 @pytest.mark.timeout(150)
 def test_the_step_runs_on_each_ranks_chunks_of_the_sequence_under_cp(tmp_path):
-    reference = _cp_rank(str(tmp_path / "one"), None)
-    state = run_workers(_cp_rank, 2, (str(tmp_path / "cp"), "cp=2"), timeout=120)[0]
-    for name, value in reference.items():
-        assert torch.allclose(state[name], value, atol=1e-5, rtol=0), name
+    _same_as_one_process(tmp_path, "cp=2", "lm")
 
 
 # -- self.log --------------------------------------------------------------------------------
@@ -248,20 +257,9 @@ class AdamWModule(MNISTLike):
         return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
 
 
-def _adamw_rank(run_dir, layout):
-    torch.set_num_threads(1)
-    trainer = quiet_trainer(run_dir, **({"layout": layout} if layout else {}), max_steps=4,
-                            global_batch_size=16, shuffle=False)
-    model = trainer.fit(AdamWModule, images(64))
-    return state_of(model) if trainer.is_global_zero else None
-
-
 @pytest.mark.timeout(150)
 def test_a_module_s_own_adamw_under_zero1_trains_as_one_process(tmp_path):
-    reference = _adamw_rank(str(tmp_path / "one"), None)
-    state = run_workers(_adamw_rank, 2, (str(tmp_path / "zero1"), "zero1=2"), timeout=120)[0]
-    for name, value in reference.items():
-        assert torch.allclose(state[name], value, atol=1e-5, rtol=0), name
+    _same_as_one_process(tmp_path, "zero1=2", "adamw")
 
 
 class TwoOptimizers(MNISTLike):
