@@ -83,15 +83,33 @@ def check_model(model) -> None:
 
 def inspect_model(model) -> torch.nn.Module | None:
     """The model itself, or a factory's model built on the meta device (no memory), for checks
-    before any process starts; None if the factory cannot build on meta."""
+    before any process starts; None if the factory cannot build on meta (it is built for real
+    in the workers). A factory that fails on meta for a reason of its own (a config error, not
+    the meta device's limits) is built once for real here, and refused if it fails there too:
+    each worker would fail the same way after the processes started."""
     if isinstance(model, torch.nn.Module):
         return model
     try:
         with torch.device("meta"):
             built = model()
-    except Exception:  # noqa: BLE001 - such factories are simply built for real later
+    except Exception as meta_error:  # noqa: BLE001 - judged below
+        if "meta" not in str(meta_error).lower():
+            _build_for_real(model)
         return None
     return built if isinstance(built, torch.nn.Module) else None
+
+
+def _build_for_real(factory) -> None:
+    """Build ``factory``'s model on the CPU once (the global random stream untouched), only to
+    see whether the error on meta was the factory's own; the model is dropped."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            factory()
+    except Exception as error:  # noqa: BLE001 - re-raised with context
+        raise ConfigError(
+            f"the model factory failed before any process started: {type(error).__name__}: "
+            f"{error}; every rank would fail the same way. Fix the model's config or factory "
+            "(call it once in Python to see the full traceback)") from error
 
 
 def check_factory(name: str, factory, required: bool) -> None:

@@ -154,6 +154,32 @@ def test_model_that_is_not_a_module(tmp_path):
     _fit_raises(_kwargs(tmp_path), "model must be a torch.nn.Module", model=42)
 
 
+def test_a_factory_that_fails_on_its_own_config_is_refused_before_any_process(world_of_two,
+                                                                               tmp_path):
+    """A Phi-3 config with the library's default pad_token_id (32000) outside a small vocabulary
+    fails on meta as it would on every rank: refused before any process group, saying why."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2)
+    _fit_raises(_kwargs(tmp_path), "model factory failed.*Padding_idx must be within",
+                model=lambda: transformers.Phi3ForCausalLM(config))
+
+
+def test_a_factory_that_cannot_build_on_meta_still_trains(tmp_path):
+    """A factory that reads a value (``.item()``) cannot run on meta; that is no reason to
+    refuse it: it is built for real, as before."""
+    def factory():
+        model = _model()
+        if model.weight.abs().sum().item() == 0:
+            model.weight.data.fill_(1.0)
+        return model
+
+    trainer = Trainer(**_kwargs(tmp_path))
+    trainer.fit(factory, _data(), optimizer=_sgd, loss_fn=torch.nn.functional.mse_loss)
+    assert trainer.global_step == 2
+
+
 class _Stream(IterableDataset):
     def __init__(self, length=None):
         self.length = length
