@@ -245,7 +245,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
         wrapped = TrainingStep(model) if has_steps(model) else model  # DDP runs the step
         return apply_ddp(wrapped, mesh.mesh, axis="dp", bucket_cap_mb=options.bucket_cap_mb,
                          comm_hook=options.comm_hook, powersgd_rank=options.powersgd_rank,
-                         device=device)
+                         device=device, whole_block_graphs=options.compile == "blocks"
+                         and options.activation_checkpointing == "selective")
     return model
 
 

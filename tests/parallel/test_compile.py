@@ -113,6 +113,8 @@ def test_missing_cpp_compiler_is_a_config_error():
 @pytest.mark.parametrize("layout, options", [
     ("dp=2", dict(compile=True)),
     ("dp=2", dict(compile="model")),
+    # DDP with selective checkpointing inside compiled blocks (data_parallel.py: whole graphs)
+    ("dp=2", dict(compile=True, activation_checkpointing="selective")),
     ("zero3=2", dict(compile=True, activation_checkpointing="selective")),
 ])
 def test_compiled_layout_matches_one_eager_process(layout, options):

@@ -30,8 +30,11 @@ def apply_ddp(
     comm_hook: str | None = None,
     powersgd_rank: int = 1,
     device: torch.device | None = None,
+    whole_block_graphs: bool = False,
 ) -> DistributedDataParallel:
-    """Wrap ``model`` in DDP over the ``axis`` dimension of ``mesh`` and return the wrapper."""
+    """Wrap ``model`` in DDP over the ``axis`` dimension of ``mesh`` and return the wrapper.
+    ``whole_block_graphs``: the blocks are compiled with selective checkpointing inside
+    (see ``_keep_block_graphs_whole``)."""
     group = mesh.get_group(axis)
     from meshtrain.parallel.expert import expert_params
 
@@ -51,7 +54,24 @@ def apply_ddp(
     )
     if comm_hook is not None:
         _register_comm_hook(ddp, group, comm_hook, powersgd_rank)
+    if whole_block_graphs:
+        _keep_block_graphs_whole(ddp)
     return ddp
+
+
+def _keep_block_graphs_whole(ddp: DistributedDataParallel) -> None:
+    """Compile each block whole under DDP, not cut at DDP's bucket boundaries by Dynamo's
+    ``DDPOptimizer``: torch 2.13's partitioner fails on the cut graphs of a block compiled with
+    selective checkpointing inside (``TypeError: '>' not supported between ... 'NoneType'`` in
+    ``cleanup_recompute_tags``: the cut loses the checkpoint's region ids). A block compiled on
+    its own has its gradients ready at its end anyway, so DDP still overlaps the all-reduce with
+    the blocks before it; only the cut within a block larger than a bucket is given up.
+    ``optimize_ddp`` is set only while DDP's forward runs (when Dynamo compiles the blocks) and
+    restored after it, even when the forward fails."""
+    patch = torch._dynamo.config.patch(optimize_ddp=False)
+    ddp.register_forward_pre_hook(lambda module, args: patch.__enter__())
+    ddp.register_forward_hook(lambda module, args, output: patch.__exit__(None, None, None),
+                              always_call=True)
 
 
 def check_comm_hook(comm_hook: str | None, powersgd_rank: int = 1) -> None:
