@@ -117,6 +117,18 @@ class MoE(nn.Module):
         self.experts.rows = rows  # which rows of the whole tensors (an init fills only them)
         return kept
 
+    @torch.compiler.disable(reason="the experts' token counts change every step")
+    def run_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The routed tokens through their experts (here, or dispatched under ep), outside
+        torch.compile's graphs: each expert's slice has a size read from the data, so a graph
+        around them would be recompiled as the counts change (static, then dynamic) and a block
+        recomputed under activation checkpointing could pick another graph than its forward
+        (torch 2.13: "Recomputed values ... have different metadata"). The router, attention
+        and the rest of the block stay compiled, their shapes fixed."""
+        if self.dispatch is not None:
+            return self.dispatch(routed, counts)
+        return self.experts(routed, counts.tolist())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -130,11 +142,7 @@ class MoE(nn.Module):
         else:
             order = picks.argsort(stable=True)  # (token, slot) pairs grouped by expert
             counts = torch.bincount(picks, minlength=self.num_experts)
-        routed = flat[order // self.router.top_k]
-        if self.dispatch is not None:
-            done = self.dispatch(routed, counts)
-        else:
-            done = self.experts(routed, counts.tolist())
+        done = self.run_experts(flat[order // self.router.top_k], counts)
         out = torch.empty_like(done).index_copy(0, order, done)  # back to (token, slot) order
         out = (out.view(-1, self.router.top_k, shape[-1]) * weights.unsqueeze(-1).to(out.dtype)
                ).sum(1)
