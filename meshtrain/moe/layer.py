@@ -129,6 +129,14 @@ class MoE(nn.Module):
             return self.dispatch(routed, counts)
         return self.experts(routed, counts.tolist())
 
+    @torch.compiler.disable(reason="a pipeline's balancing hook reads how it is called")
+    def balanced(self, out, counts, logits) -> torch.Tensor:
+        """``out`` through the pipeline's balancing hook (moe/pipeline.py), outside
+        torch.compile's graphs: the hook does nothing in a forward recomputed inside the
+        backward (activation checkpointing), a branch a graph would have fixed at its first
+        trace (torch 2.13: "A different number of tensors was saved" in the recompute)."""
+        return self.balance(self, out, counts, logits)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -151,7 +159,7 @@ class MoE(nn.Module):
         if self.sink is not None:
             self.sink.append((counts, logits))
         if self.balance is not None and torch.is_grad_enabled() and not picks.is_meta:
-            out = self.balance(self, out, counts, logits)
+            out = self.balanced(out, counts, logits)
         return out.view(shape)
 
 

@@ -22,10 +22,14 @@ def moe_gpt_4_layers():
     ("pp=2", 2, moe_gpt_4_layers, dict(parallel_kwargs=dict(pp_schedule="zero-bubble"))),
     # recomputed forwards (inside the backward) add nothing twice
     ("pp=2", 2, moe_gpt, dict(activation_checkpointing="full")),
+    # the same with compiled blocks (the balancing hook runs outside the graphs: layer.py)
+    ("pp=2", 2, moe_gpt, dict(activation_checkpointing="full",
+                              parallel_kwargs=dict(compile=True))),
     # two stages a rank, interleaved
     ("pp=2", 2, moe_gpt_4_layers, dict(parallel_kwargs=dict(pp_schedule="interleaved-1f1b",
                                                             stages_per_rank=2))),
-], ids=["pp=2,ep=2", "pp=2 zero-bubble", "pp=2 checkpointing", "pp=2 interleaved"])
+], ids=["pp=2,ep=2", "pp=2 zero-bubble", "pp=2 checkpointing", "pp=2 compiled checkpointing",
+        "pp=2 interleaved"])
 def test_moe_gpt_under_pipelines_matches_one_process(layout, devices, model_fn, options):
     """Pipeline micro-batch i of every data-parallel rank is one process's accumulation
     micro-step i (the loader lays the samples out so): 4 samples a micro-batch each side."""
