@@ -142,7 +142,10 @@ def test_compiled_hf_llama_under_tp_matches_one_eager_process():
 @pytest.mark.timeout(240)
 def test_compiled_gpt_under_sequence_parallel_matches_one_eager_process():
     # in compiled blocks sequence parallel's gathers and scatters stay DTensor's (its own
-    # autograd functions, sequence_parallel.py, traced there gave gradients 0.6 % off)
+    # autograd functions, sequence_parallel.py, traced there gave gradients 0.6 % off); with
+    # full checkpointing, as the recompute runs the tp check's input hooks again (tp_debug.py:
+    # outside the graphs, else the recompute's graph saved other tensors and failed)
     assert_parity("tp=2", 2, steps=4, fns=GPT_FNS,
-                  parallel_kwargs=dict(compile=True, sequence_parallel=True),
+                  parallel_kwargs=dict(compile=True, sequence_parallel=True,
+                                       activation_checkpointing="full"),
                   setup=compiled_on_every_rank)

@@ -121,7 +121,14 @@ def watch_split_inputs(model: nn.Module) -> None:
             module.__dict__["_tp_watch"] = module.register_forward_pre_hook(_record_input)
 
 
+@torch.compiler.disable(reason="the tp check's bookkeeping, the first steps only")
 def _record_input(module: nn.Module, args) -> None:
+    """Outside torch.compile's graphs, and not in a forward recomputed inside the backward
+    (activation checkpointing): a compiled block's graph would otherwise hold the running sum's
+    first-call branch, and its recompute another (torch 2.13: "Recomputed values ... have
+    different metadata"); the recompute sees the same input again anyway."""
+    if torch._C._current_graph_task_id() != -1:
+        return
     seen = getattr(module, "_tp_split_inputs", None)
     if seen is not None and args and isinstance(args[0], torch.Tensor):
         seen.add(args[0])
