@@ -162,3 +162,20 @@ def test_fp16_overflow_on_one_pipeline_rank_skips_the_step_on_every_rank():
     ranks = [state for state, _, _ in results]
     compare_ranks(reference, ranks, tol=limits("fp16-mixed", "pp=2")["norm"],
                   label="fp16 pp=2 with an overflow at step 2")
+
+
+@pytest.mark.parametrize("layout", ["zero2=2", "zero3=2", "dp_shard=2"])
+def test_selective_checkpointing_with_sharded_mixed_precision_is_refused_before_start(layout):
+    """FSDP2 casts a block's inputs in a pre-hook that the recompute runs again, inside the
+    selective checkpoint (torch 2.13: an op "encountered during backward but not found in
+    storage", every rank, first backward); refused at Trainer(), where it still works allowed."""
+    from meshtrain import ConfigError, Trainer
+
+    common = dict(layout=layout, devices=2, max_steps=1)
+    for precision in ("bf16-mixed", "fp16-mixed"):
+        with pytest.raises(ConfigError, match="'selective' with precision=.*sharded layout"):
+            Trainer(**common, precision=precision, activation_checkpointing="selective")
+    Trainer(**common, precision="bf16-mixed", activation_checkpointing="full")
+    Trainer(**common, precision="fp32", activation_checkpointing="selective")
+    Trainer(layout="dp=2", devices=2, max_steps=1, precision="bf16-mixed",
+            activation_checkpointing="selective")
