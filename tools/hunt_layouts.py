@@ -8,10 +8,16 @@ and how to fix it. No parity is judged here (the suite does that); this finds cr
 
     python tools/hunt_layouts.py gpt dense moe doc dropout     # meshtrain's GPT
     python tools/hunt_layouts.py hf llama qwen2-tied qwen3-moe  # Hugging Face families
+    python tools/hunt_layouts.py gpt+compile dense moe          # compile, precision, accumulation
 
 2026-11-29 it found: dropout under tp (each rank drew its own masks), a Hugging Face model's
 KV cache under cp with checkpointing, a model of your own under cp with checkpointing, fp16
 under pp without clipping, sequence parallel with checkpointing (all mended, each with a test).
+The `+compile` rows found (same day, all mended or refused before start, each with a test):
+DDP with selective checkpointing in compiled blocks; a MoE GPT's compiled blocks with
+checkpointing (its experts, and under pp its balancing hook); compiled blocks under tp with
+sequence parallel and checkpointing (the tp check's hooks); selective checkpointing with
+bf16/fp16-mixed under zero2/zero3 (refused).
 """
 
 from __future__ import annotations
@@ -51,6 +57,14 @@ LAYOUTS = [("dp=2", {}), ("zero3=2", {}), ("zero1=2", {}), ("tp=2", {}), ("tp=2"
            ("pp=2", {AC: "full"}), ("dp=2", {"precision": "bf16-mixed"}),
            ("pp=2", {"precision": "fp16-mixed"}), ("tp=2", {"precision": "bf16-mixed"}),
            ("dp_shard=2,tp=2", {}), ("pp=2,tp=2", {SP: True, AC: "full"}), ("dp=2,cp=2", {})]
+
+COMPILE_ROWS = [("dp=2", {AC: "selective"}), ("dp=2", {AC: "selective", "micro_batch_size": 2}),
+                ("zero3=2", {AC: "full"}), ("zero3=2", {AC: "full", "precision": "bf16-mixed"}),
+                ("zero2=2", {AC: "selective", "micro_batch_size": 2}),
+                ("zero1=2", {AC: "selective"}), ("cp=2", {AC: "selective"}), ("tp=2", {}),
+                ("tp=2", {SP: True, AC: "full"}), ("pp=2", {AC: "full"}), ("ep=2", {}),
+                ("dp=2", {AC: "selective", "precision": "bf16-mixed"}),
+                ("dp_shard=2,tp=2", {AC: "selective"}), ("pp=2,dp=2", {AC: "full"})]
 
 
 class Tokens(Dataset):
@@ -122,8 +136,12 @@ def row(kind: str, name: str, layout: str, settings: dict) -> tuple[str, str]:
 
 def main(argv: list[str]) -> int:
     kind, names = argv[0], argv[1:]
+    rows = LAYOUTS
+    if kind.endswith("+compile"):  # every row compiled (compile=True: each block)
+        kind = kind.removesuffix("+compile")
+        rows = [(layout, {"compile": True, **settings}) for layout, settings in COMPILE_ROWS]
     for name in names:
-        for layout, settings in LAYOUTS:
+        for layout, settings in rows:
             start = time.perf_counter()
             stage, why = row(kind, name, layout, settings)
             print(f"{name:13s} {layout:16s} {str(settings):50s} {stage:5s} "
