@@ -75,7 +75,10 @@ def test_messages_arrive_exactly_and_nothing_is_left_behind():
     for result in run_workers(_transfer_worker, 2, timeout=100):
         assert result["exact"] and result["transposed"]
         assert result["generations"] >= 2  # the first group's rings grew along the way
-        assert 1 <= result["wrap_generations"] <= 3  # the second's then wrapped instead
+        # the second group's rings stop growing and wrap instead: 90 messages of 4000 bytes
+        # (360 KB) went through at most 4 rings of 2-16 messages, so around and around. (Whether
+        # a ring grows at all depends on how soon the peer reads: a CI run saw none grow.)
+        assert 0 <= result["wrap_generations"] <= 3
         assert result["left"] == []  # FIFOs and rings are unlinked once both sides hold them
         assert result["declined"]
 
