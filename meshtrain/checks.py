@@ -51,22 +51,6 @@ def check_settings_apply(layout, settings: dict) -> None:
     unmet = [message for _, _, message in unmet_needs(layout, settings)]
     if unmet:  # every one, so that one fix does not just reveal the next
         raise ConfigError("\nalso: ".join(unmet))
-    if settings["activation_checkpointing"] == "selective" and settings["sequence_parallel"]:
-        raise ConfigError(
-            "activation_checkpointing='selective' with sequence_parallel=True fails in the "
-            "first backward in torch 2.13 (its selective checkpoint meets ops in the recompute "
-            "that the forward did not store: 'aten.add.Tensor invocation index 2 encountered "
-            "during backward but not found in storage'); use activation_checkpointing='full' "
-            "with sequence parallel, or 'selective' without it")
-    if settings["activation_checkpointing"] == "selective" and layout.is_sharded and \
-            settings["precision"] in ("bf16-mixed", "fp16-mixed"):
-        raise ConfigError(
-            f"activation_checkpointing='selective' with precision={settings['precision']!r} "
-            "under a sharded layout (zero2/zero3, dp_shard) fails in the first backward in torch "
-            "2.13: the recompute runs FSDP2's cast of the block's inputs, an op the forward's "
-            "selective checkpoint did not see ('profiler._record_function_enter_new.default "
-            "encountered during backward but not found in storage'); use "
-            "activation_checkpointing='full' here, or 'selective' with fp32 or under dp/zero1")
     from meshtrain.parallel.data.local_sgd import check_local_sgd
 
     check_local_sgd(layout, settings["local_sgd_every"], settings["outer_lr"],

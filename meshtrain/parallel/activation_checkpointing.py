@@ -55,14 +55,15 @@ def save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def apply_activation_checkpointing(
     model: nn.Module, mode: str | None, blocks: list[nn.Module]
-) -> None:
+) -> dict[nn.Module, list[int]]:
     """Checkpoint each of ``blocks`` (submodules of ``model``) in ``mode``, in place.
 
     ``mode`` is ``"full"``, ``"selective"`` or ``None`` (nothing). Call it on the plain model,
-    before DDP or ``fully_shard``.
+    before DDP or ``fully_shard``. Returns each block's checkpoint pre-hook keys (for
+    :func:`checkpoint_hooks_first`).
     """
     if mode is None:
-        return
+        return {}
     if mode not in MODES:
         raise ConfigError(
             f"unknown activation checkpointing mode {mode!r}; choose 'full' (recompute each "
@@ -96,6 +97,7 @@ def apply_activation_checkpointing(
                 f"blocks[{index}] ({type(block).__name__}) is already checkpointed; apply "
                 "activation checkpointing once"
             )
+    hooks = {}
     for block in blocks:
         before = set(block._forward_pre_hooks)
         if mode == "full":
@@ -108,5 +110,21 @@ def apply_activation_checkpointing(
         # checkpoint's goes first: an input hook laid on the block before it (tensor
         # parallel's slicing of the sequence-parallel stream at the first block) then works
         # on the same input in the recompute as in the forward (it sliced a slice before).
-        for key in [k for k in block._forward_pre_hooks if k not in before]:
+        hooks[block] = [k for k in block._forward_pre_hooks if k not in before]
+    checkpoint_hooks_first(hooks)
+    return hooks
+
+
+def checkpoint_hooks_first(hooks: dict[nn.Module, list[int]]) -> None:
+    """Put each block's checkpoint pre-hook (``hooks``: from :func:`apply_activation_checkpointing`)
+    before the block's other pre-hooks, in place.
+
+    FSDP2's pre-hook, laid on later with ``prepend=True``, would otherwise run before the
+    checkpoint's, outside the checkpointed region, while the recompute runs it again inside
+    (torch 2.13: FSDP2 casts the inputs to ``param_dtype`` again there). A selective
+    checkpoint's recompute may run only the ops its forward saw: with mixed precision it failed
+    the first backward ("profiler._record_function_enter_new.default encountered during
+    backward but not found in storage"). So call this again after ``fully_shard``."""
+    for block, keys in hooks.items():
+        for key in reversed(keys):
             block._forward_pre_hooks.move_to_end(key, last=False)

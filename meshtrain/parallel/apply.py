@@ -212,9 +212,11 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
     needs_blocks = options.activation_checkpointing or layout.is_sharded or options.compile
     blocks = model_blocks(model, options) if needs_blocks else []
     if options.activation_checkpointing:
-        from meshtrain.parallel.activation_checkpointing import apply_activation_checkpointing
+        from meshtrain.parallel.activation_checkpointing import (
+            apply_activation_checkpointing, checkpoint_hooks_first)
 
-        apply_activation_checkpointing(model, options.activation_checkpointing, blocks)
+        checkpoint_hooks = apply_activation_checkpointing(model, options.activation_checkpointing,
+                                                          blocks)
     if options.compile is not None:
         from meshtrain.parallel.compile import apply_compile
 
@@ -234,6 +236,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
             apply_fsdp(root, mesh.shard, reshard_after_forward=layout.zero_stage == 3,
                        precision=options.precision, offload=options.offload,
                        blocks=inside or None, unit_mb=options.shard_unit_mb, p2p=p2p)
+        if options.activation_checkpointing == "selective":
+            checkpoint_hooks_first(checkpoint_hooks)
         return model
     if ddp and layout.uses_ddp and options.local_sgd_every is None:  # local SGD: no sync
         from meshtrain.parallel.data.data_parallel import apply_ddp
