@@ -43,3 +43,4 @@ import meshtrain.parallel.data.sync_batchnorm
 import meshtrain.parallel.tensor.tp_debug
 import meshtrain.parallel.tensor.tp_shapes
 import meshtrain.settings
+import meshtrain.trainer  # (`import meshtrain` binds its names lazily)
