@@ -20,7 +20,10 @@ sequence parallel and checkpointing (the tp check's hooks); selective checkpoint
 bf16/fp16-mixed under zero2/zero3 (refused, then mended: FSDP2's pre-hook runs inside the
 checkpointed region). The rows of selective checkpointing with sequence parallel or with
 sharded mixed precision, allowed since, ran ok on GPT dense/doc and Llama/Qwen2-tied, eager
-and compiled (MoE rows refused before start: tp of experts).
+and compiled (MoE rows refused before start: tp of experts). A grid of bf16/fp16 with
+checkpointing, eager and compiled, over HSDP, zero2 x cp, pp x dp_shard, zero3 x ep, cp x tp
+and pp x zero2 (GPT dense/moe/doc, Llama, Qwen3-MoE) found one more: fp16 with ep under a
+sharded layout (the grad scaler met plain and DTensor gradients together; mended, tested).
 """
 
 from __future__ import annotations
@@ -127,7 +130,8 @@ def _fit(kind, name, layout, settings):
 
 def row(kind: str, name: str, layout: str, settings: dict) -> tuple[str, str]:
     """("ok" | "check" | "fit", the error's lines that say what failed)."""
-    ranks = 4 if layout.count("=") > 1 and "ep" not in layout else 2
+    axes = [part.split("=")[0].strip() for part in layout.split(",")]
+    ranks = 4 if len(axes) > 1 and "ep" not in axes else 2  # (ep borrows its ranks)
     fns = dict(loss_fn=lm_loss) if kind == "gpt" else {}
     stage = "check"
     try:
