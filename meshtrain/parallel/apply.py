@@ -130,7 +130,7 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
         check_expert_parallel(model, layout.expert_degree, options.expert_layers)
         edp = layout.world_size // (layout.degree("pp") * layout.expert_degree)
         if options.compile is not None and options.activation_checkpointing == "selective" \
-                and layout.is_sharded and edp > 1 and any(
+                and layout.zero_stage == 3 and edp > 1 and any(
                     callable(getattr(m, "split_experts", None)) for m in model.modules()):
             raise ConfigError(
                 f"compile={options.compile!r} with activation_checkpointing='selective' fails "
@@ -138,9 +138,9 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
                 f"experts, sharded over the {edp} ranks holding the same experts, run outside "
                 "the compiled graphs, and their FSDP2 gathers in the recompute differ from the "
                 "forward's ('... encountered during backward but not found in storage'). Use "
-                "activation_checkpointing='full', compile=False, or a layout whose experts no "
-                f"other rank shares (dp_shard={layout.expert_degree},ep={layout.expert_degree}"
-                ")")
+                "activation_checkpointing='full', compile=False, zero2 (the experts stay "
+                "gathered from forward to backward), or a layout whose experts no other rank "
+                f"shares (dp_shard={layout.expert_degree},ep={layout.expert_degree})")
     from meshtrain.moe.balance import check_router_loss
 
     check_router_loss(model, layout, options.router_loss if loss_fn is None else None)

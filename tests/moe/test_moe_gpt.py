@@ -177,8 +177,9 @@ def test_bad_expert_layouts_are_refused_before_start(tmp_path):
             trainer = quiet_trainer(tmp_path, layout=layout, devices=devices, max_steps=1,
                                     global_batch_size=8)
             trainer.check(model, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
-    # compiled blocks with selective checkpointing, experts FSDP-sharded over 2 ranks: the
-    # recompute's gathers differ from the forward's (every rank failed the first backward)
+    # compiled blocks with selective checkpointing, experts FSDP-sharded over 2 ranks and
+    # resharded after forward: the recompute's gathers differ from the forward's (every rank
+    # failed the first backward; zero2, which keeps them gathered, trains)
     compiled = dict(layout="dp_shard=4,ep=2", devices=4, max_steps=1, global_batch_size=8,
                     compile=True)
     with pytest.raises(ConfigError, match=r"'selective' fails .* sharded over the 2 ranks "
@@ -187,6 +188,7 @@ def test_bad_expert_layouts_are_refused_before_start(tmp_path):
             moe_gpt, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
     for allowed in (dict(compiled, activation_checkpointing="full"),  # (each trained, by hand)
                     dict(compiled, activation_checkpointing="selective", compile=False),
+                    dict(compiled, activation_checkpointing="selective", layout="zero2=4,ep=2"),
                     dict(compiled, activation_checkpointing="selective", layout="dp_shard=2,ep=2",
                          devices=2)):
         quiet_trainer(tmp_path, **allowed).check(moe_gpt, token_data(), optimizer=adamw_gpt,
