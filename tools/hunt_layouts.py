@@ -23,7 +23,10 @@ sharded mixed precision, allowed since, ran ok on GPT dense/doc and Llama/Qwen2-
 and compiled (MoE rows refused before start: tp of experts). A grid of bf16/fp16 with
 checkpointing, eager and compiled, over HSDP, zero2 x cp, pp x dp_shard, zero3 x ep, cp x tp
 and pp x zero2 (GPT dense/moe/doc, Llama, Qwen3-MoE) found one more: fp16 with ep under a
-sharded layout (the grad scaler met plain and DTensor gradients together; mended, tested).
+sharded layout (the grad scaler met plain and DTensor gradients together; mended, tested);
+4-process rows (dp_shard=4,ep=2, cp=2,dp_shard=2,ep=2, pp=2,dp_shard=2,ep=2, dp=4,ep=2,
+zero2=4,ep=2) one more: the GPT's compiled MoE blocks with selective checkpointing where the
+experts are FSDP-sharded and resharded after forward (refused before start, tested).
 """
 
 from __future__ import annotations
