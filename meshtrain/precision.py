@@ -70,7 +70,9 @@ class CollectiveGradScaler(torch.amp.GradScaler):
         """torch's, once over the DTensor gradients and once over the plain ones when an
         optimizer holds both: its fused check-and-unscale takes no mix of the two. (ep under a
         sharded layout leaves experts that no ``edp`` rank shares as plain tensors beside
-        FSDP2's DTensors: fp16-mixed failed the first step.)"""
+        FSDP2's DTensors: fp16-mixed failed the first step.) ``_unscale_grads_`` is torch's
+        private step of ``unscale_`` (2.11-2.13); a torch without it never calls this, and
+        only that mix fails there as before."""
         from torch.distributed.tensor import DTensor
 
         kinds: dict[bool, list] = {True: [], False: []}
