@@ -128,7 +128,7 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
         from meshtrain.parallel.expert import check_expert_parallel
 
         check_expert_parallel(model, layout.expert_degree, options.expert_layers)
-        edp = layout.world_size // (layout.degree("pp") * layout.expert_degree)
+        edp = layout.expert_data_degree
         if options.compile is not None and options.activation_checkpointing == "selective" \
                 and layout.zero_stage == 3 and edp > 1 and any(
                     callable(getattr(m, "split_experts", None)) for m in model.modules()):

@@ -32,9 +32,8 @@ Expert parallel: ``ep=E`` splits the experts of mixture-of-experts layers over E
 borrowed from the data- and context-parallel ranks (meshtrain/parallel/expert/): it adds no
 process, so ``ep=2`` alone is 2 processes, ``dp=2`` for everything else, each rank holding
 half the experts; ``dp_shard=4,ep=2`` is 4 processes, the dense part sharded over 4, the
-experts split over 2 and sharded over the other 2 (the "expert data-parallel" ranks).
-E must divide dp x dp_shard x cp; ep combines with ``dp``, ``dp_shard`` (zero2/zero3) and
-``cp`` alone for now.
+experts split over 2 and sharded over the other 2 (the "expert data-parallel" ranks, ``edp``).
+E must divide dp x dp_shard x cp; ep combines with ``dp``, ``dp_shard``, ``cp`` and ``pp``.
 
 Parameter servers: ``ps=S,dp=W`` starts S + W processes; the last S hold the parameters and the
 optimizer (meshtrain/parallel/ps/layout.py) and are not in the mesh, the first W are the
@@ -180,6 +179,10 @@ class Layout:
     def world_size(self) -> int:
         """The mesh's ranks (with ``ps``: the workers; the servers are not in it)."""
         return math.prod(self.degrees.values()) if self.degrees else 1
+
+    @property
+    def expert_data_degree(self) -> int:  # ``edp``: a stage's ranks holding the same experts
+        return self.world_size // (self.degree("pp") * self.expert_degree)
 
     @property
     def num_processes(self) -> int:

@@ -57,9 +57,10 @@ class ParallelMesh:
 
             ep, pp = layout.expert_degree, layout.degree("pp")
             # pp is the mesh's outermost axis: a stage's ranks are consecutive, and so are ep's
-            shape, names = (layout.world_size // ep, ep), ("edp", "ep")
+            edp = layout.expert_data_degree
+            shape, names = (edp, ep), ("edp", "ep")
             if pp > 1:
-                shape, names = (pp, layout.world_size // (pp * ep), ep), ("pp", "edp", "ep")
+                shape, names = (pp, edp, ep), ("pp", "edp", "ep")
             self.expert = init_device_mesh(device_type, shape, mesh_dim_names=names)
             # the tokens' all-to-alls on a group of their own (a precaution): a mesh dim as wide
             # as the world reuses the default group, which DDP also reduces on, asynchronously,

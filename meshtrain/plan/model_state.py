@@ -76,7 +76,7 @@ class ModelStateSizes:
         experts = self._expert_names() if ep > 1 else set()
         # under zero2/3 FSDP shards a rank's expert rows over the edp ranks holding the same
         stage_rank = rank % (layout.world_size // layout.degree("pp"))
-        edp = layout.world_size // layout.degree("pp") // ep if layout.is_sharded else 1
+        edp = layout.expert_data_degree if layout.is_sharded else 1
         local, count_trainable = [], 0
         for p in self.params:
             if names is not None and p.name not in names:
