@@ -28,12 +28,12 @@ ZeRO names are aliases that also pick what is sharded (Rajbhandari et al., SC 20
 
 Hybrid sharding: ``dp_replicate=2,dp_shard=2`` (or ``dp_replicate=2,zero2=2``).
 
-Expert parallel: ``ep=E`` splits the experts of mixture-of-experts layers over E ranks
-borrowed from the data- and context-parallel ranks (meshtrain/parallel/expert/): it adds no
-process, so ``ep=2`` alone is 2 processes, ``dp=2`` for everything else, each rank holding
-half the experts; ``dp_shard=4,ep=2`` is 4 processes, the dense part sharded over 4, the
-experts split over 2 and sharded over the other 2 (the "expert data-parallel" ranks, ``edp``).
-E must divide dp x dp_shard x cp; ep combines with ``dp``, ``dp_shard``, ``cp`` and ``pp``.
+Expert parallel: ``ep=E`` splits the experts of MoE layers over E of the data- and
+context-parallel ranks (E divides their product; meshtrain/parallel/expert/): it adds no
+process. ``ep=2`` alone is 2 processes, ``dp=2`` for the rest, each rank holding half the
+experts; ``dp_shard=4,ep=2`` shards the dense part over 4, splits the experts over 2 and shards
+them over the other 2 (the "expert data-parallel" ranks, ``edp``; under HSDP ``edp`` spans the
+replicas). ep combines with ``dp``, ``dp_shard``, ``dp_replicate``, ``cp`` and ``pp``.
 
 Parameter servers: ``ps=S,dp=W`` starts S + W processes; the last S hold the parameters and the
 optimizer (meshtrain/parallel/ps/layout.py) and are not in the mesh, the first W are the
@@ -281,16 +281,16 @@ def _check_experts(degree: int, degrees: dict, zero_stage: int, spec) -> int:
     """``ep``'s degree, checked against the data- and context-parallel ranks it borrows."""
     if degree == 1:
         return 1
-    other = sorted(set(degrees) - {"dp", "dp_shard", "cp", "pp"})
+    other = sorted(set(degrees) - {"dp_replicate", "dp", "dp_shard", "cp", "pp"})
     if other or zero_stage == 1:
         why = {"tp": "tp (its ranks would each run every token through the same experts: "
-                     "split experts by ep instead of tp)", "dp_replicate": "dp_replicate (HSDP)"}
+                     "split experts by ep instead of tp)"}
         what = ", ".join(why.get(a, a) for a in other) or "zero1 (its optimizer would " \
             "overwrite the experts)"
         raise LayoutError(f"layout {spec!r}: ep (expert parallel) combines with dp, dp_shard "
-                          f"(zero2/zero3), cp and pp, not with {what}; e.g. 'ep={degree}' or "
-                          f"'zero3={degree},ep={degree}'")
-    data = degrees.get("dp", 1) * degrees.get("dp_shard", 1) * degrees.get("cp", 1)
+                          f"(zero2/zero3), dp_replicate (HSDP), cp and pp, not with {what}; "
+                          f"e.g. 'ep={degree}' or 'zero3={degree},ep={degree}'")
+    data = math.prod(degrees.get(a, 1) for a in ("dp_replicate", "dp", "dp_shard", "cp"))
     if data % degree:
         raise LayoutError(
             f"layout {spec!r}: ep={degree} borrows its ranks from the data- and context-parallel "

@@ -129,8 +129,8 @@ def candidates(spec: ModelSpec, cluster: Cluster, job: Job, pins: dict | None = 
 
 def _expert_layouts(spec: ModelSpec, layout: str, borrowed: int, data: str) -> list[str]:
     """``layout`` with ``ep`` for an MoE model: every degree that divides both the data- and
-    context-parallel ranks it borrows and the experts (not with zero1 or HSDP: refused)."""
-    if not spec.num_experts or data.startswith(("zero1", "dp_replicate")) or "tp=" in layout:
+    context-parallel ranks it borrows and the experts (not with zero1 or tp: refused)."""
+    if not spec.num_experts or data.startswith("zero1") or "tp=" in layout:
         return []
     return [f"{layout},ep={ep}" for ep in divisors(borrowed)[1:] if spec.num_experts % ep == 0]
 
@@ -179,9 +179,17 @@ def _pinned(layout: str, world: int, pins: dict) -> bool:
             if parsed.zero_stage != int(axis[-1]) or parsed.degree(
                     "dp" if axis == "zero1" else "dp_shard") != degree:
                 return False
-        elif parsed.degree(axis) != degree:
+        elif (parsed.expert_degree if axis == "ep" else parsed.degree(axis)) != degree:
             return False
     return True
+
+
+def _pinned_ranks(pins: dict) -> int:
+    """The processes the pinned degrees need: ``ep`` borrows data-parallel ranks and adds
+    none (alone it needs ``ep`` of them)."""
+    ranks = math.prod(d for a, d in pins.items() if a != "ep")
+    borrowed = {"dp", "dp_shard", "dp_replicate", "cp", "zero1", "zero2", "zero3"}
+    return ranks * pins["ep"] if "ep" in pins and not borrowed & set(pins) else ranks
 
 
 def plan(spec: ModelSpec, cluster: Cluster, job: Job, *, pins: dict | None = None,
@@ -201,7 +209,7 @@ def plan(spec: ModelSpec, cluster: Cluster, job: Job, *, pins: dict | None = Non
     if pins and not rows and not too_big:
         pinned = ",".join(f"{a}={d}" for a, d in pins.items())
         why = (f"{pinned} does not divide {cluster.world_size} devices"
-               if cluster.world_size % math.prod(pins.values()) else
+               if cluster.world_size % _pinned_ranks(pins) else
                "; ".join(sorted({r for _, r in rejected})[:3]) or "no candidate matched")
         raise ConfigError(f"no layout of {cluster.world_size} devices has {pinned} for this job "
                           f"({why}); change the pinned degrees or the number of devices")
@@ -257,7 +265,10 @@ def parse_pins(text: str | None) -> dict:
         if not degree.strip().isdigit():
             raise ConfigError(f"--pin {text!r}: write axis=degree pairs, e.g. tp=8,pp=4")
         pins[axis.strip()] = int(degree)
-    Layout.parse(",".join(f"{a}={d}" for a, d in pins.items()), math.prod(pins.values()))
+    check = dict(pins)  # (pins are part of a layout: HSDP's shard degree may be the planner's)
+    if "dp_replicate" in check and not {"dp_shard", "zero2", "zero3"} & set(check):
+        check["dp_shard"] = 2
+    Layout.parse(",".join(f"{a}={d}" for a, d in check.items()), _pinned_ranks(check))
     return pins
 
 

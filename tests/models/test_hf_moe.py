@@ -77,6 +77,8 @@ def test_the_router_loss_trains_like_plain_transformers_under_every_data_layout(
     layouts = [(None, 1), ("dp=2", 2), ("zero3=2", 2), ("ep=2", 2), ("dp_shard=2,ep=2", 2)]
     if model_fn is qwen3_moe:  # (transformers' fused experts FSDP-sharded over edp=2)
         layouts.append(("dp_shard=4,ep=2", 4))
+    else:  # HSDP: the dense part sharded in pairs, replicated across them; experts as above
+        layouts.append(("dp_replicate=2,dp_shard=2,ep=2", 4))
     for layout, devices in layouts:
         ranks = meshtrain_ranks(model_fn, layout, devices)
         label = f"{model_fn.__name__} {layout or 'one process'}"

@@ -152,11 +152,13 @@ def test_all_tokens_to_the_other_ranks_experts_and_experts_without_tokens():
 
 
 @pytest.mark.timeout(400)
-def test_experts_split_in_two_and_sharded_over_the_other_two_ranks():
-    """dp_shard=4,ep=2 on 4 processes: experts split over ranks (0, 1) and (2, 3), each half
-    FSDP-sharded over the two ranks holding it, which see other data (their gradients summed
-    over them)."""
-    assert_parity("dp_shard=4,ep=2", 4, steps=4, global_batch_size=16, fns=MOE_FNS)
+@pytest.mark.parametrize("layout", ["dp_shard=4,ep=2", "dp_replicate=2,dp_shard=2,ep=2"])
+def test_experts_split_in_two_and_sharded_over_the_other_two_ranks(layout):
+    """4 processes: experts split over ranks (0, 1) and (2, 3), each half FSDP-sharded over the
+    two ranks holding it, which see other data (their gradients summed over them). Under HSDP
+    those two are the replicas: the dense part is sharded inside each pair and all-reduced
+    across them, the experts sharded across them."""
+    assert_parity(layout, 4, steps=4, global_batch_size=16, fns=MOE_FNS)
 
 
 def test_bad_expert_layouts_are_refused_before_start(tmp_path):
@@ -169,8 +171,8 @@ def test_bad_expert_layouts_are_refused_before_start(tmp_path):
               r"ep=2 does not divide the 3 experts"),
              ("ep=4", 2, moe_gpt, r"ep=4 borrows its ranks from the data- and context-"
                                   r"parallel ranks, which are 2; ep must divide it"),
-             ("tp=2,ep=2", 2, moe_gpt, r"combines with dp, dp_shard \(zero2/zero3\), cp and "
-                                       r"pp, not with tp \(its ranks would each run"),
+             ("tp=2,ep=2", 2, moe_gpt, r"combines with dp, dp_shard \(zero2/zero3\), dp_replicate "
+                                       r"\(HSDP\), cp and pp, not with tp \(its ranks"),
              ("pp=2,ep=2", 2, moe_gpt, r"ep=2 borrows its ranks .* which are 1")]
     for layout, devices, model, match in cases:
         with pytest.raises(ConfigError, match=match):  # (the layout's own: at Trainer())
@@ -197,19 +199,20 @@ def test_bad_expert_layouts_are_refused_before_start(tmp_path):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("saved, resumed", [("ep=2", None), (None, "dp_shard=2,ep=2"),
-                                            ("dp_shard=4,ep=2", "ep=2"),
+                                            ("dp_replicate=2,dp_shard=2,ep=2", "ep=2"),
                                             ("ep=2", "dp_shard=4,ep=2")],
                          ids=["ep=2->1 process", "1 process->dp_shard=2,ep=2",
-                              "dp_shard=4,ep=2->ep=2", "ep=2->dp_shard=4,ep=2"])
+                              "HSDP,ep=2->ep=2", "ep=2->dp_shard=4,ep=2"])
 def test_a_checkpoint_resumes_under_another_expert_layout(tmp_path, saved, resumed):
     """3 steps under one layout, a checkpoint, 3 more under another = 6 steps in one process
     (the experts' weights and their AdamW state saved whole, read back as each rank's rows,
-    or its FSDP shard of them under dp_shard=4,ep=2)."""
+    or its FSDP shard of them under dp_shard=4,ep=2 and HSDP)."""
     from parity import F64_TOL, compare_ranks, run_ranks, train_state
 
     def run(layout, steps, **kwargs):
         trainer = dict(max_steps=steps, global_batch_size=16, layout=layout, **kwargs)
-        ranks = 1 if not layout else 4 if "dp_shard=4" in layout else 2
+        ranks = 1 if not layout else 4 if "dp_shard=4" in layout or "dp_replicate" in layout \
+            else 2
         return run_ranks(trainer, ranks, timeout=200, float64=True, **MOE_FNS)
 
     reference = train_state(dict(max_steps=6, global_batch_size=16), float64=True, **MOE_FNS)

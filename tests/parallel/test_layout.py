@@ -197,10 +197,14 @@ def test_the_readmes_refused_combinations_are_refused():
     ("zero3=4,ep=2", 4, {"dp_shard": 4}, "dp_shard=4,ep=2"),
     ("zero2=2,ep=2", 2, {"dp_shard": 2}, "zero2=2,ep=2"),
     ("pp=2,ep=2", 4, {"pp": 2, "dp": 2}, "pp=2,dp=2,ep=2"),
+    ("dp_replicate=2,zero3=2,ep=2", 4, {"dp_replicate": 2, "dp_shard": 2},
+     "dp_replicate=2,dp_shard=2,ep=2"),
+    ("dp_replicate=2,dp_shard=2,ep=4", 4, {"dp_replicate": 2, "dp_shard": 2},
+     "dp_replicate=2,dp_shard=2,ep=4"),
 ])
 def test_ep_borrows_data_parallel_ranks(spec, world, degrees, text):
     layout = Layout.parse(spec, world)
-    assert layout.degrees == degrees and layout.expert_degree == 2
+    assert layout.degrees == degrees and layout.expert_degree == int(text.rsplit("=", 1)[1])
     assert layout.world_size == world and str(layout) == text
     assert Layout.parse(str(layout), world) == layout  # round trip
 
@@ -210,7 +214,7 @@ def test_ep_borrows_data_parallel_ranks(spec, world, degrees, text):
                 r"are 2; ep must divide it \(e\.g\. ep=2"),
     ("ep=auto", 2, "give the number of ranks"),
     ("ep=0", 2, "at least 1"),
-    ("dp_replicate=2,dp_shard=2,ep=2", 4, "cp and pp, not with dp_replicate"),
+    ("dp_replicate=2,dp_shard=2,ep=8", 4, r"which are 4; ep must divide it"),
     ("tp=2,ep=2", 4, r"not with tp \(its ranks would each run every token"),
     ("zero1=2,ep=2", 2, "not with zero1"),
 ])

@@ -73,7 +73,8 @@ def test_expert_parallel_layouts_match_a_built_world(factory):
     sizes = ModelStateSizes(factory)
     for layout, world in [("ep=2", 2), ("dp_shard=4,ep=2", 4), ("pp=2,ep=2", 4),
                           ("pp=2,dp_shard=2,ep=2", 4), ("dp=4,ep=4", 4),
-                          ("cp=2,dp_shard=2,ep=4", 4), ("pp=2,dp_shard=4,ep=2", 8)]:
+                          ("cp=2,dp_shard=2,ep=4", 4), ("pp=2,dp_shard=4,ep=2", 8),
+                          ("dp_replicate=2,dp_shard=2,ep=2", 4)]:
         for rank in range(world):
             built = simulate(factory, layout, world_size=world, rank=rank)
             counted = sizes.rank(layout, rank, world_size=world)

@@ -262,6 +262,27 @@ def test_an_moe_model_is_planned_with_expert_parallel_and_its_pick_built(capsys)
     assert out.count("estimated") == out.count("equal)") >= 2, out
 
 
+def test_ep_can_be_pinned_and_combines_with_hsdp(tmp_path, capsys):
+    """--pin ep=E keeps the layouts whose experts are split E ways (ep borrows data-parallel
+    ranks: it adds none, so it is not a factor of the world size; before, no layout matched),
+    and on two nodes the candidates include HSDP with ep."""
+    import json
+
+    from meshtrain.parallel.layout import Layout
+
+    def rows(*args):
+        out = tmp_path / "plan.json"
+        assert cli(["plan", "examples/moe_gpt.toml", "--global-batch", "64", "--seq-len", "128",
+                    "--json", str(out), *args]) == 0
+        return [r["candidate"].split()[0] for r in json.loads(out.read_text())["rows"]]
+
+    pinned = rows("--pin", "ep=2")
+    assert pinned and all(Layout.parse(c, 8).expert_degree == 2 for c in pinned), pinned
+    hsdp = rows("--nodes", "2", "--pin", "dp_replicate=2,ep=4")
+    assert hsdp and all(c.startswith("dp_replicate=2,") and c.endswith(",ep=4") for c in hsdp)
+    capsys.readouterr()
+
+
 def test_a_deepseek_v3_shaped_model_is_planned_on_256_devices_and_its_pick_built(capsys):
     """DeepSeek-V3's shape (examples/moe/deepseek_v3.json: 671B, 256 experts of 58 MoE blocks,
     top-8, multi-head latent attention) on 32 x 8 H100: the probe runs its latent attention
