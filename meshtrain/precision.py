@@ -66,38 +66,6 @@ class CollectiveGradScaler(torch.amp.GradScaler):
         for value in found.values():
             value.copy_(flag)
 
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        """torch's, once over the DTensor gradients and once over the plain ones when an
-        optimizer holds both: its fused check-and-unscale takes no mix of the two. (ep under a
-        sharded layout leaves experts that no ``edp`` rank shares as plain tensors beside
-        FSDP2's DTensors: fp16-mixed failed the first step.) ``_unscale_grads_`` is torch's
-        private step of ``unscale_`` (2.11-2.13); a torch without it never calls this, and
-        only that mix fails there as before."""
-        from torch.distributed.tensor import DTensor
-
-        kinds: dict[bool, list] = {True: [], False: []}
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    kinds[isinstance(param.grad, DTensor)].append(param)
-        if not (kinds[True] and kinds[False]):
-            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        found: dict = {}
-        for params in kinds.values():
-            part = _ParamsOnly([{"params": params}])
-            for device, flag in super()._unscale_grads_(part, inv_scale, found_inf,
-                                                        allow_fp16).items():
-                found[device] = flag if device not in found else torch.maximum(found[device],
-                                                                               flag)
-        return found
-
-
-@dataclass
-class _ParamsOnly:
-    """What GradScaler's unscaling reads of an optimizer: its parameter groups."""
-
-    param_groups: list
-
 
 @dataclass
 class Precision:

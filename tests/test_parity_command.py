@@ -88,6 +88,11 @@ def test_command_line_mistakes(capsys):
         layout_world_size("dp=auto,tp=2")
     assert layout_world_size("pp=2,tp=2,dp_shard=2") == 8
     assert layout_world_size("ps=2,dp=3") == 5  # servers beside the workers
+    # ep borrows data-parallel ranks (before, multiplied in: dp_shard=2,ep=2 asked for 4 and
+    # was refused "needs 2 processes"); alone it stands for dp=E
+    assert layout_world_size("dp_shard=2,ep=2") == 2 and layout_world_size("ep=2") == 2
+    assert layout_world_size("pp=2,ep=2") == 4
+    assert layout_world_size("dp_replicate=2,dp_shard=2,ep=4") == 4
 
 
 def test_batch_coupled_jobs_are_reported_correctly():

@@ -189,6 +189,21 @@ class Layout:
         """Every process of the job: the mesh's ranks and the parameter servers."""
         return self.world_size + self.num_servers
 
+    @staticmethod
+    def processes_of(spec: str) -> int:
+        """The processes a layout written out in full (no ``auto``) starts: its degrees
+        multiplied, ``ps``'s servers added; ``ep`` borrows ranks (alone it stands for dp=E)."""
+        raw = _parse_pairs(spec)
+        if any(v.strip().lower() in ("auto", "-1") for v in raw.values()):
+            raise LayoutError(f"layout {spec!r} has an 'auto' degree: write every degree out")
+        try:
+            degrees = {axis: int(value) for axis, value in raw.items()}
+        except ValueError:
+            raise LayoutError(f"layout {spec!r}: degrees must be integers") from None
+        servers, experts = degrees.pop("ps", 0), degrees.pop("ep", 1)
+        borrowed = {*DATA_PARALLEL_AXES, *ZERO_ALIASES, "cp"} & set(degrees)
+        return math.prod(degrees.values()) * (1 if borrowed else experts) + servers
+
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(self.degrees[a] for a in self.axis_names)

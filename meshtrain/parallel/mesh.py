@@ -68,10 +68,12 @@ class ParallelMesh:
             for ranks in self.expert.mesh.reshape(-1, ep).tolist():  # (every rank makes each)
                 group = dist.new_group(ranks)
                 if dist.get_rank() in ranks:
-                    self.expert_dispatch = group        # the same ranks with ep before edp: a sharded layout's experts are FSDP-sharded over
+                    self.expert_dispatch = group
+        # the same ranks with ep before edp: a sharded layout's experts are FSDP-sharded over
         # edp inside each ep rank's rows, which DTensor writes (Shard(0), Shard(0)) on this
+        # (over an edp of one rank too: DTensors like the rest, as foreach optimizers need)
         self.expert_rows = None
-        if self.expert is not None and layout.is_sharded and self.expert["edp"].size() > 1:
+        if self.expert is not None and layout.is_sharded:
             from torch.distributed.device_mesh import DeviceMesh
 
             names = self.expert.mesh_dim_names

@@ -3,13 +3,12 @@ point ``module:function``) and the Trainer settings of each run."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from dataclasses import dataclass
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.layout import _parse_pairs
+from meshtrain.parallel.layout import Layout, _parse_pairs
 
 #: settings every parity run uses, whatever the job says: nothing but training
 QUIET = dict(loggers=(), progress_bar=False, report=False, save_final_checkpoint=False, resume=None,
@@ -94,16 +93,11 @@ def _apply_overrides(flat: dict, overrides) -> dict:
 
 # -- one run ---------------------------------------------------------------------------------
 def layout_world_size(layout: str) -> int:
-    """How many processes ``layout`` needs (its degrees multiplied; no 'auto' axis)."""
-    pairs = _parse_pairs(layout)
-    if any(str(v).strip().lower() in ("auto", "-1") for v in pairs.values()):
+    """How many processes ``layout`` needs (``Layout.processes_of``; no 'auto' axis)."""
+    if any(str(v).strip().lower() in ("auto", "-1") for v in _parse_pairs(layout).values()):
         raise ConfigError(f"layout {layout!r}: meshtrain parity needs every degree written out "
                           "(no 'auto'), so it knows how many processes to start")
-    try:  # parameter servers (ps=S) are processes beside the mesh's
-        servers = int(pairs.pop("ps", 0))
-        return math.prod(int(v) for v in pairs.values()) + servers
-    except ValueError:
-        raise ConfigError(f"layout {layout!r}: degrees must be integers") from None
+    return Layout.processes_of(layout)
 
 
 def run_settings(job: dict, layout: str | None, steps: int, run_dir: str,

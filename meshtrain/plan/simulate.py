@@ -133,16 +133,13 @@ def default_options(layout: Layout, options, pipeline, *, sequence_parallel: boo
 
 
 def world_of(spec) -> int:
-    """The world size a layout string names (the product of its degrees)."""
+    """The world size a layout string names (``Layout.processes_of``)."""
     if isinstance(spec, Layout):
         return spec.world_size
-    size = 1
-    for part in str(spec).split(","):
-        _, _, degree = part.partition("=")
-        if not degree.strip().isdigit():
-            raise ConfigError(f"layout {spec!r}: write axis=degree pairs, e.g. dp_shard=8,tp=8")
-        size *= int(degree)
-    return size
+    try:
+        return Layout.processes_of(str(spec))
+    except ConfigError as error:
+        raise ConfigError(f"{error} (e.g. dp_shard=8,tp=8)") from None
 
 
 def this_ranks_modules(model, mesh: ParallelMesh, options, pipeline) -> list[torch.nn.Module]:

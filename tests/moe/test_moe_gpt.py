@@ -136,6 +136,24 @@ def test_expert_parallel_matches_one_process(layout, devices):
     assert_parity(layout, devices, steps=6, global_batch_size=16, fns=MOE_FNS)
 
 
+def adamw_foreach(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, foreach=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout, devices", [("dp_shard=2,ep=2", 2),
+                                             ("dp_replicate=2,dp_shard=2,ep=2", 4)])
+def test_a_foreach_optimizer_and_clipping_under_sharded_expert_layouts(layout, devices):
+    """What a GPU run does by default: AdamW's foreach step (CUDA's default; forced here) and
+    clipping, over the dense part's FSDP2 DTensors and the experts together. Under
+    dp_shard=2,ep=2 each expert has one rank (edp=1): its experts were plain tensors, which
+    foreach ops refuse beside DTensors; FSDP2 over that one rank makes them DTensors, and the
+    division its gradients need is meshtrain's (torch 2.13 divides a one-rank mesh's twice).
+    Under HSDP the clip met DTensors of two meshes in one foreach op."""
+    fns = dict(MOE_FNS, optimizer_fn=adamw_foreach)
+    assert_parity(layout, devices, steps=4, global_batch_size=16, fns=fns, grad_clip_norm=0.05)
+
+
 def moe_gpt_one_sided():
     """Every token routed to experts 2 and 3 (rank 1's under ep=2): rank 0 sends all its
     tokens away and its experts receive none."""
@@ -263,9 +281,10 @@ def test_expert_memory_per_rank_is_the_formulas():
 
 @pytest.mark.timeout(300)
 def test_fp16_under_expert_parallel_with_sharding_trains_as_without_ep():
-    """dp_shard=2,ep=2 on 2 processes leaves each rank's experts plain tensors (no other rank
-    holds them) beside FSDP2's DTensors: the grad scaler unscales the two kinds apart (its
-    fused kernel takes no mix; the first step failed). The same job as dp_shard=2 without ep
+    """dp_shard=2,ep=2 on 2 processes: each rank's experts (no other rank holds them) are
+    DTensors of their own one-rank mesh beside the dense part's; while they were plain
+    tensors the grad scaler's fused check-and-unscale refused the mix in the first step. The
+    same job as dp_shard=2 without ep
     (the same sharded fp16 arithmetic, the experts only placed elsewhere): the same skipped
     steps (the first: the initial scale 2^16 overflows) and the same numbers to a small
     fraction of fp16's unit roundoff (2^-11; measured 8e-7 loss, 2e-5 relative norm;

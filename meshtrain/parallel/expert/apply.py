@@ -87,8 +87,10 @@ def expert_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 def shard_experts(model: torch.nn.Module, **fsdp_options) -> set:
     """Under a sharded layout (zero2/zero3): FSDP2 shards each expert holder over its ``edp``
     ranks (inside this rank's rows), its gradients summed over them and divided by the data-
-    parallel degree (edp x ep) as the module docstring says. Returns the expert parameters it
-    did not shard (edp of one rank: data parallelism must leave them alone)."""
+    parallel degree (edp x ep) as the module docstring says. An edp of one rank too: the
+    experts are then DTensors like the dense part (a foreach optimizer, torch's default on
+    CUDA, refuses a list mixing them with plain tensors). Returns the expert parameters it did
+    not shard (none under a sharded layout; data parallelism leaves them alone)."""
     from torch.distributed.fsdp import fully_shard
 
     from meshtrain.parallel.data.fsdp_comm import use_gloo_collectives
@@ -101,8 +103,12 @@ def shard_experts(model: torch.nn.Module, **fsdp_options) -> set:
             left |= set(module.parameters(recurse=False))
             continue
         fully_shard(module, mesh=module.edp_mesh, **fsdp_options)
-        module.set_gradient_divide_factor(float(module.edp_mesh.size() * module.ep_mesh.size()))
-        module.set_force_sum_reduction_for_comms(True)  # (SUM, then divided: any backend)
+        if module.edp_mesh.size() == 1:  # torch 2.13 divides a one-rank mesh's gradients by
+            module.set_gradient_divide_factor(1.0)  # the factor twice: sync_expert_grads does
+        else:
+            module.set_gradient_divide_factor(float(module.edp_mesh.size() *
+                                                    module.ep_mesh.size()))
+            module.set_force_sum_reduction_for_comms(True)  # (SUM, then divided: any backend)
         sharded.append(module)
     if sharded:
         use_gloo_collectives(sharded, sharded[0].edp_mesh.get_group())
@@ -115,14 +121,14 @@ _BUCKET = 25 * 2**20  # bytes: DDP's default bucket_cap_mb
 def sync_expert_grads(model: torch.nn.Module, mesh) -> None:
     """The experts' gradients summed over the ranks holding the same experts, divided by the
     data-parallel degree (see the module docstring); FSDP2 already did it for experts it
-    shards."""
+    shards over several ranks (over one: only divided here)."""
     from torch.distributed.tensor import DTensor
 
     for p in expert_params(model):  # experts that got no token on any rank of the step: a
         if p.grad is None and p.requires_grad:  # zero gradient, as one process's [E, ...]
             p.grad = torch.zeros_like(p)  # tensor has (its other experts had tokens)
     params = [p for p in expert_params(model) if p.grad is not None
-              and not isinstance(p.grad, DTensor)]
+              and (not isinstance(p.grad, DTensor) or p.grad.device_mesh.size() == 1)]
     if not params:
         return
     edp = mesh.expert["edp"]
@@ -165,8 +171,13 @@ def clip_grad_norm(model: torch.nn.Module, params, max_norm: float | None, mesh
     if mesh.layout.degree("pp") > 1:
         dist.all_reduce(squares, group=mesh.mesh.get_group("pp"))
     norm = squares.sqrt()
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    if max_norm is not None:  # (each kind apart: a foreach op refuses plain tensors and
+        for kind in (experts, rest):  # DTensors, or DTensors of two meshes, in one list)
+            by_mesh: dict = {}
+            for p in kind:
+                by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+            for group in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
 
 
