@@ -98,7 +98,8 @@ def test_command_line_mistakes(capsys):
 def test_batch_coupled_jobs_are_reported_correctly():
     """A BatchNorm model and a padded token-mean loss (issue 13): equal to one process with
     synchronised statistics and a global-mean loss; per-rank statistics, or a per-micro-batch
-    mean, differ and are reported as such."""
+    mean, differ and are reported as such; where the layout cuts each step into micro-batches
+    the verdict says whether one process cut the same way is equal."""
     quiet = {"out": lambda *a: None}
     good = parity(Source("parity:batchnorm_job"), ["dp=2", "zero3=2"], 4, **quiet)
     good += parity(Source("parity:padded_lm_job"), ["dp=2", "pp=2"], 4, **quiet)
@@ -109,6 +110,13 @@ def test_batch_coupled_jobs_are_reported_correctly():
     for row in (per_rank, plain):
         assert not row.ok and row.first_divergence == 1 and not row.error, row
         assert row.max_param_diff > 1e-4
+        assert not row.note  # (dp=2 does not cut a step into micro-steps: no other verdict)
+    # a pipeline cuts each step into micro-batches: the per-micro-batch mean then differs from
+    # one process on the whole batch, and equals one process cut the same way (the job's
+    # difference, said as such; meshtrain's MoE balancing per micro-step under pp likewise)
+    cut, = parity(Source("parity:padded_lm_plain_job"), ["pp=2"], 4, **quiet)
+    assert not cut.ok and cut.first_divergence == 1, cut
+    assert cut.note.startswith("equal") and "micro-batches of 8" in cut.note, cut.note
 
 
 TP_PLAN_JOB = """

@@ -57,7 +57,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     rows = parity(Source(rest[0], tuple(rest[1:])), layouts, steps, tol=tol, timeout=timeout,
                   quiet=not verbose, reference=options["--reference"])
-    failed = [row.layout for row in rows if not row.ok]
+    failed = [row.layout + (" (equal to one process cut as it cuts: the job's difference)"
+                            if row.note.startswith("equal") else "")
+              for row in rows if not row.ok]
     print(f"{len(rows) - len(failed)} of {len(rows)} layouts train like one process"
           + (f"; not: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

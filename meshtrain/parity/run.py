@@ -114,13 +114,16 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
             raise ConfigError(f"no default parity tolerance for precision={precision!r}; pass "
                               f"--tol (measured tolerances: {TOLERANCE})")
         tol = TOLERANCE[precision]
-    rows, runnable = [], []
+    rows, runnable, cuts = [], [], {}
     for layout in layouts:
         row = Row(layout, 0, tol=tol)
         try:
             row.ranks = layout_world_size(layout)
             with tempfile.TemporaryDirectory() as run_dir:  # refused before any process starts?
-                Trainer(**run_settings(job, layout, steps, run_dir))
+                trainer = Trainer(**run_settings(job, layout, steps, run_dir))
+            # the samples of one micro-step over all ranks, where it cuts the step's batch
+            samples = trainer.micro_batch_size * trainer.layout.batch_degree
+            cuts[layout] = samples if samples < trainer.global_batch_size else None
             runnable.append(row)
         except ConfigError as error:
             row.error = f"refused before start: {error}"
@@ -137,7 +140,7 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
         for row in runnable:
             row.error = f"the one-process reference failed: {_last_line(str(error))}"
         runnable = []
-    one64, floor, no64 = None, None, "--reference fp32"
+    one64, floor, no64, coupled = None, None, "--reference fp32", False
     if runnable and reference != "fp32":
         try:
             float64_job(job)  # a job that cannot be cast says why, before any process
@@ -151,7 +154,8 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
             else:
                 out(f"  {no64}: every layout judged in fp32, by the tolerance {tol:.0e}")
     if one64 is not None:
-        floor = _model_floor(run, job, one64, out)
+        floor, coupled = _model_floor(run, job, one64, out)
+    same_cut: dict = {}  # micro-step samples -> one process in float64 cut the same way
     for row in runnable:
         out(f"  {row.layout} on {row.ranks} process(es) ...")
         try:
@@ -173,10 +177,14 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
         elif not fp32_differences(ref32, run32, row).error:
             compare_float64(one64, run64, row, floor)
             row.seconds += run64["seconds"]
+            if coupled and not row.ok and cuts[row.layout]:
+                _same_cut(run, same_cut, cuts[row.layout], run64, row)
     out(table([HEADER] + [row.cells() for row in rows]))
     for row in rows:
         if row.fp32_verdict and not row.error:
             out(f"{row.layout}: judged in fp32 ({row.fp32_verdict})")
+        if row.note:
+            out(f"{row.layout}: {row.note}")
     zero = sorted({name for row in rows for name in row.zero_gradient})
     if zero:
         out(f"~0 gradient in one process, so moved by the optimizer's reaction to rounding "
@@ -184,18 +192,19 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
     return rows
 
 
-def _model_floor(run, job: dict, one64: dict, out) -> float | None:
-    """The model's own float64 floor (verdict.model_floor), from one more one-process run."""
+def _model_floor(run, job: dict, one64: dict, out) -> tuple[float | None, bool]:
+    """The model's own float64 floor (verdict.model_floor), from one more one-process run, and
+    whether cutting the batch into micro-batches changes this job's training."""
     split = floor_split(job)
     if split is None:
         out(f"  float64: judged to {F64_TOL:.0e} (the batch has no other split)")
-        return None
+        return None, False
     try:
         again = run(None, float64=True, extra={"micro_batch_size": split})
     except Exception as error:  # noqa: BLE001 -- the split refused: no floor, the tight bound
         out(f"  float64: judged to {F64_TOL:.0e} (micro-batches of {split} refused: "
             f"{_last_line(str(error))})")
-        return None
+        return None, False
     floor = model_floor(one64, again)
     if floor is None:
         out(f"  float64: judged to {F64_TOL:.0e} (micro-batches of {split} change this job's "
@@ -203,7 +212,26 @@ def _model_floor(run, job: dict, one64: dict, out) -> float | None:
     else:
         out(f"  float64: one process with micro-batches of {split} moves {floor:.1e} (the "
             f"model's own floor): judged to max({F64_TOL:.0e}, {FLOOR_SLACK:g} x floor)")
-    return floor
+    return floor, floor is None
+
+
+def _same_cut(run, cache: dict, samples: int, run64: dict, row: Row) -> None:
+    """For a job whose training changes with the micro-batch, a layout that differs from one
+    process: is it one process cut as the layout cuts each step (micro-steps of ``samples``
+    over all ranks)? Then the difference is the job's, and ``row.note`` says so."""
+    if samples not in cache:
+        try:
+            cache[samples] = run(None, float64=True, extra={"micro_batch_size": samples})
+        except Exception:  # noqa: BLE001 -- no such one-process run: nothing more to say
+            cache[samples] = None
+    if cache[samples] is None:
+        return
+    probe = compare_float64(cache[samples], run64, Row(row.layout, row.ranks, tol=row.tol))
+    if probe.ok:
+        row.note = (f"equal ({probe.rel64:.0e}) to one process with micro-batches of {samples}, "
+                    f"as this layout cuts each step: the difference is the job's, whose training "
+                    "changes with the micro-batch (batch statistics, a loss averaged per "
+                    "micro-batch, experts balanced per micro-step), not the layout's")
 
 
 def _last_line(text: str) -> str:

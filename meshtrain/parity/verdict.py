@@ -140,6 +140,7 @@ class Row:
     error: str = ""
     tol: float = 1e-5
     fp32_verdict: str = ""  # why this row is judged in fp32 ("": judged in float64)
+    note: str = ""  # what else the run showed (e.g. equal to one process cut as it cuts)
 
     @property
     def ok(self) -> bool:
