@@ -151,8 +151,8 @@ def test_help_lists_commands_and_every_setting_with_its_default():
 def test_overrides_take_the_space_form_too(tmp_path):
     from meshtrain.config import join_overrides
 
-    out = meshtrain("train", str(ROOT / "examples/char_gpt.toml"), "--trainer.max_steps", "5",
-                    "--trainer.devices", "1", "--trainer.layout", "none", "--logging.root_dir",
+    out = meshtrain("train", str(ROOT / "examples/char_gpt.toml"), *TINY,
+                    "--trainer.max_steps", "5", "--trainer.devices", "1", "--trainer.layout", "none", "--logging.root_dir",
                     str(tmp_path), "--checkpoint.resume", "none", cwd=ROOT, timeout=200)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "max_steps = 5" in out.stdout and "fit: 5 steps" in out.stdout

@@ -27,6 +27,9 @@ sharded layout (the grad scaler met plain and DTensor gradients together; mended
 4-process rows (dp_shard=4,ep=2, cp=2,dp_shard=2,ep=2, pp=2,dp_shard=2,ep=2, dp=4,ep=2,
 zero2=4,ep=2) one more: the GPT's compiled MoE blocks with selective checkpointing where the
 experts are FSDP-sharded and resharded after forward (refused before start, tested).
+Every row now clips (grad_clip_norm=1.0) and steps AdamW with foreach=True (CUDA's default):
+on 2026-11-29 that found ep under sharded layouts failing its first step (clipping, then the
+optimizer, met plain tensors and DTensors in one foreach op; mended, tested).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from torch.utils.data import Dataset, TensorDataset  # noqa: E402
 
 from meshtrain import Trainer  # noqa: E402
 from meshtrain.launch.spawn import run_workers  # noqa: E402
+from meshtrain.parallel.layout import Layout  # noqa: E402
 
 GPT_FEATURES = {"dense": {}, "moe": dict(num_experts=4), "doc": dict(document_eos=3),
                 "moe-bias": dict(num_experts=4, router_bias_rate=0.01, router_aux_loss_coef=0.0),
@@ -68,7 +72,9 @@ LAYOUTS = [("dp=2", {}), ("zero3=2", {}), ("zero1=2", {}), ("tp=2", {}), ("tp=2"
            ("dp_shard=2,tp=2", {}), ("pp=2,tp=2", {SP: True, AC: "full"}), ("dp=2,cp=2", {}),
            ("tp=2", {SP: True, AC: "selective"}), ("pp=2,tp=2", {SP: True, AC: "selective"}),
            ("zero3=2", {AC: "selective", "precision": "bf16-mixed"}),
-           ("dp_shard=2,tp=2", {SP: True, AC: "selective", "precision": "bf16-mixed"})]
+           ("dp_shard=2,tp=2", {SP: True, AC: "selective", "precision": "bf16-mixed"}),
+           ("dp_shard=2,ep=2", {}), ("dp_replicate=2,dp_shard=2,ep=2", {}),
+           ("pp=2,dp_shard=2,ep=2", {})]
 
 COMPILE_ROWS = [("dp=2", {AC: "selective"}), ("dp=2", {AC: "selective", "micro_batch_size": 2}),
                 ("zero3=2", {AC: "full"}), ("zero3=2", {AC: "full", "precision": "bf16-mixed"}),
@@ -117,30 +123,33 @@ def _model(kind: str, name: str):
     return lambda: model_class(config)
 
 
+def _optimizer(params):  # (foreach: CUDA's default, forced here on CPU)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+
+
 def _trainer(layout: str, settings: dict, devices: int | None) -> Trainer:
     kwargs = dict(layout=layout, max_steps=2, global_batch_size=8, loggers=(), report=False,
                   progress_bar=False, checkpoint_every_n_steps=None, model_summary=False,
-                  root_dir=str(Path(tempfile.gettempdir()) / "meshtrain-hunt"), **settings)
+                  root_dir=str(Path(tempfile.gettempdir()) / "meshtrain-hunt"),
+                  **{"grad_clip_norm": 1.0, **settings})
     return Trainer(devices=devices, **kwargs) if devices else Trainer(**kwargs)
 
 
 def _fit(kind, name, layout, settings):
     fns = dict(loss_fn=lm_loss) if kind == "gpt" else {}
     _trainer(layout, settings, None).fit(_model(kind, name), Tokens(kind == "gpt"),
-                                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), **fns)
+                                         optimizer=_optimizer, **fns)
     return 0
 
 
 def row(kind: str, name: str, layout: str, settings: dict) -> tuple[str, str]:
     """("ok" | "check" | "fit", the error's lines that say what failed)."""
-    axes = [part.split("=")[0].strip() for part in layout.split(",")]
-    ranks = 4 if len(axes) > 1 and "ep" not in axes else 2  # (ep borrows its ranks)
+    ranks = Layout.processes_of(layout)
     fns = dict(loss_fn=lm_loss) if kind == "gpt" else {}
     stage = "check"
     try:
         _trainer(layout, settings, ranks).check(
-            _model(kind, name), Tokens(kind == "gpt"),
-            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), **fns)
+            _model(kind, name), Tokens(kind == "gpt"), optimizer=_optimizer, **fns)
         stage = "fit"
         run_workers(_fit, ranks, (kind, name, layout, settings), timeout=200)
         return "ok", ""

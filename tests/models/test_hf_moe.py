@@ -156,13 +156,14 @@ def _init_from_under(folder, run_root, layout, build):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model_fn, layout, devices", [
     (qwen3_moe, "ep=2", 2), (mixtral, "ep=2", 2), (qwen3_moe, "zero3=2", 2),
-    (mixtral, "dp_shard=4,ep=2", 4), (gpt_oss, "ep=2", 2)],
+    (mixtral, "dp_shard=4,ep=2", 4), (gpt_oss, "dp_shard=2,ep=2", 2)],
     ids=["Qwen3Moe-ep=2", "Mixtral-ep=2", "Qwen3Moe-zero3=2", "Mixtral-dp_shard=4,ep=2",
-         "GptOss-ep=2"])
+         "GptOss-dp_shard=2,ep=2"])
 def test_a_moe_folder_round_trips(tmp_path, model_fn, layout, devices):
     """A saved MoE folder (transformers writes each expert apart) -> Trainer(init_from=...)
     (each rank reads only its experts and fuses them; dp_shard=4,ep=2: then FSDP shards them
-    over the two ranks holding the same) -> checkpoint -> export_hf (the experts written apart
+    over the two ranks holding the same; dp_shard=2,ep=2: FSDP2's over one rank, its biases
+    too) -> checkpoint -> export_hf (the experts written apart
     again): every tensor identical, under the same names; from_pretrained of the export gives
     the folder's logits."""
     import transformers
