@@ -222,6 +222,11 @@ def tiny_qwen3_moe():
                           num_experts_per_tok=1, **SMALL)
 
 
+def tiny_qwen3_moe_router_loss():
+    return tiny_causal_lm("Qwen3Moe", head_dim=8, moe_intermediate_size=16, num_experts=2,
+                          num_experts_per_tok=1, output_router_logits=True, **SMALL)
+
+
 @pytest.mark.parametrize("layout, devices, match", [
     ("tp=2", 2, r"marks model\.layers\.\*\.mlp\.experts\.gate_up_proj as 'packed_colwise'"),
     ("tp=4", 4, r"splits the num_key_value_heads over 4 ranks"),
@@ -263,7 +268,9 @@ def tiny_stablelm():  # transformers declares neither a tensor- nor a pipeline-p
 @pytest.mark.parametrize("model, layout, recommended", [
     (tiny_stablelm, "tp=2", "train it without tp (dp, zero1-3), or"),
     (tiny_stablelm, "pp=2", "train it without pp (dp, zero1-3)"),
-    (tiny_qwen3_moe, "tp=2", "train it without tp (dp, zero1-3, pp), or"),  # pp: it has a plan
+    (tiny_qwen3_moe, "tp=2", "train it without tp (dp, zero1-3, pp, ep), or"),  # it has plans
+    # its router loss on: pp refused (a pipeline cannot carry it), so not recommended
+    (tiny_qwen3_moe_router_loss, "tp=2", "train it without tp (dp, zero1-3, ep), or"),
 ])
 def test_a_refusal_recommends_only_layouts_the_model_supports(tmp_path, model, layout,
                                                                recommended):

@@ -31,9 +31,20 @@ def supports_tp(model: nn.Module) -> bool:
 
 def others(model: nn.Module, instead_of: str) -> str:
     """The layouts to train ``model`` with instead of ``instead_of`` ("tp" or "pp"): the other
-    one only where the model supports it (StableLm declares neither)."""
-    other = {"tp": ("pp", supports_pp), "pp": ("tp", supports_tp)}[instead_of]
-    return "dp, zero1-3" + (f", {other[0]}" if other[1](model) else "")
+    one only where the model supports it (StableLm declares neither; pp not while a router loss
+    is on, which a pipeline cannot carry), and ep where its experts can be split."""
+    from meshtrain.models.hf.moe import hf_expert_layers, hf_router_loss
+
+    name, supported = {"tp": ("pp", supports_pp), "pp": ("tp", supports_tp)}[instead_of]
+    if name == "pp":
+        try:
+            loss = hf_router_loss(model)
+            carried = loss is None or getattr(loss, "pipelines", False)
+        except ConfigError:  # (a config refused for itself: said where it is checked)
+            carried = False
+        supported = supported if carried else (lambda _: False)
+    return "dp, zero1-3" + (f", {name}" if supported(model) else "") + (
+        ", ep" if hf_expert_layers(model) else "")
 
 
 class PipelinePlan:
