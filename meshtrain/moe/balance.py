@@ -98,22 +98,26 @@ def router_loss_of(model: torch.nn.Module, adapt=None):
     return adapt(model) if adapt is not None else None
 
 
-def check_router_loss(model: torch.nn.Module, layout, adapt=None) -> None:
+def check_router_loss(model: torch.nn.Module, layout, adapt=None, experts=None) -> None:
     """Before start: a router loss meshtrain cannot carry under ``layout`` is refused (a
     pipeline's micro-batches would each see part of the batch, and its loss runs on the last
     stage only, without the routers of the others), unless its layers balance themselves
-    inside the stages (meshtrain's MoE: meshtrain/moe/pipeline.py)."""
+    inside the stages (meshtrain's MoE: meshtrain/moe/pipeline.py). ``experts``: the expert
+    layers' adapter (ep is recommended where it finds some)."""
     from meshtrain.errors import ConfigError
 
     router_loss = router_loss_of(model, adapt)
     if router_loss is not None and layout.degree("pp") > 1 and not getattr(
             router_loss, "pipelines", False):
+        from meshtrain.parallel.expert.apply import expert_layers
+
+        carry = "dp, zero1/2/3 and ep" if expert_layers(model, experts) else "dp and zero1/2/3"
         raise ConfigError(
             f"{type(model).__name__} routes tokens to experts and meshtrain balances them "
             f"({router_loss.field}) over the tokens of a whole micro-step on every data-"
             "parallel rank; under pp each pipeline micro-batch holds part of them and the "
             "loss is taken on the last stage only, so it would train differently from one "
-            f"process. Drop pp (dp and zero1/2/3 carry it), or turn {router_loss.field} off")
+            f"process. Drop pp ({carry} carry it), or turn {router_loss.field} off")
 
 
 def added_router_loss(router_loss, batch, group, loss_degree: int, accum: int) -> torch.Tensor:

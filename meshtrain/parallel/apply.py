@@ -143,7 +143,8 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
                 f"shares (dp_shard={layout.expert_degree},ep={layout.expert_degree})")
     from meshtrain.moe.balance import check_router_loss
 
-    check_router_loss(model, layout, options.router_loss if loss_fn is None else None)
+    check_router_loss(model, layout, options.router_loss if loss_fn is None else None,
+                      experts=options.expert_layers)
     if not options.sync_batchnorm and not any(
             isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         raise ConfigError("sync_batchnorm=False keeps BatchNorm statistics per rank, and the "
