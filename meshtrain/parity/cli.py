@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     rows = parity(Source(rest[0], tuple(rest[1:])), layouts, steps, tol=tol, timeout=timeout,
                   quiet=not verbose, reference=options["--reference"])
-    failed = [row.layout + (" (equal to one process cut as it cuts: the job's difference)"
+    failed = [row.layout + (" (the job's difference: equal to one process cut the same way)"
                             if row.note.startswith("equal") else "")
               for row in rows if not row.ok]
     print(f"{len(rows) - len(failed)} of {len(rows)} layouts train like one process"

@@ -122,7 +122,8 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
             with tempfile.TemporaryDirectory() as run_dir:  # refused before any process starts?
                 trainer = Trainer(**run_settings(job, layout, steps, run_dir))
             # the samples of one micro-step over all ranks, where it cuts the step's batch
-            samples = trainer.micro_batch_size * trainer.layout.batch_degree
+            samples = (trainer.micro_batch_size or trainer.global_batch_size) * \
+                trainer.layout.batch_degree
             cuts[layout] = samples if samples < trainer.global_batch_size else None
             runnable.append(row)
         except ConfigError as error:

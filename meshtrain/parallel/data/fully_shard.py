@@ -142,10 +142,8 @@ def apply_fsdp(
     from meshtrain.parallel.expert.apply import shard_experts
 
     # ep's experts: sharded over the ranks holding the same ones (each rank holds others)
-    ignored = shard_experts(model, reshard_after_forward=reshard_after_forward,
-                            **{k: v for k, v in options.items() if k != "mesh"})
-    if ignored:
-        options["ignored_params"] = ignored
+    shard_experts(model, reshard_after_forward=reshard_after_forward,
+                  **{k: v for k, v in options.items() if k != "mesh"})
     blocks = find_blocks(model) if blocks is None else list(blocks)
     if any(block is model for block in blocks):
         raise ConfigError(

@@ -84,24 +84,21 @@ def expert_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             for p in m.parameters(recurse=False)]
 
 
-def shard_experts(model: torch.nn.Module, **fsdp_options) -> set:
+def shard_experts(model: torch.nn.Module, **fsdp_options) -> None:
     """Under a sharded layout (zero2/zero3): FSDP2 shards each expert holder over its ``edp``
     ranks (inside this rank's rows), its gradients summed over them and divided by the data-
     parallel degree (edp x ep) as the module docstring says. An edp of one rank too: the
     experts are then DTensors like the dense part (a foreach optimizer, torch's default on
-    CUDA, refuses a list mixing them with plain tensors). Returns the expert parameters it did
-    not shard (none under a sharded layout; data parallelism leaves them alone)."""
+    CUDA, refuses a list mixing them with plain tensors)."""
     from torch.distributed.fsdp import fully_shard
 
     from meshtrain.parallel.data.fsdp_comm import use_gloo_collectives
 
-    left, sharded = set(), []
+    sharded = []
     for module in model.modules():
         if getattr(module, "ep_mesh", None) is None:
             continue
-        if module.rows_mesh is None:
-            left |= set(module.parameters(recurse=False))
-            continue
+        assert module.rows_mesh is not None, "a sharded layout's ParallelMesh has expert_rows"
         fully_shard(module, mesh=module.edp_mesh, **fsdp_options)
         if module.edp_mesh.size() == 1:  # torch 2.13 divides a one-rank mesh's gradients by
             module.set_gradient_divide_factor(1.0)  # the factor twice: sync_expert_grads does
@@ -112,7 +109,6 @@ def shard_experts(model: torch.nn.Module, **fsdp_options) -> set:
         sharded.append(module)
     if sharded:
         use_gloo_collectives(sharded, sharded[0].edp_mesh.get_group())
-    return left
 
 
 _BUCKET = 25 * 2**20  # bytes: DDP's default bucket_cap_mb
