@@ -8,16 +8,8 @@ Syntax: comma-separated ``axis=degree`` pairs; at most one degree may be ``auto`
 then filled with whatever the world size leaves. Axes with degree 1 may be left out. An empty
 string or ``None`` means one process per world rank of plain data parallelism (``dp=auto``).
 
-Axes (mesh order, outermost first):
-
-================ =============================================================================
-``pp``           pipeline parallel: consecutive blocks split into stages, micro-batches in flight
-``dp_replicate`` replicas of a sharded model: HSDP, with ``dp_shard`` (gradients all-reduced)
-``dp``           data parallel with replicated parameters (DDP)
-``dp_shard``     fully sharded data parallel (FSDP2 ``fully_shard``, ZeRO-3)
-``cp``           context parallel: the sequence split over ranks, attention all-gathers K/V
-``tp``           tensor parallel (Megatron-LM column then row splits, DTensor)
-================ =============================================================================
+The axes, in mesh order (outermost first), are :data:`AXES`: ``pp``, ``dp_replicate`` (HSDP's
+replicas, with ``dp_shard``), ``dp`` (DDP), ``dp_shard`` (FSDP2), ``cp`` and ``tp``.
 
 ZeRO names are aliases that also pick what is sharded (Rajbhandari et al., SC 2020):
 
@@ -193,13 +185,9 @@ class Layout:
     def processes_of(spec: str) -> int:
         """The processes a layout written out in full (no ``auto``) starts: its degrees
         multiplied, ``ps``'s servers added; ``ep`` borrows ranks (alone it stands for dp=E)."""
-        raw = _parse_pairs(spec)
-        if any(v.strip().lower() in ("auto", "-1") for v in raw.values()):
-            raise LayoutError(f"layout {spec!r} has an 'auto' degree: write every degree out")
-        try:
-            degrees = {axis: int(value) for axis, value in raw.items()}
-        except ValueError:
-            raise LayoutError(f"layout {spec!r}: degrees must be integers") from None
+        degrees = {a: int(v) if v.strip().isdigit() else 0 for a, v in _parse_pairs(spec).items()}
+        if not all(degrees.values()):
+            raise LayoutError(f"layout {spec!r}: write every degree out as a number (no 'auto')")
         servers, experts = degrees.pop("ps", 0), degrees.pop("ep", 1)
         borrowed = {*DATA_PARALLEL_AXES, *ZERO_ALIASES, "cp"} & set(degrees)
         return math.prod(degrees.values()) * (1 if borrowed else experts) + servers
@@ -234,8 +222,8 @@ class Layout:
 
 
 def _pop_count(raw: dict, key: str, spec, what: str) -> int | None:
-    """``key``'s value taken out of ``raw`` as an integer (None when absent): ``ps`` and ``ep``
-    count processes or ranks, they are no mesh axis; ``what`` says what to give."""
+    """``key``'s integer taken out of ``raw`` (None when absent): ``ps`` and ``ep`` are no mesh
+    axis; ``what`` says what to give."""
     if key not in raw:
         return None
     value = raw.pop(key)
@@ -278,9 +266,8 @@ def _servers(raw: dict, world_size: int, spec) -> int:
 
 
 def _experts(raw: dict, spec) -> int:
-    """``ep=E`` taken out of ``raw`` (it borrows ranks, adds no mesh axis); without a data- or
-    context-parallel axis, the ranks the other axes leave are plain data parallel
-    (``dp=auto``)."""
+    """``ep=E`` taken out of ``raw`` (it borrows ranks); without a data- or context-parallel
+    axis, the ranks the other axes leave are plain data parallel (``dp=auto``)."""
     degree = _pop_count(raw, "ep", spec, "the number of ranks the experts are split over, "
                         "e.g. 'ep=2'")
     if degree is None:

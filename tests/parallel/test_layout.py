@@ -207,6 +207,7 @@ def test_ep_borrows_data_parallel_ranks(spec, world, degrees, text):
     assert layout.degrees == degrees and layout.expert_degree == int(text.rsplit("=", 1)[1])
     assert layout.world_size == world and str(layout) == text
     assert Layout.parse(str(layout), world) == layout  # round trip
+    assert Layout.processes_of(text) == world  # (ep borrows ranks: no factor of its own)
 
 
 @pytest.mark.parametrize("spec, world, match", [
