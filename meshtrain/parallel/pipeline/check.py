@@ -217,6 +217,11 @@ def check_stage_forward(model: nn.Module, inputs: torch.Tensor, adapter=None) ->
             handle.remove()
         for module, mode in modes.items():
             module.training = mode
+        if on_meta:
+            from meshtrain.parallel.pipeline.stand_ins import trim_heap
+
+            recorder.stand_ins = None  # (its cache's tensors freed, then handed back)
+            trim_heap()
     if on_meta and failure is not None and "meta tensors" in str(failure):
         return  # the stages need a value (an .item()) the meta device has not: nothing to compare
     findings, shared = [], []
