@@ -42,8 +42,9 @@ def others(model: nn.Module, instead_of: str) -> str:
             carried = loss is None or getattr(loss, "pipelines", False)
         except ConfigError:  # (a config refused for itself: said where it is checked)
             carried = False
-        supported = supported if carried else (lambda _: False)
-    return "dp, zero1-3" + (f", {name}" if supported(model) else "") + (
+    else:
+        carried = True
+    return "dp, zero1-3" + (f", {name}" if carried and supported(model) else "") + (
         ", ep" if hf_expert_layers(model) else "")
 
 
