@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput, RowwiseParallel,
 )
 
-from meshtrain.errors import ConfigError
+from meshtrain.moe.tensor_parallel import expert_sizes, moe_tp_plan
 from meshtrain.parallel.tensor.sequence_parallel import ColwiseFromSequence
 from meshtrain.parallel.tensor.tensor_parallel import (
     ReplicateParallel, attention_plan, check_divides, dropout_entries, mlp_plan, replicate_the_rest,
@@ -30,14 +30,21 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(str(name), block) for name, block in items]
 
 
+def _is_moe(block: nn.Module) -> bool:
+    return hasattr(block.mlp, "experts")
+
+
 def gpt_sizes(model: nn.Module) -> dict[str, int]:
     """The sizes tensor parallel splits: heads, d_model, MLP width, vocabulary."""
     block = _blocks(model)[0][1]
     sizes = {
         "num_heads": block.attn.wq.out_features // block.attn.head_dim,
         "d_model": block.attn.wq.in_features,
-        "mlp_hidden_dim": block.mlp.fc_in.out_features,
     }
+    if _is_moe(block):  # every expert split by hidden unit (meshtrain.moe.tensor_parallel)
+        sizes.update(expert_sizes(block.mlp))
+    else:
+        sizes["mlp_hidden_dim"] = block.mlp.fc_in.out_features
     if model.tok_emb is not None:
         sizes["vocab_size"] = model.tok_emb.num_embeddings
     elif model.head is not None:
@@ -49,12 +56,6 @@ def check_gpt_tp(model: nn.Module, tp_degree: int, *, sequence_parallel: bool,
                  seq_len: int | None = None) -> None:
     """Heads, d_model, the MLP width and the vocabulary must divide by tp; with
     ``sequence_parallel`` the sequence length too (``seq_len``, default ``config.seq_len``)."""
-    if getattr(model.config, "is_moe", False):
-        raise ConfigError(
-            "tp of a mixture-of-experts GPT (GPTConfig.num_experts="
-            f"{model.config.num_experts}) is not implemented: its experts would need their own "
-            "split. Split the experts with ep (e.g. layout='ep=2') and the rest with dp or "
-            "zero1/2/3")
     sizes = gpt_sizes(model)
     if sequence_parallel:
         sizes["seq_len"] = seq_len if seq_len is not None else model.config.seq_len
@@ -97,7 +98,10 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool,
             plan.update(dropout_entries(block.attn, f"{prefix}.attn"))
             plan.update(dropout_entries(block.mlp, f"{prefix}.mlp"))
         plan.update(attention_plan(f"{prefix}.attn", "wq", "wk", "wv", "wo", sequence_parallel=sp))
-        plan.update(mlp_plan(f"{prefix}.mlp", "fc_in", "fc_out", sequence_parallel=sp))
+        if _is_moe(block):
+            plan.update(moe_tp_plan(f"{prefix}.mlp", block.mlp, sequence_parallel=sp))
+        else:
+            plan.update(mlp_plan(f"{prefix}.mlp", "fc_in", "fc_out", sequence_parallel=sp))
     if sp and model.norm is not None:
         plan["norm"] = ReplicateParallel(local_input=True)
     if model.head is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -120,14 +121,18 @@ def check_router_loss(model: torch.nn.Module, layout, adapt=None, experts=None) 
             f"process. Drop pp ({carry} carry it), or turn {router_loss.field} off")
 
 
-def added_router_loss(router_loss, batch, group, loss_degree: int, accum: int) -> torch.Tensor:
-    """What a micro-step adds to this rank's loss: ``coef`` x its share of the balancing loss,
-    scaled like the rest of the loss (gradients are averaged over ``loss_degree`` ranks, and
-    each of ``accum`` micro-steps adds its own)."""
+def added_router_loss(router_loss, batch, group, loss_degree: int, accum: int,
+                      loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` plus what a micro-step adds to this rank's loss: ``coef`` x its share of the
+    balancing loss, scaled like the rest of the loss (gradients are averaged over
+    ``loss_degree`` ranks, and each of ``accum`` micro-steps adds its own)."""
     share = balance_term(router_loss.stats(batch), group)
     step = getattr(router_loss, "step_shares", None)  # (logged once a step: end_of_step)
     router_loss.step_shares = share.detach() / accum + (0 if step is None else step)
-    return share * (router_loss.coef * loss_degree / accum)
+    added = share * (router_loss.coef * loss_degree / accum)
+    if isinstance(loss, DTensor):  # tp's loss_parallel: the loss is a DTensor, alike on tp ranks
+        added = DTensor.from_local(added, loss.device_mesh, loss.placements, run_check=False)
+    return loss + added
 
 
 def end_of_step(router_loss, group) -> None:

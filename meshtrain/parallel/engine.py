@@ -188,9 +188,8 @@ class Engine:
                                                 items is not None, call_kwargs=self.call_kwargs)
                     loss = loss / accum if items is None else loss / items.divisor()
                     if self.router_loss is not None and self.router_loss.coef:
-                        loss = loss + added_router_loss(
-                            self.router_loss, batch, self.loss_group, self.layout.loss_degree,
-                            accum)
+                        loss = added_router_loss(self.router_loss, batch, self.loss_group,
+                                                 self.layout.loss_degree, accum, loss)
                 if last and self.timer is not None:  # the wait for reductions: exposed comm
                     self.timer.watch_backward(loss)
                 self.precision.backward(loss)

@@ -285,8 +285,8 @@ def _check_experts(degree: int, degrees: dict, zero_stage: int, spec) -> int:
         return 1
     other = sorted(set(degrees) - {"dp_replicate", "dp", "dp_shard", "cp", "pp"})
     if other or zero_stage == 1:
-        why = {"tp": "tp (its ranks would each run every token through the same experts: "
-                     "split experts by ep instead of tp)"}
+        why = {"tp": "tp (not yet together: tp alone splits each expert of meshtrain's MoE "
+                     "GPT by hidden unit, ep splits the experts between ranks)"}
         what = ", ".join(why.get(a, a) for a in other) or "zero1 (its optimizer would " \
             "overwrite the experts)"
         raise LayoutError(f"layout {spec!r}: ep (expert parallel) combines with dp, dp_shard "

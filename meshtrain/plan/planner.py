@@ -82,9 +82,9 @@ def candidates(spec: ModelSpec, cluster: Cluster, job: Job, pins: dict | None = 
         if tp > 1 and spec.refuses("tp"):
             yield f"tp={tp}", spec.refuses("tp")
             continue
-        if tp > 1 and spec.num_experts:
-            yield f"tp={tp}", (f"tp={tp}: meshtrain does not split experts by tensor "
-                               f"parallel ({spec.num_experts} experts a layer)")
+        if tp > 1 and spec.num_experts and spec.is_hf:  # (meshtrain's MoE GPT: by hidden unit)
+            yield f"tp={tp}", (f"tp={tp}: meshtrain does not split a Hugging Face model's "
+                               f"experts by tensor parallel ({spec.num_experts} a layer)")
             continue
         if spec.num_heads % tp or spec.num_kv_heads % tp:
             yield f"tp={tp}", (f"tp={tp} does not divide the {spec.num_heads} heads / "

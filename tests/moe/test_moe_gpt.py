@@ -63,6 +63,20 @@ def test_moe_gpt_matches_one_process(layout):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout, devices, options", [
+    ("tp=2", 2, {}),
+    ("tp=2", 2, dict(sequence_parallel=True, loss_parallel=True)),  # (the loss a DTensor)
+    ("dp_shard=2,tp=2", 4, dict(sequence_parallel=True, activation_checkpointing="selective")),
+    ("cp=2,tp=2", 4, {})])
+def test_tensor_parallel_splits_every_expert_and_matches_one_process(layout, devices, options):
+    """tp splits each expert (and the shared expert) by hidden unit; the router, replicated,
+    routes alike on every tp rank (meshtrain/moe/tensor_parallel.py). The balancing loss and
+    the bias balancing with it."""
+    assert_parity(layout, devices, steps=4, global_batch_size=16,
+                  fns=dict(MOE_FNS, model_fn=moe_gpt_bias_balanced), parallel_kwargs=options)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout, checkpointing", [("dp=2", "full"), ("zero3=2", "selective")])
 def test_compiled_moe_blocks_with_checkpointing_match_one_eager_process(layout, checkpointing):
     """compile=True compiles each block but runs the experts (token counts read from the data)
@@ -120,11 +134,12 @@ def test_bad_moe_configs_are_refused_before_start(tmp_path):
         moe_gpt(experts_per_token=5)
     with pytest.raises(ConfigError, match="router score must be one of"):
         moe_gpt(router_score="relu")
-    for layout, match in (("tp=2", "tp of a mixture-of-experts GPT"),):
-        trainer = quiet_trainer(tmp_path, layout=layout, devices=2, max_steps=1,
-                                global_batch_size=8)
-        with pytest.raises(ConfigError, match=match):
-            trainer.check(moe_gpt, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
+    # tp splits every expert by hidden unit
+    trainer = quiet_trainer(tmp_path, layout="tp=2", devices=2, max_steps=1, global_batch_size=8)
+    with pytest.raises(ConfigError, match=r"splits the expert_hidden_dim over 2 ranks, but "
+                                          r"expert_hidden_dim=15 is not divisible by 2"):
+        trainer.check(lambda: moe_gpt(expert_hidden_dim=15), token_data(), optimizer=adamw_gpt,
+                      loss_fn=lm_loss)
 
 
 @pytest.mark.timeout(300)
@@ -190,7 +205,7 @@ def test_bad_expert_layouts_are_refused_before_start(tmp_path):
              ("ep=4", 2, moe_gpt, r"ep=4 borrows its ranks from the data- and context-"
                                   r"parallel ranks, which are 2; ep must divide it"),
              ("tp=2,ep=2", 2, moe_gpt, r"combines with dp, dp_shard \(zero2/zero3\), dp_replicate "
-                                       r"\(HSDP\), cp and pp, not with tp \(its ranks"),
+                                       r"\(HSDP\), cp and pp, not with tp \(not yet"),
              ("pp=2,ep=2", 2, moe_gpt, r"ep=2 borrows its ranks .* which are 1")]
     for layout, devices, model, match in cases:
         with pytest.raises(ConfigError, match=match):  # (the layout's own: at Trainer())
@@ -218,19 +233,23 @@ def test_bad_expert_layouts_are_refused_before_start(tmp_path):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("saved, resumed", [("ep=2", None), (None, "dp_shard=2,ep=2"),
                                             ("dp_replicate=2,dp_shard=2,ep=2", "ep=2"),
-                                            ("ep=2", "dp_shard=4,ep=2")],
+                                            ("ep=2", "dp_shard=4,ep=2"), ("tp=2", "ep=2"),
+                                            ("ep=2", "dp_shard=2,tp=2")],
                          ids=["ep=2->1 process", "1 process->dp_shard=2,ep=2",
-                              "HSDP,ep=2->ep=2", "ep=2->dp_shard=4,ep=2"])
+                              "HSDP,ep=2->ep=2", "ep=2->dp_shard=4,ep=2", "tp=2->ep=2",
+                              "ep=2->dp_shard=2,tp=2"])
 def test_a_checkpoint_resumes_under_another_expert_layout(tmp_path, saved, resumed):
     """3 steps under one layout, a checkpoint, 3 more under another = 6 steps in one process
     (the experts' weights and their AdamW state saved whole, read back as each rank's rows,
-    or its FSDP shard of them under dp_shard=4,ep=2 and HSDP)."""
+    or its FSDP shard of them under dp_shard=4,ep=2 and HSDP, or every expert's hidden units
+    split by tp)."""
     from parity import F64_TOL, compare_ranks, run_ranks, train_state
+
+    from meshtrain.parallel.layout import Layout
 
     def run(layout, steps, **kwargs):
         trainer = dict(max_steps=steps, global_batch_size=16, layout=layout, **kwargs)
-        ranks = 1 if not layout else 4 if "dp_shard=4" in layout or "dp_replicate" in layout \
-            else 2
+        ranks = Layout.processes_of(layout) if layout else 1
         return run_ranks(trainer, ranks, timeout=200, float64=True, **MOE_FNS)
 
     reference = train_state(dict(max_steps=6, global_batch_size=16), float64=True, **MOE_FNS)

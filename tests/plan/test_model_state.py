@@ -69,12 +69,16 @@ def _qwen3_moe():
 def test_expert_parallel_layouts_match_a_built_world(factory):
     """Under ep each rank holds its rows of every expert weight, which FSDP shards over the
     edp ranks holding the same rows (dp_shard=4,ep=2: 2 of them); the rest as without ep
-    (pp, dp_shard and cp mixed in)."""
+    (pp, dp_shard and cp mixed in). meshtrain's MoE GPT under tp: each rank holds h/tp
+    columns of every expert."""
     sizes = ModelStateSizes(factory)
     for layout, world in [("ep=2", 2), ("dp_shard=4,ep=2", 4), ("pp=2,ep=2", 4),
                           ("pp=2,dp_shard=2,ep=2", 4), ("dp=4,ep=4", 4),
                           ("cp=2,dp_shard=2,ep=4", 4), ("pp=2,dp_shard=4,ep=2", 8),
-                          ("dp_replicate=2,dp_shard=2,ep=2", 4)]:
+                          ("dp_replicate=2,dp_shard=2,ep=2", 4)] + (
+            # meshtrain's MoE GPT under tp: every expert split by hidden unit
+            [("tp=2", 2), ("dp_shard=2,tp=2", 4), ("pp=2,tp=2", 4)] if factory is _moe_gpt
+            else []):
         for rank in range(world):
             built = simulate(factory, layout, world_size=world, rank=rank)
             counted = sizes.rank(layout, rank, world_size=world)

@@ -227,7 +227,8 @@ def test_shared_memory_prices_the_tp_axis_when_its_table_has_all_reduce():
 def test_a_job_toml_is_planned_with_its_recipes_defaults_moe_included(capsys):
     """`meshtrain plan examples/X.toml`: the job's model with its recipe's defaults (it failed
     to import before: the reader named a function config.py does not have). An MoE job is
-    planned without the splits meshtrain does not do for experts, each refusal saying why."""
+    planned, tp included (every expert split by hidden unit), and its tp pick built."""
+    import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
@@ -237,7 +238,13 @@ def test_a_job_toml_is_planned_with_its_recipes_defaults_moe_included(capsys):
                 "--global-batch", "64", "--seq-len", "128", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "  1  dp=8" in out or "  1  zero" in out, out
-    assert "tp=2: meshtrain does not split experts by tensor parallel (8 experts" in out
+    assert "tp=2:" not in out  # (refused until meshtrain split experts by hidden unit)
+    assert cli(["plan", str(root / "examples" / "moe_gpt.toml"), "--cluster", "8xH100",
+                "--global-batch", "64", "--seq-len", "128", "--top", "1", "--pin", "tp=2",
+                "--build"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"built \S*tp=2 at world size 8 .*\n.*model state [\d.]+ GiB \(estimated "
+                     r"[\d.]+ GiB: equal\)", out), out
     assert "pp=2: meshtrain balances the routers" not in out  # (inside the stages: moe/pipeline.py)
     moe = ModelSpec.load(str(root / "examples" / "moe_gpt.toml"))
     assert moe.num_experts == 8 and not moe.balances_routers
@@ -257,6 +264,8 @@ def test_an_moe_model_is_planned_with_expert_parallel_and_its_pick_built(capsys)
     out = capsys.readouterr().out
     picks = re.findall(r"^\s+\d+  (\S+) mb=", out, flags=re.M)
     assert any("ep=" in p for p in picks), out
+    assert "tp=2: meshtrain does not split a Hugging Face model's experts by tensor parallel" \
+        in out
     built = re.search(r"built (\S+) at world size 16", out)
     assert built and "ep=" in built.group(1), out
     assert out.count("estimated") == out.count("equal)") >= 2, out
