@@ -261,6 +261,22 @@ def test_a_checkpoint_resumes_under_another_expert_layout(tmp_path, saved, resum
                   label=f"{saved or '1 process'} -> {resumed or '1 process'}")
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["ep=2", "dp_shard=2,ep=2"])
+def test_training_goes_on_after_a_checkpoint_under_expert_parallel(tmp_path, layout):
+    """A checkpoint every 2 steps of 4 leaves the run equal to one process: saving once put
+    the experts' optimizer state, as checkpoints hold it (whole-tensor DTensors), into the
+    live optimizer, whose next step failed (examples/moe_gpt.toml stopped at step 101)."""
+    from parity import F64_TOL, compare_ranks, run_ranks, train_state
+
+    trainer = dict(max_steps=4, global_batch_size=16)
+    reference = train_state(trainer, float64=True, **MOE_FNS)
+    ranks = run_ranks(dict(trainer, layout=layout, checkpoint_every_n_steps=2,
+                           run_dir=str(tmp_path)), 2, timeout=200, float64=True, **MOE_FNS)
+    assert (tmp_path / "checkpoints" / "step_00000002").is_dir()
+    compare_ranks(reference, ranks, tol=F64_TOL, relative=True, label=layout)
+
+
 def _memory_under(layout: str) -> tuple:
     import tempfile
 

@@ -243,10 +243,14 @@ def optim_state_as_dtensors(model: torch.nn.Module, optim_sd: dict) -> None:
     from torch.distributed.tensor import DTensor
 
     for name, module in _expert_modules(model).items():
-        for key, value in (optim_sd.get("state", {}).get(name) or {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and not (
-                    isinstance(value, DTensor) and value.device_mesh != module.edp_mesh):
-                optim_sd["state"][name][key] = _as_whole(value, module)
+        entry = optim_sd.get("state", {}).get(name)
+        if entry:  # (a new dict: get_state_dict's entries are the optimizer's own, which a
+            # training that goes on after the save must keep as they were)
+            optim_sd["state"][name] = {
+                key: _as_whole(value, module) if isinstance(value, torch.Tensor) and
+                value.dim() > 0 and not (isinstance(value, DTensor) and
+                                         value.device_mesh != module.edp_mesh) else value
+                for key, value in entry.items()}
 
 
 def optim_state_as_local(model: torch.nn.Module, optim_sd: dict) -> None:
