@@ -1,7 +1,7 @@
 """Look for layouts that pass the checks before start but fail inside training.
 
 Each row: a tiny model (meshtrain's GPT with a feature, or a Hugging Face family) under one
-layout and settings; ``Trainer.check`` first (what ``--dry-run`` does), then 2 steps on real
+layout and settings; ``Trainer.check`` first (what ``--dry-run`` does), then 3 steps on real
 processes (``run_workers``). A row that ends ``fit`` failed after its checks passed: a bug (it
 should train, or be refused before start). ``check`` rows are refusals: read that they say why
 and how to fix it. No parity is judged here (the suite does that); this finds crashes.
@@ -29,7 +29,10 @@ zero2=4,ep=2) one more: the GPT's compiled MoE blocks with selective checkpointi
 experts are FSDP-sharded and resharded after forward (refused before start, tested).
 Every row now clips (grad_clip_norm=1.0) and steps AdamW with foreach=True (CUDA's default):
 on 2026-11-29 that found ep under sharded layouts failing its first step (clipping, then the
-optimizer, met plain tensors and DTensors in one foreach op; mended, tested).
+optimizer, met plain tensors and DTensors in one foreach op; mended, tested). Every row now
+saves a checkpoint after each of its 3 steps and trains on: 2026-11-29 (afternoon), after
+ep's saves were found to corrupt the live optimizer state (examples/moe_gpt.toml failed its
+step 101; mended, tested).
 """
 
 from __future__ import annotations
@@ -128,8 +131,11 @@ def _optimizer(params):  # (foreach: CUDA's default, forced here on CPU)
 
 
 def _trainer(layout: str, settings: dict, devices: int | None) -> Trainer:
-    kwargs = dict(layout=layout, max_steps=2, global_batch_size=8, loggers=(), report=False,
-                  progress_bar=False, checkpoint_every_n_steps=None, model_summary=False,
+    # a checkpoint after every step, training going on after it (saving must leave the live
+    # state as it was)
+    kwargs = dict(layout=layout, max_steps=3, global_batch_size=8, loggers=(), report=False,
+                  progress_bar=False, checkpoint_every_n_steps=1, resume=None,
+                  model_summary=False,
                   root_dir=str(Path(tempfile.gettempdir()) / "meshtrain-hunt"),
                   **{"grad_clip_norm": 1.0, **settings})
     return Trainer(devices=devices, **kwargs) if devices else Trainer(**kwargs)
