@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from meshtrain.errors import ConfigError
+
 
 @dataclass
 class RouterStats:
@@ -92,10 +94,21 @@ def router_loss_of(model: torch.nn.Module, adapt=None):
     of meshtrain's), else what ``adapt(model)`` gives (a Hugging Face MoE model), else None.
     The object has ``coef``, ``field`` (the setting that turns it on), ``call_kwargs`` (for
     the model's call), ``recording()`` (around a forward) and ``stats(batch)`` (of the forward
-    recorded last: :class:`RouterStats`)."""
+    recorded last: :class:`RouterStats`).
+
+    A research module (``training_step``: a ``TrainingModule``) holding meshtrain's MoE model
+    gives that model's: its steps' losses get the balancing added as a plain model's loss
+    does (a Hugging Face model's router loss stays the module's own, as its step computes it)."""
     own = getattr(model, "router_loss", None)
     if callable(own):
         return own()
+    if callable(getattr(model, "training_step", None)):
+        held = [r for m in model.modules() if m is not model and callable(
+            getattr(m, "router_loss", None)) and (r := m.router_loss()) is not None]
+        if len(held) > 1:
+            raise ConfigError(f"{type(model).__name__} holds {len(held)} mixture-of-experts "
+                              "models of meshtrain's; their balancing needs one model a module")
+        return held[0] if held else None
     return adapt(model) if adapt is not None else None
 
 
@@ -105,9 +118,15 @@ def check_router_loss(model: torch.nn.Module, layout, adapt=None, experts=None) 
     stage only, without the routers of the others), unless its layers balance themselves
     inside the stages (meshtrain's MoE: meshtrain/moe/pipeline.py). ``experts``: the expert
     layers' adapter (ep is recommended where it finds some)."""
-    from meshtrain.errors import ConfigError
-
     router_loss = router_loss_of(model, adapt)
+    if router_loss is not None and router_loss.coef and getattr(
+            model, "automatic_optimization", True) is False:
+        raise ConfigError(
+            f"{type(model).__name__} drives its own backward passes (automatic_optimization="
+            f"False) and holds a mixture-of-experts model whose balancing loss meshtrain adds "
+            f"to the loss ({router_loss.field}, router_aux_loss_coef={router_loss.coef}): it "
+            "would never reach your backward. Set the coefficient to 0 (bias balancing, "
+            "router_bias_rate, still works), or use automatic optimization")
     if router_loss is not None and layout.degree("pp") > 1 and not getattr(
             router_loss, "pipelines", False):
         from meshtrain.parallel.expert.apply import expert_layers

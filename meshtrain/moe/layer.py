@@ -156,7 +156,7 @@ class MoE(nn.Module):
                ).sum(1)
         if self.shared is not None:
             out = out + self.shared(flat)
-        if self.sink is not None:
+        if self.sink is not None and torch.is_grad_enabled():  # (a step's no_grad uses: not)
             self.sink.append((counts, logits))
         if self.balance is not None and torch.is_grad_enabled() and not picks.is_meta:
             out = self.balanced(out, counts, logits)
@@ -200,6 +200,12 @@ class MoERouting:
     def stats(self, batch=None) -> RouterStats:
         rows = []
         for recorded in self._recorded:
+            if len(recorded) != 1:
+                raise ConfigError(
+                    f"the training step ran the mixture-of-experts model {len(recorded)} times; "
+                    "meshtrain balances its routers over one forward a micro-step (a "
+                    "training_step calls the model once; its other uses go under "
+                    "torch.no_grad() or in validation_step)")
             (counts, logits), = recorded  # (one forward of each layer)
             probs = logits.softmax(-1)  # (in the model's dtype: float64 runs are exact)
             rows.append((counts.to(probs.dtype), probs.sum(0),

@@ -95,8 +95,8 @@ class Engine:
                         else loss_counter(model, loss_fn, options.loss_items))
         # the routers' balancing: a model's own MoE layers, or the router loss a model's own
         # loss leaves to meshtrain (meshtrain.moe.balance)
-        self.router_loss = None if self.step_call else router_loss_of(
-            model, options.router_loss if loss_fn is None else None)
+        self.router_loss = router_loss_of(  # (a research module: of the MoE model it holds)
+            model, None if self.step_call or loss_fn is not None else options.router_loss)
         self.model_kwargs = options.call_kwargs(model) if options.call_kwargs else {}
         # steps whose gradients are checked for a wrong tensor-parallel plan (tp_debug.py)
         self.tp_checks_left = options.tp_check_steps if self.layout.degree("tp") > 1 else 0
@@ -175,7 +175,8 @@ class Engine:
                                keep_gathered=self.layout.zero_stage == 2), self.loss_context():
                 with self.precision.autocast(), batch_group(self.batch_pg):
                     if self.step_call is not None:
-                        out = self.step_call(batch, self.batch_idx)
+                        with recording(self.router_loss):
+                            out = self.step_call(batch, self.batch_idx)
                         self.batch_idx += 1
                         if self.manual:  # its backward passes and updates are done
                             loss = step_loss(out, "a manual training_step")
