@@ -119,8 +119,8 @@ def check_router_loss(model: torch.nn.Module, layout, adapt=None, experts=None) 
     inside the stages (meshtrain's MoE: meshtrain/moe/pipeline.py). ``experts``: the expert
     layers' adapter (ep is recommended where it finds some)."""
     router_loss = router_loss_of(model, adapt)
-    if router_loss is not None and router_loss.coef and getattr(
-            model, "automatic_optimization", True) is False:
+    if router_loss is not None and router_loss.coef and not getattr(
+            model, "automatic_optimization", True):  # (a module driving its own backward)
         raise ConfigError(
             f"{type(model).__name__} drives its own backward passes (automatic_optimization="
             f"False) and holds a mixture-of-experts model whose balancing loss meshtrain adds "

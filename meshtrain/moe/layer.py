@@ -85,6 +85,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, d_model, hidden)
         self.shared = shared_expert
         self.dispatch = None  # (tokens, counts [E]) -> outputs; None: the experts here
+        # under tp (meshtrain/moe/tensor_parallel.py): the experts' outputs are each rank's
+        # shares, summed over the tp ranks after the router weights combine them
+        self.hidden_split = None
         # training forwards' routing (MoERouting.recording): token counts and balance stats
         self.sink: list | None = None
         # under pp: (layer, out, counts, logits) -> out, in training forwards (moe/pipeline.py)
@@ -151,9 +154,13 @@ class MoE(nn.Module):
             order = picks.argsort(stable=True)  # (token, slot) pairs grouped by expert
             counts = torch.bincount(picks, minlength=self.num_experts)
         done = self.run_experts(flat[order // self.router.top_k], counts)
+        if self.hidden_split is not None:  # (the weights' gradient: each rank's share, summed)
+            weights = self.hidden_split.shares_in(weights)
         out = torch.empty_like(done).index_copy(0, order, done)  # back to (token, slot) order
         out = (out.view(-1, self.router.top_k, shape[-1]) * weights.unsqueeze(-1).to(out.dtype)
                ).sum(1)
+        if self.hidden_split is not None:
+            out = self.hidden_split.summed(out)
         if self.shared is not None:
             out = out + self.shared(flat)
         if self.sink is not None and torch.is_grad_enabled():  # (a step's no_grad uses: not)

@@ -4,9 +4,11 @@ Megatron's expert tensor parallelism with the expert-parallel degree 1: each tp 
 every expert's columns ``h/tp`` of ``w_in`` [E, d, h] (``Shard(2)``) and the same rows of
 ``w_out`` [E, h, d] (``Shard(1)``). The router is replicated and sees the whole tokens on every
 tp rank, so every rank routes alike and sends each expert the same tokens; an expert's output
-on one rank is its share of the sum over the hidden units, all-reduced once per layer (as a
-dense MLP's row-parallel output), and the tokens' gradient, each rank's share, is summed
-backward (as a column-parallel input's). The shared expert is a dense MLP split the same way.
+on one rank is its share of the sum over the hidden units. The router weights combine the
+shares into each token's share of the layer's output, which is all-reduced once per layer (as
+a dense MLP's row-parallel output: tokens x d, not the routed tokens x k x d), and the
+weights' and the routed tokens' gradients, each rank's share, are summed backward (as a
+column-parallel input's). The shared expert is a dense MLP split the same way.
 Under sequence parallel the layer gathers the sequence on entry and hands back this rank's
 part (its output is whole on every rank: the slice costs no communication).
 
@@ -16,6 +18,7 @@ runs on plain tensors: a rank's expert slices have sizes read from the data.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import (
     DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor,
@@ -27,10 +30,40 @@ from meshtrain.parallel.tensor.tensor_parallel import mlp_plan, run_on_local_par
 SPLITS = {"w_in": Shard(2), "w_out": Shard(1)}  # GroupedExperts' weights: by hidden unit
 
 
+def _shares_in(tensor, mesh):
+    """``tensor`` (alike on every tp rank) as is; its gradient, each rank's share, summed."""
+    whole = DTensor.from_local(tensor, mesh, [Replicate()], run_check=False)
+    return whole.to_local(grad_placements=[Partial()])
+
+
+class HiddenSplit:
+    """What the MoE layer (``MoE.hidden_split``) does with the experts' output shares."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def shares_in(self, weights):
+        return _shares_in(weights, self.mesh)
+
+    @torch.compiler.disable(reason="a collective on the experts' outputs, run eagerly")
+    def summed(self, shares):
+        """The layer's output: the ranks' shares all-reduced (gradient passed as is)."""
+        partial = DTensor.from_local(shares, self.mesh, [Partial()], run_check=False)
+        return partial.redistribute(self.mesh, [Replicate()]).to_local()
+
+
+class MoETensorParallel(ParallelStyle):
+    """The MoE layer: its outputs summed over tp after the router weights combine them."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module.hidden_split = HiddenSplit(device_mesh)
+        return module
+
+
 class ExpertTensorParallel(ParallelStyle):
     """:class:`~meshtrain.moe.layer.GroupedExperts` split by hidden unit over the tp mesh: the
-    tokens come in whole on every rank (their gradient summed backward), the outputs are
-    all-reduced forward."""
+    tokens come in whole on every rank (their gradient summed backward); the outputs are this
+    rank's shares (summed by :class:`MoETensorParallel`'s layer)."""
 
     @staticmethod
     def _params(name, module, mesh):
@@ -43,16 +76,10 @@ class ExpertTensorParallel(ParallelStyle):
     @staticmethod
     def _inputs(module, inputs, mesh):
         tokens, *rest = inputs
-        whole = DTensor.from_local(tokens, mesh, [Replicate()], run_check=False)
-        return (whole.to_local(grad_placements=[Partial()]), *rest)
-
-    @staticmethod
-    def _outputs(module, output, mesh):
-        shares = DTensor.from_local(output, mesh, [Partial()], run_check=False)
-        return shares.redistribute(mesh, [Replicate()]).to_local()
+        return (_shares_in(tokens, mesh), *rest)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        distribute_module(module, device_mesh, self._params, self._inputs, self._outputs)
+        distribute_module(module, device_mesh, self._params, self._inputs)
         run_on_local_params(module, partial_grads=False)  # each rank's own columns' gradient
         return module
 
@@ -64,12 +91,22 @@ def moe_tp_plan(prefix: str, moe: nn.Module, *, sequence_parallel: bool
     plan: dict[str, ParallelStyle] = {f"{prefix}.experts": ExpertTensorParallel()}
     if moe.shared is not None:
         plan.update(mlp_plan(f"{prefix}.shared", "fc_in", "fc_out"))
-    if sequence_parallel:
-        plan[prefix] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-            use_local_input=True, output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),), use_local_output=True)
+    plan[prefix] = _SequenceAround() if sequence_parallel else MoETensorParallel()
     return plan
+
+
+class _SequenceAround(PrepareModuleInputOutput):
+    """:class:`MoETensorParallel` under sequence parallel: the sequence gathered on entry and
+    this rank's part of the (whole) output kept."""
+
+    def __init__(self):
+        super().__init__(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                         use_local_input=True, output_layouts=(Replicate(),),
+                         desired_output_layouts=(Shard(1),), use_local_output=True)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        MoETensorParallel()._apply(module, device_mesh)
+        return super()._apply(module, device_mesh)
 
 
 def expert_sizes(moe: nn.Module) -> dict[str, int]:
@@ -80,4 +117,5 @@ def expert_sizes(moe: nn.Module) -> dict[str, int]:
     return sizes
 
 
-__all__ = ["ExpertTensorParallel", "expert_sizes", "moe_tp_plan"]
+__all__ = ["ExpertTensorParallel", "HiddenSplit", "MoETensorParallel", "expert_sizes",
+           "moe_tp_plan"]

@@ -76,6 +76,23 @@ def test_tensor_parallel_splits_every_expert_and_matches_one_process(layout, dev
                   fns=dict(MOE_FNS, model_fn=moe_gpt_bias_balanced), parallel_kwargs=options)
 
 
+def test_tensor_parallel_reduces_the_combined_output_not_the_routed_tokens():
+    """A block's tp collectives (the planner's probe records them in a simulated world, a
+    micro-batch of one sequence of T tokens): attention's two all-reduces of T x d, the MoE
+    layer's output combined by the router weights (T x d, not the routed T x k x d), the routed
+    tokens' gradient (T x k x d) and the weights' (T x k), float32."""
+    from meshtrain.plan.model_spec import ModelSpec
+    from meshtrain.plan.probe import probe_model
+
+    tokens, d, k = 32, 64, 2
+    spec = ModelSpec.load(f"gpt:num_layers=2,num_heads=4,d_model={d},vocab_size=256,"
+                          f"seq_len={tokens},num_experts=4,experts_per_token={k}")
+    comm = probe_model(spec, tp=2, cp=1, sequence_parallel=False, seq_len=tokens).block.comm
+    assert all(c.op == "all_reduce" and c.axis == "tp" for c in comm)
+    assert sorted(c.bytes for c in comm) == sorted(
+        [tokens * d * 4] * 3 + [tokens * k * d * 4, tokens * k * 4])
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout, checkpointing", [("dp=2", "full"), ("zero3=2", "selective")])
 def test_compiled_moe_blocks_with_checkpointing_match_one_eager_process(layout, checkpointing):
