@@ -32,7 +32,9 @@ on 2026-11-29 that found ep under sharded layouts failing its first step (clippi
 optimizer, met plain tensors and DTensors in one foreach op; mended, tested). Every row now
 saves a checkpoint after each of its 3 steps and trains on: 2026-11-29 (afternoon), after
 ep's saves were found to corrupt the live optimizer state (examples/moe_gpt.toml failed its
-step 101; mended, tested).
+step 101; mended, tested). Since that day the MoE rows under tp train (each expert split by
+hidden unit), eager and compiled; they found tp's loss_parallel with a balancing loss
+failing its first backward (mended, tested).
 """
 
 from __future__ import annotations
