@@ -22,6 +22,7 @@ import meshtrain.loop.setup
 import meshtrain.loop.step_end
 import meshtrain.moe.layer
 import meshtrain.moe.pipeline
+import meshtrain.moe.tensor_parallel
 import meshtrain.observe.loggers
 import meshtrain.observe.memory.probe
 import meshtrain.observe.model_summary
