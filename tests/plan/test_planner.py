@@ -239,13 +239,13 @@ def test_a_job_toml_is_planned_with_its_recipes_defaults_moe_included(capsys):
     out = capsys.readouterr().out
     assert "  1  dp=8" in out or "  1  zero" in out, out
     assert "tp=2:" not in out  # (refused until meshtrain split experts by hidden unit)
+    assert "pp=2: meshtrain balances the routers" not in out  # (inside the stages: moe/pipeline.py)
     assert cli(["plan", str(root / "examples" / "moe_gpt.toml"), "--cluster", "8xH100",
                 "--global-batch", "64", "--seq-len", "128", "--top", "1", "--pin", "tp=2",
                 "--build"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"built \S*tp=2 at world size 8 .*\n.*model state [\d.]+ GiB \(estimated "
                      r"[\d.]+ GiB: equal\)", out), out
-    assert "pp=2: meshtrain balances the routers" not in out  # (inside the stages: moe/pipeline.py)
     moe = ModelSpec.load(str(root / "examples" / "moe_gpt.toml"))
     assert moe.num_experts == 8 and not moe.balances_routers
     assert probe_model(moe, seq_len=32) is not None  # on meta: routed as if balanced
