@@ -14,7 +14,7 @@ import torch.distributed as dist
 from meshtrain.errors import ConfigError
 from meshtrain.launch.network import choose_interfaces
 from meshtrain.launch.script_workers import ScriptWorkers
-from meshtrain.launch.spawn import DistEnv, init_process_group
+from meshtrain.launch.spawn import DistEnv, _state, init_process_group
 
 
 @dataclass
@@ -79,6 +79,7 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
     RPC world that every process then joins (meshtrain/parallel/ps/layout.py)."""
     workers = None
     if world_size > 1 and env is None:
+        _refuse_after_one_process_fit(world_size)
         workers = ScriptWorkers(world_size, timedelta(seconds=init_timeout_s))
         env = DistEnv.from_environ()
     local_rank = env.local_rank if world_size > 1 else 0
@@ -92,6 +93,8 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if world_size == 1:
+        if env is None:
+            _state["one_process_fit"] = True
         return World(0, device, env, workers, notes=notes)
     if num_servers:
         return _start_ps_world(world_size, num_servers, env, device, workers,
@@ -117,6 +120,22 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
         init_process_group(env, "nccl" if device_type == "cuda" else "gloo",
                            timedelta(seconds=init_timeout_s))
     return World(env.rank, device, env, workers, notes=notes)
+
+
+def _refuse_after_one_process_fit(world_size: int) -> None:
+    """Trainer(devices=N) starts ranks 1..N-1 by running the script again from the top, so they
+    would meet a one-process fit that this process ran earlier as their first Trainer, and join
+    this job there: collectives out of step (a broken connection, or worse, a wrong match)."""
+    if _state.get("one_process_fit"):
+        raise ConfigError(
+            f"this script already trained in one process (an earlier fit) and now asks for "
+            f"devices={world_size}: the other {world_size - 1} process(es) start by running the "
+            "script again from the top, so they would join this job at that earlier fit, out "
+            "of step with it. Run the one-process fit and the devices="
+            f"{world_size} fit as separate runs of the script (e.g. chosen by a command-line "
+            f"argument), or give both devices={world_size}; from one Python process, "
+            f"meshtrain.launch.spawn.run_workers(fn, {world_size}) runs a function on "
+            f"{world_size} fresh processes.")
 
 
 def _start_ps_world(world_size, num_servers, env, device, workers, timeout, backend,

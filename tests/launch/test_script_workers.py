@@ -109,3 +109,40 @@ def test_failure_on_rank_0_ends_the_job(tmp_path):
     # rank 1, stopped because rank 0 failed, is not blamed for it
     assert "WorkerFailed" not in done.stderr and "worker rank 1 exited" not in done.stderr
     assert "SAVED" not in done.stdout and not list((tmp_path / "pids").glob("state_rank*.pt"))
+
+
+TWO_FITS = """
+import os, sys
+from pathlib import Path
+
+import torch.nn.functional as F
+from parity import adamw, mlp, regression_data
+
+from meshtrain import Trainer
+
+pid_dir = Path(sys.argv[1])
+(pid_dir / f"{os.getpid()}.pid").write_text(str(os.getpid()))
+for devices in (1, 2):  # first try it in one process, then on two
+    trainer = Trainer(devices=devices, accelerator="cpu", max_steps=2, global_batch_size=16,
+                      loggers=(), progress_bar=False, save_final_checkpoint=False,
+                      run_dir=pid_dir / f"run{devices}")
+    trainer.fit(mlp, regression_data(), optimizer=adamw, loss_fn=F.mse_loss)
+    sys.stdout.write(f"FIT devices={devices} rank {trainer.rank}\\n")
+"""
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_a_one_process_fit_before_devices_2_is_refused_before_rank_1_starts(tmp_path):
+    """Rank 1 runs the script from the top: it would meet the one-process fit first and join
+    rank 0's two-process job there (a gloo "Connection closed by peer" until this was refused)."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TWO_FITS))
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    done = run_script(script, pid_dir, cwd=tmp_path, pid_dir=pid_dir, timeout=TIMEOUT)
+    assert done.returncode != 0
+    assert re.findall(r"FIT .*", done.stdout) == ["FIT devices=1 rank 0"], done.stdout
+    assert "ConfigError: this script already trained in one process" in done.stderr, done.stderr
+    assert "separate runs of the script" in done.stderr
+    assert "Connection closed" not in done.stderr
+    assert len(list(pid_dir.glob("*.pid"))) == 1  # no second process was started
