@@ -63,7 +63,8 @@ class Trainer:
         self._env = DistEnv.from_environ()
         checks.check_stop(s)
         check_fault_settings(s)
-        world_size = resolve_world_size(s["devices"], self._env, self.device_type)
+        self._given = frozenset(settings)  # what the user set (a DataLoader lends the rest)
+        self._processes = world_size = resolve_world_size(s["devices"], self._env, self.device_type)
         self._auto_pins = auto_pins(s["layout"])
         if self._auto_pins is None:
             use_layout(self, s, world_size)
@@ -83,7 +84,7 @@ class Trainer:
         self.stop_reason = None  # "max_time", "signal": stopped, to be continued (resume.py)
         self.run_dir = self._resume_from = self._workers = self._val_data = None
         self.ps_server = self._store = self.ps_stats = None  # ps=S: server index, its counters
-        self.start_notes = ""  # torch threads and network interface, and why (launch/world.py)
+        self.start_notes, self.loader_notes = "", []  # printed at start (launch/world.py, ...)
         self._model_shapes = None  # the whole model's state names and shapes (resume.py)
         self._whole_template = None  # what whole_model() fills (parallel/whole_state.py)
         self.run_log = RunLog(self.rank == 0)

@@ -192,14 +192,15 @@ def _same(a: dict, b: dict) -> bool:
 def test_a_dataloader_trains_like_its_dataset(tmp_path):
     data = regression_data()
     _, from_dataset = _fit(tmp_path / "dataset", data)
-    _, from_loader = _fit(tmp_path / "loader", DataLoader(data))
+    _, from_loader = _fit(tmp_path / "loader", DataLoader(data, batch_size=16, shuffle=True))
     assert _same(from_dataset, from_loader)
 
 
 def test_the_dataloaders_collate_fn_is_used_for_training_and_test(tmp_path):
     data = regression_data()
     _, plain = _fit(tmp_path / "plain", data)
-    trainer, collated = _fit(tmp_path / "collate", DataLoader(data, collate_fn=_squash_targets))
+    trainer, collated = _fit(tmp_path / "collate", DataLoader(data, collate_fn=_squash_targets,
+                                                                     shuffle=True))
     _, transformed = _fit(tmp_path / "transformed", _squashed(data))
     assert _same(collated, transformed)
     assert max_param_diff(collated, plain) > 1e-2, "the collate_fn made no difference"
@@ -232,7 +233,8 @@ def test_num_workers_gives_the_same_training_as_loading_in_the_main_process(tmp_
     _, reference = _fit(tmp_path / "zero", data)
     trainer, workers = _fit(tmp_path / "trainer", WorkerOnlyDataset(data), num_workers=2)
     assert _same(reference, workers)
-    _, loader = _fit(tmp_path / "loader", DataLoader(WorkerOnlyDataset(data), num_workers=2))
+    _, loader = _fit(tmp_path / "loader", DataLoader(WorkerOnlyDataset(data), num_workers=2,
+                                                          shuffle=True))
     assert _same(reference, loader)
     # validation and test load through workers too, and see every sample once
     test_set = _data(23)

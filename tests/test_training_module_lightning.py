@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import quiet_trainer, state_of
+from conftest import quiet_trainer, state_of, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 import meshtrain
+from meshtrain import Trainer
 
 lightning = pytest.importorskip("lightning", reason="pip install -e '.[test]' installs it")
 
@@ -68,8 +69,15 @@ def test_lightning_and_meshtrain_train_the_same_module_to_the_same_weights(tmp_p
                       enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, default_root_dir=tmp_path / "lightning",
                       ).fit(theirs, DataLoader(images(), batch_size=BATCH, shuffle=False))
-    mine, reference = state_of(ours), state_of(theirs)
-    assert set(mine) == set(reference)
-    for name, value in reference.items():
-        assert torch.allclose(mine[name], value, atol=1e-5, rtol=0), name
+    # the Lightning user's own DataLoader, as given to Lightning: its batch size and order
+    # are taken (no global_batch_size or shuffle set)
+    settings = trainer_kwargs(tmp_path / "loader", max_steps=STEPS)
+    del settings["global_batch_size"]
+    from_loader = Trainer(**settings).fit(
+        MeshModel(), DataLoader(images(), batch_size=BATCH, shuffle=False))
+    reference = state_of(theirs)
+    for mine in (state_of(ours), state_of(from_loader)):
+        assert set(mine) == set(reference)
+        for name, value in reference.items():
+            assert torch.allclose(mine[name], value, atol=1e-5, rtol=0), name
     assert not torch.allclose(mine["fc1.weight"], state_of(MeshModel())["fc1.weight"])

@@ -27,3 +27,24 @@ def use_layout(t, s: dict, world_size: int) -> None:
     t.micro_batch_size = batch_plan.micro_batch_size
     t.grad_accum_steps = batch_plan.grad_accum_steps
     t.pipeline_options, t.parallel_options = pipeline_options, parallel_options
+
+
+def take_loader_settings(t, data) -> None:
+    """A DataLoader given as training data lends the settings left at their default (its batch
+    size, its order: meshtrain.data.user_loader); the batch plan follows. The lines saying so
+    are printed at start (``t.loader_notes``)."""
+    from meshtrain.data.user_loader import loader_settings
+    from meshtrain.errors import ConfigError
+
+    s, t.loader_notes = loader_settings(data, t._settings, t._given)
+    if s == t._settings:
+        return
+    if t._auto_pins is None:
+        use_layout(t, s, t._processes)
+    elif t.layout is None:  # layout="auto" not planned yet: planned with these
+        t._settings = s
+    else:
+        raise ConfigError(
+            "layout='auto' was planned for global_batch_size="
+            f"{t._settings['global_batch_size']} before train_data's DataLoader (built by a "
+            f"function) gave batch_size={s['global_batch_size']}; set global_batch_size")

@@ -23,6 +23,7 @@ from meshtrain.data.sampler import train_loaders
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.world import start_world
+from meshtrain.loop.layout_settings import take_loader_settings
 from meshtrain.loop.seeding import agree_on_initial_state
 from meshtrain.module.core import attach, check_module, configured_optimizers, is_manual
 from meshtrain.observe.flops import FirstBatchCount, flops_per_item
@@ -51,11 +52,14 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
         prepare_data(t, meta_model if meta_model is not None else model)
         if checks.is_data_factory(train_data):  # built now that the data is there
             train_data = train_data()
+            take_loader_settings(t, train_data)
             train_set = checks.check_data(train_data, t.global_batch_size, t.max_steps)
         if checks.is_data_factory(val_data):
             val_data = val_data()
             checks.dataset_of(val_data, "val_data")
         t._val_data = val_data
+        if t.loader_notes:
+            t.start_notes += "\n" + "\n".join(t.loader_notes)
         setup_model(t, model, meta_model, optimizer, lr_scheduler, loss_fn,
                     checks.first_inputs(train_set, t.micro_batch_size))
         t.state.sampler, t.train_loader = train_loaders(
@@ -90,6 +94,7 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
     """Every check ``fit`` makes before any process starts (``Trainer.check``; ``--dry-run``):
     the inputs, then the model against the layout on a meta-device copy of a factory's model
     (no weights). Returns (the training dataset, that copy or None)."""
+    take_loader_settings(t, train_data)  # (a DataLoader's batch size and order)
     train_set = checks.check_fit_inputs(model, train_data, val_data, optimizer=optimizer,
                                         lr_scheduler=lr_scheduler,
                                         global_batch_size=t.global_batch_size,

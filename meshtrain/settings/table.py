@@ -100,7 +100,8 @@ DEFINITIONS = [
        "with a checkpoint from which running the job again continues; none: no limit.",
        none=True),
     _S("global_batch_size", "trainer", 32, "int",
-       "Samples per optimizer step over all ranks (= dp x micro_batch_size x accumulation).",
+       "Samples per optimizer step over all ranks (= dp x micro_batch_size x accumulation); "
+       "unset, a DataLoader given as training data lends its batch_size.",
        minimum=1),
     _S("micro_batch_size", "trainer", None, "int",
        "Samples per forward pass on one rank; none: as large as possible (no accumulation), "
@@ -121,7 +122,7 @@ DEFINITIONS = [
        "whose models still differ get rank 0's weights, with a warning."),
     _S("shuffle", "trainer", True, "bool",
        "Shuffle the training data each epoch (one seeded order, independent of the number of "
-       "ranks)."),
+       "ranks); unset, a DataLoader given as training data lends its own (shuffle=)."),
     _S("val_every_n_steps", "trainer", None, "int",
        "Validate every N optimizer steps and at the end of fit; none: at the end only.",
        none=True, minimum=1),
