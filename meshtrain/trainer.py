@@ -34,6 +34,7 @@ from meshtrain.launch.slurm import requeue_callbacks
 from meshtrain.loop.layout_settings import use_layout
 from meshtrain.loop.seeding import seed_everything
 from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow
+from meshtrain.module.data_hooks import eval_data, fit_data, needed
 from meshtrain.module.log_buffer import LogBuffer
 from meshtrain.observe.run_log import RunLog
 from meshtrain.observe.step_timer import TimedBatches
@@ -83,6 +84,7 @@ class Trainer:
         self.should_stop, self.callback_metrics = False, {}
         self.stop_reason = None  # "max_time", "signal": stopped, to be continued (resume.py)
         self.run_dir = self._resume_from = self._workers = self._val_data = None
+        self.datamodule = None  # fit(..., datamodule=dm): Lightning's (module/data_hooks.py)
         self.ps_server = self._store = self.ps_stats = None  # ps=S: server index, its counters
         self.start_notes, self.loader_notes = "", []  # printed at start (launch/world.py, ...)
         self._model_shapes = None  # the whole model's state names and shapes (resume.py)
@@ -123,9 +125,10 @@ class Trainer:
                 "grad_accum_steps": self.grad_accum_steps}
 
     # -- fit ------------------------------------------------------------------------------------
-    def fit(self, model: ModelLike, train_data: DataLike, val_data: DataLike | None = None, *,
-            optimizer: Callable | None = None, loss_fn: Callable | None = None,
-            lr_scheduler: Callable | None = None) -> torch.nn.Module:
+    def fit(self, model: ModelLike, train_data: DataLike | None = None,
+            val_data: DataLike | None = None, *, datamodule=None, optimizer: Callable | None = None,
+            loss_fn: Callable | None = None, lr_scheduler: Callable | None = None
+            ) -> torch.nn.Module:
         """Train ``model`` and return it (the same module object the user passed or built).
 
         ``optimizer``: a factory ``params -> Optimizer`` (or the model's
@@ -133,9 +136,11 @@ class Trainer:
         every optimizer step. With ``loss_fn`` each batch is ``(inputs, targets)``; without it
         the model returns the loss, or its ``training_step(batch, batch_idx)`` does
         (meshtrain.TrainingModule). Data may be a function that builds the dataset (after the
-        model's ``prepare_data()``). Where it resumes from is the
+        model's ``prepare_data()``), a Lightning ``datamodule``, or the model's own
+        ``train_dataloader()`` (module/data_hooks.py). Where it resumes from is the
         ``resume`` setting ("auto": this job's newest checkpoint; a folder; None).
         """
+        train_data, val_data = fit_data(self, model, train_data, val_data, datamodule)
         self.prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
                      lr_scheduler=lr_scheduler)
         if self.ps_server is not None:  # a parameter server: serves until training ends
@@ -213,6 +218,7 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _fit_loop(self) -> None:
+        from meshtrain.loop.step_end import end_epoch, end_step
         from meshtrain.observe.memory.probe import MemoryProbe
 
         state, guard = self.state, self._guard
@@ -255,7 +261,7 @@ class Trainer:
                         self.run_log.memory(memory)
                         memory = None
                     state.window.add(loss, tokens, counted=outcome == "ok")
-                    self._end_step(total)
+                    end_step(self, total)  # logs, callbacks (loop/step_end.py)
                     if self._val_data is not None and self.val_every_n_steps and (
                             state.global_step % self.val_every_n_steps == 0
                     ) and state.global_step < total:
@@ -265,7 +271,7 @@ class Trainer:
                     with timer.part("checkpoint"):
                         guard.after_step(total)
                     self.monitor.step_ends(state.global_step, gather=self._log_due(total))
-                self._end_epoch()
+                end_epoch(self)
             guard.settle()  # the last step's deferred NaN check (nan_policy="error" on a GPU)
             self.engine.end_of_training()  # one model on every rank again (local SGD)
             # not again when a validation just stopped training early (same weights)
@@ -286,16 +292,6 @@ class Trainer:
         per_epoch = self.state.sampler.num_global_batches
         by_epochs = self.max_epochs * per_epoch if self.max_epochs else float("inf")
         return int(min(self.max_steps or float("inf"), by_epochs))
-
-    def _end_step(self, total: int) -> None:
-        from meshtrain.loop.step_end import end_step
-
-        end_step(self, total)
-
-    def _end_epoch(self) -> None:
-        from meshtrain.loop.step_end import end_epoch
-
-        end_epoch(self)
 
     def _log_due(self, total: int) -> bool:
         return self.global_step % self.log_every_n_steps == 0 or self.global_step == total
@@ -342,26 +338,30 @@ class Trainer:
 
         return run_validation(self)
 
-    def validate(self, val_data: DataLike | None = None) -> dict[str, float]:
-        """Loss and metrics over ``val_data`` (default: the fit's validation data), logged at
-        the current step."""
+    def validate(self, val_data: DataLike | None = None, *, datamodule=None) -> dict[str, float]:
+        """Loss and metrics over ``val_data`` (default: the datamodule's or model's
+        ``val_dataloader()``, else the fit's validation data), logged at the current step."""
         from meshtrain.loop.evaluation import evaluate_and_log
 
+        val_data = eval_data(self, val_data, datamodule, "validate")
         return evaluate_and_log(self, val_data if val_data is not None else self._val_data,
                                 "val")
 
-    def test(self, test_data: DataLike) -> dict[str, float]:
-        """Loss and metrics over all of ``test_data`` (``limit_val_batches`` is for validation)."""
+    def test(self, test_data: DataLike | None = None, *, datamodule=None) -> dict[str, float]:
+        """Loss and metrics over all of ``test_data`` (default: the datamodule's or model's
+        ``test_dataloader()``; ``limit_val_batches`` is for validation)."""
         from meshtrain.loop.evaluation import evaluate_and_log
 
-        return evaluate_and_log(self, test_data, "test")
+        return evaluate_and_log(self, needed(eval_data(self, test_data, datamodule, "test"),
+                                             "test"), "test")
 
-    def predict(self, data: DataLike):
-        """The model's outputs for every sample of ``data``, in its order, on global rank 0
-        (None on the others): meshtrain/loop/prediction.py."""
+    def predict(self, data: DataLike | None = None, *, datamodule=None):
+        """The model's outputs for every sample of ``data`` (default: the datamodule's or model's
+        ``predict_dataloader()``), in its order, on global rank 0 (None on the others):
+        meshtrain/loop/prediction.py."""
         from meshtrain.loop.prediction import predict
 
-        return predict(self, data)
+        return predict(self, needed(eval_data(self, data, datamodule, "predict"), "predict"))
 
     # -- checkpoints, logging, callbacks ----------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict, dict]:

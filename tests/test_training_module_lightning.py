@@ -33,6 +33,10 @@ class Research:
         self.log("train_acc", (logits.argmax(1) == y).float().mean(), prog_bar=True)
         return F.cross_entropy(logits, y)
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
@@ -81,3 +85,41 @@ def test_lightning_and_meshtrain_train_the_same_module_to_the_same_weights(tmp_p
         for name, value in reference.items():
             assert torch.allclose(mine[name], value, atol=1e-5, rtol=0), name
     assert not torch.allclose(mine["fc1.weight"], state_of(MeshModel())["fc1.weight"])
+
+
+class ImagesData(lightning.LightningDataModule):
+    """A LightningDataModule as Lightning users write it (only what they need defined)."""
+
+    def setup(self, stage):
+        self.stages = [*getattr(self, "stages", []), stage]
+        self.train = images()
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=BATCH, shuffle=False)
+
+    def test_dataloader(self):
+        return DataLoader(images(64), batch_size=BATCH)
+
+
+@pytest.mark.timeout(120)
+def test_a_lightning_datamodule_trains_as_under_lightning(tmp_path):
+    torch.set_num_threads(1)
+    settings = trainer_kwargs(tmp_path / "meshtrain", max_steps=STEPS)
+    del settings["global_batch_size"]  # (the loader's is taken)
+    trainer, data = Trainer(**settings), ImagesData()
+    ours = trainer.fit(MeshModel(), datamodule=data)
+    assert trainer.datamodule is data and data.trainer is trainer and data.stages == ["fit"]
+    theirs = LitModel()
+    lightning.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path / "lightning",
+                      ).fit(theirs, datamodule=ImagesData())
+    reference = state_of(theirs)
+    for name, value in state_of(ours).items():
+        assert torch.allclose(value, reference[name], atol=1e-5, rtol=0), name
+    # test(datamodule=...) sets it up for "test" and reads its test_dataloader
+    result = trainer.test(datamodule=data)["test/loss"]
+    assert data.stages == ["fit", "test"]
+    assert result == pytest.approx(trainer.test(images(64))["test/loss"], rel=1e-6)
+    with pytest.raises(meshtrain.ConfigError, match="has no val_dataloader"):
+        trainer.validate(datamodule=data)

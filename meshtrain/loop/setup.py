@@ -121,21 +121,21 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
 
 
 def prepare_data(t, model) -> None:
-    """The model's ``prepare_data()`` (download, unpack, tokenize: once per job) on global rank
-    0 while the other ranks wait in a barrier; then every rank reads the data. With
-    ``prepare_data_per_node = True`` on the model (nodes without a shared disk), on each node's
-    local rank 0."""
-    hook = getattr(model, "prepare_data", None) if isinstance(model, torch.nn.Module) else None
-    if not callable(hook):
-        return
-    if getattr(model, "prepare_data_per_node", False):
-        first = (t._env.local_rank if t._env is not None else 0) == 0
-    else:
-        first = t.rank == 0
-    if first:
-        hook()
+    """The model's and the DataModule's ``prepare_data()`` (download, unpack, tokenize: once per
+    job) on global rank 0 while the other ranks wait in a barrier; then every rank reads the
+    data. With ``prepare_data_per_node = True`` on the model or DataModule (nodes without a
+    shared disk; Lightning's DataModule default), on each node's local rank 0."""
+    sources = [s for s in (model if isinstance(model, torch.nn.Module) else None, t.datamodule)
+               if s is not None and callable(getattr(s, "prepare_data", None))]
+    for source in sources:
+        if getattr(source, "prepare_data_per_node", False):
+            first = (t._env.local_rank if t._env is not None else 0) == 0
+        else:
+            first = t.rank == 0
+        if first:
+            source.prepare_data()
     group = t.mesh.everyone()
-    if group is not None:
+    if sources and group is not None:
         torch.distributed.barrier(group=group)
 
 
