@@ -62,9 +62,12 @@ def check_settings_apply(layout, settings: dict) -> None:
 
 
 def check_model(model) -> None:
+    from meshtrain.module.core import check_not_laid_out
+
     if not (isinstance(model, torch.nn.Module) or callable(model)):
         raise ConfigError(f"model must be a torch.nn.Module or a function that builds one, got "
                           f"{type(model).__name__}")
+    check_not_laid_out(model)
     if isinstance(model, torch.nn.DataParallel):
         raise ConfigError(
             "the model is wrapped in torch.nn.DataParallel (one process driving several "

@@ -178,3 +178,57 @@ def test_whole_model_under_pp_holds_every_stage(tmp_path):
             _fit_gpt_whole, 2, ("pp=2", tmp_path / "pp"), timeout=TIMEOUT)):
         assert got_layers == layers == 4, rank  # fit returns 2 of them on each rank
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def _two_fits(layout, run_dir):
+    """Pre-train, then fine-tune the result with another Trainer (one script, as users chain
+    them); under a layout that changes the module, the trained model is taken whole first."""
+    import copy
+    import pickle
+
+    from parity import lm_loss, token_data
+
+    from meshtrain import Trainer
+    from meshtrain.errors import ConfigError
+
+    torch.set_num_threads(1)
+
+    def trainer(name, steps):
+        return Trainer(layout=layout, max_steps=steps, global_batch_size=8, loggers=(),
+                       report=False, progress_bar=False, save_final_checkpoint=False,
+                       run_dir=run_dir / name)
+
+    def optimizer(params):
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    first = trainer("pretrain", 3)
+    model = first.fit(TiedModel(), token_data(), loss_fn=lm_loss, optimizer=optimizer)
+    refused = None
+    if layout is None:
+        copied = copy.deepcopy(model)  # the trained module copies and pickles (no Trainer)
+        assert copied.__dict__["_meshtrain_trainer"].trainer is None
+        pickle.dumps(model)
+    else:
+        try:  # the laid-out module itself is refused, before anything starts
+            trainer("refused", 2).fit(model, token_data(), loss_fn=lm_loss, optimizer=optimizer)
+        except ConfigError as error:
+            refused = str(error)
+        model = first.whole_model()
+    second = trainer("finetune", 2)
+    tuned = second.fit(model, token_data(), loss_fn=lm_loss, optimizer=optimizer)
+    return refused, {k: v.detach().clone() for k, v in second.whole_model().state_dict().items()}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_trained_model_goes_on_to_another_fit(tmp_path):
+    """It failed at the second fit ("cannot pickle '_thread.lock'": the module held its Trainer);
+    a sharded one crashed there in FSDP2 ("Cannot flatten unevenly sharded tensor")."""
+    from meshtrain.launch.spawn import run_workers
+
+    _, want = _two_fits(None, tmp_path / "one")
+    for refused, state in run_workers(_two_fits, 2, ("zero3=2", tmp_path / "z"),
+                                      timeout=TIMEOUT):
+        assert "TiedModel was given to an earlier fit under layout dp_shard=2" in refused
+        assert "whole_model()" in refused
+        for name, value in want.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)

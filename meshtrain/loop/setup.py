@@ -225,8 +225,8 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
     if t.init_from is not None:  # pretrained weights: each rank reads its own shards
         load_hf_weights(t.model, t.init_from, partial=t.layout.degree("pp") > 1)
     stages = getattr(getattr(t.engine, "runner", None), "modules", [])  # (under pp)
-    for module in [t.model, *stages]:
-        attach(module, t)  # its self.log and self.trainer
+    for module in {id(m): m for m in [model, t.model, *stages]}.values():
+        attach(module, t)  # its self.log and self.trainer (and what laid it out)
     if optimizer_factory is None:  # the model's own, on the parameters as laid out
         optimizer_factory, own_scheduler = configured_optimizers(
             t.model, zero1=t.layout.zero_stage == 1 and t.layout.degree("dp") > 1)

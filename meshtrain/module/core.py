@@ -121,8 +121,9 @@ class TrainingModule(torch.nn.Module):
 
     @property
     def trainer(self):
-        """The Trainer fitting this module (None outside fit)."""
-        return self.__dict__.get("_meshtrain_trainer")
+        """The Trainer that fitted this module last (None before, and in a copy of it)."""
+        link = self.__dict__.get("_meshtrain_trainer")
+        return link.trainer if link is not None else None
 
     def log(self, name: str, value, *, reduce: str = "mean", prog_bar: bool = False,
             on_step: bool = True, on_epoch: bool = False) -> None:
@@ -161,9 +162,45 @@ def step_loss(output, step: str) -> torch.Tensor | None:
     return loss
 
 
+class TrainerLink:
+    """How a model holds the Trainer fitting it (``model.trainer``): a copy or a pickle of the
+    model holds none (as Lightning's modules drop theirs), so the trained model can be copied,
+    saved whole or given to another Trainer (the Trainer holds locks and process groups)."""
+
+    __slots__ = ("trainer",)
+
+    def __init__(self, trainer=None):
+        self.trainer = trainer
+
+    def __deepcopy__(self, memo):
+        return TrainerLink()
+
+    def __reduce__(self):
+        return TrainerLink, ()
+
+
+def check_not_laid_out(model) -> None:
+    """Refuse a module that an earlier fit laid out (sharded, split by tp, cp, ep or into pp
+    stages): it is no longer the whole model, and a second layout of it would crash or, worse,
+    train part of it. One process, dp, zero1 and ps leave a module whole."""
+    link = model.__dict__.get("_meshtrain_trainer") if isinstance(model, torch.nn.Module) \
+        else None
+    layout = getattr(link.trainer, "layout", None) if link is not None else None
+    if layout is None or not (layout.expert_degree > 1 or any(
+            layout.degree(axis) > 1 for axis in ("tp", "cp", "pp", "dp_shard"))):
+        return
+    name = next(c.__name__ for c in type(model).__mro__  # (FSDP2's subclass: the user's)
+                if not c.__module__.startswith("torch.distributed"))
+    raise ConfigError(
+        f"{name} was given to an earlier fit under layout {layout}, which "
+        "changes the module (its weights sharded or split; under pp fit returns this rank's "
+        "stages), so it is not the whole model any more. Give this fit the trained model "
+        "whole, earlier_trainer.whole_model() (call it on every rank), or a new model")
+
+
 def attach(model: torch.nn.Module, trainer) -> None:
     """``model.trainer`` is ``trainer`` (not a submodule: nothing changes in its state)."""
-    model.__dict__["_meshtrain_trainer"] = trainer
+    model.__dict__["_meshtrain_trainer"] = TrainerLink(trainer)
 
 
 def configured_optimizers(model: torch.nn.Module, zero1: bool):
