@@ -13,11 +13,13 @@ from meshtrain.errors import ConfigError
 def resolve_accelerator(accelerator: str) -> str:
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if accelerator not in ("cpu", "cuda"):
-        raise ConfigError(f"accelerator must be 'cpu', 'cuda' or 'auto', got {accelerator!r}")
-    if accelerator == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("accelerator='cuda' but no GPU is visible; use 'cpu' or 'auto'")
-    return accelerator
+    if accelerator not in ("cpu", "cuda", "gpu"):
+        raise ConfigError(f"accelerator must be 'cpu', 'cuda' ('gpu') or 'auto', got "
+                          f"{accelerator!r}")
+    if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
+        raise ConfigError(f"accelerator={accelerator!r} but no GPU is visible; use 'cpu' or "
+                          "'auto'")
+    return "cuda" if accelerator == "gpu" else accelerator
 
 
 def resolve_device_type(settings: dict) -> str:

@@ -100,6 +100,17 @@ def test_fp16_mixed_on_cpu_is_accepted(tmp_path):
     Trainer(**_kwargs(tmp_path, precision="fp16-mixed", accelerator="cpu"))
 
 
+def test_lightnings_gpu_accelerator_means_cuda(tmp_path, monkeypatch):
+    from meshtrain.checks import resolve_accelerator
+
+    with pytest.raises(ConfigError, match="accelerator='gpu' but no GPU is visible"):
+        Trainer(**_kwargs(tmp_path, accelerator="gpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_accelerator("gpu") == resolve_accelerator("cuda") == "cuda"
+    with pytest.raises(ConfigError, match=r"'cpu', 'cuda' \('gpu'\) or 'auto', got 'tpu'"):
+        Trainer(**_kwargs(tmp_path, accelerator="tpu"))
+
+
 def test_bad_comm_hook_name(tmp_path):
     with pytest.raises(ConfigError, match="unknown comm_hook 'int8'.*fp16, bf16, powersgd"):
         Trainer(**_kwargs(tmp_path, comm_hook="int8"))

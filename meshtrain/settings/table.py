@@ -55,7 +55,7 @@ def _check_init_from(value) -> None:
 
 # The choices, as the modules that implement them define them (tests/test_settings.py checks
 # they agree).
-ACCELERATORS = ("auto", "cpu", "cuda")
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu")  # "gpu": Lightning's name for "cuda"
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 COMM_HOOKS = ("fp16", "bf16", "powersgd")
 OFFLOADS = ("cpu",)
@@ -88,8 +88,9 @@ DEFINITIONS = [
        'the launcher decides and this must match or be "auto".',
        error="devices must be a positive integer or 'auto', got {value!r}"),
     _S("accelerator", "trainer", "auto", "choice",
-       '"cpu", "cuda" or "auto" (a GPU when one is visible).', choices=ACCELERATORS,
-       error="accelerator must be 'cpu', 'cuda' or 'auto', got {value!r}"),
+       '"cpu", "cuda" (or Lightning\'s "gpu") or "auto" (a GPU when one is visible).',
+       choices=ACCELERATORS,
+       error="accelerator must be 'cpu', 'cuda' ('gpu') or 'auto', got {value!r}"),
     _S("max_steps", "trainer", None, "int",
        "Stop after this many optimizer steps (set max_steps or max_epochs, or both).",
        none=True, minimum=1),
