@@ -79,6 +79,9 @@ def _count(meta_model: torch.nn.Module, inputs) -> float | None:
     if first is None or first.dim() == 0:
         return None
     items = first.numel() if not first.is_floating_point() and first.dim() == 2 else len(first)
+    # a torch.compile'd model (the user's OptimizedModule) counted eagerly: the same FLOPs,
+    # without compiling a meta graph (or torch's warning about the counter's global hooks)
+    meta_model = getattr(meta_model, "_orig_mod", meta_model)
     counter = FlopCounterMode(display=False)
     was_training = meta_model.training
     try:

@@ -41,6 +41,20 @@ def test_a_model_without_its_own_count_is_counted_not_estimated():
     assert flops_per_item(meta, meta_model=meta, sample=None) == flops_per_item(meta)
 
 
+def test_a_compiled_model_is_counted_as_its_eager_self():
+    """A user's torch.compile(model) object: counted eagerly (no meta graph compiled, no
+    torch warning about the counter's global hooks), the same FLOPs."""
+    import warnings
+
+    with torch.device("meta"):
+        meta = NoFormula()
+    sample = torch.zeros(2, 32, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert counted_flops_per_item(torch.compile(meta), sample) == \
+            counted_flops_per_item(meta, sample)
+
+
 class Tokens(torch.utils.data.Dataset):
     """Token rows as (inputs, targets) pairs, or as a Hugging Face batch's dicts with a
     padding mask (whose values transformers' mask code reads)."""
