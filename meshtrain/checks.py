@@ -43,6 +43,15 @@ def check_stop(settings: dict) -> None:
         raise ConfigError("set max_steps or max_epochs (or both) so training knows when to stop")
 
 
+def default_stop(settings: dict) -> tuple[dict, str]:
+    """(``settings``, a line for the start): neither ``max_steps`` nor ``max_epochs`` set (a
+    bare ``Trainer()``) trains one pass over the data, as Keras's ``fit`` does."""
+    if settings["max_steps"] is None and settings["max_epochs"] is None:
+        return dict(settings, max_epochs=1), ("stop: max_epochs=1 (neither max_steps nor "
+                                              "max_epochs was set)")
+    return settings, ""
+
+
 def check_settings_apply(layout, settings: dict) -> None:
     """A setting that would do nothing under ``layout`` (or no way to stop) is an error, not
     silently ignored. ``settings``: the Trainer's, checked one by one already. What each

@@ -58,11 +58,11 @@ class Trainer:
         from meshtrain.fault import check_settings as check_fault_settings
         from meshtrain.settings import check
 
-        self._settings = s = check(settings)
+        s, stop_note = checks.default_stop(check(settings))
+        self._settings = s
         seed_everything(s["seed"])  # a model built after this starts the same on every rank
         self.device_type = checks.resolve_device_type(s)
         self._env = DistEnv.from_environ()
-        checks.check_stop(s)
         check_fault_settings(s)
         self._given = frozenset(settings)  # what the user set (a DataLoader lends the rest)
         self._processes = world_size = resolve_world_size(s["devices"], self._env, self.device_type)
@@ -86,7 +86,8 @@ class Trainer:
         self.run_dir = self._resume_from = self._workers = self._val_data = None
         self.datamodule = None  # fit(..., datamodule=dm): Lightning's (module/data_hooks.py)
         self.ps_server = self._store = self.ps_stats = None  # ps=S: server index, its counters
-        self.start_notes, self.loader_notes = "", []  # printed at start (launch/world.py, ...)
+        # printed at start: threads, network (launch/world.py); the defaults filled in
+        self.start_notes, self.loader_notes = "", [stop_note] if stop_note else []
         self._model_shapes = None  # the whole model's state names and shapes (resume.py)
         self._whole_template = None  # what whole_model() fills (parallel/whole_state.py)
         self.run_log = RunLog(self.rank == 0)
@@ -348,17 +349,15 @@ class Trainer:
                                 "val")
 
     def test(self, test_data: DataLike | None = None, *, datamodule=None) -> dict[str, float]:
-        """Loss and metrics over all of ``test_data`` (default: the datamodule's or model's
-        ``test_dataloader()``; ``limit_val_batches`` is for validation)."""
+        """Loss and metrics over all of ``test_data`` (or of a ``test_dataloader()``)."""
         from meshtrain.loop.evaluation import evaluate_and_log
 
         return evaluate_and_log(self, needed(eval_data(self, test_data, datamodule, "test"),
                                              "test"), "test")
 
     def predict(self, data: DataLike | None = None, *, datamodule=None):
-        """The model's outputs for every sample of ``data`` (default: the datamodule's or model's
-        ``predict_dataloader()``), in its order, on global rank 0 (None on the others):
-        meshtrain/loop/prediction.py."""
+        """The model's outputs for every sample of ``data`` (or of a ``predict_dataloader()``),
+        in its order, on global rank 0 (None on the others): meshtrain/loop/prediction.py."""
         from meshtrain.loop.prediction import predict
 
         return predict(self, needed(eval_data(self, data, datamodule, "predict"), "predict"))

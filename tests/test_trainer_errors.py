@@ -85,9 +85,16 @@ def test_max_epochs_must_be_positive(tmp_path):
         Trainer(**_kwargs(tmp_path, max_steps=None, max_epochs=0))
 
 
-def test_neither_max_steps_nor_max_epochs(tmp_path):
-    with pytest.raises(ConfigError, match="set max_steps or max_epochs"):
-        Trainer(**_kwargs(tmp_path, max_steps=None))
+def test_neither_max_steps_nor_max_epochs_trains_one_epoch(tmp_path, capsys):
+    """A bare Trainer() trains one pass over the data (it was refused), and says so."""
+    trainer = Trainer(**_kwargs(tmp_path, max_steps=None, global_batch_size=8))
+    assert (trainer.max_steps, trainer.max_epochs) == (None, 1)
+    trainer.fit(torch.nn.Linear(2, 1), TensorDataset(torch.randn(40, 2), torch.randn(40, 1)),
+                optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                loss_fn=torch.nn.functional.mse_loss)
+    assert trainer.global_step == 5 and trainer.current_epoch == 0
+    assert "stop: max_epochs=1 (neither max_steps nor max_epochs was set)" in \
+        capsys.readouterr().out
 
 
 def test_unknown_precision(tmp_path):

@@ -36,7 +36,8 @@ def take_loader_settings(t, data) -> None:
     from meshtrain.data.user_loader import loader_settings
     from meshtrain.errors import ConfigError
 
-    s, t.loader_notes = loader_settings(data, t._settings, t._given)
+    s, notes = loader_settings(data, t._settings, t._given)
+    t.loader_notes = [n for n in t.loader_notes if not n.startswith("data: ")] + notes
     if s == t._settings:
         return
     if t._auto_pins is None:
