@@ -92,7 +92,8 @@ DEFINITIONS = [
        choices=ACCELERATORS,
        error="accelerator must be 'cpu', 'cuda' ('gpu') or 'auto', got {value!r}"),
     _S("max_steps", "trainer", None, "int",
-       "Stop after this many optimizer steps (set max_steps or max_epochs, or both).",
+       "Stop after this many optimizer steps (with max_epochs: the first reached; neither "
+       "set: one epoch).",
        none=True, minimum=1),
     _S("max_epochs", "trainer", None, "int",
        "Stop after this many passes over the training data.", none=True, minimum=1),
