@@ -116,6 +116,16 @@ class ModelCheckpoint(Callback):
         self.best_model_path: Path | None = None
         self.last_model_path: Path | None = None
 
+    @property
+    def best_model_score(self) -> float | None:
+        """The monitored value of ``best_model_path`` (Lightning's name; a float here)."""
+        return self.best_k.get(self.best_model_path)
+
+    @property
+    def best_k_models(self) -> dict[Path, float]:
+        """Lightning's name for ``best_k``: {folder: monitored value} of the kept best."""
+        return self.best_k
+
     def _dir(self, trainer) -> Path:
         return self.dirpath or trainer.run_dir / "checkpoints"
 

@@ -110,6 +110,7 @@ def test_model_checkpoint_keeps_the_best_k(tmp_path):
     assert folders == ["best_step_0000004", "best_step_0000008"]
     assert checkpoint.best_model_path == tmp_path / "checkpoints" / "best_step_0000008"
     assert sorted(checkpoint.best_k.values()) == [0.2, 0.3]
+    assert checkpoint.best_model_score == 0.2 and checkpoint.best_k_models is checkpoint.best_k
     # the best checkpoint holds the weights of step 8
     model = mlp()
     load_model_weights(checkpoint.best_model_path, model)
