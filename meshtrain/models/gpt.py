@@ -292,7 +292,8 @@ class GPT(nn.Module):
     def enable_context_parallel(self, cp_mesh) -> None:
         """Each rank holds its share of the sequence (meshtrain.parallel.context.context_parallel)."""
         self.cp_mesh = cp_mesh
-        for layer in self.layers:
+        for layer in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else \
+                self.layers:  # (a pipeline stage keeps its blocks by their full-model names)
             layer.attn.cp_mesh = cp_mesh
 
     def check_context_parallel(self, cp_degree: int) -> None:

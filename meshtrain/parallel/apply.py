@@ -170,7 +170,8 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
     if layout.degree("cp") > 1:
         from meshtrain.parallel.context.context_parallel import check_cp_model
 
-        check_cp_model(model, layout.degree("cp"), options.context_parallel, sample_inputs)
+        check_cp_model(model, layout.degree("cp"), options.context_parallel, sample_inputs,
+                       pipeline=layout.degree("pp") > 1)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(
             "the model has no trainable parameters (requires_grad=True), so there is nothing "

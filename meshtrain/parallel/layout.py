@@ -33,8 +33,8 @@ data-parallel workers (``dp=auto`` when left out). ``ps`` combines with ``dp`` o
 
 Composition: any combination on one mesh, e.g. ``pp=2,dp_shard=2,tp=2``. With ``pp``, ``tp`` or
 ``cp``, ``dp`` gradients are averaged by an explicit all-reduce instead of DDP (DDP breaks under
-pipelining and does not take DTensor parameters); ``zero1`` is for plain data parallelism only;
-``cp`` does not combine with ``pp`` yet.
+pipelining and does not take DTensor parameters); ``zero1`` is for plain data parallelism only.
+``cp`` with ``pp`` needs a model with its own ``enable_context_parallel`` (meshtrain's GPT).
 
 Two words for data parallelism: the **batch** axes are all data-parallel axes together (ranks
 along them see different samples; ``batch_degree`` of them split the global batch), while ``dp``
@@ -390,11 +390,6 @@ def _resolve(raw: dict, world_size: int, spec) -> dict[str, int]:
         raise LayoutError(
             f"layout {spec!r}: zero1 is available with plain data parallelism only; with pp, "
             f"tp or cp shard the optimizer state with zero2/zero3 (dp_shard) instead"
-        )
-    if "cp" in degrees and "pp" in degrees:
-        raise LayoutError(
-            f"layout {spec!r}: context parallel does not combine with pipeline parallel yet; "
-            f"use cp with dp, dp_shard or tp, or pp without cp"
         )
     if zero_stage is None:
         zero_stage = 3 if "dp_shard" in raw else 0

@@ -30,12 +30,14 @@ def moe_gpt_4_layers():
                                                             stages_per_rank=2))),
     # every expert split by hidden unit in each stage (moe/tensor_parallel.py)
     ("pp=2,tp=2", 4, moe_gpt_bias_balanced, dict(parallel_kwargs=dict(sequence_parallel=True))),
+    # each stage's sequence split over cp, whose ranks ep borrows for the experts
+    ("pp=2,cp=2,ep=2", 4, moe_gpt_bias_balanced, {}),
 ], ids=["pp=2,ep=2", "pp=2 zero-bubble", "pp=2 checkpointing", "pp=2 compiled checkpointing",
-        "pp=2 interleaved", "pp=2,tp=2"])
+        "pp=2 interleaved", "pp=2,tp=2", "pp=2,cp=2,ep=2"])
 def test_moe_gpt_under_pipelines_matches_one_process(layout, devices, model_fn, options):
     """Pipeline micro-batch i of every data-parallel rank is one process's accumulation
     micro-step i (the loader lays the samples out so): 4 samples a micro-batch each side."""
-    data = 2 if "ep" in layout else 1  # data-parallel ranks per stage
+    data = 2 if "ep" in layout and "cp" not in layout else 1  # data-parallel ranks a stage
     assert_parity(layout, devices, steps=4, global_batch_size=16,
                   fns=dict(MOE_FNS, model_fn=model_fn), micro_batch_size=4,
                   reference_kwargs=dict(micro_batch_size=4 * data), **options)

@@ -11,7 +11,7 @@ import torch
 from parity import GPT12_FNS, assert_parity
 
 from meshtrain import Trainer
-from meshtrain.errors import ConfigError, LayoutError
+from meshtrain.errors import ConfigError
 
 
 @pytest.mark.timeout(200)
@@ -38,13 +38,6 @@ def test_cp_with_a_sequence_that_does_not_split_is_refused_before_any_process(tm
     with pytest.raises(ConfigError, match=r"seq_len=8 does not split into 2 x cp=3 = 6"):
         trainer.fit(tiny_gpt, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
     assert not torch.distributed.is_initialized() and trainer.mesh is None
-
-
-def test_cp_with_pp_is_refused_by_the_layout():
-    from meshtrain.parallel.layout import Layout
-
-    with pytest.raises(LayoutError, match="context parallel does not combine with pipeline"):
-        Layout.parse("pp=2,cp=2", 4)
 
 
 def test_a_model_whose_attention_meshtrain_cannot_see_is_refused():

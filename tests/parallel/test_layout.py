@@ -182,7 +182,7 @@ def test_the_readmes_refused_combinations_are_refused():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("These combinations are refused before any process starts")[1]
     items = re.findall(r"^- .*?\(`([^`]+)`\)", section.split("\n\n")[1], flags=re.M)
-    assert len(items) == 6, items
+    assert len(items) == 5, items
     for spec in items:
         degrees = dict(part.split("=") for part in spec.split(","))
         world = math.prod(int(v) for k, v in degrees.items() if k not in ("ps", "ep"))

@@ -179,15 +179,24 @@ def cp_support(model: torch.nn.Module, adapter=None):
 
 
 def check_cp_model(model: torch.nn.Module, cp_degree: int, adapter=None,
-                   sample_inputs=None) -> None:
+                   sample_inputs=None, pipeline: bool = False) -> None:
     """A model takes part in context parallelism through ``enable_context_parallel(cp_mesh)``
     (its attention then calls :func:`cp_attention`, its positions :func:`local_positions`), or
     through its ``F.scaled_dot_product_attention`` calls (sdpa.py, checked on a training sample:
     ``sample_inputs``); ``check_context_parallel(cp_degree)``, when it has one, checks its
-    sizes."""
+    sizes. Under ``pipeline`` (pp) only the model's own methods."""
     from meshtrain.parallel.context.sdpa import SDPAContextParallel
 
     support = cp_support(model, adapter)
+    if pipeline and support is not model:
+        how = "its SDPA calls" if isinstance(support, SDPAContextParallel) else \
+            "a Hugging Face adapter"
+        raise ConfigError(
+            f"cp with pp needs a model that implements enable_context_parallel itself (as "
+            f"meshtrain's GPT: each pipeline stage then switches its own attention and "
+            f"positions); meshtrain reaches {type(model).__name__}'s attention from outside "
+            f"({how}), which a pipeline stage does not run yet. Use cp without pp, or pp "
+            "without cp")
     if isinstance(support, SDPAContextParallel):
         support.check_context_parallel(cp_degree, sample_inputs)
         return

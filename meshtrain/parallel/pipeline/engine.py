@@ -198,12 +198,13 @@ class PipelineEngine(Engine):
     RECORDED = (3, 4, 5)  # the steps whose timeline is recorded (1-based calls)
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, int]:
-        batch = to_device(next(batches), self.device)
+        whole = to_device(next(batches), self.device)
+        batch = self.shard(whole)  # under cp: this rank's chunks of every sequence
         if self.step_loss is not None:
             inputs, targets = self._step_inputs(batch, "training_step", self.num_microbatches)
         else:
             inputs, targets = self._split(batch)
-            self._set_side(batch, self.num_microbatches)
+            self._set_side(whole, self.num_microbatches)  # (documents: of the whole window)
         self._num_calls += 1
         record = self._num_calls in self.RECORDED  # past one-time start-up costs
         self.runner.scale_loss = self.precision.scale_loss  # the schedule runs the backward
@@ -211,7 +212,7 @@ class PipelineEngine(Engine):
             self._check_loss((inputs, targets), self.num_microbatches)
         if self.counter is not None:  # global mean: each micro-batch's sum over the step's
             # items, times the micro-batches (the schedule divides the gradients by them)
-            items = self.global_items(self.counter(batch))
+            items = self.global_items(self.counter(whole))  # (counted before the cp cut)
             self.runner.num_items = lambda: items.divisor() / self.num_microbatches
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             if record:  # collective: every rank records the same step
@@ -269,6 +270,7 @@ class PipelineEngine(Engine):
 
     @torch.no_grad()
     def eval_loss(self, batch, with_output: bool = False) -> torch.Tensor | None:
+        whole, batch = batch, self.shard(batch)  # under cp: this rank's chunks
         if self.step_loss is not None:  # its validation_step / test_step around the stages
             inputs, index = self._step_inputs(batch, self.eval_step, 1)
             with self.precision.autocast(), batch_group(self.batch_pg):
@@ -279,7 +281,7 @@ class PipelineEngine(Engine):
             self.eval_idx += 1
             self.eval_seen = None
             return loss.detach() if loss is not None else None
-        self._set_side(batch, 1)
+        self._set_side(whole, 1)
         with self.precision.autocast(), self.loss_context(), batch_group(self.batch_pg):
             loss = self.runner.eval_loss(*self._split(batch))
         loss = plain(loss) if loss is not None else None
@@ -289,13 +291,19 @@ class PipelineEngine(Engine):
     @torch.no_grad()
     def predict_batch(self, batch, batch_idx: int):
         """The last stage's outputs (on its rank; None on the others), stage after stage."""
-        from meshtrain.parallel.engine import prediction_inputs
+        from meshtrain.parallel.engine import _sequence_length, prediction_inputs
 
+        whole, batch = batch, self.shard(batch)  # under cp: this rank's chunks
         inputs = (self.adapter.split_batch(batch)[0] if self.adapter is not None
                   else prediction_inputs(batch))
-        self._set_side(batch, 1)
+        self._set_side(whole, 1)
         with self.precision.autocast(), batch_group(self.batch_pg):
-            return self.runner.forward_only(inputs)
+            out = self.runner.forward_only(inputs)
+        if self.cp is not None and out is not None:  # (the last stage's cp group gathers)
+            from meshtrain.parallel.context.context_parallel import gather_sequence
+
+            out = gather_sequence(out, self.cp, _sequence_length(batch))
+        return out
 
     def end_of_training(self) -> None:
         super().end_of_training()
