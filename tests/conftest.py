@@ -85,6 +85,15 @@ def trainer_kwargs(run_dir, **settings) -> dict:
             "accelerator": "cpu", **settings}
 
 
+@pytest.fixture
+def no_processes(monkeypatch):
+    """Fails the test if ``fit`` gets as far as starting processes: a refusal must come first."""
+    def no_world(*args, **kwargs):
+        raise AssertionError("the checks let it through: processes would start")
+
+    monkeypatch.setattr("meshtrain.loop.setup.start_world", no_world)
+
+
 def quiet_trainer(run_dir, **settings):
     from meshtrain import Trainer
 

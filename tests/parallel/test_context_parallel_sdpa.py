@@ -89,15 +89,11 @@ class MaskedAttention(MyTransformer):
         return self.head(y.transpose(1, 2).flatten(2))
 
 
-def test_attention_meshtrain_cannot_split_is_refused_before_any_process(tmp_path, monkeypatch):
+def test_attention_meshtrain_cannot_split_is_refused_before_any_process(tmp_path, no_processes):
     from conftest import trainer_kwargs
 
     from meshtrain import Trainer
 
-    def no_world(*args, **kwargs):
-        raise AssertionError("the cp check let the model through: processes would start")
-
-    monkeypatch.setattr("meshtrain.loop.setup.start_world", no_world)
     trainer = Trainer(**trainer_kwargs(tmp_path, layout="cp=2", devices=2, max_steps=1,
                                        global_batch_size=8))
     with pytest.raises(ConfigError, match="with an attn_mask"):

@@ -91,13 +91,9 @@ def test_validation_prediction_and_logged_values_match_one_process(tmp_path, mod
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)  # whole sequences
 
 
-def test_a_model_reached_from_outside_is_refused_before_start(tmp_path, monkeypatch):
+def test_a_model_reached_from_outside_is_refused_before_start(tmp_path, no_processes):
     from meshtrain.models.hf import tiny_llama
 
-    def no_world(*args, **kwargs):
-        raise AssertionError("processes would start")
-
-    monkeypatch.setattr("meshtrain.loop.setup.start_world", no_world)
     trainer = Trainer(**trainer_kwargs(tmp_path, layout="pp=2,cp=2", devices=4, max_steps=1,
                                        global_batch_size=8))
     ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
