@@ -4,6 +4,8 @@ strategy reads (``Trainer.__init__``, and layout="auto" once the planner has pic
 from __future__ import annotations
 
 from meshtrain import checks
+from meshtrain.data.user_loader import loader_settings
+from meshtrain.errors import ConfigError
 from meshtrain.models.hf import (hf_call_kwargs, hf_cp_support, hf_expert_layers, hf_loss_items,
                                 hf_pp_support, hf_router_loss, hf_tp_plans)
 from meshtrain.parallel.apply import ParallelOptions
@@ -33,9 +35,6 @@ def take_loader_settings(t, data) -> None:
     """A DataLoader given as training data lends the settings left at their default (its batch
     size, its order: meshtrain.data.user_loader); the batch plan follows. The lines saying so
     are printed at start (``t.loader_notes``)."""
-    from meshtrain.data.user_loader import loader_settings
-    from meshtrain.errors import ConfigError
-
     s, notes = loader_settings(data, t._settings, t._given)
     t.loader_notes = [n for n in t.loader_notes if not n.startswith("data: ")] + notes
     if s == t._settings:
