@@ -58,8 +58,9 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
             val_data = val_data()
             checks.dataset_of(val_data, "val_data")
         t._val_data = val_data
-        if t.loader_notes:
-            t.start_notes += "\n" + "\n".join(t.loader_notes)
+        for note in t.loader_notes:  # (once: a Trainer fitted again keeps its start notes)
+            if note not in t.start_notes:
+                t.start_notes += "\n" + note
         setup_model(t, model, meta_model, optimizer, lr_scheduler, loss_fn,
                     checks.first_inputs(train_set, t.micro_batch_size))
         t.state.sampler, t.train_loader = train_loaders(

@@ -236,7 +236,8 @@ class PipelineEngine(Engine):
         if self.router_loss is not None:  # the MoE balancing loss this rank's stages added
             loss = loss + self.router_loss.added_loss().to(loss.dtype)
         self.unit = throughput_unit(inputs if inputs is not None else batch)
-        return loss, count_tokens(inputs if inputs is not None else batch)
+        tokens = count_tokens(inputs if inputs is not None else batch)  # (cp's cut: 1/cp)
+        return loss, tokens * self.layout.degree("cp")
 
     def _step_inputs(self, batch, step: str, num: int):
         """A research module's step: (the model's input for the first stage, the micro-batches'
