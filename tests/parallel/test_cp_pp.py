@@ -60,10 +60,26 @@ class GPTModule(GPT, meshtrain.TrainingModule):
         return adamw_gpt(self.parameters())
 
 
+class StepTokens(meshtrain.Callback):
+    """The tokens each training step reports (what tokens/s and MFU are computed from)."""
+
+    def setup(self, trainer):
+        self.tokens, engine = [], trainer.engine
+        step = engine.forward_backward
+
+        def counted(batches):
+            loss, tokens = step(batches)
+            self.tokens.append(int(tokens))
+            return loss, tokens
+        engine.forward_backward = counted
+
+
 def _fit(layout, run_dir, module):
     torch.set_num_threads(1)
+    tokens = StepTokens()
     trainer = Trainer(**trainer_kwargs(run_dir, layout=layout, max_steps=4, global_batch_size=8,
-                                       val_every_n_steps=2, log_every_n_steps=1))
+                                       val_every_n_steps=2, log_every_n_steps=1,
+                                       callbacks=[tokens]))
     val = torch.utils.data.Subset(token_data(5), range(8))
     if module:
         trainer.fit(lambda: GPTModule().double(), token_data(), val)
@@ -74,6 +90,7 @@ def _fit(layout, run_dir, module):
                if k in ("train/loss", "val/loss", "step_loss")}
     predicted = trainer.predict(torch.utils.data.TensorDataset(token_data(7)[:6][0]))
     metrics["validate"] = trainer.validate()["val/loss"]
+    metrics["tokens"] = tokens.tokens  # every rank: its step's tokens, as one process counts
     state = {k: v.detach().clone() for k, v in trainer.whole_model().state_dict().items()}
     return state, metrics, torch.stack(predicted) if isinstance(predicted, list) else predicted
 
@@ -82,10 +99,13 @@ def _fit(layout, run_dir, module):
 @pytest.mark.parametrize("module", [False, True], ids=["model", "research module"])
 def test_validation_prediction_and_logged_values_match_one_process(tmp_path, module):
     want, want_metrics, want_out = _fit(None, tmp_path / "one", module)
-    state, metrics, out = run_workers(_fit, 4, ("pp=2,cp=2", tmp_path / "pp_cp", module))[0]
+    ranks = run_workers(_fit, 4, ("pp=2,cp=2", tmp_path / "pp_cp", module))
+    assert [r[1]["tokens"] for r in ranks] == [[8 * 8] * 4] * 4  # first and last stages alike
+    state, metrics, out = ranks[0]
     for name, value in want.items():
         torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-12, msg=name)
-    assert metrics.keys() == want_metrics.keys() and len(metrics) == 3 + module
+    assert metrics.keys() == want_metrics.keys() and len(metrics) == 4 + module
+    assert metrics.pop("tokens") == want_metrics.pop("tokens") == [8 * 8] * 4
     for name, value in want_metrics.items():
         assert metrics[name] == pytest.approx(value, rel=1e-12), name
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)  # whole sequences
