@@ -269,8 +269,7 @@ class GPT(nn.Module):
 
         if not self.config.is_moe:
             return None
-        blocks = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
-        return MoERouting([layer.mlp for layer in blocks], self.config.router_aux_loss_coef,
+        return MoERouting([b.mlp for b in self._blocks()], self.config.router_aux_loss_coef,
                           self.config.router_bias_rate, field="GPTConfig.num_experts")
 
     # -- tensor parallel: the model supplies its own plan (meshtrain/models/gpt_plan.py) --------
@@ -290,11 +289,13 @@ class GPT(nn.Module):
 
     # -- context parallel: attention over the cp group, positions of this rank's tokens ---------
     def enable_context_parallel(self, cp_mesh) -> None:
-        """Each rank holds its share of the sequence (meshtrain.parallel.context.context_parallel)."""
+        """Each rank holds its share of the sequence (parallel/context/context_parallel.py)."""
         self.cp_mesh = cp_mesh
-        for layer in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else \
-                self.layers:  # (a pipeline stage keeps its blocks by their full-model names)
+        for layer in self._blocks():
             layer.attn.cp_mesh = cp_mesh
+
+    def _blocks(self):  # (a pipeline stage keeps its blocks by full-model name in a ModuleDict)
+        return self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
 
     def check_context_parallel(self, cp_degree: int) -> None:
         from meshtrain.parallel.context.context_parallel import check_cp
