@@ -43,6 +43,18 @@ def check_stop(settings: dict) -> None:
         raise ConfigError("set max_steps or max_epochs (or both) so training knows when to stop")
 
 
+def trainer_settings(keywords: dict) -> tuple[dict, frozenset, list[str]]:
+    """(every setting's value, the names the user set, the lines to print at start) from
+    ``Trainer(**keywords)``: Lightning's names taken as meshtrain's (settings/lightning.py),
+    each value checked, the default stop filled in."""
+    from meshtrain.settings import check
+    from meshtrain.settings.lightning import from_lightning
+
+    keywords, notes = from_lightning(keywords)
+    settings, stop_note = default_stop(check(keywords))
+    return settings, frozenset(keywords), notes + ([stop_note] if stop_note else [])
+
+
 def default_stop(settings: dict) -> tuple[dict, str]:
     """(``settings``, a line for the start): neither ``max_steps`` nor ``max_epochs`` set (a
     bare ``Trainer()``) trains one pass over the data, as Keras's ``fit`` does."""

@@ -56,15 +56,14 @@ class Trainer:
 
     def __init__(self, **settings):
         from meshtrain.fault import check_settings as check_fault_settings
-        from meshtrain.settings import check
 
-        s, stop_note = checks.default_stop(check(settings))
+        # what the user set (a DataLoader lends the rest); Lightning's names taken as ours
+        s, self._given, notes = checks.trainer_settings(settings)
         self._settings = s
         seed_everything(s["seed"])  # a model built after this starts the same on every rank
         self.device_type = checks.resolve_device_type(s)
         self._env = DistEnv.from_environ()
         check_fault_settings(s)
-        self._given = frozenset(settings)  # what the user set (a DataLoader lends the rest)
         self._processes = world_size = resolve_world_size(s["devices"], self._env, self.device_type)
         self._auto_pins = auto_pins(s["layout"])
         if self._auto_pins is None:
@@ -87,7 +86,7 @@ class Trainer:
         self.datamodule = None  # fit(..., datamodule=dm): Lightning's (module/data_hooks.py)
         self.ps_server = self._store = self.ps_stats = None  # ps=S: server index, its counters
         # printed at start: threads, network (launch/world.py); the defaults filled in
-        self.start_notes, self.loader_notes = "", [stop_note] if stop_note else []
+        self.start_notes, self.loader_notes = "", notes
         self._model_shapes = None  # the whole model's state names and shapes (resume.py)
         self._whole_template = None  # what whole_model() fills (parallel/whole_state.py)
         self.run_log = RunLog(self.rank == 0)

@@ -87,6 +87,29 @@ def test_lightning_and_meshtrain_train_the_same_module_to_the_same_weights(tmp_p
     assert not torch.allclose(mine["fc1.weight"], state_of(MeshModel())["fc1.weight"])
 
 
+# a Lightning user's Trainer arguments, given as they are to both Trainers
+LIGHTNING_ARGS = dict(accelerator="cpu", devices=1, strategy="auto", precision="32-true",
+                      max_steps=STEPS, gradient_clip_val=0.3, gradient_clip_algorithm="norm",
+                      max_time={"minutes": 10}, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, accumulate_grad_batches=1, deterministic=False)
+
+
+@pytest.mark.timeout(120)
+def test_lightnings_trainer_arguments_train_as_under_lightning(tmp_path):
+    torch.set_num_threads(1)
+    theirs = LitModel()
+    lightning.Trainer(**LIGHTNING_ARGS, default_root_dir=tmp_path / "lightning").fit(
+        theirs, DataLoader(images(), batch_size=BATCH, shuffle=False))
+    trainer = Trainer(**LIGHTNING_ARGS, default_root_dir=tmp_path / "meshtrain")
+    ours = trainer.fit(MeshModel(), DataLoader(images(), batch_size=BATCH, shuffle=False))
+    assert trainer.grad_norm > LIGHTNING_ARGS["gradient_clip_val"]  # the clipping bites
+    reference = state_of(theirs)
+    for name, value in state_of(ours).items():
+        assert torch.allclose(value, reference[name], atol=1e-5, rtol=0), name
+    assert tmp_path / "meshtrain" in trainer.run_dir.parents  # default_root_dir: its runs
+
+
 class ImagesData(lightning.LightningDataModule):
     """A LightningDataModule as Lightning users write it (only what they need defined)."""
 
