@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from meshtrain.errors import ConfigError
+from meshtrain.settings.lightning import from_lightning  # (light: no torch)
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -48,7 +49,6 @@ def trainer_settings(keywords: dict) -> tuple[dict, frozenset, list[str]]:
     ``Trainer(**keywords)``: Lightning's names taken as meshtrain's (settings/lightning.py),
     each value checked, the default stop filled in."""
     from meshtrain.settings import check
-    from meshtrain.settings.lightning import from_lightning
 
     keywords, notes = from_lightning(keywords)
     settings, stop_note = default_stop(check(keywords))

@@ -31,7 +31,9 @@ from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
 from meshtrain.launch.world import collective_checks, drain_collectives, resolve_world_size
 from meshtrain.launch.slurm import requeue_callbacks
+from meshtrain.loop.evaluation import evaluate_and_log
 from meshtrain.loop.layout_settings import use_layout
+from meshtrain.loop.prediction import predict as predict_all
 from meshtrain.loop.seeding import seed_everything
 from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow
 from meshtrain.module.data_hooks import eval_data, fit_data, needed
@@ -271,7 +273,7 @@ class Trainer:
                     with timer.part("checkpoint"):
                         guard.after_step(total)
                     self.monitor.step_ends(state.global_step, gather=self._log_due(total))
-                end_epoch(self)
+                validated_at = end_epoch(self, total) or validated_at
             guard.settle()  # the last step's deferred NaN check (nan_policy="error" on a GPU)
             self.engine.end_of_training()  # one model on every rank again (local SGD)
             # not again when a validation just stopped training early (same weights)
@@ -328,7 +330,7 @@ class Trainer:
                 self.checkpoints.before_update()  # a background save's copy of the state
             self.precision.step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
-            if self.lr_scheduler is not None:
+            if self.lr_scheduler is not None and self.lr_schedule.interval == "step":
                 self.lr_scheduler.step()
         return loss, tokens, "ok"
 
@@ -338,28 +340,27 @@ class Trainer:
 
         return run_validation(self)
 
-    def validate(self, val_data: DataLike | None = None, *, datamodule=None) -> dict[str, float]:
+    # (Lightning's shapes too: the fitted model first, dataloaders=, ckpt_path="best"/"last")
+    def validate(self, val_data: DataLike | None = None, dataloaders=None, *, datamodule=None,
+                 ckpt_path=None) -> dict[str, float]:
         """Loss and metrics over ``val_data`` (default: the datamodule's or model's
         ``val_dataloader()``, else the fit's validation data), logged at the current step."""
-        from meshtrain.loop.evaluation import evaluate_and_log
-
-        val_data = eval_data(self, val_data, datamodule, "validate")
+        val_data = eval_data(self, val_data, datamodule, "validate", dataloaders, ckpt_path)
         return evaluate_and_log(self, val_data if val_data is not None else self._val_data,
                                 "val")
 
-    def test(self, test_data: DataLike | None = None, *, datamodule=None) -> dict[str, float]:
+    def test(self, test_data: DataLike | None = None, dataloaders=None, *, datamodule=None,
+             ckpt_path=None) -> dict[str, float]:
         """Loss and metrics over all of ``test_data`` (or of a ``test_dataloader()``)."""
-        from meshtrain.loop.evaluation import evaluate_and_log
+        data = eval_data(self, test_data, datamodule, "test", dataloaders, ckpt_path)
+        return evaluate_and_log(self, needed(data, "test"), "test")
 
-        return evaluate_and_log(self, needed(eval_data(self, test_data, datamodule, "test"),
-                                             "test"), "test")
-
-    def predict(self, data: DataLike | None = None, *, datamodule=None):
+    def predict(self, data: DataLike | None = None, dataloaders=None, *, datamodule=None,
+                ckpt_path=None):
         """The model's outputs for every sample of ``data`` (or of a ``predict_dataloader()``),
         in its order, on global rank 0 (None on the others): meshtrain/loop/prediction.py."""
-        from meshtrain.loop.prediction import predict
-
-        return predict(self, needed(eval_data(self, data, datamodule, "predict"), "predict"))
+        data = eval_data(self, data, datamodule, "predict", dataloaders, ckpt_path)
+        return predict_all(self, needed(data, "predict"))
 
     # -- checkpoints, logging, callbacks ----------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict, dict]:

@@ -110,6 +110,65 @@ def test_lightnings_trainer_arguments_train_as_under_lightning(tmp_path):
     assert tmp_path / "meshtrain" in trainer.run_dir.parents  # default_root_dir: its runs
 
 
+class Scheduled(Research):
+    """Lightning's epoch schedulers, its hyper-parameters and per-epoch validation."""
+
+    def __init__(self, lr=0.1, form="steplr"):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.build()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        if self.hparams.form == "steplr":  # Lightning's two lists: stepped once an epoch
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)]
+        # loss falling, so under mode="max" it halves the rate at every epoch's end but the first
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau,
+                                                         "monitor": "val_loss"}}
+
+
+class MeshScheduled(Scheduled, meshtrain.TrainingModule):
+    pass
+
+
+class LitScheduled(Scheduled, lightning.LightningModule):
+    pass
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("form", ["steplr", "plateau"])
+def test_epoch_schedulers_and_validation_as_under_lightning(tmp_path, form):
+    torch.set_num_threads(1)
+    args = dict(LIGHTNING_ARGS, max_steps=-1, max_epochs=3, check_val_every_n_epoch=1,
+                gradient_clip_val=None)
+    loaders = [DataLoader(images(), batch_size=BATCH), DataLoader(images(64), batch_size=BATCH)]
+    theirs = LitScheduled(lr=0.2, form=form)
+    lit = lightning.Trainer(**args, default_root_dir=tmp_path / "lightning")
+    lit.fit(theirs, *loaders)
+    del args["max_steps"]  # (Lightning's -1: no limit)
+    trainer = Trainer(**args, default_root_dir=tmp_path / "meshtrain")
+    ours = trainer.fit(MeshScheduled(lr=0.2, form=form), *loaders)
+    assert ours.hparams.lr == 0.2 and dict(ours.hparams) == dict(theirs.hparams)
+    lrs = [group["lr"] for group in trainer.optimizer.param_groups]
+    assert lrs == [group["lr"] for group in lit.optimizers[0].param_groups]
+    assert lrs[0] < 0.2 / 2 - 1e-9  # stepped at two epochs' ends at least
+    reference = state_of(theirs)
+    for name, value in state_of(ours).items():
+        assert torch.allclose(value, reference[name], atol=1e-5, rtol=0), name
+    # Lightning's test(model, dataloaders=...) on the fitted model: its loss over the data
+    x, y = images(64).tensors
+    with torch.no_grad():
+        want = F.cross_entropy(theirs(x), y).item()
+    got = trainer.test(ours, dataloaders=DataLoader(images(64), batch_size=BATCH))
+    assert got["test/loss"] == pytest.approx(want, abs=1e-5)
+
+
 class ImagesData(lightning.LightningDataModule):
     """A LightningDataModule as Lightning users write it (only what they need defined)."""
 

@@ -25,6 +25,8 @@ from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.world import start_world
 from meshtrain.loop.layout_settings import take_loader_settings
 from meshtrain.loop.seeding import agree_on_initial_state
+from meshtrain.module.configure import Schedule
+from meshtrain.module.hparams import logged
 from meshtrain.module.core import attach, check_module, configured_optimizers, is_manual
 from meshtrain.observe.flops import FirstBatchCount, flops_per_item
 from meshtrain.observe.monitor import RunMonitor
@@ -48,7 +50,7 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
         t._loss_fn = loss_fn
         return
     try:
-        setup_run_dir(t)
+        setup_run_dir(t, logged(model if isinstance(model, torch.nn.Module) else meta_model))
         prepare_data(t, meta_model if meta_model is not None else model)
         if checks.is_data_factory(train_data):  # built now that the data is there
             train_data = train_data()
@@ -162,12 +164,13 @@ def setup_world(t) -> None:
         set_collective_timeout(timedelta(seconds=t.init_timeout_s))
 
 
-def setup_run_dir(t) -> None:
+def setup_run_dir(t, hparams: dict | None = None) -> None:
+    """The run folder and the loggers (they record the settings and a module's ``hparams``)."""
     if t.run_dir is None:
         t.run_dir, t._resume_from = resolve_run_dir(
             t.resume, run_dir=t._run_dir_arg, root_dir=t.root_dir, name=t.name,
             rank=t.rank, shapes=t._model_shapes)
-        t.run_log.open(t.run_dir, t.loggers, t.hparams())
+        t.run_log.open(t.run_dir, t.loggers, {**t.hparams(), **(hparams or {})})
         if torch.distributed.is_initialized() and "nccl" in str(torch.distributed.get_backend()):
             from meshtrain.launch.spawn import flight_recorder_defaults
 
@@ -228,10 +231,12 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
     stages = getattr(getattr(t.engine, "runner", None), "modules", [])  # (under pp)
     for module in {id(m): m for m in [model, t.model, *stages]}.values():
         attach(module, t)  # its self.log and self.trainer (and what laid it out)
+    t.lr_schedule = Schedule()  # fit(lr_scheduler=...): stepped after every optimizer step
     if optimizer_factory is None:  # the model's own, on the parameters as laid out
-        optimizer_factory, own_scheduler = configured_optimizers(
+        optimizer_factory, own_scheduler, own_schedule = configured_optimizers(
             t.model, zero1=t.layout.zero_stage == 1 and t.layout.degree("dp") > 1)
-        scheduler_factory = scheduler_factory or own_scheduler
+        if scheduler_factory is None and own_scheduler is not None:
+            scheduler_factory, t.lr_schedule = own_scheduler, own_schedule
     if is_manual(t.model):  # its own optimizers, several, stepped by its training_step
         t.optimizer = optimizer_factory(None)
     else:

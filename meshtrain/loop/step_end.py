@@ -1,11 +1,14 @@
 """What the Trainer's loop does at the end of a step and of an epoch: at each logging interval
 the loss averaged over the ranks, throughput and MFU, the values logged with ``trainer.log``,
 the time limit (``max_time_minutes``, by rank 0's clock); then the callbacks. At an epoch's
-end: the values logged ``on_epoch`` and the ``checkpoint_every_n_epochs`` snapshot."""
+end: the values logged ``on_epoch``, the validation of ``val_every_n_epochs``, the
+``checkpoint_every_n_epochs`` snapshot and an epoch-interval scheduler's step."""
 
 from __future__ import annotations
 
 import time
+
+from meshtrain.module.configure import step_at_epoch_end
 
 
 def end_step(t, total: int) -> None:
@@ -44,13 +47,26 @@ def end_step(t, total: int) -> None:
         t.run_log.progress(step, metrics, t._logs.prog_bar)
 
 
-def end_epoch(t) -> None:
-    """Values logged with ``on_epoch`` go out (every rank takes part), then the hook."""
+def end_epoch(t, total: int) -> int | None:
+    """Values logged with ``on_epoch`` go out (every rank takes part); at a whole epoch's end
+    the validation ``val_every_n_epochs`` asks for (not at the last step: fit's own comes
+    then), the snapshot, the hook, then an epoch scheduler's step (Lightning's order).
+    Returns the step validated at, if it did."""
     if epoch := t._logs.take("epoch", t.mesh.loss_group(), t.device, t.mesh.stage_group()):
         t.callback_metrics.update(epoch)
         t.log_metrics(epoch)
     t.engine.batch_idx = 0
+    whole, validated = t.state.epoch_done(), None
+    by_steps = t.val_every_n_steps and t.global_step % t.val_every_n_steps == 0  # just done
+    if whole and t._val_data is not None and t.val_every_n_epochs and not by_steps and \
+            (t.current_epoch + 1) % t.val_every_n_epochs == 0 and t.global_step < total:
+        with t.monitor.timer.paused(), t.state.window.paused():  # not a training step
+            t._run_validation()
+        validated = t.global_step
     every = t.checkpoint_every_n_epochs
     if every and (t.current_epoch + 1) % every == 0:  # a snapshot (collective)
         t.checkpoints.save(t.global_step, t.model, t.optimizer, *t.checkpoint_state())
     t._call("on_train_epoch_end")
+    if whole:
+        step_at_epoch_end(t)
+    return validated

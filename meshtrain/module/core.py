@@ -3,9 +3,10 @@
 Any ``nn.Module`` with a ``training_step(batch, batch_idx)`` method is trained through it: the
 step returns the micro-batch's loss (a scalar tensor), or a dict with ``"loss"``. The optional
 ``validation_step`` / ``test_step`` return a loss the same way (or None, when they only log),
-and ``configure_optimizers()`` returns the optimizer, ``(optimizer, scheduler)`` or
-``{"optimizer": ..., "lr_scheduler": ...}`` (the scheduler is stepped after every optimizer
-step, Lightning's ``"interval": "step"``); it is called after the layout is applied, so the
+and ``configure_optimizers()`` returns the optimizer and a scheduler in Lightning's forms (a
+scheduler steps per epoch unless its ``"interval"`` is ``"step"``; meshtrain's own
+``(optimizer, scheduler)`` per optimizer step: meshtrain/module/configure.py); it is called
+after the layout is applied, so the
 parameters it sees are the ones that train (sharded under zero2/zero3, DTensors under tp).
 ``prepare_data()`` (download, unpack: once per job) runs on global rank 0 while the others wait,
 before the data is read: pass ``fit`` a function that builds the dataset from what it left.
@@ -22,9 +23,12 @@ context parallel hook the model's own ``forward``, which the step calls.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from meshtrain.errors import ConfigError
+from meshtrain.module.configure import check_monitor
 
 STEP_OF = {"train": "training_step", "val": "validation_step", "test": "test_step"}
 
@@ -119,6 +123,22 @@ class TrainingModule(torch.nn.Module):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return self.trainer.engine.clip_grad_norm(max_norm, params)
 
+    def save_hyperparameters(self, *args, ignore=None, frame=None, logger: bool = True) -> None:
+        """(Lightning's) Keep the calling ``__init__``'s arguments, or those named in ``args``
+        (or one dict given), in ``self.hparams``; ``ignore``: names left out. The loggers
+        record them (``hparams/<name>``) with the run's settings unless ``logger=False``."""
+        from meshtrain.module.hparams import collect
+
+        self.__dict__["_hparams"] = collect(frame or inspect.currentframe().f_back, args, ignore)
+        self.__dict__["_log_hparams"] = logger
+
+    @property
+    def hparams(self):
+        """What ``save_hyperparameters`` kept (an empty one before), read as attributes."""
+        from meshtrain.module.hparams import AttributeDict
+
+        return self.__dict__.setdefault("_hparams", AttributeDict())
+
     @property
     def trainer(self):
         """The Trainer that fitted this module last (None before, and in a copy of it)."""
@@ -204,10 +224,13 @@ def attach(model: torch.nn.Module, trainer) -> None:
 
 
 def configured_optimizers(model: torch.nn.Module, zero1: bool):
-    """(optimizer factory, scheduler factory or None) from ``model.configure_optimizers()``.
+    """(optimizer factory, scheduler factory or None, its Schedule) from
+    ``model.configure_optimizers()`` (the forms: meshtrain/module/configure.py).
 
     Under ZeRO-1 the optimizer's state is sharded by a wrapper built from a factory: the
     returned optimizer's class and defaults make it (one parameter group only)."""
+    from meshtrain.module.configure import Schedule, read
+
     made = model.configure_optimizers()
     if is_manual(model):  # several optimizers, stepped by the module itself
         made = list(made) if isinstance(made, (tuple, list)) else [made]
@@ -215,32 +238,11 @@ def configured_optimizers(model: torch.nn.Module, zero1: bool):
             raise ConfigError("configure_optimizers of a module with automatic_optimization = "
                               "False must return optimizers (a list or tuple of them; "
                               "schedulers: step them in the training_step)")
-        return (lambda params: Optimizers(made)), None
-    scheduler = None
-    if isinstance(made, dict):
-        optimizer, scheduler = made.get("optimizer"), made.get("lr_scheduler")
-    elif isinstance(made, (tuple, list)):
-        if len(made) != 2 or isinstance(made[1], torch.optim.Optimizer):
-            raise ConfigError(
-                "configure_optimizers returned several optimizers: with automatic optimisation "
-                "meshtrain steps one; return one (and optionally its scheduler), or set "
-                "automatic_optimization = False and step them in training_step")
-        optimizer, scheduler = made
-    else:
-        optimizer = made
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"configure_optimizers must return a torch.optim.Optimizer (or "
-                          f"(optimizer, scheduler)), got {type(optimizer).__name__}")
-    if isinstance(scheduler, dict):  # Lightning's {"scheduler": ..., "interval": "step"}
-        if scheduler.get("interval", "epoch") != "step":
-            raise ConfigError(
-                "configure_optimizers: meshtrain steps the scheduler after every optimizer "
-                "step; say so with {'scheduler': ..., 'interval': 'step'} (an 'epoch' interval "
-                "is not supported: scale the schedule to steps)")
-        scheduler = scheduler.get("scheduler")
+        return (lambda params: Optimizers(made)), None, Schedule()
+    optimizer, scheduler, schedule = read(made)
     if not zero1:
         return (lambda params: optimizer), (
-            (lambda opt: scheduler) if scheduler is not None else None)
+            (lambda opt: scheduler) if scheduler is not None else None), schedule
     if len(optimizer.param_groups) != 1 or scheduler is not None:
         raise ConfigError(
             "under zero1 meshtrain builds the sharded optimizer itself from a factory: "
@@ -251,7 +253,7 @@ def configured_optimizers(model: torch.nn.Module, zero1: bool):
 
     kind = type(optimizer)  # (AdamW's defaults hold decoupled_weight_decay, not an argument)
     defaults = constructor_options(kind, dict(optimizer.defaults))
-    return (lambda params: kind(params, **defaults)), None
+    return (lambda params: kind(params, **defaults)), None, schedule
 
 
 def check_module(model, *, optimizer, loss_fn, val_data, pp: int, metrics,
@@ -266,7 +268,9 @@ def check_module(model, *, optimizer, loss_fn, val_data, pp: int, metrics,
                           "torch.optim.AdamW(params, lr=1e-3), or define configure_optimizers() "
                           f"on {type(model).__name__}")
     if optimizer is None:  # what configure_optimizers returns is usable (a throw-away)
-        configured_optimizers(model, zero1=zero1)
+        _, _, schedule = configured_optimizers(model, zero1=zero1)
+        if schedule.monitor is not None and settings is not None:
+            check_monitor(schedule, val_data, settings)
     if not has_steps(model):
         return
     name = type(model).__name__

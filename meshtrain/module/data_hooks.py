@@ -55,10 +55,13 @@ def fit_data(trainer, model, train_data, val_data, datamodule):
            "built)" if not isinstance(model, torch.nn.Module) else ""))
 
 
-def eval_data(trainer, data, datamodule, stage: str):
+def eval_data(trainer, data, datamodule, stage: str, dataloaders=None, ckpt_path=None):
     """The data of ``validate`` / ``test`` / ``predict``: as given, else the DataModule's loader
     for ``stage`` (after its ``setup(stage)``), else the trained model's own; None when there
-    is none (the caller decides)."""
+    is none (the caller decides). Lightning's call shapes too: the fitted model first
+    (``test(model, dataloaders=...)``), ``ckpt_path`` ("best", "last" or a folder) restored
+    before."""
+    data = _lightning_call(trainer, data, dataloaders, ckpt_path, stage)
     hook = LOADER_OF[stage]
     if datamodule is not None:
         if data is not None:
@@ -75,6 +78,45 @@ def eval_data(trainer, data, datamodule, stage: str):
         if source is not None and defines(source, hook):
             return getattr(source, hook)()
     return None
+
+
+def _lightning_call(trainer, data, dataloaders, ckpt_path, stage: str):
+    if isinstance(data, torch.nn.Module):  # Lightning's test(model, ...): the fitted one
+        link = data.__dict__.get("_meshtrain_trainer")
+        if link is None or link.trainer is not trainer:
+            raise ConfigError(
+                f"{stage}({type(data).__name__}, ...): this Trainer evaluates the model it "
+                "fitted (the object given to fit or the one fit returned); give only the data, "
+                "or fit this model with this Trainer first")
+        data = None
+    if dataloaders is not None:
+        if data is not None:
+            raise ConfigError(f"{stage} got both data and dataloaders=; give one")
+        data = dataloaders
+    if ckpt_path is not None:
+        trainer.load_checkpoint(_checkpoint(trainer, ckpt_path, stage))
+    return data
+
+
+def _checkpoint(trainer, ckpt_path, stage: str):
+    """The folder ``ckpt_path`` names: "best" (a ModelCheckpoint's), "last" (the newest)."""
+    from meshtrain.callbacks import ModelCheckpoint
+
+    if ckpt_path == "best":
+        best = [c.best_model_path for c in trainer.callbacks
+                if isinstance(c, ModelCheckpoint) and c.best_model_path is not None]
+        if not best:
+            raise ConfigError(f"{stage}(ckpt_path='best'): no ModelCheckpoint(monitor=...) "
+                              "among the callbacks has saved a best checkpoint")
+        return best[0]
+    if ckpt_path == "last":
+        from meshtrain.checkpoint.manager import latest_complete
+
+        last = latest_complete(trainer.run_dir / "checkpoints") if trainer.run_dir else None
+        if last is None:
+            raise ConfigError(f"{stage}(ckpt_path='last'): this run saved no checkpoint")
+        return last
+    return ckpt_path
 
 
 def needed(data, stage: str):

@@ -13,7 +13,8 @@ import datetime
 from meshtrain.errors import ConfigError
 
 RENAMED = {"gradient_clip_val": "grad_clip_norm", "default_root_dir": "root_dir",
-           "enable_progress_bar": "progress_bar", "enable_model_summary": "model_summary"}
+           "enable_progress_bar": "progress_bar", "enable_model_summary": "model_summary",
+           "check_val_every_n_epoch": "val_every_n_epochs"}
 
 # Lightning's strategy names -> a meshtrain layout over every process ("=-1": all of them)
 STRATEGIES = {"ddp": "dp=-1", "ddp_spawn": "dp=-1", "ddp_fork": "dp=-1",
@@ -39,8 +40,6 @@ REFUSED = {
     "limit_train_batches": "stop by max_steps, or train on a torch.utils.data.Subset of the "
     "dataset",
     "overfit_batches": "train on a torch.utils.data.Subset of the dataset",
-    "check_val_every_n_epoch": "validation runs every val_every_n_steps optimizer steps and at "
-    "the end of fit",
     "num_nodes": "the launcher decides the nodes (torchrun --nnodes, Slurm, `meshtrain run`): "
     "docs/fault_tolerance.md",
     "min_epochs": "meshtrain stops only at max_steps, max_epochs, max_time_minutes or a "
@@ -75,7 +74,7 @@ SAME = {"accumulate_grad_batches": (1,), "fast_dev_run": (False,),
         "use_distributed_sampler": (True,), "reload_dataloaders_every_n_epochs": (0,),
         "limit_test_batches": (None, 1.0), "limit_predict_batches": (None, 1.0),
         "inference_mode": (True,), "barebones": (False,), "plugins": (None,),
-        "model_registry": (None,), "check_val_every_n_epoch": (None,)}
+        "model_registry": (None,)}
 
 
 def from_lightning(keywords: dict) -> tuple[dict, list[str]]:

@@ -128,6 +128,9 @@ DEFINITIONS = [
     _S("val_every_n_steps", "trainer", None, "int",
        "Validate every N optimizer steps and at the end of fit; none: at the end only.",
        none=True, minimum=1),
+    _S("val_every_n_epochs", "trainer", None, "int",
+       "Validate at the end of every N-th training epoch and at the end of fit (Lightning's "
+       "check_val_every_n_epoch); none: as val_every_n_steps says.", none=True, minimum=1),
     _S("limit_val_batches", "trainer", None, "int",
        "Validate on the first this-many x global_batch_size samples of the validation set (the "
        "same samples under any layout); none: all of them. test() always sees all.",

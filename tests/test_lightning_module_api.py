@@ -1,0 +1,153 @@
+"""What a Lightning user writes on the module and the Trainer besides the steps: 
+``save_hyperparameters()`` / ``self.hparams``, ``configure_optimizers`` in Lightning's forms
+(a scheduler steps per epoch unless its interval says "step"; ReduceLROnPlateau on a logged
+value), ``val_every_n_epochs`` (Lightning's ``check_val_every_n_epoch``), and
+``test(model, dataloaders=..., ckpt_path="best")``. Equality with Lightning itself:
+tests/test_training_module_lightning.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import trainer_kwargs
+from parity import regression_data
+from torch.utils.data import DataLoader
+
+import meshtrain
+from meshtrain import ModelCheckpoint, Trainer
+from meshtrain.errors import ConfigError
+
+
+class Regressor(meshtrain.TrainingModule):
+    def __init__(self, width=16, lr=0.05, scheduler="none", backbone=None, **extra):
+        super().__init__()
+        self.save_hyperparameters(ignore="backbone")
+        self.net = torch.nn.Sequential(torch.nn.Linear(12, width), torch.nn.Tanh(),
+                                       torch.nn.Linear(width, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_mse", F.mse_loss(self(x), y))
+
+    def test_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        kind = self.hparams.scheduler
+        if kind == "bare-dict":  # no interval: Lightning's "epoch"
+            return {"optimizer": optimizer,
+                    "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)}
+        if kind == "every-2-epochs":
+            return {"optimizer": optimizer, "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
+                "frequency": 2}}
+        if kind == "plateau-unwatched":
+            return {"optimizer": optimizer, "lr_scheduler":
+                    torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)}
+        if kind == "plateau-on-val":
+            return {"optimizer": optimizer, "monitor": "val_mse", "lr_scheduler":
+                    torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)}
+        if kind == "every-2-steps":
+            return {"optimizer": optimizer, "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
+                "interval": "step", "frequency": 2}}
+        return [optimizer]
+
+
+def test_save_hyperparameters_keeps_the_init_arguments():
+    model = Regressor(width=8, backbone=torch.nn.Linear(2, 2), note="x")
+    assert dict(model.hparams) == {"width": 8, "lr": 0.05, "scheduler": "none", "note": "x"}
+    assert model.hparams.width == 8
+    with pytest.raises(AttributeError, match="no hyper-parameter 'depth'; saved: width"):
+        model.hparams.depth
+
+    class Named(meshtrain.TrainingModule):
+        def __init__(self, a=1, b=2, config=None):
+            super().__init__()
+            self.save_hyperparameters("a") if config is None else \
+                self.save_hyperparameters(config)
+
+    assert dict(Named().hparams) == {"a": 1}
+    assert dict(Named(config={"depth": 3}).hparams) == {"depth": 3}
+    assert dict(meshtrain.TrainingModule().hparams) == {}
+
+
+def test_the_loggers_record_the_hyperparameters(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, loggers=["tensorboard"]))
+    trainer.fit(Regressor(width=8), regression_data())
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("hparams/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| hparams/width | 8 |" in text and "| hparams/lr | 0.05 |" in text
+
+
+def _fit(tmp_path, scheduler, epochs=4, **settings):
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=epochs, global_batch_size=32,
+                                       **settings))
+    model = trainer.fit(Regressor(scheduler=scheduler), regression_data(),
+                        settings.pop("val", None))
+    return trainer, model
+
+
+@pytest.mark.parametrize("scheduler, epochs, halvings", [
+    ("bare-dict", 4, 4),  # 96 samples, 3 steps an epoch: per epoch, not per step (12)
+    ("every-2-epochs", 4, 2),
+])
+def test_lightnings_scheduler_forms_step_at_epoch_ends(tmp_path, scheduler, epochs, halvings):
+    trainer, _ = _fit(tmp_path, scheduler, epochs)
+    assert trainer.global_step == 3 * epochs
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 / 2 ** halvings)
+
+
+def test_plateau_on_a_validation_value_needs_validation_at_epoch_ends(tmp_path, no_processes):
+    for scheduler, says in [("plateau-unwatched", "ReduceLROnPlateau needs the value it watches"),
+                            ("plateau-on-val", "validation must run there"),
+                            ("every-2-steps", "every N optimizer steps is not supported")]:
+        trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2))
+        with pytest.raises(ConfigError, match=says):
+            trainer.fit(Regressor(scheduler=scheduler), regression_data(), regression_data(7))
+        assert trainer.run_dir is None
+
+
+def test_plateau_steps_on_the_validation_of_each_epoch(tmp_path):
+    seen = []
+
+    class Watch(meshtrain.Callback):
+        def on_validation_end(self, trainer, metrics):
+            seen.append((trainer.global_step, metrics["val_mse"]))
+
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=3, global_batch_size=32,
+                                       val_every_n_epochs=1, callbacks=[Watch()]))
+    trainer.fit(Regressor(scheduler="plateau-on-val"), regression_data(), regression_data(7))
+    assert [step for step, _ in seen] == [3, 6, 9]  # each epoch's end (the last: fit's own)
+    plateau = trainer.lr_scheduler
+    assert plateau.best == pytest.approx(min(v for _, v in seen[:2]))  # fed the epochs' values
+
+
+def test_test_takes_lightnings_arguments(tmp_path):
+    checkpoint = ModelCheckpoint(monitor="val_mse", mode="min")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=3, global_batch_size=32,
+                                       val_every_n_epochs=1, callbacks=[checkpoint]))
+    model = trainer.fit(Regressor(), regression_data(), regression_data(7))
+    test_data = DataLoader(regression_data(5), batch_size=32)
+    last = trainer.test(test_data)["test/loss"]
+    assert trainer.test(model, dataloaders=test_data)["test/loss"] == last
+    with pytest.raises(ConfigError, match="evaluates the model it fitted"):
+        trainer.test(Regressor(), dataloaders=test_data)
+    # ckpt_path="best": the weights of the best validation's step, as a run stopped there has
+    step = int(checkpoint.best_model_path.name.rsplit("_", 1)[1])
+    assert step < trainer.global_step  # (the data makes an earlier epoch the best)
+    best = trainer.test(ckpt_path="best", dataloaders=test_data)["test/loss"]
+    there = Trainer(**trainer_kwargs(tmp_path / "there", max_steps=step, global_batch_size=32))
+    there.fit(Regressor(), regression_data())
+    assert best == pytest.approx(there.test(test_data)["test/loss"], rel=1e-12) and best != last
+    assert trainer.test(ckpt_path="last", dataloaders=test_data)["test/loss"] == last
