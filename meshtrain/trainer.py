@@ -37,6 +37,7 @@ from meshtrain.loop.prediction import predict as predict_all
 from meshtrain.loop.seeding import seed_everything
 from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow
 from meshtrain.module.data_hooks import eval_data, fit_data, needed
+from meshtrain.module.hooks import after_callbacks
 from meshtrain.module.log_buffer import LogBuffer
 from meshtrain.observe.run_log import RunLog
 from meshtrain.observe.step_timer import TimedBatches
@@ -129,8 +130,8 @@ class Trainer:
     # -- fit ------------------------------------------------------------------------------------
     def fit(self, model: ModelLike, train_data: DataLike | None = None,
             val_data: DataLike | None = None, *, datamodule=None, optimizer: Callable | None = None,
-            loss_fn: Callable | None = None, lr_scheduler: Callable | None = None
-            ) -> torch.nn.Module:
+            loss_fn: Callable | None = None, lr_scheduler: Callable | None = None,
+            **lightning) -> torch.nn.Module:
         """Train ``model`` and return it (the same module object the user passed or built).
 
         ``optimizer``: a factory ``params -> Optimizer`` (or the model's
@@ -140,9 +141,10 @@ class Trainer:
         (meshtrain.TrainingModule). Data may be a function that builds the dataset (after the
         model's ``prepare_data()``), a Lightning ``datamodule``, or the model's own
         ``train_dataloader()`` (module/data_hooks.py). Where it resumes from is the
-        ``resume`` setting ("auto": this job's newest checkpoint; a folder; None).
+        ``resume`` setting ("auto": this job's newest checkpoint; a folder; None). Lightning's
+        ``train_dataloaders``, ``val_dataloaders``, ``ckpt_path`` too (module/lightning_calls.py).
         """
-        train_data, val_data = fit_data(self, model, train_data, val_data, datamodule)
+        train_data, val_data = fit_data(self, model, train_data, val_data, datamodule, lightning)
         self.prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
                      lr_scheduler=lr_scheduler)
         if self.ps_server is not None:  # a parameter server: serves until training ends
@@ -213,10 +215,6 @@ class Trainer:
 
         prepare(self, model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
                 lr_scheduler=lr_scheduler)
-
-    def _loader_options(self) -> dict:
-        return {"num_workers": self.num_workers, "pin_memory": self.device_type == "cuda",
-                "loader_seed": self.seed + self.dp_rank}  # (alike where the samples are)
 
     # -- the loop ---------------------------------------------------------------------------------
     def _fit_loop(self) -> None:
@@ -340,7 +338,6 @@ class Trainer:
 
         return run_validation(self)
 
-    # (Lightning's shapes too: the fitted model first, dataloaders=, ckpt_path="best"/"last")
     def validate(self, val_data: DataLike | None = None, dataloaders=None, *, datamodule=None,
                  ckpt_path=None) -> dict[str, float]:
         """Loss and metrics over ``val_data`` (default: the datamodule's or model's
@@ -386,17 +383,17 @@ class Trainer:
 
         restore_trainer(self, path)
 
-    def log(self, name: str, value, *, reduce: str = "mean", prog_bar: bool = False,
-            on_step: bool = True, on_epoch: bool = False) -> None:
+    def log(self, name: str, value, **options) -> None:
         """Log ``value`` from a step or callback, reduced over the data-parallel ranks and the
-        logging interval (or evaluation, or epoch): meshtrain/module/log_buffer.py."""
-        self._logs.add(name, value, reduce=reduce, prog_bar=prog_bar, on_step=on_step,
-                       on_epoch=on_epoch)
+        logging interval (or evaluation, or epoch); ``options``: ``reduce``, ``prog_bar``,
+        ``on_step``, ``on_epoch`` and Lightning's (meshtrain/module/log_buffer.py ``log``)."""
+        self._logs.log(name, value, **options)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Send metrics to the loggers (rank zero); values must already agree across ranks."""
-        self.run_log.log(metrics, self.global_step)
+        self.run_log.log(self._logs.for_loggers(metrics), self.global_step)
 
     def _call(self, hook: str, *args) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(self, *args)
+        after_callbacks(self, hook)  # the module's own (Lightning's names)

@@ -69,6 +69,7 @@ PROBES = {
     "seed": Probe(1),
     "shuffle": Probe(False),
     "val_every_n_steps": Probe(1),
+    "val_every_n_epochs": Probe(1),
     "limit_val_batches": Probe(1),
     "metrics": Probe(["perplexity"]),
     # (run_workers' processes are daemons, which may not start DataLoader workers)

@@ -151,3 +151,113 @@ def test_test_takes_lightnings_arguments(tmp_path):
     there.fit(Regressor(), regression_data())
     assert best == pytest.approx(there.test(test_data)["test/loss"], rel=1e-12) and best != last
     assert trainer.test(ckpt_path="last", dataloaders=test_data)["test/loss"] == last
+
+
+class Collecting(Regressor):
+    """Lightning's epoch-end pattern: outputs collected per batch, reduced in a hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.errors = []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.errors.append((self(x) - y).abs().mean(1))
+        self.log("val_mse", F.mse_loss(self(x), y), batch_size=len(x), on_epoch=True,
+                 on_step=False)
+        self.log("val_hidden", 1.0, logger=False)
+
+    def on_validation_epoch_end(self):
+        self.log("val_mae", torch.cat(self.errors).mean())
+        self.errors.clear()
+
+    def on_train_epoch_end(self):
+        assert self.lr_schedulers() is None  # (configure_optimizers returned none)
+        self.log("epoch_lr", self.trainer.optimizer.param_groups[0]["lr"])
+
+
+def _collecting(run_dir, layout=None):
+    trainer = Trainer(**trainer_kwargs(run_dir, max_epochs=2, global_batch_size=32,
+                                       val_every_n_epochs=1, layout=layout,
+                                       loggers=["csv"]))
+    trainer.fit(Collecting(), regression_data(), regression_data(7))
+    return dict(trainer.callback_metrics), trainer.run_dir
+
+
+def test_epoch_end_hooks_under_dp_2_log_what_one_process_logs(tmp_path):
+    from meshtrain.launch.spawn import run_workers
+    from meshtrain.observe.loggers.local import read_metrics_csv
+
+    one, run_dir = _collecting(tmp_path / "one")
+    assert {"val_mse", "val_mae", "val_hidden", "epoch_lr"} <= set(one)
+    columns = {k for row in read_metrics_csv(run_dir / "metrics.csv") for k in row}
+    assert "val_mae" in columns and "val_hidden" not in columns  # logger=False
+    for metrics, _ in run_workers(_collecting, 2, args=(tmp_path / "dp", "dp=2"), timeout=120):
+        for name in ("val_mse", "val_mae", "epoch_lr", "train/loss"):
+            assert metrics[name] == pytest.approx(one[name], rel=1e-6), name
+
+
+def test_a_lightning_hook_meshtrain_would_not_call_is_refused(tmp_path, no_processes):
+    class PerBatch(Regressor):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            pass
+
+    class Hooked(Regressor):
+        def on_train_epoch_end(self):
+            pass
+
+    for model, settings, says in [
+            (PerBatch(), {}, "on_train_batch_end is a Lightning hook meshtrain does not call"),
+            (Hooked(), {"layout": "pp=2", "devices": 2}, "under pp the module is split")]:
+        trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, **settings))
+        with pytest.raises(ConfigError, match=says):
+            trainer.fit(model, regression_data())
+        assert trainer.run_dir is None
+
+
+def test_log_takes_lightnings_options_and_refuses_a_wrong_one(tmp_path):
+    seen = {}
+
+    class Weighted(Regressor):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("weighted", 1.0 if batch_idx % 2 == 0 else 0.0,
+                     batch_size=3 if batch_idx % 2 == 0 else 1, on_epoch=True)
+            self.log("smallest", float(batch_idx), reduce_fx="min", on_epoch=True)
+            seen["device"], seen["step"] = self.device, self.global_step
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, global_batch_size=32,
+                                       log_every_n_steps=2))
+    trainer.fit(Weighted(), regression_data())
+    assert trainer.callback_metrics["weighted"] == pytest.approx(0.75)  # (3 * 1 + 1 * 0) / 4
+    assert trainer.callback_metrics["smallest"] == 0.0
+    assert seen == {"device": torch.device("cpu"), "step": 1}
+
+    class Wrong(Regressor):
+        def training_step(self, batch, batch_idx):
+            self.log("x", 1.0, reduce_fx="median")
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(ConfigError, match="reduce_fx='median'; choose"):
+        Trainer(**trainer_kwargs(tmp_path / "wrong", max_steps=1)).fit(Wrong(), regression_data())
+
+
+def test_fit_takes_lightnings_keywords_and_ckpt_path(tmp_path):
+    loader = DataLoader(regression_data(), batch_size=32)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=3, global_batch_size=32,
+                                       save_final_checkpoint=True))
+    trainer.fit(Regressor(lr=0.2), train_dataloaders=loader, val_dataloaders=regression_data(7))
+    assert "val_mse" in trainer.callback_metrics
+    final = trainer.run_dir / "checkpoints" / "final"
+    # continued from step 3 with the checkpoint's optimizer (lr 0.2): as 6 steps in one go
+    again = Trainer(**trainer_kwargs(tmp_path / "again", max_steps=6, global_batch_size=32))
+    again.fit(Regressor(lr=0.05), loader, ckpt_path=final)
+    straight = Trainer(**trainer_kwargs(tmp_path / "straight", max_steps=6,
+                                        global_batch_size=32))
+    one_go = straight.fit(Regressor(lr=0.2), loader)
+    for name, value in one_go.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], value), name
+    with pytest.raises(ConfigError, match="unexpected keyword"):
+        Trainer(**trainer_kwargs(tmp_path / "x", max_steps=1)).fit(
+            Regressor(), regression_data(), train_dataloader=regression_data())

@@ -9,7 +9,7 @@ import datetime
 import pytest
 from parity import F64_TOL, GRAD_NORMS, compare_ranks, run_ranks, train_state
 
-from meshtrain import Trainer
+from meshtrain import Callback, Trainer
 from meshtrain.errors import ConfigError
 
 
@@ -62,3 +62,28 @@ def test_lightnings_fsdp_strategy_with_clipping_trains_as_one_process():
                            precision="32-true"), 2, float64=True)
     compare_ranks(reference, ranks, tol=F64_TOL, relative=True,
                   label="strategy='fsdp' on 2 ranks in float64")
+
+
+def test_a_callback_written_for_lightning_is_refused_at_once_naming_meshtrains_hook():
+    class EpochEnd(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):  # Lightning's arguments
+            pass
+
+    class BatchEnd(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            pass
+
+    class Fine(Callback):
+        def on_train_step_end(self, trainer, metrics):
+            pass
+
+        def on_exception(self, trainer, *args):
+            pass
+
+    with pytest.raises(ConfigError, match=r"meshtrain calls on_train_epoch_end\(trainer\) "
+                                          r"\(Lightning's pl_module is trainer.model\)"):
+        Trainer(callbacks=[EpochEnd()])
+    with pytest.raises(ConfigError, match="on_train_batch_end is a Lightning callback hook that "
+                                          "meshtrain never calls; use on_train_step_start"):
+        Trainer(callbacks=[BatchEnd()])
+    Trainer(callbacks=[Fine()])

@@ -169,6 +169,74 @@ def test_epoch_schedulers_and_validation_as_under_lightning(tmp_path, form):
     assert got["test/loss"] == pytest.approx(want, abs=1e-5)
 
 
+class Hooked(Research):
+    """Lightning's module hooks and logging options: called in the same order, logging the
+    same values."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.build()
+        self.calls, self.correct = [], []
+
+    def on_fit_start(self):
+        self.calls.append("fit_start")
+
+    def on_train_epoch_start(self):
+        self.calls.append(f"epoch_start {self.current_epoch} at {self.global_step}")
+
+    def on_validation_epoch_start(self):
+        self.calls.append("val_start")
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.correct.append((self(x).argmax(1) == y).float())
+        self.log("val_loss", F.cross_entropy(self(x), y), on_step=False, on_epoch=True,
+                 sync_dist=True)
+        self.log("val_worst", F.cross_entropy(self(x), y), reduce_fx="max")
+
+    def on_validation_epoch_end(self):
+        self.log("val_acc", torch.cat(self.correct).mean())
+        self.correct.clear()
+        self.calls.append("val_end")
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log("lr_seen", optimizer.param_groups[0]["lr"], reduce_fx=torch.min,
+                 on_step=False, on_epoch=True)
+
+    def on_train_epoch_end(self):
+        self.log("steps_done", float(self.global_step))
+        self.log_dict({"epoch_twice": 2.0 * self.current_epoch})
+        self.calls.append(f"epoch_end {self.current_epoch}")
+
+    def on_fit_end(self):
+        self.calls.append("fit_end")
+
+
+class MeshHooked(Hooked, meshtrain.TrainingModule):
+    pass
+
+
+class LitHooked(Hooked, lightning.LightningModule):
+    pass
+
+
+@pytest.mark.timeout(120)
+def test_module_hooks_and_logging_options_as_under_lightning(tmp_path):
+    torch.set_num_threads(1)
+    args = dict(LIGHTNING_ARGS, max_steps=-1, max_epochs=2, check_val_every_n_epoch=1)
+    loaders = [DataLoader(images(), batch_size=BATCH), DataLoader(images(64), batch_size=BATCH)]
+    theirs, lit = LitHooked(), lightning.Trainer(**args, default_root_dir=tmp_path / "lightning")
+    lit.fit(theirs, *loaders)
+    del args["max_steps"]
+    trainer = Trainer(**args, default_root_dir=tmp_path / "meshtrain")
+    ours = trainer.fit(MeshHooked(), *loaders)
+    assert ours.calls == theirs.calls
+    for name in ("val_loss", "val_worst", "val_acc", "lr_seen", "steps_done", "epoch_twice"):
+        assert trainer.callback_metrics[name] == pytest.approx(
+            float(lit.callback_metrics[name]), abs=1e-5), name
+
+
 class ImagesData(lightning.LightningDataModule):
     """A LightningDataModule as Lightning users write it (only what they need defined)."""
 

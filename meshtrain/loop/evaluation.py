@@ -7,7 +7,9 @@ from __future__ import annotations
 from meshtrain import checks
 from meshtrain.data.sampler import eval_loader
 from meshtrain.errors import ConfigError
+from meshtrain.loop.state import loader_options
 from meshtrain.module.core import STEP_OF
+from meshtrain.module.hooks import IN_EVALUATION, call
 from meshtrain.module.log_buffer import LogBuffer
 
 
@@ -20,7 +22,7 @@ def evaluate(t, data, prefix: str) -> dict[str, float]:
                          micro_batch_size=t.micro_batch_size, dp_rank=t.dp_rank,
                          dp_degree=t.mesh.layout.batch_degree,
                          max_samples=limit and limit * t.global_batch_size,
-                         **t._loader_options())
+                         **loader_options(t))
     if t.engine.step_call is not None:
         step = STEP_OF[prefix]
         if not callable(getattr(t.model, step, None)):
@@ -28,12 +30,19 @@ def evaluate(t, data, prefix: str) -> dict[str, float]:
                               f"{step}(batch, batch_idx); add one to evaluate it on {prefix} data")
         t.engine.eval_step = step
     training_logs, t._logs = t._logs, LogBuffer()  # what the evaluation logs, on its own
+    start, epoch_start, epoch_end, end = IN_EVALUATION["validation" if prefix == "val"
+                                                       else "test"]
     try:
+        call(t.model, (start, epoch_start))
         values = t.engine.evaluate(loader, t.metrics)
+        call(t.model, (epoch_end,))  # (what it logs is the evaluation's)
+        t._logs.whole()  # (on_epoch or not: the whole evaluation)
         logged = t._logs.take("window", t.mesh.loss_group(), t.device,
                               t.mesh.stage_group())
     finally:
+        training_logs.unlogged |= t._logs.unlogged  # (logger=False: kept from the loggers)
         t._logs = training_logs
+    call(t.model, (end,))
     return {**{f"{prefix}/{k}": v for k, v in values.items()}, **logged}
 
 

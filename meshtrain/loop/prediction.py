@@ -20,6 +20,7 @@ from meshtrain import checks
 from meshtrain.data.batch import to_device
 from meshtrain.data.sampler import eval_loader
 from meshtrain.errors import ConfigError
+from meshtrain.loop.state import loader_options
 
 
 def _whole(out):
@@ -71,7 +72,7 @@ def predict(t, data):
         raise ConfigError("predict needs a dataset with a length (not a stream): the outputs "
                           "are put back in its order")
     loader = eval_loader(dataset, data, micro_batch_size=t.micro_batch_size, dp_rank=t.dp_rank,
-                         dp_degree=t.layout.batch_degree, **t._loader_options())
+                         dp_degree=t.layout.batch_degree, **loader_options(t))
     # a tp or cp group holds the same rows (cp: gathered over the sequence by the engine)
     sends = all(axis is None or axis.get_local_rank() == 0
                 for axis in (t.mesh.axis("tp"), t.mesh.axis("cp")))

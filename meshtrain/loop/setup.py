@@ -25,9 +25,10 @@ from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.world import start_world
 from meshtrain.loop.layout_settings import take_loader_settings
 from meshtrain.loop.seeding import agree_on_initial_state
+from meshtrain.loop.state import loader_options
 from meshtrain.module.configure import Schedule
-from meshtrain.module.hparams import logged
 from meshtrain.module.core import attach, check_module, configured_optimizers, is_manual
+from meshtrain.module.hparams import logged
 from meshtrain.observe.flops import FirstBatchCount, flops_per_item
 from meshtrain.observe.monitor import RunMonitor
 from meshtrain.parallel.apply import apply_layout, build_optimizer, check_model
@@ -70,7 +71,7 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
             micro_batch_size=t.batch_plan.loader_batch_size, dp_rank=t.dp_rank,
             dp_degree=t.layout.batch_degree, shuffle=t.shuffle, seed=t.seed,
             piece_size=t.batch_plan.micro_batch_size if t.layout.degree("pp") > 1 else None,
-            **t._loader_options())
+            **loader_options(t))
         t.checkpoints = CheckpointManager.from_settings(t.run_dir / "checkpoints", t._settings)
         t.checkpoints.on_commit = lambda path, step, seconds: t.monitor.event(
             "checkpoint", f"saved ({seconds:.2f} s from start to commit)", step, path)

@@ -86,3 +86,11 @@ class LoopState:
         self.num_skipped_steps = state.get("num_skipped_steps", 0)
         if state["sampler"] is not None and self.sampler is not None:
             self.sampler.load_state_dict(state["sampler"])
+
+
+def loader_options(t) -> dict:
+    """The DataLoader options of every loader a Trainer ``t`` builds (training, evaluation,
+    prediction): workers, pinned memory on CUDA, the workers' seed (alike where the samples
+    are)."""
+    return {"num_workers": t.num_workers, "pin_memory": t.device_type == "cuda",
+            "loader_seed": t.seed + t.dp_rank}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from meshtrain.module.configure import step_at_epoch_end
+from meshtrain.module.hooks import at_epoch_end
 
 
 def end_step(t, total: int) -> None:
@@ -48,21 +49,24 @@ def end_step(t, total: int) -> None:
 
 
 def end_epoch(t, total: int) -> int | None:
-    """Values logged with ``on_epoch`` go out (every rank takes part); at a whole epoch's end
-    the validation ``val_every_n_epochs`` asks for (not at the last step: fit's own comes
-    then), the snapshot, the hook, then an epoch scheduler's step (Lightning's order).
-    Returns the step validated at, if it did."""
+    """At a whole epoch's end the validation ``val_every_n_epochs`` asks for (at the last step
+    too, in Lightning's order, unless the ranks' models are averaged when the loop ends:
+    fit's own validation comes then) and the module's ``on_train_epoch_end``; then the values
+    logged ``on_epoch`` go out (every rank takes part), the snapshot, the callbacks' hook and
+    an epoch scheduler's step (Lightning's order). Returns the step validated at, if it did."""
+    whole, validated = t.state.epoch_done(), None
+    by_steps = t.val_every_n_steps and t.global_step % t.val_every_n_steps == 0  # just done
+    if whole and t._val_data is not None and t.val_every_n_epochs and not by_steps and \
+            (t.current_epoch + 1) % t.val_every_n_epochs == 0 and \
+            (t.global_step < total or t.engine.averager is None):
+        with t.monitor.timer.paused(), t.state.window.paused():  # not a training step
+            t._run_validation()
+        validated = t.global_step
+    at_epoch_end(t)
     if epoch := t._logs.take("epoch", t.mesh.loss_group(), t.device, t.mesh.stage_group()):
         t.callback_metrics.update(epoch)
         t.log_metrics(epoch)
     t.engine.batch_idx = 0
-    whole, validated = t.state.epoch_done(), None
-    by_steps = t.val_every_n_steps and t.global_step % t.val_every_n_steps == 0  # just done
-    if whole and t._val_data is not None and t.val_every_n_epochs and not by_steps and \
-            (t.current_epoch + 1) % t.val_every_n_epochs == 0 and t.global_step < total:
-        with t.monitor.timer.paused(), t.state.window.paused():  # not a training step
-            t._run_validation()
-        validated = t.global_step
     every = t.checkpoint_every_n_epochs
     if every and (t.current_epoch + 1) % every == 0:  # a snapshot (collective)
         t.checkpoints.save(t.global_step, t.model, t.optimizer, *t.checkpoint_state())

@@ -29,6 +29,7 @@ import torch
 
 from meshtrain.errors import ConfigError
 from meshtrain.module.configure import check_monitor
+from meshtrain.module.hooks import check_hooks
 
 STEP_OF = {"train": "training_step", "val": "validation_step", "test": "test_step"}
 
@@ -145,16 +146,38 @@ class TrainingModule(torch.nn.Module):
         link = self.__dict__.get("_meshtrain_trainer")
         return link.trainer if link is not None else None
 
-    def log(self, name: str, value, *, reduce: str = "mean", prog_bar: bool = False,
-            on_step: bool = True, on_epoch: bool = False) -> None:
-        """Log ``value`` (a number or one-element tensor) under ``name``: see
-        :meth:`meshtrain.Trainer.log`."""
+    def log(self, name: str, value, **options) -> None:
+        """Log ``value`` (a number or one-element tensor) under ``name``; ``options``:
+        ``reduce``, ``prog_bar``, ``on_step``, ``on_epoch`` and Lightning's (``reduce_fx``,
+        ``batch_size``, ``logger``, ``sync_dist``, ...): meshtrain/module/log_buffer.py."""
         if self.trainer is None:
             raise ConfigError(f"{type(self).__name__}.log({name!r}, ...) was called outside "
                               "fit/validate/test; log from training_step, validation_step or "
                               "a callback")
-        self.trainer.log(name, value, reduce=reduce, prog_bar=prog_bar, on_step=on_step,
-                         on_epoch=on_epoch)
+        self.trainer.log(name, value, **options)
+
+    # Lightning's views of the run, from the Trainer fitting the module
+    global_step = property(lambda self: self.trainer.global_step if self.trainer else 0)
+    current_epoch = property(lambda self: self.trainer.current_epoch if self.trainer else 0)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the module's parameters are (the first one's device; CPU with none)."""
+        first = next(self.parameters(), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    def print(self, *args, **kwargs) -> None:
+        """``print`` on global rank zero only (everywhere before a Trainer holds the module)."""
+        (self.trainer.print if self.trainer is not None else print)(*args, **kwargs)
+
+    def lr_schedulers(self):
+        """The scheduler ``configure_optimizers`` returned (None without one)."""
+        return self.trainer.lr_scheduler if self.trainer is not None else None
+
+    def log_dict(self, dictionary: dict, **options) -> None:
+        """(Lightning's) ``self.log`` of every item, with the same options."""
+        for name, value in dictionary.items():
+            self.log(name, value, **options)
 
 
 class TrainingStep(torch.nn.Module):
@@ -273,6 +296,7 @@ def check_module(model, *, optimizer, loss_fn, val_data, pp: int, metrics,
             check_monitor(schedule, val_data, settings)
     if not has_steps(model):
         return
+    check_hooks(model, pp)
     name = type(model).__name__
     if pp > 1 and is_manual(model):
         raise ConfigError(

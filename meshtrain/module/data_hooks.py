@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from meshtrain.errors import ConfigError
+from meshtrain.module.lightning_calls import eval_arguments, fit_arguments
 
 LOADER_OF = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
              "predict": "predict_dataloader"}
@@ -26,10 +27,12 @@ def defines(source, hook: str) -> bool:
     return callable(method) and not getattr(method, "__qualname__", "").startswith("DataHooks.")
 
 
-def fit_data(trainer, model, train_data, val_data, datamodule):
-    """(train_data, val_data) for ``fit``: as given, else the DataModule's loaders, else the
-    model's own; the DataModule is kept on the trainer for its ``prepare_data`` / ``setup``
-    (meshtrain.loop.setup.prepare_data). ConfigError when there is none, or both."""
+def fit_data(trainer, model, train_data, val_data, datamodule, lightning=None):
+    """(train_data, val_data) for ``fit``: as given (or as Lightning's keywords ``lightning``
+    give them), else the DataModule's loaders, else the model's own; the DataModule is kept on
+    the trainer for its ``prepare_data`` / ``setup`` (meshtrain.loop.setup.prepare_data).
+    ConfigError when there is none, or both."""
+    train_data, val_data = fit_arguments(trainer, train_data, val_data, lightning or {})
     if datamodule is not None:
         if train_data is not None:
             raise ConfigError("fit got both train_data and a datamodule; give one (the "
@@ -61,7 +64,7 @@ def eval_data(trainer, data, datamodule, stage: str, dataloaders=None, ckpt_path
     is none (the caller decides). Lightning's call shapes too: the fitted model first
     (``test(model, dataloaders=...)``), ``ckpt_path`` ("best", "last" or a folder) restored
     before."""
-    data = _lightning_call(trainer, data, dataloaders, ckpt_path, stage)
+    data = eval_arguments(trainer, data, dataloaders, ckpt_path, stage)
     hook = LOADER_OF[stage]
     if datamodule is not None:
         if data is not None:
@@ -78,45 +81,6 @@ def eval_data(trainer, data, datamodule, stage: str, dataloaders=None, ckpt_path
         if source is not None and defines(source, hook):
             return getattr(source, hook)()
     return None
-
-
-def _lightning_call(trainer, data, dataloaders, ckpt_path, stage: str):
-    if isinstance(data, torch.nn.Module):  # Lightning's test(model, ...): the fitted one
-        link = data.__dict__.get("_meshtrain_trainer")
-        if link is None or link.trainer is not trainer:
-            raise ConfigError(
-                f"{stage}({type(data).__name__}, ...): this Trainer evaluates the model it "
-                "fitted (the object given to fit or the one fit returned); give only the data, "
-                "or fit this model with this Trainer first")
-        data = None
-    if dataloaders is not None:
-        if data is not None:
-            raise ConfigError(f"{stage} got both data and dataloaders=; give one")
-        data = dataloaders
-    if ckpt_path is not None:
-        trainer.load_checkpoint(_checkpoint(trainer, ckpt_path, stage))
-    return data
-
-
-def _checkpoint(trainer, ckpt_path, stage: str):
-    """The folder ``ckpt_path`` names: "best" (a ModelCheckpoint's), "last" (the newest)."""
-    from meshtrain.callbacks import ModelCheckpoint
-
-    if ckpt_path == "best":
-        best = [c.best_model_path for c in trainer.callbacks
-                if isinstance(c, ModelCheckpoint) and c.best_model_path is not None]
-        if not best:
-            raise ConfigError(f"{stage}(ckpt_path='best'): no ModelCheckpoint(monitor=...) "
-                              "among the callbacks has saved a best checkpoint")
-        return best[0]
-    if ckpt_path == "last":
-        from meshtrain.checkpoint.manager import latest_complete
-
-        last = latest_complete(trainer.run_dir / "checkpoints") if trainer.run_dir else None
-        if last is None:
-            raise ConfigError(f"{stage}(ckpt_path='last'): this run saved no checkpoint")
-        return last
-    return ckpt_path
 
 
 def needed(data, stage: str):

@@ -5,8 +5,9 @@ are written out, under ``name`` and in ``callback_metrics`` (a callback's ``moni
 
 Each value joins a window (the steps since the last logging interval, or one evaluation) and,
 with ``on_epoch``, the epoch: "mean" averages every value logged in it on every rank (each
-micro-batch's mean loss or accuracy gives the global batch's when micro-batches are equal),
-"sum" adds them, "max" takes the largest. In validation and test the window is the whole
+micro-batch's mean loss or accuracy gives the global batch's when micro-batches are equal;
+weighted by ``weight``: Lightning's ``batch_size``), "sum" adds them, "max" / "min" take the
+largest / smallest. In validation and test the window is the whole
 evaluation; at an epoch's end the epoch's values go out as ``name`` (``name_epoch`` when also
 logged per step).
 The names are gathered from every rank first, so a rank that logged nothing still takes part
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from meshtrain.errors import ConfigError
 
-REDUCTIONS = ("mean", "sum", "max")
+REDUCTIONS = ("mean", "sum", "max", "min")
 
 
 class LogBuffer:
@@ -30,9 +31,45 @@ class LogBuffer:
         self.epoch: dict[str, list] = {}
         self.prog_bar: set[str] = set()
         self.both: set[str] = set()  # logged per step and per epoch: the epoch's is name_epoch
+        self.unlogged: set[str] = set()  # logger=False: callback_metrics and progress bar only
+        self.at_epoch_end = False  # a module's on_train_epoch_end: on_epoch by default
+
+    def for_loggers(self, metrics: dict) -> dict:
+        """``metrics`` less the values logged with ``logger=False``."""
+        return {k: v for k, v in metrics.items()
+                if k not in self.unlogged and k.removesuffix("_epoch") not in self.unlogged}
+
+    def whole(self) -> None:
+        """An evaluation's values: its window and its "epoch" are the same span (the whole
+        evaluation), so what was logged ``on_epoch`` only joins the window."""
+        for name, entry in self.epoch.items():
+            self.window.setdefault(name, entry)
+        self.epoch.clear()
+        self.both.clear()
+
+    def log(self, name: str, value, *, reduce: str = "mean", prog_bar: bool = False,
+            on_step: bool | None = None, on_epoch: bool | None = None, logger: bool = True,
+            reduce_fx=None, batch_size: int | None = None, sync_dist: bool = True,
+            sync_dist_group=None, rank_zero_only: bool = False, enable_graph: bool = False,
+            add_dataloader_idx: bool = True, metric_attribute=None) -> None:
+        """``trainer.log`` / ``self.log``: meshtrain's options and Lightning's. ``reduce_fx``
+        (Lightning's name for ``reduce``: "mean", "sum", "max", "min" or torch.mean, ...);
+        ``batch_size``: the value's weight in a mean; ``logger=False``: not written to the
+        loggers. Values are always reduced over the ranks, so ``sync_dist`` changes nothing
+        (nor do ``sync_dist_group``, ``rank_zero_only``, ``enable_graph``,
+        ``add_dataloader_idx``, ``metric_attribute``)."""
+        if reduce_fx is not None:
+            reduce = _reduction(name, reduce_fx)
+        if batch_size is not None and not (isinstance(batch_size, int) and batch_size > 0):
+            raise ConfigError(f"log({name!r}): batch_size must be a positive integer, got "
+                              f"{batch_size!r}")
+        on_step = not self.at_epoch_end if on_step is None else on_step
+        on_epoch = self.at_epoch_end if on_epoch is None else on_epoch
+        self.add(name, value, reduce=reduce, prog_bar=prog_bar, on_step=on_step,
+                 on_epoch=on_epoch, weight=batch_size or 1, logger=logger)
 
     def add(self, name: str, value, *, reduce: str, prog_bar: bool, on_step: bool,
-            on_epoch: bool) -> None:
+            on_epoch: bool, weight: float = 1.0, logger: bool = True) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"log: the name must be a non-empty string, got {name!r}")
         if reduce not in REDUCTIONS:
@@ -44,16 +81,19 @@ class LogBuffer:
             raise ConfigError(f"log({name!r}): the value must be a number or a one-element "
                               f"tensor, got {type(value).__name__}") from None
         targets = ([self.window] if on_step else []) + ([self.epoch] if on_epoch else [])
+        start = {"max": -float("inf"), "min": float("inf")}.get(reduce, 0.0)
         for target in targets:
-            total, count, kind = target.get(name, [0.0 if reduce != "max" else -float("inf"),
-                                                   0, reduce])
+            total, count, kind = target.get(name, [start, 0, reduce])
             if kind != reduce:
                 raise ConfigError(f"log({name!r}) was called with reduce={kind!r} and then "
                                   f"reduce={reduce!r}; use one reduction per name")
-            total = max(total, value) if reduce == "max" else total + value
-            target[name] = [total, count + 1, reduce]
+            total = max(total, value) if reduce == "max" else min(total, value) \
+                if reduce == "min" else total + value * (weight if reduce == "mean" else 1)
+            target[name] = [total, count + (weight if reduce == "mean" else 1), reduce]
         if prog_bar:
             self.prog_bar.add(name)
+        if not logger:
+            self.unlogged.add(name)
         if on_step and on_epoch:
             self.both.add(name)
 
@@ -91,8 +131,8 @@ class LogBuffer:
         for i, name in enumerate(names):
             if name in values:
                 total, count, kind = values[name]
-                if kind == "max":
-                    maxima[i] = total
+                if kind in ("max", "min"):  # min: the largest of the negated values
+                    maxima[i] = total if kind == "max" else -total
                 else:
                     sums[2 * i], sums[2 * i + 1] = total, count
         if group is not None:
@@ -103,10 +143,21 @@ class LogBuffer:
         for i, name in enumerate(names):
             kind = kinds[name]
             suffix = "_epoch" if which == "epoch" and name in self.both else ""
-            if kind == "max":
-                out[name + suffix] = float(maxima[i])
+            if kind in ("max", "min"):
+                out[name + suffix] = float(maxima[i]) * (1 if kind == "max" else -1)
             elif kind == "sum":
                 out[name + suffix] = float(sums[2 * i])
             else:
                 out[name + suffix] = float(sums[2 * i] / sums[2 * i + 1].clamp(min=1))
         return out
+
+
+def _reduction(name: str, fx) -> str:
+    """Lightning's ``reduce_fx`` (a name or torch's function) as meshtrain's ``reduce``."""
+    names = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min",
+             torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
+    try:
+        return names[fx.lower() if isinstance(fx, str) else fx]
+    except (KeyError, TypeError):
+        raise ConfigError(f"log({name!r}): reduce_fx={fx!r}; choose 'mean', 'sum', 'max' or "
+                          "'min' (or torch.mean, torch.sum, torch.max, torch.min)") from None

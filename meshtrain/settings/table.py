@@ -27,12 +27,13 @@ def _check_loggers(value) -> None:
 
 
 def _check_callbacks(value) -> None:
-    from meshtrain.callbacks import Callback
+    from meshtrain.callbacks import Callback, check_callback
 
     for item in value:
         if not isinstance(item, Callback):
             raise ConfigError(f"callbacks must be Callback objects (subclasses of "
                               f"meshtrain.Callback), got {type(item).__name__}")
+        check_callback(item)
 
 
 def _check_resume(value) -> None:

@@ -1,0 +1,94 @@
+"""Lightning's hooks on the module: the ones meshtrain calls, where (Lightning's order), and the
+ones a module may not define because meshtrain would not call them (refused before start).
+
+Called on every rank, on the module ``fit`` trains: ``on_fit_start`` / ``on_train_start``,
+``on_train_epoch_start``, ``on_train_epoch_end`` (after the epoch's validation; what it logs
+is the epoch's), ``on_before_optimizer_step(optimizer)`` (gradients final), ``on_train_end`` /
+``on_fit_end``; in ``validate`` / ``test`` (and fit's validation): ``on_validation_start``,
+``on_validation_epoch_start``, ``on_validation_epoch_end`` (after the last batch, before the
+values logged are reduced: it may log its own), ``on_validation_end``, and the same for test.
+"""
+
+from __future__ import annotations
+
+from meshtrain.errors import ConfigError
+
+# a meshtrain callback hook -> the module's hooks called with it (after the callbacks')
+WITH_CALLBACKS = {"on_fit_start": ("on_fit_start", "on_train_start"),
+                  "on_train_epoch_start": ("on_train_epoch_start",),
+                  "on_before_optimizer_step": ("on_before_optimizer_step",),
+                  "on_fit_end": ("on_train_end", "on_fit_end")}
+IN_EVALUATION = {stage: tuple(f"on_{stage}_{when}" for when in (
+    "start", "epoch_start", "epoch_end", "end")) for stage in ("validation", "test")}
+CALLED = {h for hooks in (*WITH_CALLBACKS.values(), *IN_EVALUATION.values()) for h in hooks} | {
+    "on_train_epoch_end"}
+
+_INSTEAD = "a Callback's on_train_step_start/on_train_step_end(trainer, ...)"
+NOT_CALLED = {  # the hook -> what to use instead
+    "on_train_batch_start": _INSTEAD, "on_train_batch_end": _INSTEAD,
+    "on_validation_batch_start": "validation_step", "on_validation_batch_end": "validation_step",
+    "on_test_batch_start": "test_step", "on_test_batch_end": "test_step",
+    "on_before_backward": "on_before_optimizer_step (gradients final there)",
+    "on_after_backward": "on_before_optimizer_step (gradients final there)",
+    "on_before_zero_grad": "on_before_optimizer_step",
+    "optimizer_step": "automatic_optimization = False and step in training_step",
+    "optimizer_zero_grad": "automatic_optimization = False and step in training_step",
+    "on_save_checkpoint": "a registered buffer (saved with the model) or a Callback's "
+                          "state_dict() / load_state_dict()",
+    "on_load_checkpoint": "a registered buffer (saved with the model) or a Callback's "
+                          "state_dict() / load_state_dict()",
+    "configure_callbacks": "Trainer(callbacks=[...])",
+    "on_predict_start": "predict_step", "on_predict_end": "predict_step",
+    "on_predict_epoch_start": "predict_step", "on_predict_epoch_end": "predict_step",
+    "on_before_batch_transfer": "the dataset or a collate_fn",
+    "on_after_batch_transfer": "the dataset or a collate_fn",
+    "transfer_batch_to_device": "the dataset or a collate_fn (meshtrain moves tensors itself)",
+}
+_BASES = ("ModelHooks.", "CheckpointHooks.", "DataHooks.", "LightningModule.",
+          "TrainingModule.", "Module.")
+
+
+def defines(model, hook: str) -> bool:
+    """Does ``model``'s class define ``hook`` (not Lightning's or torch's placeholder)?"""
+    method = getattr(type(model), hook, None)
+    return callable(method) and not getattr(method, "__qualname__", "").startswith(_BASES)
+
+
+def check_hooks(model, pp: int) -> None:
+    """Before start: no hook meshtrain would not call; none at all under ``pp`` (a pipeline
+    splits the module into stages: a hook would run on each stage's part)."""
+    name = type(model).__name__
+    for hook, instead in NOT_CALLED.items():
+        if defines(model, hook):
+            raise ConfigError(f"{name}.{hook} is a Lightning hook meshtrain does not call (it "
+                              f"runs a step as micro-batches over the ranks); use {instead}")
+    if pp > 1:
+        used = sorted(h for h in CALLED if defines(model, h))
+        if used:
+            raise ConfigError(f"{name} defines {', '.join(used)}: under pp the module is split "
+                              "into stages and its hooks are not called; use a Callback "
+                              "(Trainer(callbacks=[...])) or a layout without pp")
+
+
+def call(model, hooks, *args) -> None:
+    """Each of ``hooks`` that ``model`` defines, with ``args``."""
+    for hook in hooks:
+        if model is not None and defines(model, hook):
+            getattr(model, hook)(*args)
+
+
+def after_callbacks(trainer, hook: str) -> None:
+    """The module's hooks that go with the callbacks' ``hook`` (Trainer._call)."""
+    args = (trainer.optimizer,) if hook == "on_before_optimizer_step" else ()
+    call(trainer.model, WITH_CALLBACKS.get(hook, ()), *args)
+
+
+def at_epoch_end(trainer) -> None:
+    """The module's ``on_train_epoch_end``: what it logs is the epoch's (Lightning's default
+    there), so it goes out with the epoch's values."""
+    logs = trainer._logs
+    logs.at_epoch_end = True
+    try:
+        call(trainer.model, ("on_train_epoch_end",))
+    finally:
+        logs.at_epoch_end = False
