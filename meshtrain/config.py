@@ -89,10 +89,13 @@ def unknown_key_message(known: dict[str, dict], section: str, key: str, origin: 
 
 
 def resolve(defaults: dict, file_config: dict, overrides: list[str],
-            python_only: Collection[str] = ()) -> dict:
+            python_only: Collection[str] = (), notes: list | None = None) -> dict:
     """Merge ``file_config`` and ``overrides`` onto ``defaults``; reject unknown keys (naming
     the right section of a key written in the wrong one, the closest known key, or that it is
-    one of ``python_only``: see :func:`unknown_key_message`)."""
+    one of ``python_only``: see :func:`unknown_key_message`). torchtitan's names are read as
+    meshtrain's (meshtrain/settings/torchtitan.py), each said in ``notes``."""
+    from meshtrain.settings.torchtitan import from_torchtitan
+
     config = copy.deepcopy(defaults)
 
     def put(section: str, key: str, value, origin: str) -> None:
@@ -110,11 +113,16 @@ def resolve(defaults: dict, file_config: dict, overrides: list[str],
     for section, values in file_config.items():
         if not isinstance(values, dict):
             raise ConfigError(f"top-level key {section!r} must be a [section] table")
-        for key, value in values.items():
-            put(section, key, value, "the config file")
-    for text in join_overrides(list(overrides)):
-        section, key, value = parse_override(text)
-        put(section, key, value, f"override {text!r}")
+    levels = [[(section, key, value, "the config file")
+               for section, values in file_config.items() for key, value in values.items()],
+              [(*parse_override(text), f"override {text!r}")
+               for text in join_overrides(list(overrides))]]
+    levels, said = from_torchtitan(levels, config)
+    for level in levels:
+        for section, key, value, origin in level:
+            put(section, key, value, origin)
+    if notes is not None:
+        notes.extend(said)
     return config
 
 

@@ -96,18 +96,25 @@ def _where(error: BaseException) -> str:
 
 def resolve_config(path: str, overrides: list[str]):
     """(recipe, resolved config, Trainer keywords) for a config file and its overrides."""
+    return resolve_with_notes(path, overrides)[:3]
+
+
+def resolve_with_notes(path: str, overrides: list[str]):
+    """:func:`resolve_config`'s three, and the lines saying which torchtitan names were read
+    as which meshtrain settings."""
     file_config = load_toml(path)
     job = file_config.get("job", {})
     name = job.get("recipe", "char_lm") if isinstance(job, dict) else "char_lm"
     recipe = load_recipe(name, origin=path)
     defaults = copy.deepcopy(recipe.DEFAULTS)
     defaults.setdefault("job", {}).setdefault("recipe", name)
-    config = resolve(defaults, file_config, overrides, settings.python_only())
+    notes: list[str] = []  # torchtitan's names read as meshtrain's
+    config = resolve(defaults, file_config, overrides, settings.python_only(), notes)
     if config.get("logging", {}).get("name") == "auto":  # the job is named after its config
         config["logging"]["name"] = os.path.splitext(os.path.basename(path))[0]
     flat = settings.flatten(config)
     settings.check(flat)  # every Trainer setting's own check, before anything starts
-    return recipe, config, flat
+    return recipe, config, flat, notes
 
 
 def run_config(path: str, overrides: list[str], mode: str = "train", dry_run: bool = False):
@@ -115,13 +122,14 @@ def run_config(path: str, overrides: list[str], mode: str = "train", dry_run: bo
     it (every check made before any process starts; no process group is created) and return
     without training."""
     assert mode in MODES, mode
-    recipe, config, flat = resolve_config(path, overrides)
+    recipe, config, flat, said = resolve_with_notes(path, overrides)
     if os.environ.get("RANK", "0") == "0":
         title = "dry run: " if dry_run else ""
         python_only = [s.name for s in settings.SETTINGS.values() if not s.config]
         note = (f"# Python-only Trainer settings (not in a config): {', '.join(python_only)}\n"
                 if dry_run and flat else "")
-        print(f"# {title}resolved config ({path})\n{dumps_toml(config)}{note}", flush=True)
+        said = "".join(f"# {line}\n" for line in said)
+        print(f"# {title}resolved config ({path})\n{said}{dumps_toml(config)}{note}", flush=True)
     if not dry_run:
         return recipe.run(config, mode=mode)
     check, summary = getattr(recipe, "check", None), None
