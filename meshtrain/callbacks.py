@@ -46,52 +46,6 @@ class Callback:
     def on_exception(self, trainer, error: BaseException) -> None: ...
 
 
-# Lightning's callback hooks that are not meshtrain's: a subclass defining one would never be
-# called (check_callback refuses it, naming meshtrain's nearest)
-_LIGHTNING_HOOKS = {
-    **dict.fromkeys(("on_train_batch_start", "on_train_batch_end"),
-                    "on_train_step_start(trainer) / on_train_step_end(trainer, metrics)"),
-    **dict.fromkeys(("on_validation_epoch_start", "on_validation_batch_start"),
-                    "on_validation_start(trainer)"),
-    **dict.fromkeys(("on_validation_epoch_end", "on_validation_batch_end"),
-                    "on_validation_end(trainer, metrics)"),
-    "on_train_start": "on_fit_start(trainer)", "on_train_end": "on_fit_end(trainer)",
-    **dict.fromkeys(("on_before_backward", "on_after_backward", "on_before_zero_grad"),
-                    "on_before_optimizer_step(trainer)"),
-    **dict.fromkeys(("on_save_checkpoint", "on_load_checkpoint"),
-                    "state_dict() / load_state_dict(state)"),
-    **dict.fromkeys(("on_test_start", "on_test_end", "on_test_epoch_start",
-                     "on_test_epoch_end", "on_test_batch_start", "on_test_batch_end",
-                     "on_predict_start", "on_predict_end", "on_sanity_check_start",
-                     "on_sanity_check_end", "teardown"), None),
-}
-
-
-def check_callback(callback) -> None:
-    """Before start: every hook the callback overrides is called with meshtrain's arguments
-    (Lightning's ``(trainer, pl_module)`` would fail there: the module is ``trainer.model``),
-    and none is a Lightning hook meshtrain never calls."""
-    import inspect
-
-    kind = type(callback).__name__
-    for name, method in inspect.getmembers(type(callback), inspect.isfunction):
-        if name in _LIGHTNING_HOOKS:
-            instead = _LIGHTNING_HOOKS[name]
-            raise ConfigError(f"{kind}.{name} is a Lightning callback hook that meshtrain never "
-                              "calls; " + (f"use {instead}" if instead else "meshtrain has no "
-                                           "such point (test and predict run no callbacks)"))
-        base = getattr(Callback, name, None)
-        if base is None or method is base or not name.startswith("on_"):
-            continue
-        wants = list(inspect.signature(base).parameters)[1:]  # after self
-        try:
-            inspect.signature(method).bind(callback, *wants)
-        except TypeError:
-            raise ConfigError(
-                f"{kind}.{name}{inspect.signature(method)}: meshtrain calls "
-                f"{name}({', '.join(wants)}) (Lightning's pl_module is trainer.model)") from None
-
-
 def _check_mode(mode: str) -> None:
     if mode not in ("min", "max"):
         raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
@@ -102,36 +56,62 @@ def _improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> b
 
 
 class EarlyStopping(Callback):
-    """Stop when ``monitor`` (a validation metric) has not improved for ``patience`` checks."""
+    """Stop when ``monitor`` (a validation metric) has not improved for ``patience`` checks.
+
+    Lightning's options too: ``check_finite`` (stop at a NaN or infinite value),
+    ``stopping_threshold`` (stop once the value is that good), ``divergence_threshold`` (stop
+    once it is worse than that), ``strict=False`` (a validation without the value is skipped,
+    not an error); ``verbose`` changes nothing (the stop is always said)."""
 
     def __init__(self, monitor: str = "val/loss", patience: int = 3, mode: str = "min",
-                 min_delta: float = 0.0):
+                 min_delta: float = 0.0, *, check_finite: bool = True,
+                 stopping_threshold: float | None = None,
+                 divergence_threshold: float | None = None, strict: bool = True,
+                 verbose: bool = False):
         _check_mode(mode)
         if patience < 1:
             raise ConfigError(f"EarlyStopping patience must be at least 1, got {patience}")
         self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
+        self.check_finite, self.strict = check_finite, strict
+        self.stopping_threshold, self.divergence_threshold = stopping_threshold, \
+            divergence_threshold
         self.best = math.inf if mode == "min" else -math.inf
         self.num_bad_checks = 0
         self.stopped_at_step: int | None = None
 
     def on_validation_end(self, trainer, metrics: dict) -> None:
         if self.monitor not in metrics:
+            if not self.strict:
+                return
             raise ConfigError(
                 f"EarlyStopping monitors {self.monitor!r} but validation produced "
                 f"{sorted(metrics)}; set monitor= to one of those"
             )
         value = float(metrics[self.monitor])
+        why = self._why_stop(value)
+        if why is None:
+            return
+        trainer.should_stop = True
+        self.stopped_at_step = trainer.global_step
+        trainer.print(f"early stopping at step {trainer.global_step}: {self.monitor} {why}")
+
+    def _why_stop(self, value: float) -> str | None:
+        better = (lambda a, b: a <= b) if self.mode == "min" else (lambda a, b: a >= b)
+        if self.check_finite and not math.isfinite(value):
+            return f"is {value}"
+        if self.stopping_threshold is not None and better(value, self.stopping_threshold):
+            return f"{value:.4f} reached the stopping threshold {self.stopping_threshold}"
+        if self.divergence_threshold is not None and \
+                not better(value, self.divergence_threshold):
+            return f"{value:.4f} is past the divergence threshold {self.divergence_threshold}"
         if _improved(value, self.best, self.mode, self.min_delta):
             self.best, self.num_bad_checks = value, 0
-            return
+            return None
         self.num_bad_checks += 1
         if self.num_bad_checks >= self.patience:
-            trainer.should_stop = True
-            self.stopped_at_step = trainer.global_step
-            trainer.print(
-                f"early stopping at step {trainer.global_step}: {self.monitor} has not improved "
-                f"for {self.patience} validations (best {self.best:.4f})"
-            )
+            return (f"has not improved for {self.patience} validations (best "
+                    f"{self.best:.4f})")
+        return None
 
 
 class ModelCheckpoint(Callback):
@@ -149,7 +129,20 @@ class ModelCheckpoint(Callback):
 
     def __init__(self, dirpath: str | Path | None = None, monitor: str | None = None,
                  mode: str = "min", save_top_k: int = 1, save_last: bool = True,
-                 every_n_steps: int | None = None):
+                 every_n_steps: int | None = None, *, every_n_train_steps: int | None = None,
+                 filename: str | None = None, save_weights_only: bool = False,
+                 every_n_epochs: int | None = None, verbose: bool = False):
+        # (Lightning's names: every_n_train_steps is every_n_steps; verbose changes nothing)
+        every_n_steps = every_n_train_steps if every_n_steps is None else every_n_steps
+        for given, why in ((filename, "meshtrain names its folders itself (best_step_N, "
+                                      "step_N, last); leave filename out"),
+                           (save_weights_only or None, "a checkpoint holds the whole training "
+                            "state; trainer.whole_model() or the Hugging Face export gives the "
+                            "weights"),
+                           (every_n_epochs not in (None, 1) or None, "Trainer("
+                            "checkpoint_every_n_epochs=N) saves at every N-th epoch's end")):
+            if given is not None:
+                raise ConfigError(f"ModelCheckpoint: {why}")
         _check_mode(mode)
         if save_top_k < 0:
             raise ConfigError(f"save_top_k must be >= 0, got {save_top_k}")

@@ -261,3 +261,39 @@ def test_fit_takes_lightnings_keywords_and_ckpt_path(tmp_path):
     with pytest.raises(ConfigError, match="unexpected keyword"):
         Trainer(**trainer_kwargs(tmp_path / "x", max_steps=1)).fit(
             Regressor(), regression_data(), train_dataloader=regression_data())
+
+
+@pytest.mark.parametrize("options, stop_step", [
+    ({"stopping_threshold": 10.0}, 3),  # the first validation's value is that good
+    ({"divergence_threshold": 1e-6}, 3),  # ... and worse than that
+    ({"monitor": "val_nan"}, 3),  # check_finite
+    ({"monitor": "val_nan", "check_finite": False}, None),
+    ({"monitor": "absent", "strict": False}, None),
+])
+def test_early_stopping_takes_lightnings_options(tmp_path, options, stop_step):
+    class WithNaN(Regressor):
+        def validation_step(self, batch, batch_idx):
+            super().validation_step(batch, batch_idx)
+            self.log("val_nan", float("nan"))
+
+    stopper = meshtrain.EarlyStopping(**{"monitor": "val_mse", "patience": 5, "verbose": True,
+                                         **options})
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=3, global_batch_size=32,
+                                       val_every_n_epochs=1, callbacks=[stopper]))
+    trainer.fit(WithNaN(), regression_data(), regression_data(7))
+    assert stopper.stopped_at_step == stop_step
+    assert trainer.global_step == (stop_step or 9)
+
+
+def test_model_checkpoint_takes_lightnings_names(tmp_path):
+    saver = ModelCheckpoint(every_n_train_steps=2, verbose=True, every_n_epochs=1)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=4, global_batch_size=32,
+                                       callbacks=[saver]))
+    trainer.fit(Regressor(), regression_data())
+    assert {"step_00000002", "step_00000004"} <= {
+        p.name for p in (trainer.run_dir / "checkpoints").iterdir()}
+    for options, says in [({"filename": "{epoch}"}, "names its folders itself"),
+                          ({"save_weights_only": True}, "whole training state"),
+                          ({"every_n_epochs": 2}, "checkpoint_every_n_epochs")]:
+        with pytest.raises(ConfigError, match=says):
+            ModelCheckpoint(**options)

@@ -1,5 +1,6 @@
 """Lightning's hooks on the module: the ones meshtrain calls, where (Lightning's order), and the
-ones a module may not define because meshtrain would not call them (refused before start).
+ones a module may not define because meshtrain would not call them (refused before start);
+and a ``meshtrain.Callback`` written with Lightning's hooks (:func:`check_callback`).
 
 Called on every rank, on the module ``fit`` trains: ``on_fit_start`` / ``on_train_start``,
 ``on_train_epoch_start``, ``on_train_epoch_end`` (after the epoch's validation; what it logs
@@ -10,6 +11,8 @@ values logged are reduced: it may log its own), ``on_validation_end``, and the s
 """
 
 from __future__ import annotations
+
+import inspect
 
 from meshtrain.errors import ConfigError
 
@@ -92,3 +95,49 @@ def at_epoch_end(trainer) -> None:
         call(trainer.model, ("on_train_epoch_end",))
     finally:
         logs.at_epoch_end = False
+
+
+# Lightning's callback hooks that are not meshtrain's: a subclass defining one would never be
+# called (check_callback refuses it, naming meshtrain's nearest)
+_LIGHTNING_HOOKS = {
+    **dict.fromkeys(("on_train_batch_start", "on_train_batch_end"),
+                    "on_train_step_start(trainer) / on_train_step_end(trainer, metrics)"),
+    **dict.fromkeys(("on_validation_epoch_start", "on_validation_batch_start"),
+                    "on_validation_start(trainer)"),
+    **dict.fromkeys(("on_validation_epoch_end", "on_validation_batch_end"),
+                    "on_validation_end(trainer, metrics)"),
+    "on_train_start": "on_fit_start(trainer)", "on_train_end": "on_fit_end(trainer)",
+    **dict.fromkeys(("on_before_backward", "on_after_backward", "on_before_zero_grad"),
+                    "on_before_optimizer_step(trainer)"),
+    **dict.fromkeys(("on_save_checkpoint", "on_load_checkpoint"),
+                    "state_dict() / load_state_dict(state)"),
+    **dict.fromkeys(("on_test_start", "on_test_end", "on_test_epoch_start",
+                     "on_test_epoch_end", "on_test_batch_start", "on_test_batch_end",
+                     "on_predict_start", "on_predict_end", "on_sanity_check_start",
+                     "on_sanity_check_end", "teardown"), None),
+}
+
+
+def check_callback(callback) -> None:
+    """Before start: every hook the callback overrides is called with meshtrain's arguments
+    (Lightning's ``(trainer, pl_module)`` would fail there: the module is ``trainer.model``),
+    and none is a Lightning hook meshtrain never calls."""
+    from meshtrain.callbacks import Callback
+
+    kind = type(callback).__name__
+    for name, method in inspect.getmembers(type(callback), inspect.isfunction):
+        if name in _LIGHTNING_HOOKS:
+            instead = _LIGHTNING_HOOKS[name]
+            raise ConfigError(f"{kind}.{name} is a Lightning callback hook that meshtrain never "
+                              "calls; " + (f"use {instead}" if instead else "meshtrain has no "
+                                           "such point (test and predict run no callbacks)"))
+        base = getattr(Callback, name, None)
+        if base is None or method is base or not name.startswith("on_"):
+            continue
+        wants = list(inspect.signature(base).parameters)[1:]  # after self
+        try:
+            inspect.signature(method).bind(callback, *wants)
+        except TypeError:
+            raise ConfigError(
+                f"{kind}.{name}{inspect.signature(method)}: meshtrain calls "
+                f"{name}({', '.join(wants)}) (Lightning's pl_module is trainer.model)") from None

@@ -27,7 +27,8 @@ def _check_loggers(value) -> None:
 
 
 def _check_callbacks(value) -> None:
-    from meshtrain.callbacks import Callback, check_callback
+    from meshtrain.callbacks import Callback
+    from meshtrain.module.hooks import check_callback
 
     for item in value:
         if not isinstance(item, Callback):
