@@ -235,17 +235,42 @@ class ModelCheckpoint(Callback):
 
 class LearningRateMonitor(Callback):
     """Log each parameter group's learning rate as ``lr`` (``lr/group{i}`` if several): the rate
-    the optimizer step used, read before the step (the scheduler steps at its end)."""
+    the optimizer step used, read before the step (the scheduler steps at its end).
+
+    Lightning's options: ``logging_interval`` "step" (None: the same) or "epoch" (the rate at
+    each epoch's end); ``log_momentum`` (``momentum``: SGD's, or Adam's first beta) and
+    ``log_weight_decay`` (``weight_decay``), named like ``lr``."""
+
+    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
+                 log_weight_decay: bool = False):
+        if logging_interval not in (None, "step", "epoch"):
+            raise ConfigError(f"LearningRateMonitor logging_interval must be 'step', 'epoch' "
+                              f"or None, got {logging_interval!r}")
+        self.per_epoch = logging_interval == "epoch"
+        self.keys = ["lr"] + ["momentum"] * log_momentum + ["weight_decay"] * log_weight_decay
+
+    def _read(self, trainer) -> dict:
+        groups, out = trainer.optimizer.param_groups, {}
+        for key in self.keys:
+            for i, group in enumerate(groups):
+                value = group.get(key) if key != "momentum" else group.get(
+                    "momentum", group.get("betas", (None,))[0])
+                if value is not None:
+                    out[key if len(groups) == 1 else f"{key}/group{i}"] = float(value)
+        return out
 
     def on_train_step_start(self, trainer) -> None:
-        self._lrs = [group["lr"] for group in trainer.optimizer.param_groups]
+        self._values = self._read(trainer)
 
     def on_train_step_end(self, trainer, metrics: dict) -> None:
-        if len(self._lrs) == 1:
-            metrics["lr"] = self._lrs[0]
-        else:
-            for i, lr in enumerate(self._lrs):
-                metrics[f"lr/group{i}"] = lr
+        if not self.per_epoch:
+            metrics.update(self._values)
+
+    def on_train_epoch_end(self, trainer) -> None:
+        if self.per_epoch:
+            values = self._read(trainer)
+            trainer.callback_metrics.update(values)
+            trainer.log_metrics(values)
 
 
 class EMA(Callback):

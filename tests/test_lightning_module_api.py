@@ -13,7 +13,7 @@ from parity import regression_data
 from torch.utils.data import DataLoader
 
 import meshtrain
-from meshtrain import ModelCheckpoint, Trainer
+from meshtrain import LearningRateMonitor, ModelCheckpoint, Trainer
 from meshtrain.errors import ConfigError
 
 
@@ -297,3 +297,21 @@ def test_model_checkpoint_takes_lightnings_names(tmp_path):
                           ({"every_n_epochs": 2}, "checkpoint_every_n_epochs")]:
         with pytest.raises(ConfigError, match=says):
             ModelCheckpoint(**options)
+
+
+def test_learning_rate_monitor_takes_lightnings_options(tmp_path):
+    class Momentum(Regressor):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9,
+                                        weight_decay=0.01)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)]
+
+    monitor = LearningRateMonitor(logging_interval="epoch", log_momentum=True,
+                                  log_weight_decay=True)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_epochs=2, global_batch_size=32,
+                                       callbacks=[monitor]))
+    trainer.fit(Momentum(), regression_data())
+    got = {k: trainer.callback_metrics[k] for k in ("lr", "momentum", "weight_decay")}
+    assert got == {"lr": 0.05 / 2, "momentum": 0.9, "weight_decay": 0.01}  # at the 2nd epoch's end
+    with pytest.raises(ConfigError, match="logging_interval must be"):
+        LearningRateMonitor(logging_interval="batch")
