@@ -35,7 +35,7 @@ from meshtrain.loop.evaluation import evaluate_and_log
 from meshtrain.loop.layout_settings import use_layout
 from meshtrain.loop.prediction import predict as predict_all
 from meshtrain.loop.seeding import seed_everything
-from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow
+from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow, stepping_batches
 from meshtrain.module.data_hooks import eval_data, fit_data, needed
 from meshtrain.module.hooks import after_callbacks
 from meshtrain.module.log_buffer import LogBuffer
@@ -110,6 +110,7 @@ class Trainer:
     num_skipped_steps = property(lambda self: self.state.num_skipped_steps)
     num_rollbacks = property(lambda self: self.state.num_rollbacks)
     is_global_zero = property(lambda self: self.rank == 0)
+    estimated_stepping_batches = property(stepping_batches)  # (Lightning's name)
     val_data = property(lambda self: self._val_data)  # what fit validates on (None: nothing)
 
     # this rank's index among the ranks that see different samples

@@ -315,3 +315,27 @@ def test_learning_rate_monitor_takes_lightnings_options(tmp_path):
     assert got == {"lr": 0.05 / 2, "momentum": 0.9, "weight_decay": 0.01}  # at the 2nd epoch's end
     with pytest.raises(ConfigError, match="logging_interval must be"):
         LearningRateMonitor(logging_interval="batch")
+
+
+@pytest.mark.parametrize("settings, loader_function, want", [
+    ({"max_epochs": 2, "global_batch_size": 32}, False, 6),  # 96 samples: 3 steps an epoch
+    ({"max_epochs": 5, "max_steps": 4, "global_batch_size": 32}, False, 4),
+    ({"max_epochs": 2}, True, 12),  # a loader built by a function after the checks: 16 a step
+])
+def test_estimated_stepping_batches_is_known_to_configure_optimizers(tmp_path, settings,
+                                                                       loader_function, want):
+    seen = []
+
+    class Sized(Regressor):
+        def configure_optimizers(self):
+            seen.append(self.trainer.estimated_stepping_batches)
+            return super().configure_optimizers()
+
+    kwargs = trainer_kwargs(tmp_path, **settings)
+    if "global_batch_size" not in settings:
+        del kwargs["global_batch_size"]  # (the loader's)
+    data = (lambda: DataLoader(regression_data(), batch_size=16)) if loader_function else \
+        regression_data()
+    trainer = Trainer(**kwargs)
+    trainer.fit(Sized(), data)
+    assert seen and set(seen) == {want} and trainer.estimated_stepping_batches == want

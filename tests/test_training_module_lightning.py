@@ -133,6 +133,26 @@ class Scheduled(Research):
                                                          "monitor": "val_loss"}}
 
 
+class OneCycle(Scheduled):
+    """OneCycleLR over the run's steps, as Lightning users size it."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.hparams.lr,
+                                                        total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler,
+                                                         "interval": "step"}}
+
+
+class MeshOneCycle(OneCycle, meshtrain.TrainingModule):
+    pass
+
+
+class LitOneCycle(OneCycle, lightning.LightningModule):
+    pass
+
+
 class MeshScheduled(Scheduled, meshtrain.TrainingModule):
     pass
 
@@ -142,22 +162,24 @@ class LitScheduled(Scheduled, lightning.LightningModule):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("form", ["steplr", "plateau"])
+@pytest.mark.parametrize("form", ["steplr", "plateau", "onecycle"])
 def test_epoch_schedulers_and_validation_as_under_lightning(tmp_path, form):
     torch.set_num_threads(1)
     args = dict(LIGHTNING_ARGS, max_steps=-1, max_epochs=3, check_val_every_n_epoch=1,
                 gradient_clip_val=None)
     loaders = [DataLoader(images(), batch_size=BATCH), DataLoader(images(64), batch_size=BATCH)]
-    theirs = LitScheduled(lr=0.2, form=form)
+    kinds = (LitOneCycle, MeshOneCycle) if form == "onecycle" else (LitScheduled, MeshScheduled)
+    theirs = kinds[0](lr=0.2, form=form)
     lit = lightning.Trainer(**args, default_root_dir=tmp_path / "lightning")
     lit.fit(theirs, *loaders)
     del args["max_steps"]  # (Lightning's -1: no limit)
     trainer = Trainer(**args, default_root_dir=tmp_path / "meshtrain")
-    ours = trainer.fit(MeshScheduled(lr=0.2, form=form), *loaders)
+    ours = trainer.fit(kinds[1](lr=0.2, form=form), *loaders)
+    assert trainer.estimated_stepping_batches == lit.estimated_stepping_batches == 48
     assert ours.hparams.lr == 0.2 and dict(ours.hparams) == dict(theirs.hparams)
     lrs = [group["lr"] for group in trainer.optimizer.param_groups]
     assert lrs == [group["lr"] for group in lit.optimizers[0].param_groups]
-    assert lrs[0] < 0.2 / 2 - 1e-9  # stepped at two epochs' ends at least
+    assert lrs[0] < 0.2 / 2 - 1e-9  # stepped at two epochs' ends at least (one cycle: ended)
     reference = state_of(theirs)
     for name, value in state_of(ours).items():
         assert torch.allclose(value, reference[name], atol=1e-5, rtol=0), name

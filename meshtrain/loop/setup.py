@@ -27,7 +27,9 @@ from meshtrain.loop.layout_settings import take_loader_settings
 from meshtrain.loop.seeding import agree_on_initial_state
 from meshtrain.loop.state import loader_options
 from meshtrain.module.configure import Schedule
-from meshtrain.module.core import attach, check_module, configured_optimizers, is_manual
+from meshtrain.module.core import (
+    attach, check_module, configured_optimizers, is_manual, linked,
+)
 from meshtrain.module.hparams import logged
 from meshtrain.observe.flops import FirstBatchCount, flops_per_item
 from meshtrain.observe.monitor import RunMonitor
@@ -57,6 +59,7 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
             train_data = train_data()
             take_loader_settings(t, train_data)
             train_set = checks.check_data(train_data, t.global_batch_size, t.max_steps)
+            t._train_size = len(train_set) if hasattr(train_set, "__len__") else None
         if checks.is_data_factory(val_data):
             val_data = val_data()
             checks.dataset_of(val_data, "val_data")
@@ -105,10 +108,13 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
                                         max_steps=t.max_steps)
     meta_model = checks.inspect_model(model)
     layout = t.layout or Layout()  # (layout="auto": checked again once planned)
-    check_module(meta_model, optimizer=optimizer, loss_fn=loss_fn, val_data=val_data,
-                 pp=layout.degree("pp"), metrics=t.metrics,
-                 zero1=layout.zero_stage == 1 and layout.degree("dp") > 1,
-                 layout=t.layout, settings={**t._settings, "grad_accum_steps": t.grad_accum_steps})
+    t._train_size = len(train_set) if hasattr(train_set, "__len__") else \
+        "later" if train_set is None else None  # (None: a stream)
+    with linked(meta_model, t):
+        check_module(meta_model, optimizer=optimizer, loss_fn=loss_fn, val_data=val_data,
+                     pp=layout.degree("pp"), metrics=t.metrics,
+                     zero1=layout.zero_stage == 1 and layout.degree("dp") > 1, layout=t.layout,
+                     settings={**t._settings, "grad_accum_steps": t.grad_accum_steps})
     if layout.degree("pp") > 1 and train_set is not None:
         checks.check_pipeline_reads(train_set, train_data, t.num_workers)
     sample_inputs = checks.first_inputs(train_set, 2) if train_set is not None else None
@@ -211,8 +217,9 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
                 "its part")
     if not on_meta:  # a model object built before the Trainer: rank 0's weights everywhere
         agree_on_initial_state(model, t.mesh.everyone(), t.device, t.print)
-    check_module(model, optimizer=optimizer_factory, loss_fn=loss_fn, val_data=t._val_data,
-                 pp=t.layout.degree("pp"), metrics=t.metrics)  # a factory built for real
+    with linked(model, t):  # a factory built for real
+        check_module(model, optimizer=optimizer_factory, loss_fn=loss_fn, val_data=t._val_data,
+                     pp=t.layout.degree("pp"), metrics=t.metrics)
     check_model_layout(t, model, loss_fn)
     t._model_shapes = model_shapes(model)  # before a pipeline keeps only its stages
     # what Trainer.whole_model fills with the trained weights (a factory: built again)

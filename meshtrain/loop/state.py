@@ -94,3 +94,23 @@ def loader_options(t) -> dict:
     are)."""
     return {"num_workers": t.num_workers, "pin_memory": t.device_type == "cuda",
             "loader_seed": t.seed + t.dp_rank}
+
+
+class NotBuiltYet(Exception):
+    """The training data is a function not called yet: the steps are known once it is."""
+
+
+def stepping_batches(t) -> float:
+    """Lightning's ``trainer.estimated_stepping_batches``: the optimizer steps ``fit`` takes
+    (``max_steps``, or ``max_epochs`` x the epoch's whole global batches), known before the
+    loaders exist (a module's ``configure_optimizers`` reads it for OneCycleLR); inf for a
+    stream bounded by epochs only."""
+    if t.state.sampler is not None:
+        return t.total_steps()
+    size = getattr(t, "_train_size", None)
+    if size == "later" and not t.max_steps:
+        raise NotBuiltYet("estimated_stepping_batches: the training data is built later")
+    per_epoch = size // t.global_batch_size if isinstance(size, int) else None
+    by_epochs = t.max_epochs * per_epoch if t.max_epochs and per_epoch is not None else \
+        float("inf")
+    return min(t.max_steps or float("inf"), by_epochs)

@@ -23,12 +23,14 @@ context parallel hook the model's own ``forward``, which the step calls.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 
 from meshtrain.errors import ConfigError
-from meshtrain.module.configure import check_monitor
+from meshtrain.loop.state import NotBuiltYet
+from meshtrain.module.configure import Schedule, check_monitor
 from meshtrain.module.hooks import check_hooks
 
 STEP_OF = {"train": "training_step", "val": "validation_step", "test": "test_step"}
@@ -241,6 +243,25 @@ def check_not_laid_out(model) -> None:
         "whole, earlier_trainer.whole_model() (call it on every rank), or a new model")
 
 
+@contextlib.contextmanager
+def linked(model, trainer):
+    """``model.trainer`` is ``trainer`` for the checks made before start (its
+    ``configure_optimizers`` may read ``self.trainer.estimated_stepping_batches``); the link
+    it had before is put back."""
+    if model is None:
+        yield
+        return
+    before = model.__dict__.get("_meshtrain_trainer")
+    attach(model, trainer)
+    try:
+        yield
+    finally:
+        if before is None:
+            del model.__dict__["_meshtrain_trainer"]
+        else:
+            model.__dict__["_meshtrain_trainer"] = before
+
+
 def attach(model: torch.nn.Module, trainer) -> None:
     """``model.trainer`` is ``trainer`` (not a submodule: nothing changes in its state)."""
     model.__dict__["_meshtrain_trainer"] = TrainerLink(trainer)
@@ -291,7 +312,10 @@ def check_module(model, *, optimizer, loss_fn, val_data, pp: int, metrics,
                           "torch.optim.AdamW(params, lr=1e-3), or define configure_optimizers() "
                           f"on {type(model).__name__}")
     if optimizer is None:  # what configure_optimizers returns is usable (a throw-away)
-        _, _, schedule = configured_optimizers(model, zero1=zero1)
+        try:
+            _, _, schedule = configured_optimizers(model, zero1=zero1)
+        except NotBuiltYet:  # it reads the steps of data not built yet: checked once it is
+            schedule = Schedule()
         if schedule.monitor is not None and settings is not None:
             check_monitor(schedule, val_data, settings)
     if not has_steps(model):
