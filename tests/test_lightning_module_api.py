@@ -339,3 +339,24 @@ def test_estimated_stepping_batches_is_known_to_configure_optimizers(tmp_path, s
     trainer = Trainer(**kwargs)
     trainer.fit(Sized(), data)
     assert seen and set(seen) == {want} and trainer.estimated_stepping_batches == want
+
+
+def _saved_under_zero3(run_dir):
+    trainer = Trainer(**trainer_kwargs(run_dir, max_steps=3, global_batch_size=32,
+                                       layout="zero3=2", save_final_checkpoint=True))
+    trainer.fit(Regressor(width=8, lr=0.1, scheduler="none", note=[1, "a"],
+                          backbone=torch.nn.Linear(1, 1)), regression_data())
+    whole = trainer.whole_model()
+    return {k: v.clone() for k, v in whole.state_dict().items()}, str(trainer.run_dir)
+
+
+def test_load_from_checkpoint_builds_the_module_from_its_saved_hyperparameters(tmp_path):
+    from meshtrain.launch.spawn import run_workers
+
+    (want, run_dir), _ = run_workers(_saved_under_zero3, 2, args=(tmp_path,), timeout=120)
+    model = Regressor.load_from_checkpoint(f"{run_dir}/checkpoints/final")
+    assert dict(model.hparams) == {"width": 8, "lr": 0.1, "scheduler": "none", "note": [1, "a"]}
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, want[name]), name
+    with pytest.raises(RuntimeError, match="size mismatch"):  # given keywords replace them
+        Regressor.load_from_checkpoint(f"{run_dir}/checkpoints/final", width=4)

@@ -27,6 +27,7 @@ from meshtrain.checkpoint.safe_load import load_plain, read_metadata
 from meshtrain.checkpoint.state import TRAINER_STATE
 from meshtrain.errors import ConfigError
 from meshtrain.loop.state import RESUMABLE_STOPS
+from meshtrain.module.hparams import checkpointed
 
 Shapes = dict[str, tuple | None]  # a model's state names -> shapes (None: not a tensor)
 
@@ -276,7 +277,7 @@ def trainer_state(t) -> tuple[dict, dict]:
              or t.global_step >= t.total_steps()}
     summary = {"step": t.global_step, "epoch": t.current_epoch, "layout": str(t.layout),
                "world_size": t.world_size, "metrics": t.callback_metrics,
-               "hparams": t.hparams()}
+               "hparams": t.hparams(), "module_hparams": checkpointed(t.model)}
     return state, summary
 
 

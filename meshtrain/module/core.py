@@ -135,6 +135,16 @@ class TrainingModule(torch.nn.Module):
         self.__dict__["_hparams"] = collect(frame or inspect.currentframe().f_back, args, ignore)
         self.__dict__["_log_hparams"] = logger
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, map_location=None, strict: bool = True,
+                             **kwargs):
+        """(Lightning's) The module built from the hyper-parameters its checkpoint saved
+        (``kwargs`` add to or replace them) with the checkpoint's weights, whole, in this
+        process (a checkpoint of any layout)."""
+        from meshtrain.module.hparams import load_from_checkpoint
+
+        return load_from_checkpoint(cls, checkpoint_path, map_location, strict, **kwargs)
+
     @property
     def hparams(self):
         """What ``save_hyperparameters`` kept (an empty one before), read as attributes."""

@@ -59,3 +59,46 @@ def logged(model) -> dict:
         return {}
     return {f"hparams/{k}": v for k, v in saved.items()
             if v is None or isinstance(v, (bool, int, float, str))}
+
+
+def checkpointed(model) -> dict:
+    """What a checkpoint keeps of ``model``'s saved hyper-parameters (those JSON holds as they
+    are) for ``load_from_checkpoint``; an object among them is given again there."""
+    saved = getattr(model, "__dict__", {}).get("_hparams") or {}
+    return {k: v for k, v in saved.items() if _json_plain(v)}
+
+
+def _json_plain(value) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_json_plain(v) for v in value)
+    return isinstance(value, dict) and all(isinstance(k, str) and _json_plain(v)
+                                           for k, v in value.items())
+
+
+def load_from_checkpoint(cls, checkpoint_path, map_location=None, strict: bool = True,
+                         **kwargs):
+    """``cls`` built from the hyper-parameters saved with the checkpoint (``kwargs`` add to or
+    replace them), holding the checkpoint's weights whole, in this one process."""
+    import json
+    from pathlib import Path
+
+    from meshtrain.checkpoint.safe_load import read_model_state
+    from meshtrain.checkpoint.state import SUMMARY
+
+    summary = Path(checkpoint_path) / SUMMARY
+    saved = json.loads(summary.read_text()).get("module_hparams", {}) if summary.is_file() \
+        else {}
+    try:
+        model = cls(**{**saved, **kwargs})
+    except TypeError as error:
+        raise ConfigError(f"{cls.__name__}.load_from_checkpoint: building {cls.__name__}(**"
+                          f"{sorted({**saved, **kwargs})}) failed ({error}); the checkpoint "
+                          "keeps only the plain hyper-parameters: give the others as "
+                          "keywords") from None
+    state = read_model_state(checkpoint_path)
+    if map_location is not None:
+        state = {k: v.to(map_location) for k, v in state.items()}
+    model.load_state_dict(state, strict=strict)
+    return model
