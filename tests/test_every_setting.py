@@ -70,6 +70,7 @@ PROBES = {
     "shuffle": Probe(False),
     "val_every_n_steps": Probe(1),
     "val_every_n_epochs": Probe(1),
+    "limit_train_batches": Probe(1),
     "limit_val_batches": Probe(1),
     "metrics": Probe(["perplexity"]),
     # (run_workers' processes are daemons, which may not start DataLoader workers)

@@ -360,3 +360,32 @@ def test_load_from_checkpoint_builds_the_module_from_its_saved_hyperparameters(t
         assert torch.equal(value, want[name]), name
     with pytest.raises(RuntimeError, match="size mismatch"):  # given keywords replace them
         Regressor.load_from_checkpoint(f"{run_dir}/checkpoints/final", width=4)
+
+
+def _limited(run_dir, layout=None, max_steps=6):
+    seen = []
+
+    class Recording(Regressor):
+        def training_step(self, batch, batch_idx):
+            seen.append(sorted(batch[0].sum(1).tolist()))
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(**trainer_kwargs(run_dir, max_steps=max_steps, global_batch_size=16,
+                                       limit_train_batches=2, layout=layout))
+    model = trainer.fit(Recording(), regression_data())
+    return seen, trainer.current_epoch, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_limit_train_batches_takes_each_epochs_first_batches(tmp_path):
+    from meshtrain.launch.spawn import run_workers
+
+    seen, epoch, state = _limited(tmp_path / "one")
+    assert epoch == 2 and len(seen) == 6  # 3 epochs of 2 steps (96 samples: 6 batches each)
+    assert len({tuple(step) for step in seen}) == 6  # a new order each epoch
+    ranks = run_workers(_limited, 2, args=(tmp_path / "dp", "dp=2"), timeout=120)
+    for rank_seen, rank_epoch, rank_state in ranks:
+        assert rank_epoch == 2
+        for name, value in state.items():
+            torch.testing.assert_close(rank_state[name], value, rtol=1e-5, atol=1e-6)
+    together = [sorted(a + b) for a, b in zip(ranks[0][0], ranks[1][0])]
+    assert together == [sorted(step) for step in seen]  # the same samples each step

@@ -70,6 +70,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         last_batch: str = "drop",
         piece_size: int | None = None,
+        max_batches: int | None = None,
     ) -> None:
         _check_positive_int("num_samples", num_samples)
         _check_positive_int("global_batch_size", global_batch_size)
@@ -118,6 +119,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         # of every rank together is the global micro-step i of one process with that size
         self.piece_size = micro_batch_size if piece_size is None else piece_size
         assert micro_batch_size % self.piece_size == 0, (micro_batch_size, piece_size)
+        self.max_batches = max_batches  # an epoch: its order's first global batches only
         self.epoch = 0
         self.consumed_samples = 0
 
@@ -125,13 +127,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     @property
     def num_global_batches(self) -> int:
-        """Global batches per epoch: full ones for 'drop', plus the partial one for 'partial'."""
+        """Global batches per epoch: full ones for 'drop', plus the partial one for 'partial'
+        (at most ``max_batches``)."""
         full, tail = divmod(self.num_samples, self.global_batch_size)
-        return full + (1 if tail and self.last_batch == "partial" else 0)
+        whole = full + (1 if tail and self.last_batch == "partial" else 0)
+        return min(whole, self.max_batches or whole)
 
     @property
     def _num_full_batches(self) -> int:
-        return self.num_samples // self.global_batch_size
+        full = self.num_samples // self.global_batch_size
+        return min(full, self.max_batches or full)
 
     def _tail_bounds(self) -> tuple[int, int]:
         """[start, stop) of this rank's part of the partial last batch, relative to its start."""
@@ -274,11 +279,13 @@ def make_loader(dataset, original, batch_sampler, *, num_workers: int, seed: int
 
 def train_loaders(dataset, original, *, global_batch_size: int, micro_batch_size: int,
                   dp_rank: int, dp_degree: int, shuffle: bool, seed: int, num_workers: int,
-                  loader_seed: int, pin_memory: bool, piece_size: int | None = None):
+                  loader_seed: int, pin_memory: bool, piece_size: int | None = None,
+                  max_batches: int | None = None):
     """(sampler, loader) over the training data: a GlobalBatchSampler for a map-style dataset,
     a StreamSampler (meshtrain.data.stream) for an IterableDataset; both keep the position
     that checkpoints save. ``piece_size``: a pipeline's micro-batch size (each draw a whole
-    step of such pieces, laid out as accumulation would read them)."""
+    step of such pieces, laid out as accumulation would read them); ``max_batches``: an
+    epoch's first global batches only (``limit_train_batches``; map-style data)."""
     from meshtrain.data.stream import is_stream, stream_loaders
 
     if is_stream(dataset):
@@ -289,7 +296,7 @@ def train_loaders(dataset, original, *, global_batch_size: int, micro_batch_size
     sampler = GlobalBatchSampler(len(dataset), global_batch_size=global_batch_size,
                                  micro_batch_size=micro_batch_size, dp_rank=dp_rank,
                                  dp_degree=dp_degree, shuffle=shuffle, seed=seed,
-                                 piece_size=piece_size)
+                                 piece_size=piece_size, max_batches=max_batches)
     return sampler, make_loader(dataset, original, sampler, num_workers=num_workers,
                                 seed=loader_seed, pin_memory=pin_memory)
 

@@ -74,7 +74,7 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
             micro_batch_size=t.batch_plan.loader_batch_size, dp_rank=t.dp_rank,
             dp_degree=t.layout.batch_degree, shuffle=t.shuffle, seed=t.seed,
             piece_size=t.batch_plan.micro_batch_size if t.layout.degree("pp") > 1 else None,
-            **loader_options(t))
+            max_batches=t.limit_train_batches, **loader_options(t))
         t.checkpoints = CheckpointManager.from_settings(t.run_dir / "checkpoints", t._settings)
         t.checkpoints.on_commit = lambda path, step, seconds: t.monitor.event(
             "checkpoint", f"saved ({seconds:.2f} s from start to commit)", step, path)
@@ -110,6 +110,9 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
     layout = t.layout or Layout()  # (layout="auto": checked again once planned)
     t._train_size = len(train_set) if hasattr(train_set, "__len__") else \
         "later" if train_set is None else None  # (None: a stream)
+    if t.limit_train_batches and t._train_size is None:
+        raise ConfigError("limit_train_batches needs a map-style dataset (this one is a "
+                          "stream: an IterableDataset); stop by max_steps instead")
     with linked(meta_model, t):
         check_module(meta_model, optimizer=optimizer, loss_fn=loss_fn, val_data=val_data,
                      pp=layout.degree("pp"), metrics=t.metrics,

@@ -111,6 +111,8 @@ def stepping_batches(t) -> float:
     if size == "later" and not t.max_steps:
         raise NotBuiltYet("estimated_stepping_batches: the training data is built later")
     per_epoch = size // t.global_batch_size if isinstance(size, int) else None
+    if per_epoch is not None and t.limit_train_batches:
+        per_epoch = min(per_epoch, t.limit_train_batches)
     by_epochs = t.max_epochs * per_epoch if t.max_epochs and per_epoch is not None else \
         float("inf")
     return min(t.max_steps or float("inf"), by_epochs)

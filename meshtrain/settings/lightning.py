@@ -37,8 +37,8 @@ REFUSED = {
     "accumulate_grad_batches=K on one device is global_batch_size=K*B, micro_batch_size=B",
     "fast_dev_run": "for a quick try: max_steps=1, limit_val_batches=1, "
     "save_final_checkpoint=False, resume='none'",
-    "limit_train_batches": "stop by max_steps, or train on a torch.utils.data.Subset of the "
-    "dataset",
+    "limit_train_batches": "meshtrain's limit_train_batches is a number of batches, not a "
+    "fraction",
     "overfit_batches": "train on a torch.utils.data.Subset of the dataset",
     "num_nodes": "the launcher decides the nodes (torchrun --nnodes, Slurm, `meshtrain run`): "
     "docs/fault_tolerance.md",
@@ -93,11 +93,14 @@ def from_lightning(keywords: dict) -> tuple[dict, list[str]]:
                      f"{said or f'{setting}={value!r}'}")
 
     for name in keywords:
+        if name == "limit_train_batches" and isinstance(keywords[name], int) and \
+                not isinstance(keywords[name], bool):  # a count: meshtrain's setting too
+            continue
         if name in REFUSED and any(keywords[name] is v or (
                 type(keywords[name]) is type(v) and keywords[name] == v) for v in SAME[name]):
             del out[name]
         elif name in REFUSED:
-            raise ConfigError(f"{name} is Lightning's; meshtrain does not take it: "
+            raise ConfigError(f"{name}={keywords[name]!r} (a Lightning argument): "
                               f"{REFUSED[name]}")
         value = keywords[name]
         if name == "gradient_clip_val" and value == 0:  # Lightning's 0: no clipping

@@ -27,6 +27,11 @@ CALLBACK_ARGS: dict[str, dict[str, str]] = {
         "patience": "Stop after this many validations without improvement (at least 1).",
         "mode": '"min": lower is better; "max": higher is better.',
         "min_delta": "An improvement must beat the best value by more than this.",
+        "check_finite": "Stop at a NaN or infinite value.",
+        "stopping_threshold": "Stop once the value is this good; none: not.",
+        "divergence_threshold": "Stop once the value is worse than this; none: not.",
+        "strict": "A validation without the value is an error (False: skipped).",
+        "verbose": "Lightning's; changes nothing (the stop is always said).",
     },
     "ModelCheckpoint": {
         "dirpath": "Where checkpoints go; none: run_dir/checkpoints.",
@@ -35,8 +40,17 @@ CALLBACK_ARGS: dict[str, dict[str, str]] = {
         "save_top_k": "Keep the best k checkpoints by monitor (best_step_*; 0: none).",
         "save_last": "Save checkpoints/last at the end of fit.",
         "every_n_steps": "Also save step_* every N optimizer steps; none: not.",
+        "every_n_train_steps": "Lightning's name for every_n_steps.",
+        "filename": "Lightning's; refused (meshtrain names the folders).",
+        "save_weights_only": "Lightning's; refused (a checkpoint holds the training state).",
+        "every_n_epochs": "Lightning's; 1 or none (Trainer(checkpoint_every_n_epochs=N)).",
+        "verbose": "Lightning's; changes nothing.",
     },
-    "LearningRateMonitor": {},
+    "LearningRateMonitor": {
+        "logging_interval": '"step" (none: the same) or "epoch": when the rates are logged.',
+        "log_momentum": "Also log momentum (SGD's, or Adam's first beta).",
+        "log_weight_decay": "Also log weight_decay.",
+    },
 }
 
 _TYPE_TEXT = {

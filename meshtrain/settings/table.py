@@ -133,6 +133,10 @@ DEFINITIONS = [
     _S("val_every_n_epochs", "trainer", None, "int",
        "Validate at the end of every N-th training epoch and at the end of fit (Lightning's "
        "check_val_every_n_epoch); none: as val_every_n_steps says.", none=True, minimum=1),
+    _S("limit_train_batches", "trainer", None, "int",
+       "Train on the first N global batches (optimizer steps) of each epoch's order, a new "
+       "order each epoch (Lightning's limit_train_batches as a count); none: whole epochs. "
+       "Map-style datasets.", none=True, minimum=1),
     _S("limit_val_batches", "trainer", None, "int",
        "Validate on the first this-many x global_batch_size samples of the validation set (the "
        "same samples under any layout); none: all of them. test() always sees all.",
