@@ -389,3 +389,24 @@ def test_limit_train_batches_takes_each_epochs_first_batches(tmp_path):
             torch.testing.assert_close(rank_state[name], value, rtol=1e-5, atol=1e-6)
     together = [sorted(a + b) for a, b in zip(ranks[0][0], ranks[1][0])]
     assert together == [sorted(step) for step in seen]  # the same samples each step
+
+
+def test_one_optimizer_in_manual_optimisation_is_given_as_itself(tmp_path):
+    class ManualOne(Regressor):
+        automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()  # Lightning's: the optimizer, not a list of one
+            optimizer.zero_grad()
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            optimizer.step()
+            return loss
+
+    states = []
+    for kind in (ManualOne, Regressor):
+        trainer = Trainer(**trainer_kwargs(tmp_path / kind.__name__, max_steps=4,
+                                           global_batch_size=32))
+        states.append(trainer.fit(kind(), regression_data()).state_dict())
+    for name, value in states[1].items():
+        torch.testing.assert_close(states[0][name], value, rtol=0, atol=1e-7)

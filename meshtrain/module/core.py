@@ -110,9 +110,11 @@ class TrainingModule(torch.nn.Module):
         raise NotImplementedError(f"{type(self).__name__} needs a training_step(batch, batch_idx)"
                                   " that returns the loss")
 
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """(manual optimisation) The optimizers ``configure_optimizers`` returned, in order."""
-        return list(self.trainer.optimizer)
+    def optimizers(self):
+        """(manual optimisation) The optimizers ``configure_optimizers`` returned, in order; the
+        one itself when it returned one (as Lightning gives it)."""
+        optimizers = list(self.trainer.optimizer)
+        return optimizers[0] if len(optimizers) == 1 else optimizers
 
     def manual_backward(self, loss: torch.Tensor) -> None:
         """(manual optimisation) ``loss.backward()``, then the gradients averaged over the
