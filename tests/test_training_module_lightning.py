@@ -295,3 +295,11 @@ def test_a_lightning_datamodule_trains_as_under_lightning(tmp_path):
     assert result == pytest.approx(trainer.test(images(64))["test/loss"], rel=1e-6)
     with pytest.raises(meshtrain.ConfigError, match="has no val_dataloader"):
         trainer.validate(datamodule=data)
+
+
+def test_a_lightning_callback_object_is_refused_naming_meshtrains():
+    with pytest.raises(meshtrain.ConfigError, match="use meshtrain.ModelCheckpoint, which takes "
+                                                    "Lightning's arguments"):
+        Trainer(callbacks=[lightning.pytorch.callbacks.ModelCheckpoint(monitor="val_loss")])
+    with pytest.raises(meshtrain.ConfigError, match="write it as a meshtrain.Callback"):
+        Trainer(callbacks=[lightning.pytorch.callbacks.RichProgressBar()])

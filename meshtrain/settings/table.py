@@ -32,8 +32,16 @@ def _check_callbacks(value) -> None:
 
     for item in value:
         if not isinstance(item, Callback):
-            raise ConfigError(f"callbacks must be Callback objects (subclasses of "
-                              f"meshtrain.Callback), got {type(item).__name__}")
+            kind = type(item).__name__
+            ours = kind in ("EarlyStopping", "ModelCheckpoint", "LearningRateMonitor", "EMA")
+            lightning = type(item).__module__.split(".")[0] in ("lightning",
+                                                                 "pytorch_lightning")
+            raise ConfigError(
+                f"callbacks must be Callback objects (subclasses of meshtrain.Callback), got "
+                f"{kind}" + (f" from {type(item).__module__}: use meshtrain.{kind}, which takes "
+                             "Lightning's arguments" if lightning and ours else
+                             " (Lightning's): write it as a meshtrain.Callback, whose hooks take "
+                             "(trainer, ...) (docs/lightning.md)" if lightning else ""))
         check_callback(item)
 
 
