@@ -119,8 +119,14 @@ class TorchMetric(Metric):
             setattr(self.metric, key, part.reshape(self.shapes[key]).to(state.dtype))
         self.metric._update_count = 1
         self.metric._computed = None
-        with self.metric.sync_context(should_sync=False):
+        # no sync of its own: its compute would all-gather the states over the whole world
+        # again (sync_context(should_sync=False) does not stop that; a SumMetric came out
+        # twice its value under dp=2), summing what ranks of one batch shard hold twice
+        to_sync, self.metric._to_sync = self.metric._to_sync, False
+        try:
             return float(self.metric.compute())
+        finally:
+            self.metric._to_sync = to_sync
 
 
 def _is_torchmetric(item) -> bool:

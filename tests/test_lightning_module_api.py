@@ -158,11 +158,18 @@ class Collecting(Regressor):
 
     def __init__(self):
         super().__init__()
-        self.errors = []
+        import torchmetrics
+
+        self.errors, self.mse = [], torchmetrics.MeanSquaredError()
+        self.count = torchmetrics.SumMetric()
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.errors.append((self(x) - y).abs().mean(1))
+        self.mse.update(self(x), y)
+        self.log("val_mse_tm", self.mse)  # a torchmetrics object: over every rank's updates
+        self.count.update(torch.tensor(float(len(x))))
+        self.log("val_count", self.count)  # a sum: the samples of the whole evaluation
         self.log("val_mse", F.mse_loss(self(x), y), batch_size=len(x), on_epoch=True,
                  on_step=False)
         self.log("val_hidden", 1.0, logger=False)
@@ -190,10 +197,12 @@ def test_epoch_end_hooks_under_dp_2_log_what_one_process_logs(tmp_path):
 
     one, run_dir = _collecting(tmp_path / "one")
     assert {"val_mse", "val_mae", "val_hidden", "epoch_lr"} <= set(one)
+    assert one["val_mse_tm"] == pytest.approx(one["val_mse"], rel=1e-6)  # (equal batches)
+    assert one["val_count"] == 96
     columns = {k for row in read_metrics_csv(run_dir / "metrics.csv") for k in row}
     assert "val_mae" in columns and "val_hidden" not in columns  # logger=False
     for metrics, _ in run_workers(_collecting, 2, args=(tmp_path / "dp", "dp=2"), timeout=120):
-        for name in ("val_mse", "val_mae", "epoch_lr", "train/loss"):
+        for name in ("val_mse", "val_mae", "val_mse_tm", "val_count", "epoch_lr", "train/loss"):
             assert metrics[name] == pytest.approx(one[name], rel=1e-6), name
 
 

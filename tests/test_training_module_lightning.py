@@ -303,3 +303,56 @@ def test_a_lightning_callback_object_is_refused_naming_meshtrains():
         Trainer(callbacks=[lightning.pytorch.callbacks.ModelCheckpoint(monitor="val_loss")])
     with pytest.raises(meshtrain.ConfigError, match="write it as a meshtrain.Callback"):
         Trainer(callbacks=[lightning.pytorch.callbacks.RichProgressBar()])
+
+
+class Measured(Research):
+    """torchmetrics objects logged as themselves, as Lightning users log them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.build()
+        import torchmetrics
+
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10)
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10)
+        self.val_mse = torchmetrics.MeanSquaredError()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.train_acc(logits, y)
+        self.log("train_acc_tm", self.train_acc, on_step=True, on_epoch=True)
+        return F.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.val_acc.update(logits, y)
+        self.val_mse.update(logits.softmax(-1)[:, 0], (y == 0).float())
+        self.log("val_acc_tm", self.val_acc)
+        self.log("val_mse_tm", self.val_mse, on_epoch=True, on_step=False)
+
+
+class MeshMeasured(Measured, meshtrain.TrainingModule):
+    pass
+
+
+class LitMeasured(Measured, lightning.LightningModule):
+    pass
+
+
+@pytest.mark.timeout(120)
+def test_torchmetrics_objects_logged_as_under_lightning(tmp_path):
+    pytest.importorskip("torchmetrics")
+    torch.set_num_threads(1)
+    args = dict(LIGHTNING_ARGS, max_steps=-1, max_epochs=2, check_val_every_n_epoch=1)
+    loaders = [DataLoader(images(), batch_size=BATCH), DataLoader(images(64), batch_size=BATCH)]
+    lit = lightning.Trainer(**args, default_root_dir=tmp_path / "lightning")
+    lit.fit(LitMeasured(), *loaders)
+    del args["max_steps"]
+    trainer = Trainer(**args, default_root_dir=tmp_path / "meshtrain")
+    trainer.fit(MeshMeasured(), *loaders)
+    for name in ("val_acc_tm", "val_mse_tm", "train_acc_tm_epoch"):
+        assert trainer.callback_metrics[name] == pytest.approx(
+            float(lit.callback_metrics[name]), abs=1e-5), name

@@ -30,6 +30,7 @@ def evaluate(t, data, prefix: str) -> dict[str, float]:
                               f"{step}(batch, batch_idx); add one to evaluate it on {prefix} data")
         t.engine.eval_step = step
     training_logs, t._logs = t._logs, LogBuffer()  # what the evaluation logs, on its own
+    t._logs.evaluation = True
     start, epoch_start, epoch_end, end = IN_EVALUATION["validation" if prefix == "val"
                                                        else "test"]
     try:

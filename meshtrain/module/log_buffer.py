@@ -33,6 +33,10 @@ class LogBuffer:
         self.both: set[str] = set()  # logged per step and per epoch: the epoch's is name_epoch
         self.unlogged: set[str] = set()  # logger=False: callback_metrics and progress bar only
         self.at_epoch_end = False  # a module's on_train_epoch_end: on_epoch by default
+        self.evaluation = False  # an evaluation's buffer: its window is the whole evaluation
+        # torchmetrics objects logged as themselves: computed from their states summed over
+        # the ranks when the window (in evaluation) or the epoch goes out, then reset
+        self.metrics: dict[str, dict] = {"window": {}, "epoch": {}}
 
     def for_loggers(self, metrics: dict) -> dict:
         """``metrics`` less the values logged with ``logger=False``."""
@@ -65,8 +69,34 @@ class LogBuffer:
                               f"{batch_size!r}")
         on_step = not self.at_epoch_end if on_step is None else on_step
         on_epoch = self.at_epoch_end if on_epoch is None else on_epoch
+        if _is_torchmetric(value):  # Lightning's self.log("acc", self.accuracy)
+            value = self._metric(name, value, on_step, on_epoch)
+            if value is None:
+                self.prog_bar.update([name] if prog_bar else [])
+                self.unlogged.update([] if logger else [name])
+                return
+            if on_epoch:  # (the epoch's value is the metric's own: name_epoch)
+                self.both.add(name)
+            on_epoch = False
         self.add(name, value, reduce=reduce, prog_bar=prog_bar, on_step=on_step,
                  on_epoch=on_epoch, weight=batch_size or 1, logger=logger)
+
+    def _metric(self, name: str, metric, on_step: bool, on_epoch: bool):
+        """Keep a torchmetrics object for the evaluation or the epoch (its states summed over
+        the ranks then); in a training step with ``on_step``, its value on this batch (the
+        last call's, as Lightning logs it) is returned to log as a number."""
+        from meshtrain.metrics import TorchMetric
+
+        if self.evaluation or on_epoch:
+            self.metrics["window" if self.evaluation else "epoch"][name] = TorchMetric(
+                metric, name)
+        if self.evaluation or not on_step:
+            return None
+        if getattr(metric, "_forward_cache", None) is None:
+            raise ConfigError(f"log({name!r}, {type(metric).__name__}): per step, a metric's "
+                              "value is that of its last call: call it on the batch "
+                              "(metric(preds, target)), not only update()")
+        return metric._forward_cache
 
     def add(self, name: str, value, *, reduce: str, prog_bar: bool, on_step: bool,
             on_epoch: bool, weight: float = 1.0, logger: bool = True) -> None:
@@ -115,17 +145,22 @@ class LogBuffer:
 
     def _reduce(self, which: str, group, device) -> dict[str, float]:
         values = self.window if which == "window" else self.epoch
+        metrics = self.metrics[which]
         mine = sorted(values)
         names = mine
+        kinds = {n: values[n][2] for n in mine}
         if group is not None:
             gathered = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, {n: values[n][2] for n in mine}, group=group)
-            kinds = {k: v for part in gathered for k, v in part.items()}
+            dist.all_gather_object(gathered, (kinds, sorted(metrics)), group=group)
+            kinds = {k: v for part, _ in gathered for k, v in part.items()}
             names = sorted(kinds)
+            metric_names = sorted({n for _, part in gathered for n in part})
         else:
-            kinds = {n: values[n][2] for n in mine}
+            metric_names = sorted(metrics)
+        out = {name + ("_epoch" if which == "epoch" and name in self.both else ""): value
+               for name, value in _computed(metrics, metric_names, group, device).items()}
         if not names:
-            return {}
+            return out
         sums = torch.zeros(2 * len(names), dtype=torch.float64, device=device)
         maxima = torch.full((len(names),), -float("inf"), dtype=torch.float64, device=device)
         for i, name in enumerate(names):
@@ -139,7 +174,6 @@ class LogBuffer:
             dist.all_reduce(sums, group=group)
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         values.clear()
-        out = {}
         for i, name in enumerate(names):
             kind = kinds[name]
             suffix = "_epoch" if which == "epoch" and name in self.both else ""
@@ -150,6 +184,28 @@ class LogBuffer:
             else:
                 out[name + suffix] = float(sums[2 * i] / sums[2 * i + 1].clamp(min=1))
         return out
+
+
+def _computed(metrics: dict, names: list[str], group, device) -> dict[str, float]:
+    """Each logged torchmetrics object's value over every rank's updates (its sum states
+    all-reduced over ``group``), then reset; ``names``: the same on every rank."""
+    out = {}
+    for name in names:
+        if name not in metrics:
+            raise ConfigError(f"log({name!r}, <metric>) was called on some ranks only; log it "
+                              "on every rank")
+        kept = metrics.pop(name)
+        state = torch.cat([getattr(kept.metric, k).detach().double().flatten().cpu()
+                           for k in kept.shapes]).to(device)
+        if group is not None:
+            dist.all_reduce(state, group=group)
+        out[name] = kept.compute(state.cpu(), 0.0)
+        kept.metric.reset()
+    return out
+
+
+def _is_torchmetric(value) -> bool:
+    return any(c.__module__.startswith("torchmetrics") for c in type(value).__mro__)
 
 
 def _reduction(name: str, fx) -> str:
