@@ -110,11 +110,12 @@ class Trainer:
     num_skipped_steps = property(lambda self: self.state.num_skipped_steps)
     num_rollbacks = property(lambda self: self.state.num_rollbacks)
     is_global_zero = property(lambda self: self.rank == 0)
-    estimated_stepping_batches = property(stepping_batches)  # (Lightning's name)
     val_data = property(lambda self: self._val_data)  # what fit validates on (None: nothing)
-
     # this rank's index among the ranks that see different samples
     dp_rank = property(lambda self: self.mesh.batch_rank if self.mesh is not None else 0)
+    # Lightning's names (meshtrain runs no sanity validation before training)
+    estimated_stepping_batches, sanity_checking = property(stepping_batches), False
+    global_rank = property(lambda self: self.rank)
 
     def print(self, *args, **kwargs) -> None:
         """``print`` on global rank zero only (through the progress bar when one is live)."""
@@ -200,9 +201,8 @@ class Trainer:
     def check(self, model: ModelLike, train_data: DataLike, val_data: DataLike | None = None,
               *, optimizer: Callable | None = None, loss_fn: Callable | None = None,
               lr_scheduler: Callable | None = None) -> None:
-        """Every check ``fit`` makes before any process starts, and nothing else: the inputs,
-        and the model against the layout on a meta-device copy (no weights, no processes).
-        Raises ConfigError naming the setting and the fix (``meshtrain train --dry-run``)."""
+        """Every check ``fit`` makes before any process starts (the inputs, the model against
+        the layout on a meta-device copy) and nothing else; ConfigError names the fix."""
         from meshtrain.loop.setup import check_before_start
 
         check_before_start(self, model, train_data, val_data, optimizer=optimizer,

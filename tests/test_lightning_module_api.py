@@ -419,3 +419,16 @@ def test_one_optimizer_in_manual_optimisation_is_given_as_itself(tmp_path):
         states.append(trainer.fit(kind(), regression_data()).state_dict())
     for name, value in states[1].items():
         torch.testing.assert_close(states[0][name], value, rtol=0, atol=1e-7)
+
+
+def test_the_trainer_answers_lightnings_questions(tmp_path):
+    seen = {}
+
+    class Asking(Regressor):
+        def on_validation_epoch_end(self):
+            seen["sanity"] = self.trainer.sanity_checking  # Lightning code returns early on it
+            seen["rank"] = (self.trainer.global_rank, self.trainer.is_global_zero)
+
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, global_batch_size=32))
+    trainer.fit(Asking(), regression_data(), regression_data(7))
+    assert seen == {"sanity": False, "rank": (0, True)}
