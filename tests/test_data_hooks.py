@@ -123,3 +123,36 @@ def test_missing_or_doubled_data_is_refused_before_start(tmp_path):
     with pytest.raises(ConfigError, match="has no train_dataloader"):
         trainer.fit(mlp, datamodule=object(), optimizer=adamw, loss_fn=F.mse_loss)
     assert trainer.run_dir is None
+
+
+class SetUp(OwnData):
+    """Lightning's module-as-its-own-datamodule: the datasets made in setup(stage)."""
+
+    def setup(self, stage):
+        self.stages = [*getattr(self, "stages", []), stage]
+        self.train_set = regression_data()
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=16, shuffle=True)  # (set by setup)
+
+    def test_dataloader(self):
+        return DataLoader(regression_data(3), batch_size=16)
+
+    def test_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+
+def test_a_modules_own_setup_runs_before_its_loaders(tmp_path):
+    torch.manual_seed(0)
+    trainer = Trainer(**_settings(tmp_path / "own"))
+    model = trainer.fit(SetUp())
+    assert model.stages == ["fit"]
+    torch.manual_seed(0)
+    reference = Trainer(**_settings(tmp_path / "given", global_batch_size=16)).fit(
+        OwnData(), regression_data())
+    for name, value in state_of(reference).items():
+        torch.testing.assert_close(state_of(model)[name], value, rtol=0, atol=0, msg=name)
+    trainer.test()  # its test_dataloader(), after setup("test")
+    assert model.stages == ["fit", "test"]
+    with pytest.raises(ConfigError, match="setup\\(stage\\) runs before the module's own"):
+        Trainer(**_settings(tmp_path / "x")).fit(SetUp(), regression_data())

@@ -4,7 +4,8 @@ as the data of ``fit``, ``validate``, ``test`` and ``predict``.
 
 Lightning's order is kept: the DataModule's ``prepare_data()`` once per job (global rank 0, or
 each node's first rank with ``prepare_data_per_node``; the others wait), then ``setup(stage)`` on
-every rank, then the loader. A loader so built is data like any other (a DataLoader lends its
+every rank, then the loader; the same for a module's own ``setup`` and loaders (a module with a
+``setup`` and data given to ``fit`` is refused: its setup would not run). A loader so built is data like any other (a DataLoader lends its
 ``batch_size`` and ``shuffle`` where those settings are unset: meshtrain.data.user_loader). A
 real ``LightningDataModule`` works as it is: its hooks left undefined are Lightning's
 placeholders (``DataHooks``), taken as absent.
@@ -46,11 +47,17 @@ def fit_data(trainer, model, train_data, val_data, datamodule, lightning=None):
             val_data = _built_by(datamodule, "validate", setup=False)
         return train_data, val_data
     if train_data is not None:
+        if isinstance(model, torch.nn.Module) and defines(model, "setup"):
+            raise ConfigError(
+                f"{type(model).__name__}.setup(stage) runs before the module's own "
+                "train_dataloader() (after prepare_data, on every rank), and here the data is "
+                "given: it would not run. Move what it does to __init__, or let "
+                "train_dataloader() give the data")
         return train_data, val_data
     if isinstance(model, torch.nn.Module) and defines(model, "train_dataloader"):
         if val_data is None and defines(model, "val_dataloader"):
-            val_data = model.val_dataloader
-        return model.train_dataloader, val_data
+            val_data = _built_by(model, "validate", setup=False)
+        return _built_by(model, "fit"), val_data
     raise ConfigError(
         "fit needs training data: pass train_data (a Dataset, a DataLoader, or a function "
         "that builds one), datamodule=, or define train_dataloader() on the model object"
@@ -79,7 +86,7 @@ def eval_data(trainer, data, datamodule, stage: str, dataloaders=None, ckpt_path
     model = getattr(trainer, "model", None)
     for source in (model, getattr(model, "module", None)):
         if source is not None and defines(source, hook):
-            return getattr(source, hook)()
+            return _built_by(source, stage)()  # (its setup(stage) first, as Lightning's)
     return None
 
 

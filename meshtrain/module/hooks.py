@@ -46,6 +46,7 @@ NOT_CALLED = {  # the hook -> what to use instead
     "on_before_batch_transfer": "the dataset or a collate_fn",
     "on_after_batch_transfer": "the dataset or a collate_fn",
     "transfer_batch_to_device": "the dataset or a collate_fn (meshtrain moves tensors itself)",
+    "teardown": "on_fit_end",
 }
 _BASES = ("ModelHooks.", "CheckpointHooks.", "DataHooks.", "LightningModule.",
           "TrainingModule.", "Module.")
