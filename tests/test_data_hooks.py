@@ -156,3 +156,5 @@ def test_a_modules_own_setup_runs_before_its_loaders(tmp_path):
     assert model.stages == ["fit", "test"]
     with pytest.raises(ConfigError, match="setup\\(stage\\) runs before the module's own"):
         Trainer(**_settings(tmp_path / "x")).fit(SetUp(), regression_data())
+    with pytest.raises(ConfigError, match="would not run on a model fit builds from a function"):
+        Trainer(**_settings(tmp_path / "y")).fit(SetUp, regression_data())

@@ -30,6 +30,7 @@ from meshtrain.module.configure import Schedule
 from meshtrain.module.core import (
     attach, check_module, configured_optimizers, is_manual, linked,
 )
+from meshtrain.module.data_hooks import defines
 from meshtrain.module.hparams import logged
 from meshtrain.observe.flops import FirstBatchCount, flops_per_item
 from meshtrain.observe.monitor import RunMonitor
@@ -107,6 +108,10 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
                                         global_batch_size=t.global_batch_size,
                                         max_steps=t.max_steps)
     meta_model = checks.inspect_model(model)
+    if meta_model is not model and defines(meta_model, "setup"):  # a factory's module
+        raise ConfigError(f"{type(meta_model).__name__}.setup(stage) would not run on a model "
+                          "fit builds from a function; pass the module object (its setup runs "
+                          "before its own train_dataloader()), or move it to __init__")
     layout = t.layout or Layout()  # (layout="auto": checked again once planned)
     t._train_size = len(train_set) if hasattr(train_set, "__len__") else \
         "later" if train_set is None else None  # (None: a stream)
