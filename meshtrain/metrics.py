@@ -129,7 +129,8 @@ class TorchMetric(Metric):
             self.metric._to_sync = to_sync
 
 
-def _is_torchmetric(item) -> bool:
+def is_torchmetric(item) -> bool:
+    """Is ``item`` a torchmetrics metric (told by its classes' modules: no import)?"""
     return type(item).__module__.startswith("torchmetrics") or any(
         c.__module__.startswith("torchmetrics") for c in type(item).__mro__)
 
@@ -145,7 +146,7 @@ def resolve(metrics) -> list[Metric]:
     for item in metrics or ():
         if isinstance(item, str) and item in BUILTIN:
             item = BUILTIN[item]()
-        elif not isinstance(item, Metric) and _is_torchmetric(item):
+        elif not isinstance(item, Metric) and is_torchmetric(item):
             item = TorchMetric(item)
         if not isinstance(item, Metric):
             raise ConfigError(f"unknown metric {item!r} in metrics; use {', '.join(BUILTIN)}, "

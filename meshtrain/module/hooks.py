@@ -27,26 +27,24 @@ CALLED = {h for hooks in (*WITH_CALLBACKS.values(), *IN_EVALUATION.values()) for
     "on_train_epoch_end"}
 
 _INSTEAD = "a Callback's on_train_step_start/on_train_step_end(trainer, ...)"
+_STATE = ("a registered buffer (saved with the model) or a Callback's state_dict() / "
+          "load_state_dict()")
+_TRANSFER = "the dataset or a collate_fn (meshtrain moves tensors itself)"
+_BACKWARD = "on_before_optimizer_step (gradients final there)"
+_MANUAL = "automatic_optimization = False and step in training_step"
 NOT_CALLED = {  # the hook -> what to use instead
-    "on_train_batch_start": _INSTEAD, "on_train_batch_end": _INSTEAD,
-    "on_validation_batch_start": "validation_step", "on_validation_batch_end": "validation_step",
-    "on_test_batch_start": "test_step", "on_test_batch_end": "test_step",
-    "on_before_backward": "on_before_optimizer_step (gradients final there)",
-    "on_after_backward": "on_before_optimizer_step (gradients final there)",
-    "on_before_zero_grad": "on_before_optimizer_step",
-    "optimizer_step": "automatic_optimization = False and step in training_step",
-    "optimizer_zero_grad": "automatic_optimization = False and step in training_step",
-    "on_save_checkpoint": "a registered buffer (saved with the model) or a Callback's "
-                          "state_dict() / load_state_dict()",
-    "on_load_checkpoint": "a registered buffer (saved with the model) or a Callback's "
-                          "state_dict() / load_state_dict()",
-    "configure_callbacks": "Trainer(callbacks=[...])",
-    "on_predict_start": "predict_step", "on_predict_end": "predict_step",
-    "on_predict_epoch_start": "predict_step", "on_predict_epoch_end": "predict_step",
-    "on_before_batch_transfer": "the dataset or a collate_fn",
-    "on_after_batch_transfer": "the dataset or a collate_fn",
-    "transfer_batch_to_device": "the dataset or a collate_fn (meshtrain moves tensors itself)",
-    "teardown": "on_fit_end",
+    **dict.fromkeys(("on_train_batch_start", "on_train_batch_end"), _INSTEAD),
+    **dict.fromkeys(("on_validation_batch_start", "on_validation_batch_end"), "validation_step"),
+    **dict.fromkeys(("on_test_batch_start", "on_test_batch_end"), "test_step"),
+    **dict.fromkeys(("on_before_backward", "on_after_backward", "on_before_zero_grad"),
+                    _BACKWARD),
+    **dict.fromkeys(("optimizer_step", "optimizer_zero_grad"), _MANUAL),
+    **dict.fromkeys(("on_save_checkpoint", "on_load_checkpoint"), _STATE),
+    **dict.fromkeys(("on_predict_start", "on_predict_end", "on_predict_epoch_start",
+                     "on_predict_epoch_end"), "predict_step"),
+    **dict.fromkeys(("on_before_batch_transfer", "on_after_batch_transfer",
+                     "transfer_batch_to_device"), _TRANSFER),
+    "configure_callbacks": "Trainer(callbacks=[...])", "teardown": "on_fit_end",
 }
 _BASES = ("ModelHooks.", "CheckpointHooks.", "DataHooks.", "LightningModule.",
           "TrainingModule.", "Module.")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.errors import ConfigError
+from meshtrain.metrics import is_torchmetric
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 
@@ -69,7 +70,7 @@ class LogBuffer:
                               f"{batch_size!r}")
         on_step = not self.at_epoch_end if on_step is None else on_step
         on_epoch = self.at_epoch_end if on_epoch is None else on_epoch
-        if _is_torchmetric(value):  # Lightning's self.log("acc", self.accuracy)
+        if is_torchmetric(value):  # Lightning's self.log("acc", self.accuracy)
             value = self._metric(name, value, on_step, on_epoch)
             if value is None:
                 self.prog_bar.update([name] if prog_bar else [])
@@ -202,10 +203,6 @@ def _computed(metrics: dict, names: list[str], group, device) -> dict[str, float
         out[name] = kept.compute(state.cpu(), 0.0)
         kept.metric.reset()
     return out
-
-
-def _is_torchmetric(value) -> bool:
-    return any(c.__module__.startswith("torchmetrics") for c in type(value).__mro__)
 
 
 def _reduction(name: str, fx) -> str:
