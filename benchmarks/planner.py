@@ -21,6 +21,10 @@ host allocator keeps resident. Both depend on the allocator the processes run on
 keeps far more than jemalloc (``LD_PRELOAD=.../libjemalloc.so.2``); the JSON records which, and
 ``Cluster.preset("this-machine")`` reads the allowance back for the same allocator.
 
+Before it plans, it measures what a cp collective waits inside a step here (benchmarks/cp_sync.py,
+a job outside the table) and gives it to the estimate (``Cluster.cp_sync``); the JSON keeps it
+for ``Cluster.preset("this-machine")``.
+
 * pick/best: measured step time of the planner's pick over the fastest measured (goal <= 1.10);
 * tau: Kendall's tau between the predicted and the measured order of step times (goal >= 0.7);
 * mem_under_max: the largest amount by which an estimate falls short of the measured peak, in
@@ -46,6 +50,7 @@ import time
 from pathlib import Path
 
 import torch
+from cp_sync import cp_sync
 from harness import end_process_group, machine, table, write_json
 
 from meshtrain.launch.spawn import run_workers
@@ -130,10 +135,16 @@ def main(argv=None) -> int:
     parser.add_argument("--passes", type=int, default=3, help="timed passes over the layouts")
     args = parser.parse_args(argv)
     spec, job = ModelSpec.load(MODEL), Job(GLOBAL_BATCH, SEQ)
+    # what a cp collective waits inside a step here (a job outside the table: cp_sync.py)
+    cluster = Cluster.preset("this-machine", processes=WORLD)
+    sync = cp_sync(WORLD, cluster, args.steps)
+    print(f"cp_sync: {sync['cp_sync'] * 1e3:.1f} ms a cp collective waits in a step beyond its "
+          f"transfer ({', '.join(f'{op} {t * 1e3:.1f} ms' for op, t in sync['in_step_mean'].items())}"
+          f" in a step; the table's {', '.join(f'{t * 1e3:.1f}' for t in sync['table'].values())})",
+          flush=True)
     # the estimate as it counts live tensors (judged against TensorPeak), planned first: its
     # calibration times the model here, on a machine no worker of ours is busy on
-    cluster = dataclasses.replace(Cluster.preset("this-machine", processes=WORLD), reserved=0,
-                                  heap_keep=0.0)
+    cluster = dataclasses.replace(cluster, reserved=0, heap_keep=0.0, cp_sync=sync["cp_sync"])
     estimator = Estimator(spec, cluster, job)
     result = plan(spec, cluster, job, estimator=estimator)
     base, heap_keep = allowance(spec, job, args.steps)
@@ -196,7 +207,8 @@ def main(argv=None) -> int:
                           "passes": spread, "resident_base": base,
                           "allowance": {"allocator": host_allocator(), "reserved": base,
                                         "heap_keep": heap_keep},
-                          "rss_under_max": rss_under, "rss_err_mean": rss_err})
+                          "rss_under_max": rss_under, "rss_err_mean": rss_err,
+                          "cp_sync": {"world": WORLD, **sync}})
     print(f"per pass: pick/best {' '.join(f'{x:.2f}' for x in spread['pick_over_best'])}, "
           f"tau {' '.join(f'{x:.2f}' for x in spread['tau'])}")
     print(f"planner (resident: live tensors + {base / 2**20:.1f} MiB + {heap_keep:.2f} of "

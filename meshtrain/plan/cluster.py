@@ -49,6 +49,11 @@ class Cluster:
     shared_table: dict | None = None
     compute_share: float = 1.0  # of a core per process (this machine: cores / processes)
     drift: float = 0.0  # seconds a collective waits for ranks drifting apart while computing
+    # seconds a cp collective (K/V all-gather, its gradients' reduce-scatter) waits inside a
+    # step beyond its transfer, in place of ``drift``: measured here by benchmarks/cp_sync.py
+    # (cp's collectives sit between uneven bursts of compute: 12-14 ms on 4 processes over 2
+    # cores, 2026-11-29); 0: ``drift``
+    cp_sync: float = 0.0
     # of what a step allocates and frees again (activations, the loss's and the collectives'
     # temporaries), the fraction the host allocator keeps resident (glibc's heap keeps freed
     # chunks): measured on this machine by benchmarks/planner.py; 0 where ``reserved`` is
@@ -131,6 +136,16 @@ def measured_allowance(path: Path) -> tuple[int, float]:
     return int(allowance["reserved"]), float(allowance["heap_keep"])
 
 
+def measured_cp_sync(path: Path, processes: int) -> float:
+    """Seconds a cp collective waits inside a step here as benchmarks/planner.py measured it
+    (``cp_sync`` in its JSON, benchmarks/cp_sync.py) at ``processes`` processes; 0.0 when not
+    measured at that many (the estimate then adds ``drift``)."""
+    if not path.exists():
+        return 0.0
+    measured = json.loads(path.read_text()).get("cp_sync") or {}
+    return float(measured["cp_sync"]) if measured.get("world") == processes else 0.0
+
+
 def host_allocator() -> str:
     """"jemalloc" or "tcmalloc" when this process runs on one (``LD_PRELOAD``), else "glibc"."""
     maps = Path("/proc/self/maps")
@@ -164,9 +179,10 @@ def this_machine(processes: int, comm: str | Path | None = None) -> Cluster:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = min(1.0, cores / processes)
     reserved, heap_keep = measured_allowance(results / "planner.json")
+    cp_sync = measured_cp_sync(results / "planner.json", processes)
     flops = matmul_flops() * share
     return Cluster("this-machine", 1, processes, memory=memory // processes, flops=flops,
-                   compute_share=share, drift=data.get("drift_seconds", 0.0),
+                   compute_share=share, drift=data.get("drift_seconds", 0.0), cp_sync=cp_sync,
                    intra_bw=1e9, inter_bw=1e9, latency=1e-4, reserved=reserved,
                    heap_keep=heap_keep, overlap=0.0,
                    memory_bw=5e9 * min(1.0, cores / processes), dtype="fp32",

@@ -20,7 +20,8 @@ at the cluster's achieved FLOP/s (this machine: the job's model timed, meshtrain
 plus its tensor/context-parallel collectives (exposed) and pipeline sends; a pipeline runs
 ``m + (pp - 1) / v`` micro-batch slots (the bubble; processes sharing a core fill part of it);
 data-parallel collectives, call by call, hide behind ``overlap`` of the compute; each collective
-also waits the cluster's ``drift``; the optimizer step streams its state once; the activations
+also waits the cluster's ``drift`` (a cp collective its ``cp_sync`` where measured: it sits
+between uneven bursts of compute); the optimizer step streams its state once; the activations
 checkpointing drops are written again at the memory bandwidth.
 """
 
@@ -252,7 +253,8 @@ class Estimator:
         inner = layout.degree("tp") * layout.degree("cp")
         tp_cp = 0.0
         for coll in (*probe.block.comm * blocks, *probe.last.comm):  # tp's: shared memory
-            tp_cp += cl.drift + cl.comm_seconds(coll.op, coll.bytes * c.micro_batch, coll.ranks,
+            wait = cl.cp_sync if coll.axis == "cp" and cl.cp_sync else cl.drift
+            tp_cp += wait + cl.comm_seconds(coll.op, coll.bytes * c.micro_batch, coll.ranks,
                                                 crosses_nodes=inner > dpn, shared=coll.axis == "tp")
         pp = layout.degree("pp")
         p2p = 0.0

@@ -47,7 +47,7 @@ _CPU_FLASH = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (4, 0)
 class Collective:
     """One collective: ``op`` as ``meshtrain bench comm`` names it, ``bytes`` as nccl-tests
     sizes it (all_gather: the output; reduce_scatter: the input), over ``ranks`` ranks of mesh
-    axis ``axis`` ("tp", or "" for any other group)."""
+    axis ``axis`` ("tp", "cp", or "" for any other group)."""
 
     op: str
     bytes: int
@@ -88,9 +88,9 @@ class Probe:
 class _Recorder(TorchDispatchMode):
     """FLOPs (on each rank's local shapes), collectives, and which op made each tensor."""
 
-    def __init__(self, tp_group: str | None = None) -> None:
+    def __init__(self, axes: dict[str, str] | None = None) -> None:
         super().__init__()
-        self.tp_group = tp_group  # the name of the tp axis's group: its collectives are tagged
+        self.axes = axes or {}  # {group name: mesh axis} of the tp and cp axes: tags collectives
         self.flops = 0
         self.comm: list[Collective] = []
         self.saved_by_policy: set[int] = set()  # storages made by ops selective checkpointing keeps
@@ -130,7 +130,7 @@ class _Recorder(TorchDispatchMode):
         if _OPS[name] == "all_gather":
             size *= ranks
         self.comm.append(Collective(_OPS[name], size, ranks,
-                                    "tp" if group == self.tp_group else ""))
+                                    self.axes.get(group, "")))
 
 
 def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -172,17 +172,18 @@ def _measure(spec, num_layers: int, tp: int, cp: int, sequence_parallel: bool, s
             model = spec.build(num_layers).to(dtype)
         options, pipeline = default_options(layout, None, None,
                                             sequence_parallel=sequence_parallel)
-        tp_group = None
+        axes = {}
         if layout.degrees:
             from meshtrain.parallel.mesh import ParallelMesh
 
             mesh = ParallelMesh(layout, "cpu")
             (model,) = this_ranks_modules(model, mesh, options, pipeline)
-            tp_group = mesh.axis("tp").get_group().group_name if tp > 1 else None
+            axes = {mesh.axis(axis).get_group().group_name: axis
+                    for axis, degree in (("tp", tp), ("cp", cp)) if degree > 1}
         params = {_storage(p) for p in model.parameters()}
         blocks = spec.blocks(model)
         saved: dict[int, int] = {}
-        recorder = _Recorder(tp_group)
+        recorder = _Recorder(axes)
         marks: dict[str, tuple[int, int]] = {}
         inputs = []
 

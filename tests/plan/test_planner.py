@@ -3,6 +3,8 @@ and clear refusals (meshtrain/plan/)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -159,6 +161,37 @@ def test_processes_sharing_a_core_fill_the_bubble_and_collectives_pay_the_drift(
     probe = probe_model(spec, tp=8, seq_len=S)
     calls = len(probe.block.comm) * spec.num_layers + len(probe.last.comm)
     assert drift.seconds["tp_cp_comm"] - plain == pytest.approx(0.001 * calls * drift.accumulation)
+
+
+def test_cp_collectives_wait_the_measured_cp_sync_instead_of_the_drift():
+    """A cp collective sits between uneven bursts of compute: where its in-step wait is
+    measured (benchmarks/cp_sync.py) it pays that instead of the drift; tp's are unchanged
+    (the probe tags each collective with its mesh axis)."""
+    import dataclasses
+
+    spec, job = ModelSpec.load(GPT), Job(16, S)
+    h100 = dataclasses.replace(Cluster.preset("8xh100"), drift=0.001)
+    probe = probe_model(spec, tp=2, cp=4, seq_len=S)
+    axes = {c.axis for c in (*probe.block.comm, *probe.last.comm)}
+    assert {"tp", "cp"} <= axes
+    cp_calls = sum(c.axis == "cp" for c in probe.block.comm) * spec.num_layers + sum(
+        c.axis == "cp" for c in probe.last.comm)
+    assert cp_calls > 0
+    synced = dataclasses.replace(h100, cp_sync=0.011)
+    for layout, calls in (("cp=4,tp=2", cp_calls), ("tp=8", 0)):
+        before = Estimator(spec, h100, job).estimate(Candidate(layout, 2))
+        after = Estimator(spec, synced, job).estimate(Candidate(layout, 2))
+        assert after.seconds["tp_cp_comm"] - before.seconds["tp_cp_comm"] == pytest.approx(
+            0.010 * calls * after.accumulation)
+
+
+def test_measured_cp_sync_is_read_back_at_its_process_count(tmp_path):
+    from meshtrain.plan.cluster import measured_cp_sync
+
+    path = tmp_path / "planner.json"
+    assert measured_cp_sync(path, 4) == 0.0
+    path.write_text(json.dumps({"cp_sync": {"world": 4, "cp_sync": 0.013}}))
+    assert measured_cp_sync(path, 4) == 0.013 and measured_cp_sync(path, 2) == 0.0
 
 
 def test_shared_memory_prices_fsdp_and_pipeline_sends_and_its_rings_count():
