@@ -3,7 +3,7 @@ layouts of the planner's table (its GPT on 4 processes, benchmarks/planner.py's 
 time, the slower rank's median; peak resident memory during ``fit`` above the size before).
 
 Why: the planner predicts resident memory (issue 53), and under glibc what a process keeps
-above its live tensors swings with the layout (60-133 MiB in results/planner.json) where under
+above its live tensors swings with the layout (60-133 MiB in results/planner_D.json) where under
 jemalloc it stays within 49-72 MiB (results/planner_jemalloc.json). Whether meshtrain's CPU
 workers should run on jemalloc depends on what it costs in speed: this measures both, each
 allocator's runs in a process of their own (``LD_PRELOAD`` is read at process start), the

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 import torch
-from cp_sync import cp_sync
+from cp_sync import cp_sync, summary
 from harness import end_process_group, machine, table, write_json
 
 from meshtrain.launch.spawn import run_workers
@@ -138,10 +138,7 @@ def main(argv=None) -> int:
     # what a cp collective waits inside a step here (a job outside the table: cp_sync.py)
     cluster = Cluster.preset("this-machine", processes=WORLD)
     sync = cp_sync(WORLD, cluster, args.steps)
-    print(f"cp_sync: {sync['cp_sync'] * 1e3:.1f} ms a cp collective waits in a step beyond its "
-          f"transfer ({', '.join(f'{op} {t * 1e3:.1f} ms' for op, t in sync['in_step_mean'].items())}"
-          f" in a step; the table's {', '.join(f'{t * 1e3:.1f}' for t in sync['table'].values())})",
-          flush=True)
+    print(summary(sync), flush=True)
     # the estimate as it counts live tensors (judged against TensorPeak), planned first: its
     # calibration times the model here, on a machine no worker of ours is busy on
     cluster = dataclasses.replace(cluster, reserved=0, heap_keep=0.0, cp_sync=sync["cp_sync"])
@@ -208,7 +205,7 @@ def main(argv=None) -> int:
                           "allowance": {"allocator": host_allocator(), "reserved": base,
                                         "heap_keep": heap_keep},
                           "rss_under_max": rss_under, "rss_err_mean": rss_err,
-                          "cp_sync": {"world": WORLD, **sync}})
+                          "cp_sync": sync})
     print(f"per pass: pick/best {' '.join(f'{x:.2f}' for x in spread['pick_over_best'])}, "
           f"tau {' '.join(f'{x:.2f}' for x in spread['tau'])}")
     print(f"planner (resident: live tensors + {base / 2**20:.1f} MiB + {heap_keep:.2f} of "

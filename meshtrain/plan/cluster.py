@@ -49,11 +49,11 @@ class Cluster:
     shared_table: dict | None = None
     compute_share: float = 1.0  # of a core per process (this machine: cores / processes)
     drift: float = 0.0  # seconds a collective waits for ranks drifting apart while computing
-    # seconds a cp collective (K/V all-gather, its gradients' reduce-scatter) waits inside a
-    # step beyond its transfer, in place of ``drift``: measured here by benchmarks/cp_sync.py
-    # (cp's collectives sit between uneven bursts of compute: 12-14 ms on 4 processes over 2
-    # cores, 2026-11-29); 0: ``drift``
-    cp_sync: float = 0.0
+    # {cp degree: seconds} a cp collective (K/V all-gather, its gradients' reduce-scatter)
+    # waits inside a step beyond its transfer, in place of ``drift``: measured here by
+    # benchmarks/cp_sync.py (cp's collectives sit between uneven bursts of compute: 8-14 ms
+    # on 4 processes over 2 cores, 2026-11-29); a degree not in it pays ``drift``
+    cp_sync: dict | None = None
     # of what a step allocates and frees again (activations, the loss's and the collectives'
     # temporaries), the fraction the host allocator keeps resident (glibc's heap keeps freed
     # chunks): measured on this machine by benchmarks/planner.py; 0 where ``reserved`` is
@@ -136,14 +136,16 @@ def measured_allowance(path: Path) -> tuple[int, float]:
     return int(allowance["reserved"]), float(allowance["heap_keep"])
 
 
-def measured_cp_sync(path: Path, processes: int) -> float:
-    """Seconds a cp collective waits inside a step here as benchmarks/planner.py measured it
-    (``cp_sync`` in its JSON, benchmarks/cp_sync.py) at ``processes`` processes; 0.0 when not
-    measured at that many (the estimate then adds ``drift``)."""
+def measured_cp_sync(path: Path, processes: int) -> dict[int, float] | None:
+    """{cp degree: seconds} a cp collective waits inside a step here as benchmarks/planner.py
+    measured it (``cp_sync`` in its JSON, benchmarks/cp_sync.py) at ``processes`` processes;
+    None when not measured at that many (the estimate then adds ``drift``)."""
     if not path.exists():
-        return 0.0
+        return None
     measured = json.loads(path.read_text()).get("cp_sync") or {}
-    return float(measured["cp_sync"]) if measured.get("world") == processes else 0.0
+    if measured.get("world") != processes:
+        return None
+    return {int(degree): float(seconds) for degree, seconds in measured["cp_sync"].items()}
 
 
 def host_allocator() -> str:

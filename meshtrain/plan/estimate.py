@@ -253,7 +253,8 @@ class Estimator:
         inner = layout.degree("tp") * layout.degree("cp")
         tp_cp = 0.0
         for coll in (*probe.block.comm * blocks, *probe.last.comm):  # tp's: shared memory
-            wait = cl.cp_sync if coll.axis == "cp" and cl.cp_sync else cl.drift
+            wait = (cl.cp_sync or {}).get(coll.ranks, cl.drift) if coll.axis == "cp" else \
+                cl.drift
             tp_cp += wait + cl.comm_seconds(coll.op, coll.bytes * c.micro_batch, coll.ranks,
                                                 crosses_nodes=inner > dpn, shared=coll.axis == "tp")
         pp = layout.degree("pp")

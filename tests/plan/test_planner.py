@@ -177,7 +177,7 @@ def test_cp_collectives_wait_the_measured_cp_sync_instead_of_the_drift():
     cp_calls = sum(c.axis == "cp" for c in probe.block.comm) * spec.num_layers + sum(
         c.axis == "cp" for c in probe.last.comm)
     assert cp_calls > 0
-    synced = dataclasses.replace(h100, cp_sync=0.011)
+    synced = dataclasses.replace(h100, cp_sync={4: 0.011, 2: 0.5})  # (no cp=2 group here)
     for layout, calls in (("cp=4,tp=2", cp_calls), ("tp=8", 0)):
         before = Estimator(spec, h100, job).estimate(Candidate(layout, 2))
         after = Estimator(spec, synced, job).estimate(Candidate(layout, 2))
@@ -189,9 +189,10 @@ def test_measured_cp_sync_is_read_back_at_its_process_count(tmp_path):
     from meshtrain.plan.cluster import measured_cp_sync
 
     path = tmp_path / "planner.json"
-    assert measured_cp_sync(path, 4) == 0.0
-    path.write_text(json.dumps({"cp_sync": {"world": 4, "cp_sync": 0.013}}))
-    assert measured_cp_sync(path, 4) == 0.013 and measured_cp_sync(path, 2) == 0.0
+    assert measured_cp_sync(path, 4) is None
+    path.write_text(json.dumps({"cp_sync": {"world": 4, "cp_sync": {"2": 0.008, "4": 0.013}}}))
+    assert measured_cp_sync(path, 4) == {2: 0.008, 4: 0.013}
+    assert measured_cp_sync(path, 2) is None
 
 
 def test_shared_memory_prices_fsdp_and_pipeline_sends_and_its_rings_count():
