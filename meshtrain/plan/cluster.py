@@ -51,8 +51,9 @@ class Cluster:
     drift: float = 0.0  # seconds a collective waits for ranks drifting apart while computing
     # {cp degree: seconds} a cp collective (K/V all-gather, its gradients' reduce-scatter)
     # waits inside a step beyond its transfer, in place of ``drift``: measured here by
-    # benchmarks/cp_sync.py (cp's collectives sit between uneven bursts of compute: 8-14 ms
-    # on 4 processes over 2 cores, 2026-11-29); a degree not in it pays ``drift``
+    # benchmarks/cp_sync.py (cp's collectives sit between uneven bursts of compute: on 4
+    # processes over 2 cores, a quiet machine, cp=2 6-7 ms, cp=4 11-13 ms, 2026-11-29); a
+    # degree not in it pays ``drift``
     cp_sync: dict | None = None
     # of what a step allocates and frees again (activations, the loss's and the collectives'
     # temporaries), the fraction the host allocator keeps resident (glibc's heap keeps freed
