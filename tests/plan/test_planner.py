@@ -163,6 +163,27 @@ def test_processes_sharing_a_core_fill_the_bubble_and_collectives_pay_the_drift(
     assert drift.seconds["tp_cp_comm"] - plain == pytest.approx(0.001 * calls * drift.accumulation)
 
 
+def test_processes_sharing_a_core_pool_the_stages_work():
+    """Sharing cores, a lighter pipeline stage lends its core while it waits for the heaviest
+    (the last, with the head and the loss): the step's compute is the mean stage's; with a
+    core each, the heaviest stage's."""
+    import dataclasses
+
+    spec, job = ModelSpec.load(GPT), Job(16, S)
+    h100 = Cluster.preset("8xh100")
+    pipeline, flat = Candidate("pp=2,dp=4", 1), Candidate("dp=8", 1)
+    for share in (1.0, 0.5):
+        cluster = dataclasses.replace(h100, compute_share=share)
+        staged = Estimator(spec, cluster, job).estimate(pipeline).seconds["compute"]
+        whole = Estimator(spec, cluster, job).estimate(flat).seconds["compute"]
+        # dp=8 runs every block and both ends on 2 samples; each stage of pp=2,dp=4 half the
+        # blocks and one end on 4: the mean stage's work is the whole model's
+        if share < 1:
+            assert staged == pytest.approx(whole, rel=1e-6)
+        else:
+            assert staged > whole * 1.02
+
+
 def test_cp_collectives_wait_the_measured_cp_sync_instead_of_the_drift():
     """A cp collective sits between uneven bursts of compute: where its in-step wait is
     measured (benchmarks/cp_sync.py) it pays that instead of the drift; tp's are unchanged
