@@ -191,22 +191,26 @@ class Estimator:
                    probe) -> float:
         """Bytes of the shared-memory rings a rank maps where its peers share the host and
         memory (a cluster measured with ``shared_table``: this machine, local_comm="auto"): per
-        peer one it writes and one it reads (meshtrain/parallel/shm/p2p.py), each holding
-        RING_MESSAGES of the largest message: FSDP's share of its largest unit, a pipeline's
+        peer one it writes and one it reads (meshtrain/parallel/shm/p2p.py), each as large as
+        it grows (``ring_bytes``: RING_MESSAGES of the largest message, or twice the first
+        ring where a larger message follows it): FSDP's share of its largest unit after the
+        root unit's, a pipeline's
         activation of one micro-batch, the tp axis's largest collective of one micro-batch
         (an all-reduce sends its whole tensor to each peer with 2 ranks)."""
         if not self.cluster.shared_table:
             return 0.0
-        from meshtrain.parallel.shm.p2p import MIN_RING, RING_MESSAGES
+        from meshtrain.parallel.shm.p2p import ring_bytes
 
-        def rings(peers: int, message: float) -> float:
-            return 2 * peers * max(MIN_RING, RING_MESSAGES * message)
+        def rings(peers: int, message: float, first: float | None = None) -> float:
+            return 2 * peers * ring_bytes(message, first)
 
         total = 0.0
-        if layout.is_sharded:
+        if layout.is_sharded:  # the root unit is gathered first, its chunk the first message
             shards = layout.degree("dp_shard") * layout.degree("cp")
             whole = self.state(layout, rank, v, c.pp_schedule, unsharded=True).params
-            total += rings(shards - 1, max(self._fsdp_units(layout, whole, blocks)) / shards)
+            units = self._fsdp_units(layout, whole, blocks)
+            first = units[-1] if units[-1] > 0 else units[0]
+            total += rings(shards - 1, max(units) / shards, first / shards)
         if layout.degree("pp") > 1:
             total += rings(min(2, layout.degree("pp") - 1), self._stage_message(layout, c))
         tp = [_message(coll) for coll in (*probe.block.comm, *probe.last.comm)

@@ -186,6 +186,38 @@ def test_a_sender_never_overwrites_a_message_its_receiver_has_not_acknowledged(t
     assert not out.retired or min(out.retired) >= min(g for g, *_ in unacked)
 
 
+def test_a_ring_grows_to_what_ring_bytes_says_when_a_larger_message_comes_early(tmp_path,
+                                                                               monkeypatch):
+    # FSDP's rings: the root unit's chunk first, then a block's (larger). Sent before the first
+    # is acknowledged, the larger finds no room beside it and makes the next ring: the size the
+    # planner counts (ring_bytes). Acknowledged first, it fits the first ring: timing decides
+    import os
+
+    from meshtrain.parallel.shm import p2p as shm_p2p
+
+    monkeypatch.setattr(shm_p2p, "MIN_RING", 4096)
+    first, larger = 3000, 4500  # floats: 12,000 and 18,000 bytes
+    for acked_between in (False, True):
+        data_r, data_w = os.pipe()
+        ack_r, ack_w = os.pipe()
+        out = shm_p2p._Outbound(data_w, ack_r, str(tmp_path / f"ring{acked_between}"))
+        out.send(torch.ones(first), tag=0)
+        assert out.capacity == shm_p2p.ring_bytes(first * 4) == 24_000 + 64  # 2 aligned messages
+        if acked_between:
+            os.write(ack_w, shm_p2p.ACK.pack(0))
+        out.send(torch.ones(larger), tag=0)
+        grown = shm_p2p.ring_bytes(larger * 4, first * 4)
+        if acked_between:
+            assert out.capacity < grown
+        else:
+            assert out.capacity == grown == 2 * (24_000 + 64) > 2 * 18_048
+            out.send(torch.ones(larger), tag=0)  # the next block's: room for it
+            assert out.capacity == grown
+        shm_p2p._unlink_unread([out])
+    # messages of one size, two unacknowledged at a time: the first ring holds them
+    assert shm_p2p.ring_bytes(18_000) == 2 * 18_048 and shm_p2p.ring_bytes(100) == 4096
+
+
 def _dead_peer_worker(out: str):
     import json
     import os

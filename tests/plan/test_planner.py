@@ -224,7 +224,7 @@ def test_shared_memory_prices_fsdp_and_pipeline_sends_and_its_rings_count():
     (a GPU preset) nothing changes."""
     import dataclasses
 
-    from meshtrain.parallel.shm.p2p import MIN_RING, RING_MESSAGES
+    from meshtrain.parallel.shm.p2p import MIN_RING, RING_MESSAGES, ring_bytes
 
     spec, job = ModelSpec.load(GPT), Job(16, S)
     gloo = dataclasses.replace(Cluster.preset("8xh100"), name="cpu", dtype="fp32",
@@ -240,9 +240,14 @@ def test_shared_memory_prices_fsdp_and_pipeline_sends_and_its_rings_count():
         assert fast.seconds[part] < slow.seconds[part] / 5
         assert slow.memory["transport"] == 0
     zero3 = Estimator(spec, shm, job)
-    shard = max(zero3._units(Layout.parse("zero3=8", 8), 4)) / 8  # a rank's part of the largest unit (blocks as units)
+    units = zero3._units(Layout.parse("zero3=8", 8), 4)  # blocks as units
+    root = sum(p.numel() for p in spec.build().parameters()) * 4 - sum(units)  # sent first
+    # a ring's first message is the root unit's chunk, then a block's (larger): as large as
+    # it grows (ring_bytes, checked against the rings in tests/parallel/test_shm_p2p.py)
+    shard, first = max(units) / 8, root / 8
+    assert first < shard
     assert zero3.estimate(Candidate("zero3=8", 1)).memory["transport"] == \
-        2 * 7 * max(MIN_RING, RING_MESSAGES * shard)
+        2 * 7 * ring_bytes(shard, first)
     activation = 1 * D * S * 4  # one micro-batch of one sample, fp32
     assert Estimator(spec, shm, job).estimate(Candidate("pp=2,dp=4", 1)).memory["transport"] \
         == 2 * 1 * max(MIN_RING, RING_MESSAGES * activation)
