@@ -34,8 +34,9 @@ Step times and peaks are the median of ``--passes`` passes over all the layouts 
 every layout once, in the same order, so a burst of another job on the machine hits one pass of
 a few layouts, not a layout's every run); pick/best and tau are also given per pass, and the
 estimate's shortfall against each layout's largest peak of any pass, as their spread (a
-sharded layout's peak of live tensors moves by up to 8 % between runs of the same code, with
-the moment a background collective's buffers are freed).
+sharded layout's peak of live tensors moved by up to 8 % between runs of the same code: FSDP's
+shared-memory rings grow, or not, with how soon a peer reads, which the estimate now counts at
+the larger size: ``meshtrain.parallel.shm.p2p.ring_bytes``).
 
     python benchmarks/planner.py [--steps 8] [--passes 3] [--out results/planner.json]
 """
