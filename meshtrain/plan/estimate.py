@@ -194,9 +194,9 @@ class Estimator:
         peer one it writes and one it reads (meshtrain/parallel/shm/p2p.py), each as large as
         it grows (``ring_bytes``: RING_MESSAGES of the largest message, or twice the first
         ring where a larger message follows it): FSDP's share of its largest unit after the
-        root unit's, a pipeline's
-        activation of one micro-batch, the tp axis's largest collective of one micro-batch
-        (an all-reduce sends its whole tensor to each peer with 2 ranks)."""
+        root unit's, a pipeline's activation of one micro-batch, the tp axis's largest
+        collective of one micro-batch (an all-reduce sends its whole tensor to each peer with
+        2 ranks)."""
         if not self.cluster.shared_table:
             return 0.0
         from meshtrain.parallel.shm.p2p import ring_bytes
