@@ -214,6 +214,8 @@ def test_a_ring_grows_to_what_ring_bytes_says_when_a_larger_message_comes_early(
             out.send(torch.ones(larger), tag=0)  # the next block's: room for it
             assert out.capacity == grown
         shm_p2p._unlink_unread([out])
+        for fd in (data_r, data_w, ack_r, ack_w):
+            os.close(fd)
     # messages of one size, two unacknowledged at a time: the first ring holds them
     assert shm_p2p.ring_bytes(18_000) == 2 * 18_048 and shm_p2p.ring_bytes(100) == 4096
 
