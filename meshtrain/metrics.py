@@ -83,7 +83,7 @@ class TorchMetric(Metric):
     meshtrain's sums, reduced over every rank with the loss; ``compute`` puts the totals back
     into its states and calls its own ``compute`` (no sync of its own: the sums are already
     the whole evaluation's). A metric with a state that is not a sum (a list of predictions,
-    a max) is refused, naming it. Logged under ``name`` (default: the class name in lower
+    a max) is refused, naming it (a module's ``self.log(name, metric)`` takes any). Logged under ``name`` (default: the class name in lower
     case, e.g. ``val/multiclassaccuracy``)."""
 
     def __init__(self, metric, name: str | None = None):
@@ -95,8 +95,10 @@ class TorchMetric(Metric):
         if odd:
             raise ConfigError(
                 f"the torchmetrics metric {type(metric).__name__} keeps states {odd} that are "
-                "not sums (lists, maxima, means), which meshtrain does not reduce; write a "
-                "meshtrain.metrics.Metric for it")
+                "not sums (lists, maxima, means), which metrics= does not reduce; log it from "
+                "a module's validation_step instead (self.metric.update(preds, target); "
+                "self.log(name, self.metric): gathered over the ranks as the metric declares) "
+                "or write a meshtrain.metrics.Metric for it")
         self.metric, self.name = metric, name or type(metric).__name__.lower()
         self.shapes = {k: v.shape for k, v in states.items()}
         self.num_sums = sum(v.numel() for v in states.values())

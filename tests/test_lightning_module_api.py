@@ -164,6 +164,8 @@ class Collecting(Regressor):
 
         self.errors, self.mse = [], torchmetrics.MeanSquaredError()
         self.count = torchmetrics.SumMetric()
+        # states that are not sums: the predictions (gathered), a maximum
+        self.spearman, self.worst = torchmetrics.SpearmanCorrCoef(), torchmetrics.MaxMetric()
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -172,6 +174,10 @@ class Collecting(Regressor):
         self.log("val_mse_tm", self.mse)  # a torchmetrics object: over every rank's updates
         self.count.update(torch.tensor(float(len(x))))
         self.log("val_count", self.count)  # a sum: the samples of the whole evaluation
+        self.spearman.update(self(x)[:, 0], y[:, 0])
+        self.log("val_spearman", self.spearman)  # over the whole evaluation's predictions
+        self.worst.update((self(x) - y).abs().max())
+        self.log("val_worst", self.worst)
         self.log("val_mse", F.mse_loss(self(x), y), batch_size=len(x), on_epoch=True,
                  on_step=False)
         self.log("val_hidden", 1.0, logger=False)
@@ -204,7 +210,8 @@ def test_epoch_end_hooks_under_dp_2_log_what_one_process_logs(tmp_path):
     columns = {k for row in read_metrics_csv(run_dir / "metrics.csv") for k in row}
     assert "val_mae" in columns and "val_hidden" not in columns  # logger=False
     for metrics, _ in run_workers(_collecting, 2, args=(tmp_path / "dp", "dp=2"), timeout=120):
-        for name in ("val_mse", "val_mae", "val_mse_tm", "val_count", "epoch_lr", "train/loss"):
+        for name in ("val_mse", "val_mae", "val_mse_tm", "val_count", "val_spearman",
+                     "val_worst", "epoch_lr", "train/loss"):
             assert metrics[name] == pytest.approx(one[name], rel=1e-6), name
 
 
@@ -351,3 +358,35 @@ def test_the_trainer_answers_lightnings_questions(tmp_path):
     trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, global_batch_size=32))
     trainer.fit(Asking(), regression_data(), regression_data(7))
     assert seen == {"sanity": False, "rank": (0, True)}
+
+
+def test_a_metric_collection_goes_through_log_dict(tmp_path):
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class Collected(Regressor):
+        def __init__(self, whole: bool):
+            super().__init__()
+            self.whole = whole
+            self.scores = torchmetrics.MetricCollection(
+                {"val_mae": torchmetrics.MeanAbsoluteError(), "val_max": torchmetrics.MaxMetric()})
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.scores["val_mae"].update(self(x), y)
+            self.scores["val_max"].update((self(x) - y).abs().max())
+            if self.whole:
+                self.log("scores", self.scores)
+            else:
+                self.log_dict(self.scores)
+
+    data = regression_data(7)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, val_every_n_steps=2))
+    model = trainer.fit(Collected(whole=False), regression_data(), data)
+    x, y = data.tensors
+    with torch.no_grad():
+        errors = (model(x) - y).abs()
+    assert trainer.callback_metrics["val_mae"] == pytest.approx(float(errors.mean()), rel=1e-6)
+    assert trainer.callback_metrics["val_max"] == pytest.approx(float(errors.max()), rel=1e-6)
+    with pytest.raises(ConfigError, match=r"self.log_dict\(collection\)"):
+        Trainer(**trainer_kwargs(tmp_path / "b", max_steps=2, val_every_n_steps=2)).fit(
+            Collected(whole=True), regression_data(), data)

@@ -317,6 +317,8 @@ class Measured(Research):
         self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10)
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10)
         self.val_mse = torchmetrics.MeanSquaredError()
+        self.val_auroc = torchmetrics.classification.MulticlassAUROC(num_classes=10)  # (keeps
+        # every prediction: its states are lists, not sums)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -332,6 +334,8 @@ class Measured(Research):
         self.val_mse.update(logits.softmax(-1)[:, 0], (y == 0).float())
         self.log("val_acc_tm", self.val_acc)
         self.log("val_mse_tm", self.val_mse, on_epoch=True, on_step=False)
+        self.val_auroc.update(logits.softmax(-1), y)
+        self.log("val_auroc", self.val_auroc)
 
 
 class MeshMeasured(Measured, meshtrain.TrainingModule):
@@ -353,6 +357,6 @@ def test_torchmetrics_objects_logged_as_under_lightning(tmp_path):
     del args["max_steps"]
     trainer = Trainer(**args, default_root_dir=tmp_path / "meshtrain")
     trainer.fit(MeshMeasured(), *loaders)
-    for name in ("val_acc_tm", "val_mse_tm", "train_acc_tm_epoch"):
+    for name in ("val_acc_tm", "val_mse_tm", "val_auroc", "train_acc_tm_epoch"):
         assert trainer.callback_metrics[name] == pytest.approx(
             float(lit.callback_metrics[name]), abs=1e-5), name

@@ -83,14 +83,14 @@ class LogBuffer:
                  on_epoch=on_epoch, weight=batch_size or 1, logger=logger)
 
     def _metric(self, name: str, metric, on_step: bool, on_epoch: bool):
-        """Keep a torchmetrics object for the evaluation or the epoch (its states summed over
+        """Keep a torchmetrics object for the evaluation or the epoch (its states gathered over
         the ranks then); in a training step with ``on_step``, its value on this batch (the
         last call's, as Lightning logs it) is returned to log as a number."""
-        from meshtrain.metrics import TorchMetric
-
+        if not hasattr(metric, "_reductions"):  # a MetricCollection: Lightning refuses it too
+            raise ConfigError(f"log({name!r}, {type(metric).__name__}): a collection of "
+                              "metrics is logged with self.log_dict(collection)")
         if self.evaluation or on_epoch:
-            self.metrics["window" if self.evaluation else "epoch"][name] = TorchMetric(
-                metric, name)
+            self.metrics["window" if self.evaluation else "epoch"][name] = metric
         if self.evaluation or not on_step:
             return None
         if getattr(metric, "_forward_cache", None) is None:
@@ -188,20 +188,34 @@ class LogBuffer:
 
 
 def _computed(metrics: dict, names: list[str], group, device) -> dict[str, float]:
-    """Each logged torchmetrics object's value over every rank's updates (its sum states
-    all-reduced over ``group``), then reset; ``names``: the same on every rank."""
+    """Each logged torchmetrics object's value over every rank's updates, then reset; ``names``:
+    the same on every rank. Its states are gathered over ``group`` (the ranks that see
+    different batches) and reduced as the metric declares (sums, maxima, the predictions an
+    AUROC keeps: torchmetrics' own sync, given the group: its default, the whole world, would
+    count the ranks of one batch shard, tp's or cp's, more than once)."""
     out = {}
     for name in names:
         if name not in metrics:
             raise ConfigError(f"log({name!r}, <metric>) was called on some ranks only; log it "
                               "on every rank")
-        kept = metrics.pop(name)
-        state = torch.cat([getattr(kept.metric, k).detach().double().flatten().cpu()
-                           for k in kept.shapes]).to(device)
+        metric = metrics.pop(name)
         if group is not None:
-            dist.all_reduce(state, group=group)
-        out[name] = kept.compute(state.cpu(), 0.0)
-        kept.metric.reset()
+            metric.to(device)  # where the group's backend reads it (NCCL: the GPU)
+            metric._update_count = max(1, metric._update_count)  # (a rank that saw no batch)
+        own = metric.process_group, metric._to_sync
+        metric.process_group, metric._to_sync = group, group is not None
+        try:  # (its compute gathers, computes, then gives the metric its own states back)
+            value = metric.compute()
+        finally:
+            metric.process_group, metric._to_sync = own
+        try:
+            out[name] = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(f"log({name!r}, {type(metric).__name__}): its compute() gives "
+                              f"{type(value).__name__} of shape "
+                              f"{tuple(getattr(value, 'shape', ()))}, not one number; log a "
+                              "metric that computes a scalar (e.g. average=\"macro\")") from None
+        metric.reset()
     return out
 
 
