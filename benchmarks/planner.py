@@ -130,14 +130,38 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return score / max(1, len(pairs))
 
 
+def calibrations(spec, n: int) -> int:
+    """The one-block calibration (meshtrain.plan.calibrate) made ``n`` times afresh: a pass at 16
+    sequences of one process's block, and of a tp=4, tp=2 and cp=4 rank's over it."""
+    from meshtrain.plan import calibrate
+
+    for i in range(n):
+        calibrate._timing.cache_clear()
+        getattr(calibrate, "_reference", calibrate._timing).cache_clear()  # (older code: none)
+        start, passes = time.perf_counter(), {}
+        for tp, cp in ((1, 1), (4, 1), (2, 1), (1, 4)):
+            fixed, per_sample, _ = calibrate._timing(spec, tp, cp, False, SEQ)
+            passes[tp, cp] = fixed + 16 * per_sample
+        ref = passes.pop((1, 1))
+        print(f"calibration {i + 1}: one process {ref * 1e3:.0f} ms; " + ", ".join(
+            f"tp={tp},cp={cp} {t / ref:.3f}" for (tp, cp), t in passes.items())
+            + f" of it ({time.perf_counter() - start:.0f} s)", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results/planner.json"))
     parser.add_argument("--limit", type=int, help="run only the first N layouts (smoke)")
     parser.add_argument("--passes", type=int, default=3, help="timed passes over the layouts")
+    parser.add_argument("--calibrations", type=int, metavar="N",
+                        help="only calibrate N times, fresh each time: the spread of a tp x cp "
+                             "rank's compute relative to one process's")
     args = parser.parse_args(argv)
     spec, job = ModelSpec.load(MODEL), Job(GLOBAL_BATCH, SEQ)
+    if args.calibrations:
+        return calibrations(spec, args.calibrations)
     # what a cp collective waits inside a step here (a job outside the table: cp_sync.py)
     cluster = Cluster.preset("this-machine", processes=WORLD)
     sync = cp_sync(WORLD, cluster, args.steps)

@@ -42,10 +42,13 @@ def achieved_flops(spec, *, tp: int, cp: int, sequence_parallel: bool, seq_len: 
 
 @functools.lru_cache(maxsize=64)
 def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
-            seconds: float = 0.3, builds: int = 3) -> tuple[float, float, int] | None:
+            seconds: float = 0.3, builds: int = 5) -> tuple[float, float, int] | None:
     """(seconds per micro-batch, seconds per sample, FLOPs per sample) from runs at
     micro-batches of 1 and 16, timed by turns (the fastest of each, at least 3 rounds in
-    ``seconds``) on each of ``builds`` fresh builds of the rank; the build of median speed."""
+    ``seconds``) on each of ``builds`` fresh builds of the rank. One process's block (the
+    reference) takes the build of median speed; a ``tp`` x ``cp`` rank is built and timed by
+    turns with a fresh reference each time, and is the reference's time x the median of those
+    ratios."""
     depth = None if spec.own else 1  # an own model runs whole, an LM with one block
     with torch.device("meta"):
         if sum(p.numel() for p in spec.build(depth).parameters()) > MAX_PARAMS:
@@ -61,47 +64,81 @@ def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
         + probe.last.flops
     layout = Layout.parse(",".join(f"{a}={d}" for a, d in (("cp", cp), ("tp", tp)) if d > 1)
                           or "dp=1", tp * cp)
-    threads = torch.get_num_threads()
-    torch.set_flush_denormal(True)  # garbage values must not run at denormal speed
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         # one build is a draw: whether the allocator hands the pass's large buffers back to
         # the system at its end (and faults them in again) is set by where the build left the
         # heap (tp=4 of the planner benchmark's GPT, a pass at 16 sequences over 8 builds in
         # a row: 0 to 8,160 page faults a pass, steady within a build; 86 ms without, 98-105
         # with, all of it in the loss's log-softmax and fills), so the median of a few
-        runs = sorted(_one_build(spec, layout, sequence_parallel, depth, seq_len // cp,
-                                  seconds / builds)
-                      for _ in range(builds))
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_flush_denormal(False)
-    many, one = runs[len(runs) // 2]
+        reference = _reference(spec, depth, seq_len, seconds, builds)
+        if not layout.degrees:
+            many, one = reference
+        else:
+            # and this machine's speed moves from minute to minute (the reference 286-415 ms
+            # a pass in five calibrations one after the other): a tp x cp rank timed alone,
+            # then the reference, gave tp=4 / one process 0.35-0.72 in five calibrations;
+            # timed by turns with it, the median of 5 builds 0.41-0.47 in three
+            # (benchmarks/README.md, 2026-11-30)
+            pairs = [_one_build(spec, layout, sequence_parallel, depth, seq_len, cp,
+                                seconds / builds) for _ in range(builds)]
+            many = reference[0] * _median([t[0] / r[0] for r, t in pairs])
+            one = reference[1] * _median([t[1] / r[1] for r, t in pairs])
     # runs that do not order (a model so small that noise outweighs 15 samples) count as all
     # per sample
     per_sample = (many - one) / 15 if many > one else many / 16
     return max(0.0, one - per_sample), per_sample, flops
 
 
-def _one_build(spec, layout: Layout, sequence_parallel: bool, depth: int | None, length: int,
-               seconds: float) -> tuple[float, float]:
-    """(fastest pass at 16 sequences, at 1) of one fresh build of this rank's modules."""
+@functools.lru_cache(maxsize=16)
+def _reference(spec, depth: int | None, seq_len: int, seconds: float,
+               builds: int) -> tuple[float, float]:
+    """(pass at 16 sequences, at 1) of one process's block: the build of median speed."""
+    one_process = Layout.parse("dp=1", 1)
+    runs = sorted(_one_build(spec, one_process, False, depth, seq_len, 1, seconds / builds)[0]
+                  for _ in range(builds))
+    return runs[len(runs) // 2]
+
+
+class _one_thread:
+    """One thread, denormals flushed (garbage values must not run at denormal speed)."""
+
+    def __enter__(self):
+        self.threads = torch.get_num_threads()
+        torch.set_flush_denormal(True)
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.threads)
+        torch.set_flush_denormal(False)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _one_build(spec, layout: Layout, sequence_parallel: bool, depth: int | None, seq_len: int,
+               cp: int, seconds: float) -> list[tuple[float, float]]:
+    """[(fastest pass at 16 sequences, at 1)] of one fresh build of one process's block, then
+    (``layout`` with degrees) of this rank's modules under ``layout`` (its sequence chunk of
+    ``seq_len`` under ``cp``), all timed by turns."""
     with fake_world(layout.world_size, 0), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # nothing moves in this world: values are whatever memory held
-        model = spec.build(depth)
+        models = [(spec.build(depth), seq_len)]
         if layout.degrees:
             from meshtrain.parallel.mesh import ParallelMesh
 
+            model = spec.build(depth)
             options, pipeline = default_options(layout, None, None,
                                                 sequence_parallel=sequence_parallel)
             (model,) = this_ranks_modules(model, ParallelMesh(layout, "cpu"), options,
                                           pipeline)
+            models.append((model, seq_len // cp))
         # by turns: a slower stretch of the machine weighs on both alike (timed apart, a
         # burst during one of them moved the split between fixed and per-sample cost,
         # and with it the planner's pick: benchmarks/README.md, 2026-11-28)
-        one, many = _fastest_by_turns([_pass(spec, model, batch, length)
-                                       for batch in (1, 16)], seconds)
-    return many, one
+        times = _fastest_by_turns([_pass(spec, model, batch, length)
+                                   for model, length in models for batch in (16, 1)], seconds)
+    return [(times[i], times[i + 1]) for i in range(0, len(times), 2)]
 
 
 def _pass(spec, model, batch: int, length: int):
@@ -126,24 +163,17 @@ def sharding_host_seconds(spec, shards: int, zero_stage: int, seq_len: int,
 
     layout = Layout.parse(f"zero{zero_stage}={shards}", shards)
     tokens = spec.batch(1, seq_len)
-    threads = torch.get_num_threads()
-    torch.set_flush_denormal(True)
-    torch.set_num_threads(1)
-    try:
-        with fake_world(shards, 0), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            whole, sharded = spec.build(), spec.build()
-            options, pipeline = default_options(layout, None, None)
-            (sharded,) = this_ranks_modules(sharded, ParallelMesh(layout, "cpu"), options,
-                                            pipeline)
-            runs = []
-            for model in (whole, sharded):
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                runs += [lambda m=model: spec.loss(m, tokens).backward(), optimizer.step]
-            fb_whole, step_whole, fb_sharded, step_sharded = _fastest_by_turns(runs, seconds)
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_flush_denormal(False)
+    with _one_thread(), fake_world(shards, 0), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        whole, sharded = spec.build(), spec.build()
+        options, pipeline = default_options(layout, None, None)
+        (sharded,) = this_ranks_modules(sharded, ParallelMesh(layout, "cpu"), options,
+                                        pipeline)
+        runs = []
+        for model in (whole, sharded):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            runs += [lambda m=model: spec.loss(m, tokens).backward(), optimizer.step]
+        fb_whole, step_whole, fb_sharded, step_sharded = _fastest_by_turns(runs, seconds)
     return max(0.0, fb_sharded - fb_whole), max(0.0, step_sharded - step_whole / shards)
 
 
