@@ -39,6 +39,7 @@ shared-memory rings grow, or not, with how soon a peer reads, which the estimate
 the larger size: ``meshtrain.parallel.shm.p2p.ring_bytes``).
 
     python benchmarks/planner.py [--steps 8] [--passes 3] [--out results/planner.json]
+    python benchmarks/planner.py --calibrations 5   # only the one-block calibration's spread
 """
 
 from __future__ import annotations
