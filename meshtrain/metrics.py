@@ -83,8 +83,8 @@ class TorchMetric(Metric):
     meshtrain's sums, reduced over every rank with the loss; ``compute`` puts the totals back
     into its states and calls its own ``compute`` (no sync of its own: the sums are already
     the whole evaluation's). A metric with a state that is not a sum (a list of predictions,
-    a max) is refused, naming it (a module's ``self.log(name, metric)`` takes any). Logged under ``name`` (default: the class name in lower
-    case, e.g. ``val/multiclassaccuracy``)."""
+    a max) is refused, naming it (a module's ``self.log(name, metric)`` takes any). Logged
+    under ``name`` (default: the class name in lower case, e.g. ``val/multiclassaccuracy``)."""
 
     def __init__(self, metric, name: str | None = None):
         states = getattr(metric, "_defaults", {})

@@ -75,10 +75,10 @@ def _timing(spec, tp: int, cp: int, sequence_parallel: bool, seq_len: int,
             many, one = reference
         else:
             # and this machine's speed moves from minute to minute (the reference 286-415 ms
-            # a pass in five calibrations one after the other): a tp x cp rank timed alone,
-            # then the reference, gave tp=4 / one process 0.35-0.72 in five calibrations;
-            # timed by turns with it, the median of 5 builds 0.41-0.47 in three
-            # (benchmarks/README.md, 2026-11-30)
+            # a pass in five calibrations one after the other): each timed apart, tp=4 / one
+            # process came out 0.48-0.54 and tp=2 0.62-0.81 in five fresh calibrations; by
+            # turns, the median of 5 builds, 0.47-0.49 and 0.64-0.70 (benchmarks/README.md,
+            # 2026-11-30: `planner.py --calibrations 5`)
             pairs = [_one_build(spec, layout, sequence_parallel, depth, seq_len, cp,
                                 seconds / builds) for _ in range(builds)]
             many = reference[0] * _median([t[0] / r[0] for r, t in pairs])
