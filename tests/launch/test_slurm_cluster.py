@@ -9,6 +9,7 @@ from the newest checkpoint and finishes.
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -151,13 +152,34 @@ def slurm(tmp_path_factory):
         cluster.stop()
 
 
+def _job_port() -> int:
+    """A free port below the ephemeral range for a job's rendezvous: the job binds it seconds
+    after submission, and a port the OS handed out for bind(0) may by then be the local end of
+    another test's connection (a resubmitted job once failed with "port 36691 ... in use")."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return find_free_port("127.0.0.1")
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1025, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return find_free_port("127.0.0.1")
+
+
 def _submit(slurm: SlurmCluster, tmp_path: Path, config: Path, *options: str,
             workers: int = 2, train_args: tuple = ()) -> str:
     """`meshtrain slurm --submit` for `meshtrain train CONFIG` on CPU workers; the job id."""
     command = [sys.executable, "-m", "meshtrain", "slurm", *options, "--nodes", "1",
                "--nproc-per-node", str(workers),
                "--cpus-per-task", "2", "--job-name", "tiny", "--output",
-               str(tmp_path / "%j.out"), "--port", str(find_free_port("127.0.0.1")),
+               str(tmp_path / "%j.out"), "--port", str(_job_port()),
                "--python", sys.executable, "--sbatch-out", str(tmp_path / "tiny.sbatch"),
                "--submit", "-m", "meshtrain", "train", str(config), *train_args]
     done = subprocess.run(command, cwd=ROOT, env=slurm.env, capture_output=True, text=True,
