@@ -17,7 +17,8 @@ Memory is judged twice: against live tensors (what the estimate counts without a
 and against the resident peak, the estimate with the allowance measured here first on runs
 that are not in the table (:func:`allowance`): ``reserved``, what a training process holds
 besides its tensors, and ``heap_keep``, the part of the freed activations and transients the
-host allocator keeps resident. Both depend on the allocator the processes run on: glibc's heap
+host allocator keeps resident, by layout family (measured on another GPT, half the blocks, in
+the first layout of each family the table has). Both depend on the allocator the processes run on: glibc's heap
 keeps far more than jemalloc (``LD_PRELOAD=.../libjemalloc.so.2``); the JSON records which, and
 ``Cluster.preset("this-machine")`` reads the allowance back for the same allocator.
 
@@ -58,14 +59,17 @@ from cp_sync import cp_sync, summary
 from harness import end_process_group, machine, table, write_json
 
 from meshtrain.launch.spawn import run_workers
+from meshtrain.parallel.layout import Layout
 from meshtrain.plan.candidate import Candidate
-from meshtrain.plan.cluster import Cluster, host_allocator
+from meshtrain.plan.cluster import Cluster, heap_family, host_allocator
 from meshtrain.plan.estimate import Estimator, Job
 from meshtrain.plan.model_spec import ModelSpec
 from meshtrain.plan.planner import plan
 
 WORLD = 4
 MODEL = "gpt:num_layers=4,num_heads=4,d_model=256,vocab_size=2048,seq_len=128"
+# the model the allowance by layout family is measured on (not the judged one)
+ALLOWANCE_MODEL = "gpt:num_layers=2,num_heads=4,d_model=256,vocab_size=2048,seq_len=128"
 GLOBAL_BATCH, SEQ = 16, 128
 
 
@@ -172,17 +176,19 @@ def main(argv=None) -> int:
     cluster = dataclasses.replace(cluster, reserved=0, heap_keep=0.0, cp_sync=sync["cp_sync"])
     estimator = Estimator(spec, cluster, job)
     result = plan(spec, cluster, job, estimator=estimator)
-    base, heap_keep = allowance(spec, job, args.steps)
-    print(f"allowance ({host_allocator()}): {base / 2**20:.1f} MiB a training process holds "
-          f"besides its tensors (the smallest GPT on {WORLD} processes), heap_keep "
-          f"{heap_keep:.2f} of the activations and transients (the GPT in one process)",
-          flush=True)
-    # and with the measured allowance (judged against the resident peak)
-    resident_cluster = dataclasses.replace(cluster, reserved=base, heap_keep=heap_keep)
     best_of_layout: dict[str, object] = {}
     for row in result.rows:  # fastest first: the first row of each layout is its best variant
         best_of_layout.setdefault(row.candidate.layout, row)
     rows = list(best_of_layout.values())[:args.limit]
+    base, heap_keep, families = allowance(spec, job, args.steps, [e.candidate for e in rows])
+    print(f"allowance ({host_allocator()}): {base / 2**20:.1f} MiB a training process holds "
+          f"besides its tensors (the smallest GPT on {WORLD} processes), heap_keep "
+          f"{heap_keep:.2f} of the activations and transients (the GPT in one process); by "
+          f"family (the {ALLOWANCE_MODEL.split(':')[1].split(',')[0]} GPT): "
+          + ", ".join(f"{f} {k:.2f}" for f, k in families.items()), flush=True)
+    # and with the measured allowance (judged against the resident peak)
+    resident_cluster = dataclasses.replace(cluster, reserved=base, heap_keep=heap_keep,
+                                           heap_keep_by_family=tuple(sorted(families.items())))
     measured = []
     for e in rows:
         m = measure(MODEL, e.candidate.settings(), args.steps)
@@ -236,38 +242,56 @@ def main(argv=None) -> int:
                           "mem_under_max_any_pass": under_any_pass,
                           "passes": spread, "resident_base": base,
                           "allowance": {"allocator": host_allocator(), "reserved": base,
-                                        "heap_keep": heap_keep},
+                                        "heap_keep": heap_keep, "families": families,
+                                        "families_model": ALLOWANCE_MODEL},
                           "rss_under_max": rss_under, "rss_err_mean": rss_err,
                           "cp_sync": sync})
     print(f"per pass: pick/best {' '.join(f'{x:.2f}' for x in spread['pick_over_best'])}, "
           f"tau {' '.join(f'{x:.2f}' for x in spread['tau'])}; live tensors under the largest "
           f"peak of any pass: {under_any_pass:.1f}%")
-    print(f"planner (resident: live tensors + {base / 2**20:.1f} MiB + {heap_keep:.2f} of "
-          f"activations and transients, {host_allocator()}): mem_under_max={rss_under:.1f}% "
+    print(f"planner (resident: live tensors + {base / 2**20:.1f} MiB + the family's fraction "
+          f"of activations and transients, {host_allocator()}): mem_under_max={rss_under:.1f}% "
           f"mem_err_mean={rss_err:.1f}%")
     print(f"planner: pick/best={pick_over_best:.2f} tau={tau:.2f} mem_under_max={under:.1f}% "
           f"mem_err_mean={mean_err:.1f}%")
     return 0
 
 
-def allowance(spec, job, steps: int) -> tuple[int, float]:
+def allowance(spec, job, steps: int, candidates) -> tuple[int, float, dict[str, float]]:
     """The memory a training process holds here besides its live tensors, measured on runs
-    that are not among the judged layouts: ``reserved``, what a process of the smallest GPT
+    that are not among the judged ones: ``reserved``, what a process of the smallest GPT
     holds above its tensors on the same processes (the process group and its threads, what the
     Trainer imports and keeps); ``heap_keep``, the fraction of the job's activations and
     transients the host allocator still holds after freeing them, from the job's model trained
     in one process (its resident peak less its live tensors and ``reserved``, over its
-    estimated activations and transients)."""
+    estimated activations and transients); and the same fraction by layout family
+    (``meshtrain.plan.cluster.heap_family``), each from the first of ``candidates`` of that
+    family run on :data:`ALLOWANCE_MODEL`, another GPT (half the blocks): glibc's heap keeps
+    0.4-1.8 of the activations depending on how a layout allocates (the context-parallel
+    rows the most: 2026-11-30), which one fraction could not place."""
     tiny = "gpt:num_layers=2,num_heads=2,d_model=16,vocab_size=32,seq_len=128"
     small = measure(tiny, {"layout": f"dp={WORLD}"}, steps)
     reserved = small["rss"] - small["peak"]
     one = {"layout": "dp=1", "micro_batch_size": 4}
     alone = measure(MODEL, one, steps, world=1)
-    cluster = dataclasses.replace(Cluster.preset("this-machine", processes=1), reserved=0,
-                                  heap_keep=0.0)
-    memory = Estimator(spec, cluster, job).estimate(Candidate("dp=1", 4)).memory
+    bare = dataclasses.replace(Cluster.preset("this-machine", processes=1), reserved=0,
+                               heap_keep=0.0, heap_keep_by_family=())
+    memory = Estimator(spec, bare, job).estimate(Candidate("dp=1", 4)).memory
     kept = alone["rss"] - alone["peak"] - reserved
-    return reserved, max(0.0, kept / (memory["activations"] + memory["transient"]))
+    heap_keep = max(0.0, kept / (memory["activations"] + memory["transient"]))
+    other = ModelSpec.load(ALLOWANCE_MODEL)
+    bare = dataclasses.replace(Cluster.preset("this-machine", processes=WORLD), reserved=0,
+                               heap_keep=0.0, heap_keep_by_family=())
+    families: dict[str, float] = {}
+    for c in candidates:
+        family = heap_family(Layout.parse(c.layout, WORLD))
+        if family in families:
+            continue
+        m = measure(ALLOWANCE_MODEL, c.settings(), steps)
+        memory = Estimator(other, bare, job).estimate(c).memory
+        families[family] = max(0.0, (m["rss"] - m["peak"] - reserved)
+                               / (memory["activations"] + memory["transient"]))
+    return reserved, heap_keep, families
 
 
 if __name__ == "__main__":

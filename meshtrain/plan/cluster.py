@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.layout import Layout
 from meshtrain.plan.bench_comm import bus_factor
 
 GIB = 1 << 30
@@ -60,11 +61,27 @@ class Cluster:
     # chunks): measured on this machine by benchmarks/planner.py; 0 where ``reserved`` is
     # the whole allowance (GPU presets: the CUDA caching allocator's)
     heap_keep: float = 0.0
+    # the same by layout family (:func:`heap_family`), where measured: layouts of one family
+    # free and reuse memory alike, families do not (glibc, 2026-11-30: of the activations and
+    # transients a dp=4 process keeps 0.46, zero3=4 1.1, cp=4 1.8 resident); a family not in
+    # it takes the largest of its measured axes', else ``heap_keep``
+    heap_keep_by_family: tuple[tuple[str, float], ...] = ()
     peak_note: str = ""
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
+
+    def heap_keep_of(self, layout: Layout) -> float:
+        """The fraction of a step's freed activations and transients the host allocator keeps
+        resident under ``layout``: its family's as measured, else the largest measured of its
+        axes' (``"pp+tp"``: ``"pp"``'s or ``"tp"``'s), else ``heap_keep``."""
+        measured = dict(self.heap_keep_by_family)
+        family = heap_family(layout)
+        if family in measured:
+            return measured[family]
+        return max((measured[a] for a in family.split("+") if a in measured),
+                   default=self.heap_keep)
 
     def comm_seconds(self, op: str, size: float, ranks: int, *, crosses_nodes: bool,
                      shared: bool = False) -> float:
@@ -125,16 +142,27 @@ PRESETS = {
 }
 
 
-def measured_allowance(path: Path) -> tuple[int, float]:
-    """(reserved bytes, heap_keep) of a CPU process here as benchmarks/planner.py measured
-    them (``allowance`` in its JSON), for the allocator this process runs on; (0, 0.0)
-    when not measured: the estimate then counts live tensors only."""
+def heap_family(layout: Layout) -> str:
+    """Which of ``pp``, ``cp``, ``tp``, ``ep`` and sharded data parallel (``shard``: ZeRO-2/3,
+    HSDP) ``layout`` uses, joined by ``+``; ``"dp"`` when none (DDP, ZeRO-1, one process)."""
+    parts = [a for a in ("pp", "cp", "tp") if layout.degree(a) > 1]
+    parts += ["ep"] * (layout.expert_degree > 1) + ["shard"] * layout.is_sharded
+    return "+".join(parts) or "dp"
+
+
+def measured_allowance(path: Path) -> tuple[int, float, tuple[tuple[str, float], ...]]:
+    """(reserved bytes, heap_keep, heap_keep by family) of a CPU process here as
+    benchmarks/planner.py measured them (``allowance`` in its JSON), for the allocator this
+    process runs on; (0, 0.0, ()) when not measured: the estimate then counts live tensors
+    only."""
     if not path.exists():
-        return 0, 0.0
+        return 0, 0.0, ()
     allowance = json.loads(path.read_text()).get("allowance") or {}
     if allowance.get("allocator") != host_allocator():
-        return 0, 0.0
-    return int(allowance["reserved"]), float(allowance["heap_keep"])
+        return 0, 0.0, ()
+    families = tuple(sorted((str(f), float(k)) for f, k in
+                            (allowance.get("families") or {}).items()))
+    return int(allowance["reserved"]), float(allowance["heap_keep"]), families
 
 
 def measured_cp_sync(path: Path, processes: int) -> dict[int, float] | None:
@@ -181,13 +209,13 @@ def this_machine(processes: int, comm: str | Path | None = None) -> Cluster:
         shared.setdefault(row["op"], []).append((row["bytes"], row["seconds"]))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = min(1.0, cores / processes)
-    reserved, heap_keep = measured_allowance(results / "planner.json")
+    reserved, heap_keep, families = measured_allowance(results / "planner.json")
     cp_sync = measured_cp_sync(results / "planner.json", processes)
     flops = matmul_flops() * share
     return Cluster("this-machine", 1, processes, memory=memory // processes, flops=flops,
                    compute_share=share, drift=data.get("drift_seconds", 0.0), cp_sync=cp_sync,
                    intra_bw=1e9, inter_bw=1e9, latency=1e-4, reserved=reserved,
-                   heap_keep=heap_keep, overlap=0.0,
+                   heap_keep=heap_keep, heap_keep_by_family=families, overlap=0.0,
                    memory_bw=5e9 * min(1.0, cores / processes), dtype="fp32",
                    comm_table={op: sorted(rows) for op, rows in table.items()},
                    shared_table={op: sorted(rows) for op, rows in shared.items()} or None,

@@ -10,7 +10,8 @@ largest transient (the loss's gradients, two fp32 vocabulary-wide tensors per to
 recomputed under checkpointing); AdamW's step temporaries; and the allowance beside tensors:
 the cluster's ``reserved`` (runtime, libraries, the CUDA caching allocator's reserve) plus, on
 a host allocator that keeps freed memory, ``heap_keep`` of the activations and transients
-(both measured on this machine by benchmarks/planner.py, so that the estimate predicts the
+(the layout family's where measured: ``Cluster.heap_keep_of``; both measured on this machine
+by benchmarks/planner.py, so that the estimate predicts the
 resident peak: with neither, it counts live tensors only). The peak (:attr:`Estimate.memory_total`) is not their sum: gradients and
 activations are live together only while micro-batches accumulate (benchmarks/README.md, "The
 planner against measured runs").
@@ -126,7 +127,8 @@ class Estimator:
                       "allocator": 0.0,
                       "transport": self._transport(layout, c, r, blocks, v, probe),
                       "step_temporaries": self._step_temporaries(layout, state.params)}
-            memory["allocator"] = cl.heap_keep * (memory["activations"] + memory["transient"])
+            memory["allocator"] = cl.heap_keep_of(layout) * (memory["activations"]
+                                                              + memory["transient"])
             if worst_memory is None or peak(memory, m > 1 or pp > 1) > peak(worst_memory,
                                                                                m > 1 or pp > 1):
                 worst_memory = memory  # the first stage holds more in flight, the last the loss

@@ -409,8 +409,34 @@ def test_measured_host_allowance_is_added_for_the_allocator_it_was_measured_on(t
     assert resident.memory["allocator"] == 0.5 * transient
     assert resident.memory_total - plain.memory_total == (40 << 20) + 0.5 * transient
     path = tmp_path / "planner.json"
-    assert measured_allowance(path) == (0, 0.0)  # not measured: live tensors only
-    for allocator, expected in ((host_allocator(), (40 << 20, 0.5)), ("other", (0, 0.0))):
-        path.write_text(json.dumps({"allowance": {"allocator": allocator,
-                                                  "reserved": 40 << 20, "heap_keep": 0.5}}))
+    assert measured_allowance(path) == (0, 0.0, ())  # not measured: live tensors only
+    families = {"cp": 1.5, "pp": 1.25, "tp": 0.75}
+    for allocator, expected in ((host_allocator(), (40 << 20, 0.5, tuple(sorted(
+            families.items())))), ("other", (0, 0.0, ()))):
+        path.write_text(json.dumps({"allowance": {"allocator": allocator, "reserved": 40 << 20,
+                                                  "heap_keep": 0.5, "families": families}}))
         assert measured_allowance(path) == expected
+
+
+def test_the_heap_allowance_is_the_layout_familys():
+    """Where the fraction the host allocator keeps is measured by layout family, a layout takes
+    its family's (cp=8's ``"cp"``), a mix not measured the largest of its axes' (pp x tp: pp's),
+    a family none of whose axes was measured the single ``heap_keep``."""
+    import dataclasses
+
+    from meshtrain.parallel.layout import Layout
+    from meshtrain.plan.cluster import heap_family
+
+    spec, job = ModelSpec.load(GPT), Job(8, S)
+    bare = dataclasses.replace(Cluster.preset("8xh100"), reserved=0)
+    kept = dataclasses.replace(bare, heap_keep=0.5, heap_keep_by_family=(
+        ("cp", 1.5), ("pp", 1.25), ("tp", 0.75), ("tp+shard", 0.25)))
+    assert [heap_family(Layout.parse(s, 8)) for s in ("dp=8", "zero1=8", "zero3=8", "cp=8",
+                                                      "pp=2,tp=2,zero2=2")] == \
+        ["dp", "dp", "shard", "cp", "pp+tp+shard"]
+    for layout, fraction in (("cp=8", 1.5), ("pp=2,tp=4", 1.25), ("tp=4,zero3=2", 0.25),
+                             ("tp=8", 0.75), ("dp=8", 0.5), ("zero3=8", 0.5)):
+        candidate = Candidate(layout, 1)
+        plain, resident = (Estimator(spec, c, job).estimate(candidate) for c in (bare, kept))
+        transient = plain.memory["activations"] + plain.memory["transient"]
+        assert resident.memory["allocator"] == pytest.approx(fraction * transient), layout
