@@ -18,9 +18,10 @@ and against the resident peak, the estimate with the allowance measured here fir
 that are not in the table (:func:`allowance`): ``reserved``, what a training process holds
 besides its tensors, and ``heap_keep``, the part of the freed activations and transients the
 host allocator keeps resident, by layout family (measured on another GPT, half the blocks, in
-the first layout of each family the table has). Both depend on the allocator the processes run on: glibc's heap
-keeps far more than jemalloc (``LD_PRELOAD=.../libjemalloc.so.2``); the JSON records which, and
-``Cluster.preset("this-machine")`` reads the allowance back for the same allocator.
+the first layout of each family the table has). Both depend on the allocator the processes
+run on: glibc's heap keeps far more than jemalloc (``LD_PRELOAD=.../libjemalloc.so.2``); the
+JSON records which, and ``Cluster.preset("this-machine")`` reads the allowance back for the
+same allocator.
 
 Before it plans, it measures what a cp collective waits inside a step here (benchmarks/cp_sync.py,
 a job outside the table) and gives it to the estimate (``Cluster.cp_sync``); the JSON keeps it
