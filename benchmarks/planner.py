@@ -189,7 +189,7 @@ def main(argv=None) -> int:
           + ", ".join(f"{f} {k:.2f}" for f, k in families.items()), flush=True)
     # and with the measured allowance (judged against the resident peak)
     resident_cluster = dataclasses.replace(cluster, reserved=base, heap_keep=heap_keep,
-                                           heap_keep_by_family=tuple(sorted(families.items())))
+                                           heap_keep_by_family=families)
     measured = []
     for e in rows:
         m = measure(MODEL, e.candidate.settings(), args.steps)
@@ -276,13 +276,13 @@ def allowance(spec, job, steps: int, candidates) -> tuple[int, float, dict[str, 
     one = {"layout": "dp=1", "micro_batch_size": 4}
     alone = measure(MODEL, one, steps, world=1)
     bare = dataclasses.replace(Cluster.preset("this-machine", processes=1), reserved=0,
-                               heap_keep=0.0, heap_keep_by_family=())
+                               heap_keep=0.0, heap_keep_by_family=None)
     memory = Estimator(spec, bare, job).estimate(Candidate("dp=1", 4)).memory
     kept = alone["rss"] - alone["peak"] - reserved
     heap_keep = max(0.0, kept / (memory["activations"] + memory["transient"]))
     other = ModelSpec.load(ALLOWANCE_MODEL)
     bare = dataclasses.replace(Cluster.preset("this-machine", processes=WORLD), reserved=0,
-                               heap_keep=0.0, heap_keep_by_family=())
+                               heap_keep=0.0, heap_keep_by_family=None)
     families: dict[str, float] = {}
     for c in candidates:
         family = heap_family(Layout.parse(c.layout, WORLD))

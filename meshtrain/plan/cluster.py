@@ -65,7 +65,7 @@ class Cluster:
     # free and reuse memory alike, families do not (glibc, 2026-11-30: of the activations and
     # transients a dp=4 process keeps 0.46, zero3=4 1.1, cp=4 1.8 resident); a family not in
     # it takes the largest of its measured axes', else ``heap_keep``
-    heap_keep_by_family: tuple[tuple[str, float], ...] = ()
+    heap_keep_by_family: dict[str, float] | None = None
     peak_note: str = ""
 
     @property
@@ -76,7 +76,7 @@ class Cluster:
         """The fraction of a step's freed activations and transients the host allocator keeps
         resident under ``layout``: its family's as measured, else the largest measured of its
         axes' (``"pp+tp"``: ``"pp"``'s or ``"tp"``'s), else ``heap_keep``."""
-        measured = dict(self.heap_keep_by_family)
+        measured = self.heap_keep_by_family or {}
         family = heap_family(layout)
         if family in measured:
             return measured[family]
@@ -150,19 +150,17 @@ def heap_family(layout: Layout) -> str:
     return "+".join(parts) or "dp"
 
 
-def measured_allowance(path: Path) -> tuple[int, float, tuple[tuple[str, float], ...]]:
+def measured_allowance(path: Path) -> tuple[int, float, dict[str, float] | None]:
     """(reserved bytes, heap_keep, heap_keep by family) of a CPU process here as
     benchmarks/planner.py measured them (``allowance`` in its JSON), for the allocator this
-    process runs on; (0, 0.0, ()) when not measured: the estimate then counts live tensors
+    process runs on; (0, 0.0, None) when not measured: the estimate then counts live tensors
     only."""
     if not path.exists():
-        return 0, 0.0, ()
+        return 0, 0.0, None
     allowance = json.loads(path.read_text()).get("allowance") or {}
     if allowance.get("allocator") != host_allocator():
-        return 0, 0.0, ()
-    families = tuple(sorted((str(f), float(k)) for f, k in
-                            (allowance.get("families") or {}).items()))
-    return int(allowance["reserved"]), float(allowance["heap_keep"]), families
+        return 0, 0.0, None
+    return int(allowance["reserved"]), float(allowance["heap_keep"]), allowance.get("families")
 
 
 def measured_cp_sync(path: Path, processes: int) -> dict[int, float] | None:

@@ -409,10 +409,10 @@ def test_measured_host_allowance_is_added_for_the_allocator_it_was_measured_on(t
     assert resident.memory["allocator"] == 0.5 * transient
     assert resident.memory_total - plain.memory_total == (40 << 20) + 0.5 * transient
     path = tmp_path / "planner.json"
-    assert measured_allowance(path) == (0, 0.0, ())  # not measured: live tensors only
+    assert measured_allowance(path) == (0, 0.0, None)  # not measured: live tensors only
     families = {"cp": 1.5, "pp": 1.25, "tp": 0.75}
-    for allocator, expected in ((host_allocator(), (40 << 20, 0.5, tuple(sorted(
-            families.items())))), ("other", (0, 0.0, ()))):
+    for allocator, expected in ((host_allocator(), (40 << 20, 0.5, families)),
+                                ("other", (0, 0.0, None))):
         path.write_text(json.dumps({"allowance": {"allocator": allocator, "reserved": 40 << 20,
                                                   "heap_keep": 0.5, "families": families}}))
         assert measured_allowance(path) == expected
@@ -429,8 +429,8 @@ def test_the_heap_allowance_is_the_layout_familys():
 
     spec, job = ModelSpec.load(GPT), Job(8, S)
     bare = dataclasses.replace(Cluster.preset("8xh100"), reserved=0)
-    kept = dataclasses.replace(bare, heap_keep=0.5, heap_keep_by_family=(
-        ("cp", 1.5), ("pp", 1.25), ("tp", 0.75), ("tp+shard", 0.25)))
+    kept = dataclasses.replace(bare, heap_keep=0.5, heap_keep_by_family={
+        "cp": 1.5, "pp": 1.25, "tp": 0.75, "tp+shard": 0.25})
     assert [heap_family(Layout.parse(s, 8)) for s in ("dp=8", "zero1=8", "zero3=8", "cp=8",
                                                       "pp=2,tp=2,zero2=2")] == \
         ["dp", "dp", "shard", "cp", "pp+tp+shard"]
