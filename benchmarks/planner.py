@@ -24,13 +24,18 @@ JSON records which, and ``Cluster.preset("this-machine")`` reads the allowance b
 same allocator.
 
 Before it plans, it measures what a cp collective waits inside a step here (benchmarks/cp_sync.py,
-a job outside the table) and gives it to the estimate (``Cluster.cp_sync``); the JSON keeps it
-for ``Cluster.preset("this-machine")``.
+a job outside the table) and how much of the cores a pipeline's processes keep busy against data
+parallel's (benchmarks/pp_core_use.py, another), and gives both to the estimate
+(``Cluster.cp_sync``, ``Cluster.pp_core_use``); the JSON keeps them for
+``Cluster.preset("this-machine")``.
 
 * pick/best: measured step time of the planner's pick over the fastest measured (goal <= 1.10);
 * tau: Kendall's tau between the predicted and the measured order of step times (goal >= 0.7);
 * mem_under_max: the largest amount by which an estimate falls short of the measured peak, in
   percent of the measured (goal <= 5); mem_err_mean: mean absolute error in percent (<= 10).
+  The last line (``planner: pick/best=...``) judges the estimate with its allowance against
+  the resident peak, what a user sizes a job by; the line before it, the estimate without an
+  allowance against live tensors (the JSON keeps both: ``rss_*`` and ``mem_*``).
 
 Step times and peaks are the median of ``--passes`` passes over all the layouts (each pass runs
 every layout once, in the same order, so a burst of another job on the machine hits one pass of
@@ -58,6 +63,8 @@ from pathlib import Path
 import torch
 from cp_sync import cp_sync, summary
 from harness import end_process_group, machine, table, write_json
+from pp_core_use import pp_core_use
+from pp_core_use import summary as core_use_summary
 
 from meshtrain.launch.spawn import run_workers
 from meshtrain.parallel.layout import Layout
@@ -172,9 +179,13 @@ def main(argv=None) -> int:
     cluster = Cluster.preset("this-machine", processes=WORLD)
     sync = cp_sync(WORLD, cluster, args.steps)
     print(summary(sync), flush=True)
+    # and how much of the cores a pipeline keeps busy against data parallel (pp_core_use.py)
+    core_use = pp_core_use(WORLD, args.steps)
+    print(core_use_summary(core_use), flush=True)
     # the estimate as it counts live tensors (judged against TensorPeak), planned first: its
     # calibration times the model here, on a machine no worker of ours is busy on
-    cluster = dataclasses.replace(cluster, reserved=0, heap_keep=0.0, cp_sync=sync["cp_sync"])
+    cluster = dataclasses.replace(cluster, reserved=0, heap_keep=0.0, cp_sync=sync["cp_sync"],
+                                  pp_core_use=core_use["pp_core_use"])
     estimator = Estimator(spec, cluster, job)
     result = plan(spec, cluster, job, estimator=estimator)
     best_of_layout: dict[str, object] = {}
@@ -246,15 +257,16 @@ def main(argv=None) -> int:
                                         "heap_keep": heap_keep, "families": families,
                                         "families_model": ALLOWANCE_MODEL},
                           "rss_under_max": rss_under, "rss_err_mean": rss_err,
-                          "cp_sync": sync})
+                          "cp_sync": sync, "pp_core_use": core_use})
     print(f"per pass: pick/best {' '.join(f'{x:.2f}' for x in spread['pick_over_best'])}, "
           f"tau {' '.join(f'{x:.2f}' for x in spread['tau'])}; live tensors under the largest "
           f"peak of any pass: {under_any_pass:.1f}%")
-    print(f"planner (resident: live tensors + {base / 2**20:.1f} MiB + the family's fraction "
-          f"of activations and transients, {host_allocator()}): mem_under_max={rss_under:.1f}% "
-          f"mem_err_mean={rss_err:.1f}%")
-    print(f"planner: pick/best={pick_over_best:.2f} tau={tau:.2f} mem_under_max={under:.1f}% "
+    print(f"planner (live tensors, no allowance): mem_under_max={under:.1f}% "
           f"mem_err_mean={mean_err:.1f}%")
+    print(f"planner (memory against the resident peak: live tensors + {base / 2**20:.1f} MiB + "
+          f"the family's fraction of activations and transients, {host_allocator()}):")
+    print(f"planner: pick/best={pick_over_best:.2f} tau={tau:.2f} mem_under_max={rss_under:.1f}% "
+          f"mem_err_mean={rss_err:.1f}%")
     return 0
 
 

@@ -56,6 +56,12 @@ class Cluster:
     # processes over 2 cores, a quiet machine, cp=2 6-7 ms, cp=4 11-13 ms, 2026-11-29); a
     # degree not in it pays ``drift``
     cp_sync: dict | None = None
+    # of the cores a pipeline's processes keep busy where they outnumber the cores, against
+    # data parallel's: the stages hand each other work and sleep on it, and a sleeping stage
+    # lends its core imperfectly (to anything else that runs); measured here by
+    # benchmarks/pp_core_use.py (4 processes over 2 cores, 2026-12-01: 0.96 on a quiet machine,
+    # 0.90-0.92 beside a busy loop); 1.0 where each process has a core or a device
+    pp_core_use: float = 1.0
     # of what a step allocates and frees again (activations, the loss's and the collectives'
     # temporaries), the fraction the host allocator keeps resident (glibc's heap keeps freed
     # chunks): measured on this machine by benchmarks/planner.py; 0 where ``reserved`` is
@@ -163,16 +169,30 @@ def measured_allowance(path: Path) -> tuple[int, float, dict[str, float] | None]
     return int(allowance["reserved"]), float(allowance["heap_keep"]), allowance.get("families")
 
 
+def _measured_at(path: Path, key: str, processes: int) -> dict | None:
+    """``key`` of benchmarks/planner.py's JSON where it was measured at ``processes``."""
+    if not path.exists():
+        return None
+    measured = json.loads(path.read_text()).get(key) or {}
+    return measured if measured.get("world") == processes else None
+
+
 def measured_cp_sync(path: Path, processes: int) -> dict[int, float] | None:
     """{cp degree: seconds} a cp collective waits inside a step here as benchmarks/planner.py
     measured it (``cp_sync`` in its JSON, benchmarks/cp_sync.py) at ``processes`` processes;
     None when not measured at that many (the estimate then adds ``drift``)."""
-    if not path.exists():
-        return None
-    measured = json.loads(path.read_text()).get("cp_sync") or {}
-    if measured.get("world") != processes:
+    measured = _measured_at(path, "cp_sync", processes)
+    if measured is None:
         return None
     return {int(degree): float(seconds) for degree, seconds in measured["cp_sync"].items()}
+
+
+def measured_pp_core_use(path: Path, processes: int) -> float:
+    """A pipeline's core use over data parallel's here as benchmarks/planner.py measured it
+    (``pp_core_use`` in its JSON, benchmarks/pp_core_use.py) at ``processes`` processes; 1.0
+    when not measured at that many."""
+    measured = _measured_at(path, "pp_core_use", processes)
+    return 1.0 if measured is None else float(measured["pp_core_use"])
 
 
 def host_allocator() -> str:
@@ -209,9 +229,11 @@ def this_machine(processes: int, comm: str | Path | None = None) -> Cluster:
     share = min(1.0, cores / processes)
     reserved, heap_keep, families = measured_allowance(results / "planner.json")
     cp_sync = measured_cp_sync(results / "planner.json", processes)
+    pp_core_use = measured_pp_core_use(results / "planner.json", processes) if share < 1 else 1.0
     flops = matmul_flops() * share
     return Cluster("this-machine", 1, processes, memory=memory // processes, flops=flops,
                    compute_share=share, drift=data.get("drift_seconds", 0.0), cp_sync=cp_sync,
+                   pp_core_use=pp_core_use,
                    intra_bw=1e9, inter_bw=1e9, latency=1e-4, reserved=reserved,
                    heap_keep=heap_keep, heap_keep_by_family=families, overlap=0.0,
                    memory_bw=5e9 * min(1.0, cores / processes), dtype="fp32",

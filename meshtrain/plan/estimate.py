@@ -294,10 +294,21 @@ class Estimator:
             slot = compute + tp_cp + p2p
         else:
             span = slots * slot
-        return {"compute": m * compute, "bubble": max(0.0, span - m * slot),
+        bubble = max(0.0, span - m * slot)
+        # ... but not perfectly: a stage that sleeps on its peer lends its core to whatever
+        # else runs; the pipeline then takes 1 / pp_core_use as long (measured here:
+        # Cluster.pp_core_use)
+        pp_idle = (m * slot + bubble) * (1 / cl.pp_core_use - 1) if pp > 1 and share < 1 else 0.0
+        # gradients averaged by hand (pp, tp, cp without sharding: data_parallel.
+        # allreduce_gradients) are flattened into one buffer, divided and copied back: three
+        # passes over them besides the all-reduce (pp=2,dp=2 of the planner benchmark: 7-9 ms
+        # of a rank's 0.21-0.23 s of CPU a step, 2026-12-01)
+        averaging = 6 * state.grads / cl.memory_bw if layout.averages_gradients_by_hand else 0.0
+        return {"compute": m * compute, "bubble": bubble, "pp_idle": pp_idle,
                 "tp_cp_comm": m * tp_cp, "pp_p2p": m * p2p,
                 "ep_comm": m * self._ep_seconds(layout, c, blocks),
                 "dp_comm_exposed": max(0.0, dp_comm - cl.overlap * m * compute),
+                "grad_averaging": averaging,
                 "optimizer": optimizer, "sharding_host": self._sharding_host(layout, m, blocks)}
 
     def _ep_seconds(self, layout: Layout, c: Candidate, blocks: int) -> float:

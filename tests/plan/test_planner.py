@@ -216,6 +216,55 @@ def test_measured_cp_sync_is_read_back_at_its_process_count(tmp_path):
     assert measured_cp_sync(path, 2) is None
 
 
+def test_a_pipeline_on_shared_cores_takes_its_measured_core_use_longer():
+    """Sharing cores, a pipeline's stages pool their work imperfectly (a stage sleeping on its
+    peer lends its core to anything else that runs): where that is measured
+    (Cluster.pp_core_use, benchmarks/pp_core_use.py) the pipeline's schedule takes
+    1 / pp_core_use as long; data parallel, and a pipeline with a core per process, do not."""
+    import dataclasses
+
+    spec, job = ModelSpec.load(GPT), Job(16, S)
+    shared = dataclasses.replace(Cluster.preset("8xh100"), compute_share=0.5)
+    slower = dataclasses.replace(shared, pp_core_use=0.8)
+    pipeline = Candidate("pp=2,dp=4", 1)
+    before = Estimator(spec, shared, job).estimate(pipeline)
+    after = Estimator(spec, slower, job).estimate(pipeline)
+    s = before.seconds
+    schedule = s["compute"] + s["bubble"] + s["tp_cp_comm"] + s["pp_p2p"]
+    assert before.seconds["pp_idle"] == 0
+    assert after.seconds["pp_idle"] == pytest.approx(schedule * (1 / 0.8 - 1))
+    assert after.step_seconds - before.step_seconds == pytest.approx(after.seconds["pp_idle"])
+    for cluster, candidate in ((slower, Candidate("dp=8", 1)),
+                               (dataclasses.replace(slower, compute_share=1.0), pipeline)):
+        assert Estimator(spec, cluster, job).estimate(candidate).seconds["pp_idle"] == 0
+
+
+def test_gradients_averaged_by_hand_cost_three_passes_over_them():
+    """Where no wrapper averages the gradients (pp, tp, cp without sharding), the Trainer
+    flattens them into one buffer, divides it and copies it back
+    (data_parallel.allreduce_gradients): three reads and writes of the rank's gradients at the
+    memory bandwidth; DDP's and FSDP's layouts, and one process, pay none."""
+    spec, job = ModelSpec.load(GPT), Job(16, S)
+    cluster = Cluster.preset("8xh100")
+    estimator = Estimator(spec, cluster, job)
+    for layout in ("pp=2,dp=4", "dp=4,tp=2", "cp=2,dp=4"):
+        grads = estimator.state(Layout.parse(layout, 8), 0).grads
+        assert estimator.estimate(Candidate(layout, 1)).seconds["grad_averaging"] == \
+            pytest.approx(6 * grads / cluster.memory_bw)
+    for layout in ("dp=8", "zero3=8", "zero1=8", "zero2=4,tp=2", "tp=8"):
+        assert estimator.estimate(Candidate(layout, 2)).seconds["grad_averaging"] == 0
+
+
+def test_measured_pp_core_use_is_read_back_at_its_process_count(tmp_path):
+    from meshtrain.plan.cluster import measured_pp_core_use
+
+    path = tmp_path / "planner.json"
+    assert measured_pp_core_use(path, 4) == 1.0
+    path.write_text(json.dumps({"pp_core_use": {"world": 4, "pp_core_use": 0.93}}))
+    assert measured_pp_core_use(path, 4) == 0.93
+    assert measured_pp_core_use(path, 8) == 1.0
+
+
 def test_shared_memory_prices_fsdp_and_pipeline_sends_and_its_rings_count():
     """A CPU job on one host sends FSDP's all-gathers and reduce-scatters and a pipeline's
     activations through shared memory (local_comm="auto"): with a measured shared table the
