@@ -184,8 +184,9 @@ def main(argv=None) -> int:
     print(core_use_summary(core_use), flush=True)
     # the estimate as it counts live tensors (judged against TensorPeak), planned first: its
     # calibration times the model here, on a machine no worker of ours is busy on
-    cluster = dataclasses.replace(cluster, reserved=0, heap_keep=0.0, cp_sync=sync["cp_sync"],
-                                  pp_core_use=core_use["pp_core_use"])
+    # (none of the allowance read back from an earlier run: its by-family fractions too)
+    cluster = dataclasses.replace(cluster, reserved=0, heap_keep=0.0, heap_keep_by_family=None,
+                                  cp_sync=sync["cp_sync"], pp_core_use=core_use["pp_core_use"])
     estimator = Estimator(spec, cluster, job)
     result = plan(spec, cluster, job, estimator=estimator)
     best_of_layout: dict[str, object] = {}
