@@ -132,6 +132,33 @@ def test_memory_near_torchtitans_published_figure():
     assert estimate.memory["params"] == 4 * 8_030_261_248 // 8
 
 
+def test_the_h200_preset_against_the_1b_llama_measured_on_one_h200():
+    """The one run of the 8xH200 preset's kind of device measured here (a lent H200,
+    2026-11-26: benchmarks/mfu.py, the 1.1B Llama, bf16-mixed, sequence 2048, micro-batch 4,
+    fused AdamW, one GPU; benchmarks/results/mfu_h200_eager.json and, compiled,
+    mfu_h200.json): the preset's estimate of that job (989 TFLOP/s x 40 %, 4 GiB reserved)
+    is 0.153 s and 35.5 GiB against 0.162 s and 33.9 GiB of peak reserved memory eager, and
+    over the compiled run (0.120 s, 27.9 GiB), which the estimate does not model. Kept
+    within 10 % of the eager run (docs/planner.md)."""
+    import dataclasses
+    from pathlib import Path
+
+    results = Path(__file__).parents[2] / "benchmarks/results"
+    eager, compiled = (json.loads((results / name).read_text()) for name in
+                       ("mfu_h200_eager.json", "mfu_h200.json"))
+    config = eager["config"]
+    assert (config["layers"], config["hidden"], config["vocab"], config["seq_len"],
+            config["micro_batch"], config["compile"]) == (16, 2048, 32000, 2048, 4, False)
+    one = dataclasses.replace(Cluster.preset("8xH200"), devices_per_node=1)
+    estimate = Estimator(ModelSpec.load(LLAMA_1B), one, Job(4, 2048)).estimate(
+        Candidate("dp=1", 4))
+    step, memory = eager["result"]["median_step_s"], eager["result"]["peak_reserved_gib"]
+    assert abs(estimate.step_seconds / step - 1) <= 0.10, (estimate.step_seconds, step)
+    assert abs(estimate.memory_total / 2**30 / memory - 1) <= 0.10, (estimate.memory, memory)
+    assert estimate.step_seconds > compiled["result"]["median_step_s"]
+    assert estimate.memory_total / 2**30 > compiled["result"]["peak_reserved_gib"]
+
+
 def test_plan_build_builds_the_pick(capsys):
     assert cli(["plan", GPT, "--global-batch", "16", "--seq-len", "128", "--top", "1",
                 "--pin", "pp=2", "--build"]) == 0
