@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from harness import end_process_group, machine, table, write_json
+from harness import end_process_group, machine, table, token_pairs, write_json
 
 from meshtrain.launch.spawn import run_workers
 
@@ -36,9 +36,7 @@ def worker(settings: dict, run_dir: str) -> None:
     from meshtrain.plan.model_spec import ModelSpec
 
     spec = ModelSpec.load(MODEL)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, spec.vocab_size, (GLOBAL_BATCH * (STEPS + 1), SEQ + 1), generator=g)
-    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    data = token_pairs(spec.vocab_size, GLOBAL_BATCH * (STEPS + 1), SEQ)
     trainer = Trainer(accelerator="cpu", max_steps=STEPS, global_batch_size=GLOBAL_BATCH,
                       loggers=(), progress_bar=False, save_final_checkpoint=False,
                       log_every_n_steps=1, run_dir=run_dir, report=False, model_summary=False,

@@ -31,7 +31,7 @@ import tempfile
 import time
 
 import torch
-from harness import end_process_group
+from harness import end_process_group, token_pairs
 
 from meshtrain.launch.spawn import run_workers
 
@@ -77,9 +77,7 @@ def worker(world: int, cp: int, steps: int) -> list[tuple[str, int, float]]:
     context_parallel._gather_sequence = lambda local, dim, group: TimedGather.apply(
         local.contiguous(), dim, group)
     spec = ModelSpec.load(MODEL)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, spec.vocab_size, (GLOBAL_BATCH * (steps + 1), SEQ + 1), generator=g)
-    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    data = token_pairs(spec.vocab_size, GLOBAL_BATCH * (steps + 1), SEQ)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(accelerator="cpu", max_steps=steps, global_batch_size=GLOBAL_BATCH,
                           micro_batch_size=GLOBAL_BATCH * cp // world,

@@ -1,5 +1,5 @@
 """What the benchmark scripts share: timing a measurement over N calls, interleaved repeats and
-their min / median / max, paired ratios, the slower rank's figures, the start and end of a
+their min / median / max, paired ratios, random token data, the slower rank's figures, the start and end of a
 worker process, result tables, and the machine and JSON that go to benchmarks/results/.
 
 A script imports it as ``harness``: ``python benchmarks/NAME.py`` puts benchmarks/ on sys.path,
@@ -17,6 +17,17 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def token_pairs(vocab: int, samples: int, seq_len: int, seed: int = 0):
+    """``samples`` random token sequences as (inputs, the next tokens) pairs: a language
+    model's training data where only the shapes matter."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (samples, seq_len + 1), generator=g)
+    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
 # ---- measuring ----------------------------------------------------------------------------------

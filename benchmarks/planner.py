@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 from cp_sync import cp_sync, summary
-from harness import end_process_group, machine, table, write_json
+from harness import end_process_group, machine, table, token_pairs, write_json
 from pp_core_use import pp_core_use
 from pp_core_use import summary as core_use_summary
 
@@ -96,9 +96,7 @@ def worker(model: str, settings: dict, steps: int, tensors: bool = False) -> dic
         def on_train_step_end(self, trainer, metrics):
             self.ends.append(time.perf_counter())
 
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, spec.vocab_size, (GLOBAL_BATCH * (steps + 1), SEQ + 1), generator=g)
-    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    data = token_pairs(spec.vocab_size, GLOBAL_BATCH * (steps + 1), SEQ)
     clock = Clock()
     with tempfile.TemporaryDirectory() as run_dir, (TensorPeak() if tensors else PeakRSS()) as peak:
         trainer = Trainer(accelerator="cpu", max_steps=steps, global_batch_size=GLOBAL_BATCH,

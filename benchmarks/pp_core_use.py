@@ -30,7 +30,7 @@ import tempfile
 import time
 
 import torch
-from harness import end_process_group
+from harness import end_process_group, token_pairs
 
 from meshtrain.launch.spawn import run_workers
 
@@ -51,9 +51,7 @@ def worker(layout: str, steps: int) -> tuple[float, float]:
             marks.append((time.process_time(), time.perf_counter()))
 
     spec = ModelSpec.load(MODEL)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, spec.vocab_size, (GLOBAL_BATCH * (steps + 1), SEQ + 1), generator=g)
-    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    data = token_pairs(spec.vocab_size, GLOBAL_BATCH * (steps + 1), SEQ)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(accelerator="cpu", max_steps=steps, global_batch_size=GLOBAL_BATCH,
                           micro_batch_size=MICRO_BATCH, layout=layout, loggers=(),
