@@ -20,11 +20,13 @@ Step time: each micro-batch's FLOPs (probed, with the forward again under full c
 at the cluster's achieved FLOP/s (this machine: the job's model timed, meshtrain.plan.calibrate)
 plus its tensor/context-parallel collectives (exposed) and pipeline sends; a pipeline runs
 ``m + (pp - 1) / v`` micro-batch slots of its heaviest stage (the bubble; processes sharing a
-core fill part of it, and pool the stages' work: the mean stage's then counts);
+core fill part of it, and pool the stages' work: the mean stage's then counts, over the share
+of the cores a pipeline keeps busy, ``Cluster.pp_core_use``);
 data-parallel collectives, call by call, hide behind ``overlap`` of the compute; each collective
 also waits the cluster's ``drift`` (a cp collective its ``cp_sync`` where measured: it sits
-between uneven bursts of compute); the optimizer step streams its state once; the activations
-checkpointing drops are written again at the memory bandwidth.
+between uneven bursts of compute); the optimizer step streams its state once, a gradient
+average by hand (no DDP or FSDP) its gradients three times; the activations checkpointing
+drops are written again at the memory bandwidth.
 """
 
 from __future__ import annotations
