@@ -219,13 +219,16 @@ def plan(spec: ModelSpec, cluster: Cluster, job: Job, *, pins: dict | None = Non
 
 
 def table(result: Plan, cluster: Cluster, top: int) -> str:
+    """The top rows' estimates by part ("bubble": a pipeline's idle slots and, sharing cores,
+    the cores it leaves idle besides)."""
     experts = any(e.seconds.get("ep_comm") for e in result.rows[:top])  # an ep column then
     lines = [f"{'#':>3}  {'layout':<46} {'GiB/dev':>8} {'step s':>9} {'compute':>8} "
              f"{'bubble':>7} {'tp/cp':>7} {'dp':>7}" + (f" {'ep':>7}" if experts else "")]
     for i, e in enumerate(result.rows[:top], 1):
         s = e.seconds
         lines.append(f"{i:>3}  {str(e.candidate):<46} {gib(e.memory_total):>8} "
-                     f"{e.step_seconds:>9.3f} {s['compute']:>8.3f} {s['bubble']:>7.3f} "
+                     f"{e.step_seconds:>9.3f} {s['compute']:>8.3f} "
+                     f"{s['bubble'] + s.get('pp_idle', 0.0):>7.3f} "
                      f"{s['tp_cp_comm']:>7.3f} {s['dp_comm_exposed']:>7.3f}"
                      + (f" {s['ep_comm']:>7.3f}" if experts else ""))
     by_reason: dict[str, int] = {}
