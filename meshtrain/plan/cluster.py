@@ -59,8 +59,9 @@ class Cluster:
     # of the cores a pipeline's processes keep busy where they outnumber the cores, against
     # data parallel's: the stages hand each other work and sleep on it, and a sleeping stage
     # lends its core imperfectly (to anything else that runs); measured here by
-    # benchmarks/pp_core_use.py (4 processes over 2 cores, 2026-12-01: 0.96 on a quiet machine,
-    # 0.90-0.92 beside a busy loop); 1.0 where each process has a core or a device
+    # benchmarks/pp_core_use.py (4 processes over 2 cores, 2026-12-01: 0.92-0.98 in four runs
+    # on a quiet machine, 0.93 beside a busy loop); 1.0 where each process has a core or a
+    # device
     pp_core_use: float = 1.0
     # of what a step allocates and frees again (activations, the loss's and the collectives'
     # temporaries), the fraction the host allocator keeps resident (glibc's heap keeps freed
