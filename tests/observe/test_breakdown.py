@@ -174,12 +174,14 @@ def test_device_timer_replays_across_windows_and_backward_marks():
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("where,part", [("data", "data"), ("forward", "compute")])
 def test_a_slowed_rank_shows_in_its_part_and_is_named(tmp_path, where, part):
-    # 6 logging intervals: a straggler is named after 3 in a row, its jitter measured first
+    # 10 logging intervals: a straggler is named after 3 in a row, its jitter measured first
+    # (with 6, one interval of another test's burst beside it on 2 cores left none named in
+    # CI, 2026-12-01)
     run_dir = _fit(tmp_path, {"slow_forward": where == "forward"},
-                   {"slow_data": where == "data"}, log_every_n_steps=2)
+                   {"slow_data": where == "data"}, log_every_n_steps=2, max_steps=20)
     rows = run_files.read_breakdown(run_dir)
     assert {r["rank"] for r in rows} == {0, 1}
-    assert {r["step"] for r in rows} == {2, 4, 6, 8, 10, 12}
+    assert {r["step"] for r in rows} == set(range(2, 21, 2))
     later = [r for r in rows if r["step"] > 3]  # past the first steps' start-up
     slow = statistics.median(r[f"{part}_s"] for r in later if r["rank"] == 1)
     fast = statistics.median(r[f"{part}_s"] for r in later if r["rank"] == 0)
