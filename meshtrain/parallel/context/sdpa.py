@@ -1,5 +1,5 @@
 """Context parallel for a model of your own whose attention calls
-``F.scaled_dot_product_attention``, without changes to its code.
+``F.scaled_dot_product_attention`` or is ``nn.MultiheadAttention``, without changes to its code.
 
 Each rank runs the model on its zig-zag share of every sequence (context_parallel.py). What in
 its forward depends on the whole sequence is seen through a ``TorchFunctionMode`` active while
@@ -8,6 +8,8 @@ the model runs:
 - ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` becomes
   :func:`~meshtrain.parallel.context.context_parallel.cp_attention`: this rank's queries over
   every rank's keys and values (grouped-query attention, ``enable_gqa``, included);
+  ``nn.MultiheadAttention``'s causal self-attention likewise (mha.py: the mode cannot see the
+  SDPA call inside it, so it computes the whole call);
 - positions: ``torch.arange(n)`` for the local length ``n``, and a slice ``[:n]`` of one of the
   model's parameters or buffers along a dimension (``self.pos[:T]``, ``self.freqs[:, :T]``), give
   the global positions of this rank's tokens instead (``local_positions``), so a learned or
@@ -19,7 +21,9 @@ forward; the mode is entered around it again (hooks on the model's inner modules
 Before any process starts the forward runs once on the meta device on a training sample
 (:meth:`SDPAContextParallel.check_context_parallel`): a model whose forward calls no SDPA is
 refused (meshtrain cannot see its attention: it needs ``enable_context_parallel``), and so is an
-SDPA call that is not causal or passes a mask (what ``cp_attention`` would not compute).
+SDPA call that is not causal or passes a mask (what ``cp_attention`` would not compute), and an
+``nn.MultiheadAttention`` call mha.py cannot split (cross-attention, attention weights, a padding
+mask).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.context import mha
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -52,16 +57,19 @@ def _refusal(name: str, call: dict) -> str | None:
 
 
 class _Probe(TorchFunctionMode):
-    """Records the SDPA calls of one forward."""
+    """Records the attention calls of one forward: SDPA's and ``nn.MultiheadAttention``'s
+    (as ``("mha", arguments)``; its inner SDPA call is not seen, see mha.py)."""
 
     def __init__(self):
         super().__init__()
-        self.calls: list[dict] = []
+        self.calls: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA:
             self.calls.append(_sdpa_args(args, kwargs))
+        elif func is mha.MHA:
+            self.calls.append(("mha", mha.mha_args(args, kwargs)))
         return func(*args, **kwargs)
 
 
@@ -101,6 +109,15 @@ class _ContextParallelMode(TorchFunctionMode):
             q, k, v = call["query"], call["key"], call["value"]
             return cp_attention(q, k, v, self.cp_mesh, dropout_p=call.get("dropout_p", 0.0),
                                 scale=call.get("scale"), kv_groups=q.size(-3) // k.size(-3))
+        if func is mha.MHA:
+            from meshtrain.parallel.context.context_parallel import cp_attention
+
+            call = mha.mha_args(args, kwargs)
+            refusal = mha.refusal(type(self.model).__name__, call)
+            if refusal is not None:
+                raise ConfigError(refusal)
+            return mha.forward(call, lambda q, k, v, dropout_p: cp_attention(
+                q, k, v, self.cp_mesh, dropout_p=dropout_p))
         if func is torch.arange and self._is_local_range(args, kwargs):
             positions = self.positions(kwargs.get("device"))
             return positions.to(kwargs["dtype"]) if kwargs.get("dtype") else positions
@@ -167,11 +184,15 @@ class SDPAContextParallel:
         if not probe.calls:
             raise ConfigError(
                 f"{name} does not support context parallel (cp): its forward calls no "
-                "F.scaled_dot_product_attention (meshtrain splits the attention it can see) "
-                "and it has no enable_context_parallel(cp_mesh); use SDPA with is_causal=True, "
-                "add enable_context_parallel (see meshtrain.models.gpt), or drop cp")
+                "F.scaled_dot_product_attention and no nn.MultiheadAttention (meshtrain splits "
+                "the attention it can see) and it has no enable_context_parallel(cp_mesh); use "
+                "SDPA with is_causal=True, add enable_context_parallel (see "
+                "meshtrain.models.gpt), or drop cp")
         for call in probe.calls:
-            refusal = _refusal(name, call)
+            if isinstance(call, tuple):
+                refusal = mha.refusal(name, call[1])
+            else:
+                refusal = _refusal(name, call)
             if refusal is not None:
                 raise ConfigError(refusal)
 
