@@ -3,12 +3,16 @@ the estimate does with the measurement, and when it falls back to the matmul pro
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import torch
 
 import meshtrain.plan.calibrate as calibrate
 from meshtrain.plan.cluster import Cluster
 from meshtrain.plan.estimate import Candidate, Estimator, Job
 from meshtrain.plan.model_spec import ModelSpec
+from meshtrain.plan.own_model import OwnModelSpec
 from meshtrain.plan.probe import probe_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,3 +89,30 @@ def test_fsdp_own_work_is_measured_and_charged_to_sharded_layouts(monkeypatch):
         assert got == pytest.approx((m * 0.01 + 0.002) * part / cluster.compute_share), layout
     assert Estimator(spec, Cluster.preset("8xh100"), Job(16, 16)).estimate(
         Candidate("zero3=8", 1)).seconds["sharding_host"] == 0
+
+
+class _ViewingModel(torch.nn.Module):
+    """Returns a view of its last layer's output (as a Linear on 3-D input does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.view(-1, 2, 4)
+
+
+def test_the_sharded_calibration_keeps_torchs_notes_on_a_layout_not_chosen_to_itself():
+    """layout="auto" printed FSDP2's note on a root returning a view (a warning about in-place
+    ops on the output) from its calibration: about a layout the user had not chosen."""
+    with torch.device("meta"):
+        model = _ViewingModel()
+    example = (torch.zeros(4, 8), torch.zeros(4, 2, 4))
+    spec = OwnModelSpec.from_model(model, example, torch.nn.functional.mse_loss)
+    calibrate.sharding_host_seconds.cache_clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert calibrate.sharding_host_seconds(spec, 2, 3, 16) is not None
+    assert not [w for w in seen if "FSDP2" in str(w.message)], [str(w.message) for w in seen]
