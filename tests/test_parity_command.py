@@ -50,6 +50,24 @@ def test_entry_point_and_refused_layout():
     assert good.rel64 <= 1e-9 and not good.fp32_verdict  # judged in float64
 
 
+def test_a_layout_the_model_refuses_starts_no_process_and_is_said_once(monkeypatch):
+    """The model's own refusal (no tp plan for the MLP) comes from the checks `fit` makes
+    before start: the row says so and no process of that layout starts (before, each of its
+    ranks started and printed the same error)."""
+    import meshtrain.launch.spawn as spawn
+
+    started, run_workers = [], spawn.run_workers
+
+    def counting(fn, num_workers, *args, **kwargs):
+        started.append(num_workers)
+        return run_workers(fn, num_workers, *args, **kwargs)
+
+    monkeypatch.setattr(spawn, "run_workers", counting)
+    row, = parity(Source("parity:regression_job"), ["tp=2"], 2, out=lambda *a: None)
+    assert "refused before start" in row.error and "no tensor-parallel plan" in row.error, row
+    assert all(n == 1 for n in started), started  # the one-process references only
+
+
 def test_one_layout_with_commas_is_said_to_be_one():
     """`--layouts "dp=2,tp=2"` (a comma where ';' was meant) is one 4-process layout: the plan
     line says so and how to write two."""

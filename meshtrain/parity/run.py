@@ -121,6 +121,7 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
             row.ranks = layout_world_size(layout)
             with tempfile.TemporaryDirectory() as run_dir:  # refused before any process starts?
                 trainer = Trainer(**run_settings(job, layout, steps, run_dir))
+                _check(trainer, job)
             # the samples of one micro-step over all ranks, where it cuts the step's batch
             samples = (trainer.micro_batch_size or trainer.global_batch_size) * \
                 trainer.layout.batch_degree
@@ -191,6 +192,18 @@ def parity(source: Source, layouts: list[str], steps: int, *, tol: float | None 
         out(f"~0 gradient in one process, so moved by the optimizer's reaction to rounding "
             f"alone (not judged): {', '.join(zero)}")
     return rows
+
+
+def _check(trainer, job: dict) -> None:
+    """What ``fit`` checks before any process starts (the model against the layout on a meta
+    copy): a refusal is the layout's row, said once, instead of every rank's error."""
+    try:
+        trainer.check(job["model"], job["train_data"], optimizer=job["optimizer"],
+                      loss_fn=job.get("loss_fn"), lr_scheduler=job.get("lr_scheduler"))
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 -- not a refusal: the layout's run shows what fails
+        pass
 
 
 def _model_floor(run, job: dict, one64: dict, out) -> tuple[float | None, bool]:
