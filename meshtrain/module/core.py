@@ -32,6 +32,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.loop.state import NotBuiltYet
 from meshtrain.module.configure import Schedule, check_monitor
 from meshtrain.module.hooks import check_hooks
+from meshtrain.module.manual import ManualOptimization, Optimizers
 
 STEP_OF = {"train": "training_step", "val": "validation_step", "test": "test_step"}
 
@@ -46,55 +47,7 @@ def is_manual(model) -> bool:
     return has_steps(model) and not getattr(model, "automatic_optimization", True)
 
 
-class Optimizers(list):
-    """A manual module's optimizers, in order: what checkpoints save and load (DCP takes a list)
-    and the memory table reads (their state together).
-
-    After each optimizer's step autocast's cache of low-precision weight copies is cleared: the
-    step runs in one autocast region, and a later forward in it (the generator's loss through
-    the discriminator just stepped) must see the new weights, not the copies cast before."""
-
-    def __init__(self, optimizers):
-        super().__init__(optimizers)
-        for optimizer in self:
-            optimizer.register_step_post_hook(lambda *_: torch.clear_autocast_cache())
-
-    @property
-    def state(self) -> dict:
-        return {p: s for optimizer in self for p, s in optimizer.state.items()}
-
-    @property
-    def param_groups(self) -> list:
-        return [g for optimizer in self for g in optimizer.param_groups]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer in self:
-            optimizer.zero_grad(set_to_none=set_to_none)
-
-    def register_step_post_hook(self, hook):
-        """``hook(self, args, kwargs)`` after each step once every optimizer has stepped (the
-        memory table: all their state exists then); returns a handle with ``remove()``."""
-        stepped: set[int] = set()
-
-        def each(optimizer, args, kwargs):
-            stepped.add(id(optimizer))
-            if len(stepped) == len(self):
-                hook(self, args, kwargs)
-
-        handles = [optimizer.register_step_post_hook(each) for optimizer in self]
-        return _Handles(handles)
-
-
-class _Handles:
-    def __init__(self, handles):
-        self.handles = handles
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-class TrainingModule(torch.nn.Module):
+class TrainingModule(ManualOptimization, torch.nn.Module):
     """Base class for a model with its research code (see the module's docstring).
 
     ``automatic_optimization = False``: the step drives its optimizers itself (a GAN):
@@ -109,24 +62,6 @@ class TrainingModule(torch.nn.Module):
     def training_step(self, batch, batch_idx: int):
         raise NotImplementedError(f"{type(self).__name__} needs a training_step(batch, batch_idx)"
                                   " that returns the loss")
-
-    def optimizers(self):
-        """(manual optimisation) The optimizers ``configure_optimizers`` returned, in order; the
-        one itself when it returned one (as Lightning gives it)."""
-        optimizers = list(self.trainer.optimizer)
-        return optimizers[0] if len(optimizers) == 1 else optimizers
-
-    def manual_backward(self, loss: torch.Tensor) -> None:
-        """(manual optimisation) ``loss.backward()``, then the gradients averaged over the
-        data-parallel ranks (FSDP2 reduce-scatters them inside backward)."""
-        self.trainer.engine.manual_backward(loss)
-
-    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """(manual optimisation) Clip the gradients of ``optimizer``'s parameters to the global
-        L2 norm ``max_norm`` (over every rank's shards); returns their norm before clipping.
-        Call it after ``manual_backward`` and before ``optimizer.step()``."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        return self.trainer.engine.clip_grad_norm(max_norm, params)
 
     def save_hyperparameters(self, *args, ignore=None, frame=None, logger: bool = True) -> None:
         """(Lightning's) Keep the calling ``__init__``'s arguments, or those named in ``args``
@@ -275,7 +210,11 @@ def linked(model, trainer):
 
 
 def attach(model: torch.nn.Module, trainer) -> None:
-    """``model.trainer`` is ``trainer`` (not a submodule: nothing changes in its state)."""
+    """``model.trainer`` is ``trainer`` (not a submodule: nothing changes in its state); a
+    Lightning ``LightningModule`` gets meshtrain's side of its API (lightning_module.py)."""
+    from meshtrain.module.lightning_module import adopt
+
+    adopt(model)
     model.__dict__["_meshtrain_trainer"] = TrainerLink(trainer)
 
 
