@@ -142,3 +142,41 @@ def test_a_lightning_gan_with_toggled_optimizers_equals_the_hand_loop(tmp_path):
     # under FSDP2 the toggle would not reach the gathered copies: refused, saying so
     with pytest.raises(meshtrain.WorkerFailed, match="toggle_optimizer under dp_shard=2"):
         run_workers(_gan, 2, args=(tmp_path / "z3", "zero3=2"), timeout=150)
+
+
+class LitPlain(lightning.LightningModule):
+    """A LightningModule used as a plain model: no steps of its own (Lightning's base class
+    has placeholders for them), the loss given to fit."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+class LitTrainsOnly(LitPlain):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
+def test_the_steps_it_leaves_to_lightnings_placeholders_are_absent(tmp_path):
+    """Lightning's placeholders are not called: the module trains with loss_fn, predicts with
+    its forward, and val_data without a validation_step is refused as for any module."""
+    torch.set_num_threads(1)
+    settings = trainer_kwargs(tmp_path, max_steps=3, global_batch_size=BATCH, shuffle=False)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    trainer = Trainer(**settings)
+    ours = trainer.fit(LitPlain(), images(), optimizer=sgd, loss_fn=F.cross_entropy)
+    plain = torch.nn.Sequential(torch.nn.Flatten(), LitPlain().fc)
+    Trainer(**dict(settings, run_dir=tmp_path / "plain")).fit(
+        plain, images(), optimizer=sgd, loss_fn=F.cross_entropy)
+    assert torch.equal(ours.fc.weight, plain[1].weight)
+    x = images(5).tensors[0]
+    assert torch.allclose(trainer.predict(torch.utils.data.TensorDataset(x)), ours(x))
+    with pytest.raises(meshtrain.ConfigError, match="needs a validation_step"):
+        Trainer(**dict(settings, run_dir=tmp_path / "val")).fit(
+            LitTrainsOnly(), images(), images(64), optimizer=sgd)

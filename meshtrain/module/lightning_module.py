@@ -7,7 +7,7 @@ When a Trainer takes such a module (:func:`adopt`), its class becomes a subclass
 meshtrain's side of that API first (:class:`MeshtrainAPI`, the same methods as
 ``meshtrain.TrainingModule``'s): the research code runs as under Lightning, logging included.
 Everything else stays the module's and Lightning's (``save_hyperparameters``, ``hparams``,
-the hooks, ``device``). A pickle of the module names its own class: it loads back as the plain
+the hooks, ``device``); a step the module leaves to Lightning's placeholder is absent. A pickle of the module names its own class: it loads back as the plain
 LightningModule, without the Trainer (as Lightning drops its trainer in a pickle).
 
 Lightning is not imported here: a module is recognised by the classes it derives from.
@@ -67,10 +67,29 @@ def _new(cls: type):
     return cls.__new__(cls)
 
 
+class _Absent:
+    """A step the module does not define itself, only Lightning's placeholder (a warning, or
+    None: Lightning skips what is not overridden): absent, as from any module without it, so
+    that meshtrain's checks see it missing (a validation_step for val_data, a training_step
+    with loss_fn) instead of calling it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        raise AttributeError(self.name)
+
+
+_PLACEHOLDERS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
 @functools.cache
 def _adopted(cls: type) -> type:
-    return type(cls.__name__, (MeshtrainAPI, cls),
-                {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    attrs = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    for name in _PLACEHOLDERS:
+        if getattr(getattr(cls, name, None), "__qualname__", "").startswith("LightningModule."):
+            attrs[name] = _Absent(name)
+    return type(cls.__name__, (MeshtrainAPI, cls), attrs)
 
 
 def adopt(model) -> None:
