@@ -137,3 +137,29 @@ def test_attention_context_parallel_cannot_split_is_refused_before_any_process(
                                        global_batch_size=8))
     with pytest.raises(ConfigError, match=match):
         trainer.fit(model_fn, tokens(), optimizer=adamw_gpt, loss_fn=lm_loss)
+
+
+def _evaluated(run_dir, layout):
+    from conftest import trainer_kwargs
+
+    from meshtrain import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(**trainer_kwargs(run_dir, layout=layout, devices=2 if layout else 1,
+                                       max_steps=3, global_batch_size=8))
+    trainer.fit(TorchTransformer, tokens(), optimizer=adamw_gpt, loss_fn=lm_loss)
+    inputs = torch.utils.data.TensorDataset(tokens().tensors[0][:4])
+    return trainer.validate(tokens())["val/loss"], trainer.predict(inputs)
+
+
+@pytest.mark.timeout(300)
+def test_validation_and_predict_in_eval_mode_match_one_process(tmp_path):
+    """In eval mode nn.TransformerEncoderLayer may take torch's fused path, which would attend
+    within this rank's chunks only: under cp the whole sequence's attention still runs."""
+    from meshtrain.launch.spawn import run_workers
+
+    loss, outputs = _evaluated(tmp_path / "one", None)
+    cp_loss, cp_outputs = run_workers(_evaluated, 2, (tmp_path / "cp", "cp=2"), timeout=240)[0]
+    assert cp_loss == pytest.approx(loss, rel=1e-5)
+    assert cp_outputs.shape == outputs.shape
+    torch.testing.assert_close(cp_outputs, outputs, rtol=1e-4, atol=1e-5)
