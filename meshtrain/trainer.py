@@ -340,25 +340,25 @@ class Trainer:
         return run_validation(self)
 
     def validate(self, val_data: DataLike | None = None, dataloaders=None, *, datamodule=None,
-                 ckpt_path=None) -> dict[str, float]:
+                 ckpt_path=None, **lightning) -> dict[str, float]:
         """Loss and metrics over ``val_data`` (default: the datamodule's or model's
         ``val_dataloader()``, else the fit's validation data), logged at the current step."""
-        val_data = eval_data(self, val_data, datamodule, "validate", dataloaders, ckpt_path)
-        return evaluate_and_log(self, val_data if val_data is not None else self._val_data,
-                                "val")
+        data = eval_data(self, val_data, datamodule, "validate", dataloaders, ckpt_path, lightning)
+        return evaluate_and_log(self, data if data is not None else self._val_data, "val")
 
     def test(self, test_data: DataLike | None = None, dataloaders=None, *, datamodule=None,
-             ckpt_path=None) -> dict[str, float]:
+             ckpt_path=None, **lightning) -> dict[str, float]:
         """Loss and metrics over all of ``test_data`` (or of a ``test_dataloader()``)."""
-        data = eval_data(self, test_data, datamodule, "test", dataloaders, ckpt_path)
+        data = eval_data(self, test_data, datamodule, "test", dataloaders, ckpt_path, lightning)
         return evaluate_and_log(self, needed(data, "test"), "test")
 
     def predict(self, data: DataLike | None = None, dataloaders=None, *, datamodule=None,
-                ckpt_path=None):
+                ckpt_path=None, **lightning):
         """The model's outputs for every sample of ``data`` (or of a ``predict_dataloader()``),
         in its order, on global rank 0 (None on the others): meshtrain/loop/prediction.py."""
-        data = eval_data(self, data, datamodule, "predict", dataloaders, ckpt_path)
-        return predict_all(self, needed(data, "predict"))
+        data = eval_data(self, data, datamodule, "predict", dataloaders, ckpt_path, lightning)
+        outputs = predict_all(self, needed(data, "predict"))
+        return None if lightning.get("return_predictions") is False else outputs
 
     # -- checkpoints, logging, callbacks ----------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict, dict]:

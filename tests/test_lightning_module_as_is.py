@@ -180,3 +180,21 @@ def test_the_steps_it_leaves_to_lightnings_placeholders_are_absent(tmp_path):
     with pytest.raises(meshtrain.ConfigError, match="needs a validation_step"):
         Trainer(**dict(settings, run_dir=tmp_path / "val")).fit(
             LitTrainsOnly(), images(), images(64), optimizer=sgd)
+
+
+def test_lightnings_call_shapes_of_the_trainers_methods(tmp_path):
+    """Lightning's quickstart calls, keywords included, on meshtrain's Trainer."""
+    torch.set_num_threads(1)
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=3, global_batch_size=BATCH))
+    model, loader = LitHooked(), DataLoader(images(64), batch_size=BATCH)
+    trainer.fit(model=model, train_dataloaders=DataLoader(images(), batch_size=BATCH),
+                val_dataloaders=loader)
+    val = trainer.validate(model=model, dataloaders=loader, verbose=False)
+    assert val["val_loss"] == pytest.approx(trainer.validate(images(64))["val_loss"])
+    assert trainer.test(model=model, dataloaders=loader)["test/loss"] > 0
+    assert trainer.predict(model=model, dataloaders=loader).shape == (64, 10)
+    assert trainer.predict(model=model, dataloaders=loader, return_predictions=False) is None
+    with pytest.raises(meshtrain.ConfigError, match="unexpected keyword.*weights_only"):
+        trainer.test(model=model, dataloaders=loader, weights_only=True)
+    with pytest.raises(meshtrain.ConfigError, match="evaluates the model it fitted"):
+        trainer.test(model=LitHooked(), dataloaders=loader)

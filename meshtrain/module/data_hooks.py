@@ -65,13 +65,15 @@ def fit_data(trainer, model, train_data, val_data, datamodule, lightning=None):
            "built)" if not isinstance(model, torch.nn.Module) else ""))
 
 
-def eval_data(trainer, data, datamodule, stage: str, dataloaders=None, ckpt_path=None):
+def eval_data(trainer, data, datamodule, stage: str, dataloaders=None, ckpt_path=None,
+              lightning=None):
     """The data of ``validate`` / ``test`` / ``predict``: as given, else the DataModule's loader
     for ``stage`` (after its ``setup(stage)``), else the trained model's own; None when there
     is none (the caller decides). Lightning's call shapes too: the fitted model first
     (``test(model, dataloaders=...)``), ``ckpt_path`` ("best", "last" or a folder) restored
-    before."""
-    data = eval_arguments(trainer, data, dataloaders, ckpt_path, stage)
+    before; ``lightning``: Lightning's keywords (``model=``, ``verbose``,
+    ``return_predictions``)."""
+    data = eval_arguments(trainer, data, dataloaders, ckpt_path, stage, lightning or {})
     hook = LOADER_OF[stage]
     if datamodule is not None:
         if data is not None:

@@ -32,16 +32,24 @@ def fit_arguments(trainer, train_data, val_data, keywords: dict):
             keywords.get("val_dataloaders", val_data))
 
 
-def eval_arguments(trainer, data, dataloaders, ckpt_path, stage: str):
+EVAL_KEYWORDS = {"validate": ("model", "verbose"), "test": ("model", "verbose"),
+                 "predict": ("model", "return_predictions")}
+
+
+def eval_arguments(trainer, data, dataloaders, ckpt_path, stage: str, keywords: dict):
     """The data of ``validate`` / ``test`` / ``predict`` from Lightning's call shapes (the
-    fitted model first, ``dataloaders=``), with ``ckpt_path``'s checkpoint restored."""
-    if isinstance(data, torch.nn.Module):  # Lightning's test(model, ...): the fitted one
-        link = data.__dict__.get("_meshtrain_trainer")
-        if link is None or link.trainer is not trainer:
-            raise ConfigError(
-                f"{stage}({type(data).__name__}, ...): this Trainer evaluates the model it "
-                "fitted (the object given to fit or the one fit returned); give only the data, "
-                "or fit this model with this Trainer first")
+    fitted model first or as ``model=``, ``dataloaders=``), with ``ckpt_path``'s checkpoint
+    restored. ``verbose`` is taken (meshtrain prints no table of the results);
+    ``return_predictions=False``: predict returns None."""
+    unknown = sorted(set(keywords) - set(EVAL_KEYWORDS[stage]))
+    if unknown:
+        raise ConfigError(f"{stage} got unexpected keyword(s) {', '.join(unknown)}; it takes "
+                          "the data, dataloaders, datamodule, ckpt_path and Lightning's "
+                          f"{', '.join(EVAL_KEYWORDS[stage])}")
+    for given in (data, keywords.get("model")):
+        if isinstance(given, torch.nn.Module):  # Lightning's test(model, ...): the fitted one
+            _check_fitted(trainer, given, stage)
+    if isinstance(data, torch.nn.Module):
         data = None
     if dataloaders is not None:
         if data is not None:
@@ -50,6 +58,15 @@ def eval_arguments(trainer, data, dataloaders, ckpt_path, stage: str):
     if ckpt_path is not None:
         trainer.load_checkpoint(_checkpoint(trainer, ckpt_path, stage))
     return data
+
+
+def _check_fitted(trainer, model, stage: str) -> None:
+    link = model.__dict__.get("_meshtrain_trainer")
+    if link is None or link.trainer is not trainer:
+        raise ConfigError(
+            f"{stage}({type(model).__name__}, ...): this Trainer evaluates the model it "
+            "fitted (the object given to fit or the one fit returned); give only the data, "
+            "or fit this model with this Trainer first")
 
 
 def _checkpoint(trainer, ckpt_path, stage: str):

@@ -7,8 +7,11 @@ When a Trainer takes such a module (:func:`adopt`), its class becomes a subclass
 meshtrain's side of that API first (:class:`MeshtrainAPI`, the same methods as
 ``meshtrain.TrainingModule``'s): the research code runs as under Lightning, logging included.
 Everything else stays the module's and Lightning's (``save_hyperparameters``, ``hparams``,
-the hooks, ``device``); a step the module leaves to Lightning's placeholder is absent. A pickle of the module names its own class: it loads back as the plain
-LightningModule, without the Trainer (as Lightning drops its trainer in a pickle).
+the hooks, ``device``); a step the module leaves to Lightning's placeholder is absent. A
+pickle of the module names its own class: it loads back as the plain LightningModule, without
+the Trainer (as Lightning drops its trainer in a pickle). ``LitModel.load_from_checkpoint`` is
+Lightning's classmethod, which reads Lightning's files, not a meshtrain checkpoint folder:
+``meshtrain export`` gives a state dict to load.
 
 Lightning is not imported here: a module is recognised by the classes it derives from.
 """
