@@ -33,9 +33,10 @@ from meshtrain.launch.world import collective_checks, drain_collectives, resolve
 from meshtrain.launch.slurm import requeue_callbacks
 from meshtrain.loop.evaluation import evaluate_and_log
 from meshtrain.loop.layout_settings import use_layout
+from meshtrain.loop.lightning_views import LightningViews
 from meshtrain.loop.prediction import predict as predict_all
 from meshtrain.loop.seeding import seed_everything
-from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow, stepping_batches
+from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow
 from meshtrain.module.data_hooks import eval_data, fit_data, needed
 from meshtrain.module.hooks import after_callbacks
 from meshtrain.module.log_buffer import LogBuffer
@@ -49,12 +50,13 @@ ModelLike = torch.nn.Module | Callable[[], torch.nn.Module]
 DataLike = Dataset | DataLoader
 
 
-class Trainer:
+class Trainer(LightningViews):
     """Train a model under a parallel ``layout`` on ``devices`` processes.
 
     Takes the settings of :mod:`meshtrain.settings` as keywords (``layout="dp=2"``,
     ``max_steps=100``, ...); docs/reference.md lists every one with its default and doc.
-    Every setting is also an attribute (``trainer.max_steps``).
+    Every setting is also an attribute (``trainer.max_steps``); Lightning's names of what it
+    knows too (loop/lightning_views.py).
     """
 
     def __init__(self, **settings):
@@ -113,9 +115,6 @@ class Trainer:
     val_data = property(lambda self: self._val_data)  # what fit validates on (None: nothing)
     # this rank's index among the ranks that see different samples
     dp_rank = property(lambda self: self.mesh.batch_rank if self.mesh is not None else 0)
-    # Lightning's names (meshtrain runs no sanity validation before training)
-    estimated_stepping_batches, sanity_checking = property(stepping_batches), False
-    global_rank = property(lambda self: self.rank)
 
     def print(self, *args, **kwargs) -> None:
         """``print`` on global rank zero only (through the progress bar when one is live)."""

@@ -198,3 +198,28 @@ def test_lightnings_call_shapes_of_the_trainers_methods(tmp_path):
         trainer.test(model=model, dataloaders=loader, weights_only=True)
     with pytest.raises(meshtrain.ConfigError, match="evaluates the model it fitted"):
         trainer.test(model=LitHooked(), dataloaders=loader)
+
+
+def _ranks():
+    trainer = Trainer(devices=2, loggers=(), report=False)
+    return (trainer.global_rank, trainer.local_rank, trainer.num_devices, trainer.num_nodes,
+            trainer.world_size)
+
+
+def test_lightnings_names_of_what_the_trainer_knows(tmp_path):
+    from meshtrain.launch.spawn import run_workers
+
+    checkpoint = meshtrain.ModelCheckpoint(monitor="train/loss")
+    stop = meshtrain.EarlyStopping("train/loss")
+    trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, global_batch_size=BATCH,
+                                       callbacks=[checkpoint, stop], root_dir=str(tmp_path)))
+    assert trainer.optimizers == [] and trainer.log_dir is None
+    trainer.fit(LitModel(), images())
+    assert trainer.optimizers == [trainer.optimizer] and trainer.log_dir == str(trainer.run_dir)
+    assert trainer.checkpoint_callback is checkpoint and trainer.checkpoint_callbacks == [checkpoint]
+    assert trainer.early_stopping_callback is stop and trainer.default_root_dir == str(tmp_path)
+    assert (trainer.global_rank, trainer.local_rank, trainer.num_devices, trainer.num_nodes) == \
+        (0, 0, 1, 1)
+    assert run_workers(_ranks, 2, timeout=60) == [(0, 0, 2, 1, 2), (1, 1, 2, 1, 2)]
+    with pytest.raises(AttributeError, match="logger"):  # Lightning's logger objects: none
+        trainer.logger  # noqa: B018
