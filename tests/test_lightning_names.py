@@ -7,6 +7,7 @@ meshtrain's: the same weights."""
 import datetime
 
 import pytest
+import torch
 from parity import F64_TOL, GRAD_NORMS, compare_ranks, run_ranks, train_state
 
 from meshtrain import Callback, Trainer
@@ -87,3 +88,19 @@ def test_a_callback_written_for_lightning_is_refused_at_once_naming_meshtrains_h
                                           "meshtrain never calls; use on_train_step_start"):
         Trainer(callbacks=[BatchEnd()])
     Trainer(callbacks=[Fine()])
+
+
+def test_lightnings_seed_everything_is_the_runs_seed(monkeypatch):
+    """lightning.seed_everything(N) before the Trainer: the Trainer seeds N, not its own
+    default 0 over it (which made every seed_everything value train alike); a seed given to
+    the Trainer still wins."""
+    lightning = pytest.importorskip("lightning")
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # (restored after the test)
+    lightning.seed_everything(7)
+    trainer = Trainer(loggers=())
+    assert trainer.seed == 7 and any("seed_everything(7) is seed=7" in n
+                                     for n in trainer.loader_notes)
+    drawn = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(drawn, torch.rand(3))
+    assert Trainer(loggers=(), seed=3).seed == 3

@@ -9,6 +9,7 @@ Lightning 2.x's names; its values where they differ (``precision=32``, ``strateg
 from __future__ import annotations
 
 import datetime
+import os
 
 from meshtrain.errors import ConfigError
 
@@ -142,6 +143,11 @@ def from_lightning(keywords: dict) -> tuple[dict, list[str]]:
         out["precision"] = PRECISIONS[str(precision)]
         notes.append(f"lightning: precision={precision!r} is precision="
                      f"{out['precision']!r}")
+    seeded = os.environ.get("PL_GLOBAL_SEED", "")
+    if "seed" not in out and seeded.lstrip("-").isdigit():
+        # lightning.seed_everything(N) said the run's seed: Trainer() would seed 0 over it
+        out["seed"] = int(seeded)
+        notes.append(f"lightning: seed_everything({seeded}) is seed={seeded}")
     return out, notes
 
 
