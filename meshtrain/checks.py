@@ -115,6 +115,9 @@ def inspect_model(model) -> torch.nn.Module | None:
         if "meta" not in str(meta_error).lower():
             _build_for_real(model)
         return None
+    from meshtrain.loop.compiled_model import refuse_compiled_factory
+
+    refuse_compiled_factory(built)
     return built if isinstance(built, torch.nn.Module) else None
 
 

@@ -23,6 +23,7 @@ from meshtrain.data.sampler import train_loaders
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.world import start_world
+from meshtrain.loop.compiled_model import unwrap_compiled
 from meshtrain.loop.layout_settings import take_loader_settings
 from meshtrain.loop.seeding import agree_on_initial_state
 from meshtrain.loop.state import loader_options
@@ -45,6 +46,7 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
             lr_scheduler=None) -> None:
     """Everything ``fit`` needs before its loop (see the module's docstring)."""
     t = trainer
+    model = unwrap_compiled(t, model)  # (torch.compile's wrapper: its module, compiled here)
     train_set, meta_model = check_before_start(t, model, train_data, val_data,
                                                optimizer=optimizer, loss_fn=loss_fn,
                                                lr_scheduler=lr_scheduler)
@@ -102,6 +104,7 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
     """Every check ``fit`` makes before any process starts (``Trainer.check``; ``--dry-run``):
     the inputs, then the model against the layout on a meta-device copy of a factory's model
     (no weights). Returns (the training dataset, that copy or None)."""
+    model = unwrap_compiled(t, model)
     take_loader_settings(t, train_data)  # (a DataLoader's batch size and order)
     train_set = checks.check_fit_inputs(model, train_data, val_data, optimizer=optimizer,
                                         lr_scheduler=lr_scheduler,

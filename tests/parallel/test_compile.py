@@ -149,3 +149,35 @@ def test_compiled_gpt_under_sequence_parallel_matches_one_eager_process():
                   parallel_kwargs=dict(compile=True, sequence_parallel=True,
                                        activation_checkpointing="full"),
                   setup=compiled_on_every_rank)
+
+
+def _user_compiled(run_dir, layout):
+    """As a user writes it: the model torch.compile'd, then given to fit."""
+    from conftest import trainer_kwargs
+
+    torch.set_num_threads(1)
+    trainer = Trainer(**trainer_kwargs(
+        run_dir, layout=layout, devices=2 if layout else 1, max_steps=4, global_batch_size=16,
+        micro_batch_size=4, callbacks=[CompiledOnEveryRank()] if layout else []))
+    model = tiny_gpt() if layout is None else torch.compile(tiny_gpt())
+    trainer.fit(model, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
+    notes = trainer.start_notes
+    return {k: v.detach().clone() for k, v in trainer.whole_model().state_dict().items()}, notes
+
+
+@pytest.mark.timeout(240)
+def test_a_model_given_torch_compiled_trains_as_its_module_under_pp(tmp_path):
+    """torch.compile's wrapper named every parameter `_orig_mod.*` and a pipeline could not cut
+    it (refused): the module it wraps is trained, compiled in place, and matches one eager
+    process under its own names."""
+    from meshtrain.launch.spawn import run_workers
+
+    reference, _ = _user_compiled(tmp_path / "one", None)
+    state, notes = run_workers(_user_compiled, 2, (tmp_path / "pp", "pp=2"), timeout=200)[0]
+    assert sorted(state) == sorted(reference) and not any("_orig_mod" in k for k in state)
+    for name, value in reference.items():
+        assert torch.allclose(state[name], value, atol=1e-5, rtol=0), name
+    assert "given torch.compile'd" in notes and "compile='model'" in notes
+    with pytest.raises(ConfigError, match="factory returns a torch.compile'd module"):
+        quiet().check(lambda: torch.compile(tiny_gpt()), token_data(), optimizer=adamw_gpt,
+                      loss_fn=lm_loss)
