@@ -1,6 +1,7 @@
 """A Lightning ``LightningModule`` given to meshtrain's Trainer as it is, without changing its
 base class (meshtrain/module/lightning_module.py): its hooks run and its ``self.log`` values
-arrive as under Lightning's own Trainer, in one process and under zero3=2; the trained module
+arrive as under Lightning's own Trainer (test_training_module_lightning.py's hooked module,
+given as it is), in one process and under zero3=2; the trained module
 copies and pickles; a GAN with Lightning's toggled optimizers equals the hand-written loop. (Before, ``self.log`` only warned and dropped every value.)"""
 
 from __future__ import annotations
@@ -21,29 +22,10 @@ lightning = pytest.importorskip("lightning", reason="pip install -e '.[test]' in
 
 from test_manual_optimization import GAN, gan_data, hand_loop  # noqa: E402
 from test_training_module_lightning import (  # noqa: E402 (after the skip)
-    BATCH, LIGHTNING_ARGS, STEPS, LitHooked, LitModel, images,
+    BATCH, STEPS, LitHooked, LitModel, images,
 )
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def test_its_hooks_and_logged_values_are_lightnings(tmp_path):
-    torch.set_num_threads(1)
-    args = dict(LIGHTNING_ARGS, max_steps=-1, max_epochs=2, check_val_every_n_epoch=1)
-    loaders = [DataLoader(images(), batch_size=BATCH), DataLoader(images(64), batch_size=BATCH)]
-    theirs, lit = LitHooked(), lightning.Trainer(**args, default_root_dir=tmp_path / "lightning")
-    lit.fit(theirs, *loaders)
-    del args["max_steps"]
-    trainer = Trainer(**args, default_root_dir=tmp_path / "meshtrain")
-    ours = trainer.fit(LitHooked(), *loaders)
-    assert isinstance(ours, LitHooked) and ours.calls == theirs.calls
-    for name in ("val_loss", "val_worst", "val_acc", "lr_seen", "steps_done", "epoch_twice"):
-        assert name in trainer.callback_metrics, (name, sorted(trainer.callback_metrics))
-        assert trainer.callback_metrics[name] == pytest.approx(
-            float(lit.callback_metrics[name]), abs=1e-5), name
-    reference = state_of(theirs)
-    for name, value in state_of(ours).items():
-        assert torch.allclose(value, reference[name], atol=1e-5, rtol=0), name
 
 
 def test_the_trained_module_copies_and_pickles(tmp_path):

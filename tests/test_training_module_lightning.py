@@ -244,7 +244,10 @@ class LitHooked(Hooked, lightning.LightningModule):
 
 
 @pytest.mark.timeout(120)
-def test_module_hooks_and_logging_options_as_under_lightning(tmp_path):
+@pytest.mark.parametrize("mine", [MeshHooked, LitHooked],
+                         ids=["TrainingModule", "LightningModule-as-it-is"])
+def test_module_hooks_and_logging_options_as_under_lightning(tmp_path, mine):
+    """(LitHooked itself to meshtrain's Trainer: tests/test_lightning_module_as_is.py)"""
     torch.set_num_threads(1)
     args = dict(LIGHTNING_ARGS, max_steps=-1, max_epochs=2, check_val_every_n_epoch=1)
     loaders = [DataLoader(images(), batch_size=BATCH), DataLoader(images(64), batch_size=BATCH)]
@@ -252,8 +255,8 @@ def test_module_hooks_and_logging_options_as_under_lightning(tmp_path):
     lit.fit(theirs, *loaders)
     del args["max_steps"]
     trainer = Trainer(**args, default_root_dir=tmp_path / "meshtrain")
-    ours = trainer.fit(MeshHooked(), *loaders)
-    assert ours.calls == theirs.calls
+    ours = trainer.fit(mine(), *loaders)
+    assert isinstance(ours, mine) and ours.calls == theirs.calls
     for name in ("val_loss", "val_worst", "val_acc", "lr_seen", "steps_done", "epoch_twice"):
         assert trainer.callback_metrics[name] == pytest.approx(
             float(lit.callback_metrics[name]), abs=1e-5), name

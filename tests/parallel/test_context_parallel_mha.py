@@ -7,12 +7,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from parity import adamw_gpt, assert_parity
-from torch.utils.data import TensorDataset
+
+from test_context_parallel_sdpa import HEADS, SEQ, VOCAB, WIDTH, lm_loss, tokens
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.context import mha
-
-VOCAB, SEQ, WIDTH, HEADS = 32, 16, 32, 4
 
 
 class TorchTransformer(nn.Module):
@@ -72,16 +71,6 @@ class CrossAttention(nn.Module):
         memory = self.memory.expand(idx.size(0), -1, -1)
         mask = nn.Transformer.generate_square_subsequent_mask(idx.size(1))
         return self.head(self.layer(self.tok(idx), memory, tgt_mask=mask, tgt_is_causal=True))
-
-
-def tokens():
-    gen = torch.Generator().manual_seed(5)
-    data = torch.randint(0, VOCAB, (64, SEQ + 1), generator=gen)
-    return TensorDataset(data[:, :-1], data[:, 1:])
-
-
-def lm_loss(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 FNS = dict(model_fn=TorchTransformer, data_fn=tokens, loss_fn=lm_loss, optimizer_fn=adamw_gpt)
