@@ -20,6 +20,7 @@ import meshtrain.fault.desync
 import meshtrain.fault.watchdog
 import meshtrain.loop.setup
 import meshtrain.loop.step_end
+import meshtrain.module.lightning_module
 import meshtrain.moe.layer
 import meshtrain.moe.pipeline
 import meshtrain.moe.tensor_parallel
