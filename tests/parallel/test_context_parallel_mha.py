@@ -152,3 +152,18 @@ def test_validation_and_predict_in_eval_mode_match_one_process(tmp_path):
     assert cp_loss == pytest.approx(loss, rel=1e-5)
     assert cp_outputs.shape == outputs.shape
     torch.testing.assert_close(cp_outputs, outputs, rtol=1e-4, atol=1e-5)
+
+
+def test_a_pipeline_of_an_encoder_stack_is_refused_naming_where_its_blocks_are(tmp_path,
+                                                                              no_processes):
+    """pp cuts model.layers; nn.TransformerEncoder keeps its blocks at model.encoder.layers:
+    the refusal says where they are and how a pipeline runs them."""
+    from conftest import trainer_kwargs
+
+    from meshtrain import Trainer
+
+    trainer = Trainer(**trainer_kwargs(tmp_path, layout="pp=2", devices=2, max_steps=1,
+                                       global_batch_size=8))
+    with pytest.raises(ConfigError, match=r"its blocks are at model\.encoder\.layers: keep "
+                                          "them as model.layers"):
+        trainer.fit(TorchTransformer, tokens(), optimizer=adamw_gpt, loss_fn=lm_loss)
