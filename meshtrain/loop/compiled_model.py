@@ -4,10 +4,11 @@
 ``_orig_mod.``: trained as it is, its checkpoints did not load into the module itself (nor the
 module's into it), a pipeline could not cut it (refused: "the stages would not compute its
 forward") and plans naming the module's parts missed them. So, as Lightning does, meshtrain
-trains the module it wraps and compiles that in place its own way (``compile="model"``, the
-whole forward, or each block where activation checkpointing asks for blocks), said at start;
-``Trainer(compile=...)`` given decides instead. ``torch.compile``'s own options (``mode``,
-``backend``) are not carried over.
+trains the module it wraps and compiles that in place its own way, said at start: each
+repeated block where the module has them (``compile=True``, what docs/compile.md advises:
+one graph for all blocks, FSDP2's and checkpointing's hooks at its edges), else the whole
+forward (``compile="model"``); ``Trainer(compile=...)`` given decides instead.
+``torch.compile``'s own options (``mode``, ``backend``) are not carried over.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ def unwrap_compiled(t, model):
         return model
     if "compile" not in t._given:
         from meshtrain.parallel.compile import check_toolchain
+        from meshtrain.parallel.data.fully_shard import find_blocks
 
-        mode = "blocks" if t._settings["activation_checkpointing"] else "model"
+        has_blocks = t._settings["blocks"] is not None or bool(find_blocks(model._orig_mod))
+        mode = "blocks" if has_blocks else "model"
         check_toolchain(t.device_type)
         t._settings["compile"] = True if mode == "blocks" else mode
         if t.parallel_options is not None:
