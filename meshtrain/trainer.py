@@ -31,6 +31,7 @@ from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
 from meshtrain.launch.world import collective_checks, drain_collectives, resolve_world_size
 from meshtrain.launch.slurm import requeue_callbacks
+from meshtrain.loop.compiled_model import unwrap_compiled
 from meshtrain.loop.evaluation import evaluate_and_log
 from meshtrain.loop.layout_settings import use_layout
 from meshtrain.loop.lightning_views import LightningViews
@@ -145,6 +146,7 @@ class Trainer(LightningViews):
         ``resume`` setting ("auto": this job's newest checkpoint; a folder; None). Lightning's
         ``train_dataloaders``, ``val_dataloaders``, ``ckpt_path`` too (module/lightning_calls.py).
         """
+        model = unwrap_compiled(self, model)  # torch.compile's wrapper: its module (its hooks)
         train_data, val_data = fit_data(self, model, train_data, val_data, datamodule, lightning)
         self.prepare(model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
                      lr_scheduler=lr_scheduler)

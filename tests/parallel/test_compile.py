@@ -181,3 +181,35 @@ def test_a_model_given_torch_compiled_trains_as_its_module_under_pp(tmp_path):
     with pytest.raises(ConfigError, match="factory returns a torch.compile'd module"):
         quiet().check(lambda: torch.compile(tiny_gpt()), token_data(), optimizer=adamw_gpt,
                       loss_fn=lm_loss)
+
+
+class _OwnData(torch.nn.Module):
+    """A research module that brings its own train_dataloader()."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, x[:, :4].argmax(1)), batch_size=8)
+
+
+def test_a_compiled_modules_own_hooks_are_found():
+    """The wrapper is looked through before the data: the module's train_dataloader() is the
+    data (before, fit said it had none)."""
+    trainer = Trainer(max_steps=2, loggers=(), progress_bar=False, report=False,
+                      save_final_checkpoint=False, run_dir=tempfile.mkdtemp())
+    trained = trainer.fit(torch.compile(_OwnData()))
+    assert type(trained) is _OwnData and trainer.global_step == 2
