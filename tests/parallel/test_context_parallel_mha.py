@@ -164,6 +164,6 @@ def test_a_pipeline_of_an_encoder_stack_is_refused_naming_where_its_blocks_are(t
 
     trainer = Trainer(**trainer_kwargs(tmp_path, layout="pp=2", devices=2, max_steps=1,
                                        global_batch_size=8))
-    with pytest.raises(ConfigError, match=r"its blocks are at model\.encoder\.layers: keep "
-                                          "them as model.layers"):
+    with pytest.raises(ConfigError, match=r"repeated modules at model\.encoder\.layers: if "
+                                          "those are its blocks, keep them as model.layers"):
         trainer.fit(TorchTransformer, tokens(), optimizer=adamw_gpt, loss_fn=lm_loss)

@@ -89,9 +89,10 @@ def pipeline_blocks(model: nn.Module) -> list[nn.Module]:
         return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
     nested = next((name for name, m in model.named_modules() if name and isinstance(
         m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1), None)
-    where = (f"; its blocks are at model.{nested}: keep them as model.layers and call them in "
-             "a loop in forward (the parts before them as model.embed(x), after them as "
-             "model.norm / model.head), as a pipeline stage runs them") if nested else ""
+    where = (f"; it has repeated modules at model.{nested}: if those are its blocks, keep them "
+             "as model.layers and call them in a loop in forward (the parts before them as "
+             "model.embed(x), after them as model.norm / model.head), as a pipeline stage runs "
+             "them") if nested else ""
     raise ConfigError(f"cannot pipeline {type(model).__name__}: it needs its blocks in "
                       f"model.layers (an nn.ModuleList) or to be an nn.Sequential{where}")
 
