@@ -118,7 +118,7 @@ class Trainer(LightningViews):
     dp_rank = property(lambda self: self.mesh.batch_rank if self.mesh is not None else 0)
 
     def print(self, *args, **kwargs) -> None:
-        """``print`` on global rank zero only (through the progress bar when one is live)."""
+        """``print`` on global rank zero only, through the ``meshtrain`` logger (run_log.py)."""
         self.run_log.print(*args, **kwargs)
 
     def hparams(self) -> dict:

@@ -9,10 +9,18 @@ at the first update, after every 10% of the steps or ``plain_interval_s`` second
 comes first), and once more on ``close()``. ``update`` only stores the step and metrics; metric
 values are turned into numbers when a line is drawn, so passing tensors does not force a device
 sync on every step (but each drawn line does sync once per tensor).
+
+Given a ``logger``, every line goes through it at INFO (the plain lines, ``log()``'s), so the
+logger's level and handlers decide what is shown and where; while the rich bar is live, the
+logger's handlers that write to the bar's terminal are replaced by one that prints above the
+bar (clear the bar, write the line, draw the bar again), as tqdm's ``logging_redirect_tqdm``
+does, and put back on ``close()``. Its other handlers (a file, your own) get every line as
+they are.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Mapping
@@ -95,6 +103,7 @@ class ProgressBar:
         refresh_per_second: float = 4,
         stream: IO[str] | None = None,
         plain_interval_s: float = 30.0,
+        logger: logging.Logger | None = None,
     ) -> None:
         if int(total_steps) < 1:
             raise ConfigError(f"total_steps must be at least 1, got {total_steps}")
@@ -107,6 +116,8 @@ class ProgressBar:
         self.refresh_per_second = refresh_per_second
         self.plain_interval_s = float(plain_interval_s)
         self.stream = stream
+        self.logger = logger
+        self._replaced: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
         self.rich_mode = False
         self._progress = None  # rich.progress.Progress in rich mode
         self._task = None
@@ -142,6 +153,7 @@ class ProgressBar:
         self._closed = True
         if self._progress is not None:
             self._progress.stop()
+            self._restore_handlers()
         elif self._step is not None and self._printed_step != self._step:
             self._print_line()
 
@@ -176,8 +188,12 @@ class ProgressBar:
             self._print_line(now)
 
     def log(self, message: str) -> None:
-        """Print ``message`` on its own line (above the bar in rich mode)."""
+        """Print ``message`` on its own line (above the bar in rich mode; through the logger
+        when there is one)."""
         if not self.enabled:
+            return
+        if self.logger is not None:
+            self.logger.info(message)
             return
         if self._progress is not None and not self._closed:
             self._progress.console.print(message, markup=False, highlight=False)
@@ -201,8 +217,11 @@ class ProgressBar:
         if stats:
             parts.append(stats)
         parts.append(f"eta {self._eta(now)}")
-        self.stream.write(" | ".join(parts) + "\n")
-        self.stream.flush()
+        if self.logger is not None:
+            self.logger.info(" | ".join(parts))
+        else:
+            self.stream.write(" | ".join(parts) + "\n")
+            self.stream.flush()
         self._printed_step = self._step
         self._next_step = self._step + self._every
         self._next_time = now + self.plain_interval_s
@@ -240,4 +259,51 @@ class ProgressBar:
             transient=False,
         )
         self._task = self._progress.add_task("train", total=self.total_steps, metrics={})
+        self._replace_handlers(console)  # before the bar proxies sys.stdout and sys.stderr
         self._progress.start()
+
+    # -- a logger's terminal handlers while the rich bar is live --
+    def _replace_handlers(self, console) -> None:
+        """Each handler of the logger (and of the loggers it propagates to) that writes to the
+        bar's terminal is replaced by one that prints above the bar."""
+        logger = self.logger
+        while logger is not None:
+            for index, handler in enumerate(logger.handlers):
+                if _writes_to(handler, self.stream):
+                    above = _AboveTheBar(console, handler)
+                    logger.handlers[index] = above
+                    self._replaced.append((logger, handler, above))
+            logger = logger.parent if logger.propagate else None
+
+    def _restore_handlers(self) -> None:
+        for logger, handler, above in self._replaced:
+            if above in logger.handlers:
+                logger.handlers[logger.handlers.index(above)] = handler
+        self._replaced = []
+
+
+def _writes_to(handler: logging.Handler, terminal: IO[str]) -> bool:
+    """Whether ``handler`` writes to ``terminal``: that stream, or another terminal (one process
+    writing to two terminals at once is as good as unheard of)."""
+    if not isinstance(handler, logging.StreamHandler) or isinstance(handler, logging.FileHandler):
+        return False
+    stream = getattr(handler, "stream", None)
+    return stream is terminal or (stream is not None and _is_terminal(stream))
+
+
+class _AboveTheBar(logging.Handler):
+    """Prints what ``replaced`` would have written on the live bar's console: the console
+    clears the bar, writes the line and draws the bar again. Same level, filters, format."""
+
+    def __init__(self, console, replaced: logging.Handler) -> None:
+        super().__init__(replaced.level)
+        self.console, self.replaced = console, replaced
+        self.filters = list(replaced.filters)
+        self.setFormatter(replaced.formatter)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(self.format(record), markup=False, highlight=False, emoji=False,
+                               soft_wrap=True)  # a long line wraps as the terminal does
+        except Exception:  # noqa: BLE001 - logging's own convention
+            self.handleError(record)

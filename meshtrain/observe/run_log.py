@@ -1,12 +1,16 @@
-"""What a fit shows and writes on global rank zero: its lines (through the progress bar while
-it runs), metrics to the loggers, the memory table and the loss plot.
+"""What a fit shows and writes on global rank zero: its lines, metrics to the loggers, the
+memory table and the loss plot.
 
-The lines go through the ``meshtrain`` logger of Python's ``logging`` (level INFO), as
-Lightning's go through ``lightning.pytorch``: ``logging.getLogger("meshtrain").setLevel(
-logging.WARNING)`` (or ``meshtrain train --quiet``) silences them, a handler of your own
-redirects them. Unless configured otherwise the logger prints the bare message to standard
-output on global rank zero; ``MESHTRAIN_LOG_RANKS=all`` prints every rank's, prefixed with its
-rank. The files of a run (metrics.csv, the loggers', memory.txt) do not depend on it.
+Every line goes through the ``meshtrain`` logger of Python's ``logging`` (level INFO), as
+Lightning's go through ``lightning.pytorch``, whether the progress bar is on or off: the run
+folder, the model summary, the memory table, the validation results, the progress bar's own
+lines where it prints lines (not on a terminal), the ``fit:``/``final:`` summary.
+``logging.getLogger("meshtrain").setLevel(logging.WARNING)`` (or ``meshtrain train --quiet``)
+silences them, a handler of your own receives them. Unless configured otherwise the logger
+prints the bare message to standard output on global rank zero; ``MESHTRAIN_LOG_RANKS=all``
+prints every rank's, prefixed with its rank. While the bar is drawn on a terminal, the
+logger's handlers that write there print above it (observe/progress.py). The files of a run
+(metrics.csv, the loggers', memory.txt) do not depend on the logger.
 """
 
 from __future__ import annotations
@@ -67,12 +71,9 @@ class RunLog:
         if every:
             rank = os.environ.get("RANK", "0")
             message = "\n".join(f"[rank {rank}] {line}" for line in message.split("\n"))
-        if self.bar is not None and self.bar.enabled:
-            self.bar.log(message)
-        else:
-            LOGGER.info(message)
-            for handler in LOGGER.handlers:
-                handler.flush()
+        LOGGER.info(message)  # above the progress bar when one is drawn (observe/progress.py)
+        for handler in LOGGER.handlers:
+            handler.flush()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Metrics to every logger. After ``finish`` (``test``/``validate`` after ``fit``) the
@@ -95,7 +96,7 @@ class RunLog:
     def start_progress(self, total: int, enabled: bool) -> None:
         from meshtrain.observe.progress import ProgressBar
 
-        self.bar = ProgressBar(total, enabled=enabled and self.is_zero)
+        self.bar = ProgressBar(total, enabled=enabled and self.is_zero, logger=LOGGER)
         self.bar.start()
 
     def progress(self, step: int, metrics: dict, shown=()) -> None:
@@ -141,6 +142,6 @@ class RunLog:
 
             path = write_report(self.run_dir)
         except Exception as error:  # noqa: BLE001 - the run's outcome matters more
-            print(f"warning: no report.html: {type(error).__name__}: {error}", flush=True)
+            LOGGER.warning(f"warning: no report.html: {type(error).__name__}: {error}")
             return
         self.print(f"report: {path}")

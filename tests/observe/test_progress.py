@@ -100,3 +100,48 @@ def test_a_fit_counts_tokens_for_token_ids_and_samples_otherwise(tmp_path, capsy
         logged = set().union(*(row.keys() for row in read_metrics_csv(run_dir / "metrics.csv")))
         other = {"samples": "tokens", "tokens": "samples"}[unit]
         assert f"train/{unit}_per_s" in logged and f"train/{other}_per_s" not in logged
+
+
+def test_through_a_logger_every_handler_gets_the_lines_and_the_terminals_print_above_the_bar():
+    """With ``logger=``: plain lines and ``log()`` go through it; while the rich bar is live a
+    handler writing to its terminal prints through the bar (cleared, line, redrawn), another
+    handler gets the lines as they are; both are the logger's own again after ``close()``."""
+    import logging
+
+    logger = logging.getLogger("test_progress.bar")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    tty, kept = FakeTTY(), []
+    terminal = logging.StreamHandler(tty)
+    terminal.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    keep = logging.Handler()
+    keep.emit = lambda record: kept.append(record.getMessage())
+    logger.handlers = [terminal, keep]
+    try:
+        with ProgressBar(50, stream=tty, refresh_per_second=20, logger=logger) as bar:
+            assert bar.rich_mode
+            for step in range(1, 51):
+                bar.update(step, {"loss": 0.5})
+                if step == 25:
+                    logger.info("step 25: val/loss 0.4")
+            bar.log("from the bar")
+        assert logger.handlers == [terminal, keep]
+        logger.info("after the bar")
+        text = tty.getvalue()
+        for line in ("INFO step 25: val/loss 0.4", "INFO from the bar"):
+            assert text.count(line) == 1, text
+            assert text[:text.index(line)].endswith("\x1b[2K"), text  # the bar cleared first
+            assert "step" in text[text.index(line) + len(line):]  # and drawn again below
+        assert text.endswith("INFO after the bar\n")
+        assert kept == ["step 25: val/loss 0.4", "from the bar", "after the bar"]
+
+        out = io.StringIO()  # not a terminal: the plain lines go through the logger too
+        kept.clear()
+        with ProgressBar(4, stream=out, logger=logger) as bar:
+            for step in range(1, 5):
+                bar.update(step, {"loss": 0.5})
+        assert out.getvalue() == ""
+        assert [line.split(" |")[0] for line in kept] == ["step 1/4", "step 2/4", "step 3/4",
+                                                          "step 4/4"]
+    finally:
+        logger.handlers = []
