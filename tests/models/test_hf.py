@@ -104,8 +104,9 @@ def test_tp_config_errors():
     moe = tiny_causal_lm("Qwen3Moe", vocab_size=32, hidden_size=16, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                          moe_intermediate_size=8, num_experts=2, num_experts_per_tok=1)
-    with pytest.raises(ConfigError, match=r"experts.* as '(packed_colwise|moe_tp_experts)', "
-                                          "which meshtrain does not implement"):
+    with pytest.raises(ConfigError, match=r"mixture-of-experts model \(2 experts in each of 1 MoE "
+                                          r"layer\) and meshtrain does not split .* "
+                                          r"layout=\"ep=2\""):
         hf_tp_plan(moe, tp=2)
 
 

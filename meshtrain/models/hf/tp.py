@@ -6,10 +6,10 @@ prefix and the head's ``_tp_plan`` (e.g. ``{"model.layers.*.self_attn.q_proj": "
 "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce", "lm_head":
 "colwise_gather_output"}``). :func:`hf_tp_plan` translates every style into a DTensor
 ``ParallelStyle`` (:data:`STYLES`) and checks that the sizes it splits divide by the degree; a
-style meshtrain does not implement, a model without a plan, or a split that does not divide is a
-``ConfigError`` naming the module and the fix, before any process starts. Modules the plan does not
-name (norms that see the whole hidden state, a head the plan leaves out) are replicated by
-``apply_tp``.
+style meshtrain does not implement, a model without a plan, a mixture-of-experts model (its experts
+are not split by tp: ep splits them), or a split that does not divide is a ``ConfigError`` naming
+the module and the fix, before any process starts. Modules the plan does not name (norms that see
+the whole hidden state, a head the plan leaves out) are replicated by ``apply_tp``.
 """
 
 from __future__ import annotations
@@ -78,14 +78,44 @@ def _refuse_no_plan(model: nn.Module) -> ConfigError:
         "Trainer(tp_plan={module name: ParallelStyle}) and check it with meshtrain parity")
 
 
+#: why tp is refused for a Hugging Face MoE model (the planner says the same: plan/planner.py)
+NO_EXPERT_TP = "meshtrain does not split a Hugging Face model's experts by tensor parallel"
+
+
+def _refuse_experts(model: nn.Module, tp: int | None) -> ConfigError | None:
+    """A mixture-of-experts model under tp: the refusal saying why and what splits it (ep),
+    whatever its declared plan names (transformers' plans name the dense MLP's projections,
+    which its MoE layers do not have); None for a model without experts."""
+    from meshtrain.models.hf.moe import hf_expert_layers
+
+    layers = hf_expert_layers(model)
+    held = [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
+    if not layers and not held:
+        return None
+    count = layers[0].num_experts if layers else None
+    degree = tp if tp and count and count % tp == 0 else 2
+    what = (f"{count} experts in each of {len(layers)} MoE layer{'s' * (len(layers) > 1)}"
+            if layers else f"{held[0]}, ...")
+    instead = (f"split the experts with ep: layout=\"ep={degree}\" (the rest data parallel over "
+               f"the same processes) or \"dp_shard={degree},ep={degree}\" (the rest sharded); "
+               if layers else "")
+    return ConfigError(
+        f"tp: {type(model).__name__} is a mixture-of-experts model ({what}) and {NO_EXPERT_TP} "
+        f"(nor offers tp for the attention alone); {instead}layouts without tp: "
+        f"{others(model, 'tp')}")
+
+
 def hf_tp_plan(model: nn.Module, tp: int | None = None) -> dict[str, ParallelStyle]:
     """The model's declared plan as DTensor styles, module pattern -> ``ParallelStyle``.
 
     Patterns that name no module of ``model`` (a pipeline stage holds some) are dropped. With
     ``tp`` the sizes each style splits, and for a split attention the head counts, are checked
-    to divide by it. Raises ``ConfigError`` for a model without a plan, a style meshtrain does not
-    implement, or a style on a module it cannot split.
+    to divide by it. Raises ``ConfigError`` for a mixture-of-experts model, a model without a
+    plan, a style meshtrain does not implement, or a style on a module it cannot split.
     """
+    experts = _refuse_experts(model, tp)
+    if experts is not None:
+        raise experts
     declared = declared_plan(model)
     if not declared:
         raise _refuse_no_plan(model)
