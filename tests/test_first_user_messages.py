@@ -32,3 +32,48 @@ def test_tp_on_a_hugging_face_moe_model_says_experts_are_split_by_ep(tmp_path):
     assert "mixture-of-experts model (4 experts in each of 2 MoE layers)" in message
     assert "does not split a Hugging Face model's experts by tensor parallel" in message
     assert 'layout="ep=2"' in message and '"dp_shard=2,ep=2"' in message
+
+
+def _fit_one_step(run_dir, model_fn, data, **fit):
+    trainer = Trainer(**trainer_kwargs(run_dir, max_steps=1, global_batch_size=4,
+                                       save_final_checkpoint=True))
+    return trainer.fit(model_fn, data, optimizer=_adamw, **fit)
+
+
+@pytest.mark.timeout(120)
+def test_export_takes_a_run_folder_and_says_which_folder_to_give(tmp_path, capsys):
+    from meshtrain import cli
+    from meshtrain.models.hf import tiny_llama
+
+    run = tmp_path / "runs" / "job" / "20260101-000000"
+    trained = _fit_one_step(run, tiny_llama, random_token_data(num_samples=8))
+    trained.config.save_pretrained(run / "hf_config")  # (what the causal_lm recipe saves)
+    assert cli.main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    assert f"exporting {run / 'checkpoints' / 'final'}" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    # the job's folder (one run folder per start): the message names the run folder to give
+    assert cli.main(["export", str(run.parent), "--hf", str(tmp_path / "x")]) == 2
+    assert f"give one of them, e.g. the newest: {run}" in capsys.readouterr().err
+    assert cli.main(["export", str(tmp_path / "nothing"), "model.pt"]) == 2
+    assert "give a run folder (runs/<name>/<time>)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_export_hf_of_meshtrains_gpt_says_it_has_no_hugging_face_architecture(tmp_path, capsys):
+    from meshtrain import cli
+    from meshtrain.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=32, seq_len=16, num_layers=1, num_heads=2, d_model=16)
+    data = [(torch.randint(0, 32, (16,)), torch.randint(0, 32, (16,))) for _ in range(8)]
+    trained = _fit_one_step(tmp_path / "run", lambda: GPT(config), data, loss_fn=lambda out, y:
+                            torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+    assert cli.main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "meshtrain's own GPT" in err and "no Hugging Face architecture" in err
+    assert "none saved with the run" not in err  # (not a config it could never have)
+    # the export it names works: a state_dict file GPT loads
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "model.pt")]) == 0
+    model = GPT(config)
+    model.load_state_dict(torch.load(tmp_path / "model.pt"))
+    assert torch.equal(model.head.weight, trained.head.weight)

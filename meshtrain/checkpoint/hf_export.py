@@ -21,6 +21,35 @@ from meshtrain.checkpoint.safe_load import read_model_state
 from meshtrain.errors import ConfigError
 
 
+# --- What has no Hugging Face architecture -------------------------------------------------------
+def _gpt_outer_names() -> set[str]:
+    """The names of meshtrain's GPT outside its blocks (tok_emb.weight, pos_emb.weight,
+    norm.weight, head.weight), from the class itself built on the meta device."""
+    from meshtrain.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(vocab_size=2, seq_len=2, num_layers=1, num_heads=1, d_model=2,
+                            bias=False))
+    return {name for name in gpt.state_dict() if not name.startswith("layers.")}
+
+
+def refuse_meshtrain_gpt(names, checkpoint_dir) -> None:
+    """A ``ConfigError`` when the model names ``names`` of the checkpoint ``checkpoint_dir`` are
+    meshtrain's own GPT's: it has no Hugging Face architecture (no config.json can describe
+    it, transformers has no class that loads it); the message says which export works."""
+    if not _gpt_outer_names() <= {_clean(name) for name in names}:
+        return
+    raise ConfigError(
+        f"the checkpoint {checkpoint_dir} holds meshtrain's own GPT (meshtrain.models.gpt.GPT: "
+        "tok_emb, pos_emb, layers, head), which has no Hugging Face architecture, so no "
+        "config.json can describe it and transformers cannot load it. Export its weights as one "
+        f"state_dict file instead: meshtrain export {checkpoint_dir} model.pt, then "
+        "GPT(GPTConfig(...)).load_state_dict(torch.load('model.pt')) with the sizes it was "
+        "trained with (a recipe run's config.toml: [model]). For a Hugging Face folder, train a "
+        "Hugging Face architecture (the causal_lm recipe's model.architecture = \"llama\", "
+        "\"qwen2\" or \"mistral\", or model.hf_config)")
+
+
 # --- Writing a folder ---------------------------------------------------------------------------
 def _resolve_config(config):
     """A ``PretrainedConfig`` from itself, a folder holding config.json, or a config.json file."""
@@ -95,7 +124,9 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     larger than ``max_shard_bytes``), tied copies left out (as ``save_pretrained`` does), and the
     tokenizer files of ``tokenizer_dir`` when given. ``dtype`` converts floating-point weights
     (and is recorded in config.json). Reads the checkpoint in this one process (no process
-    group); the names and shapes are checked against ``config`` before anything is written.
+    group); the names and shapes are checked against ``config`` before anything is written
+    (a checkpoint of meshtrain's own GPT, which no Hugging Face config describes, is refused
+    saying which export works for it).
     """
     out_dir = Path(out_dir)
     config = _resolve_config(config)
@@ -108,6 +139,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     extra = set(state) - set(shapes)
     arch = (config.architectures or [type(config).__name__])[0]
     if missing or extra:
+        refuse_meshtrain_gpt(state, checkpoint_dir)
         raise ConfigError(
             f"the checkpoint {checkpoint_dir} does not match the config ({arch}): "
             + (f"missing {_few(missing)}" if missing else "")
