@@ -247,8 +247,7 @@ class GPT(nn.Module):
                     shape = (self.config.num_experts, *shape[1:])
                 generator = torch.Generator().manual_seed(module_seed(seed, name))
                 values = torch.randn(shape, generator=generator, dtype=torch.float32)
-                values = values if rows is None else values[rows]
-                copy_full_into(param, values * std)  # a shard keeps its part
+                copy_full_into(param, values * std, rows)  # a shard keeps its part
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Model FLOPs per token, forward and backward: 6 per matmul parameter (embeddings are

@@ -302,11 +302,11 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
         log(f"parameter servers: {mesh.layout.num_servers} server(s), "
             f"{mesh.layout.world_size} worker(s); the optimizer runs on the servers")
     if on_meta:  # (under pp each stage: it holds its modules under their full-model names)
-        from meshtrain.parallel.data.meta_init import materialize
+        from meshtrain.parallel.data.meta_init import materialize_checked
 
-        runner = getattr(engine, "runner", None)
-        for module in (runner.modules if runner is not None else [engine.model]):
-            materialize(module, device, options.initializer)
+        runner = getattr(engine, "runner", None)  # (checked: the ranks' parts make the whole)
+        materialize_checked(runner.modules if runner is not None else [engine.model], device,
+                            options.initializer, mesh.everyone())
     tied = getattr(engine, "tied", None)
     if tied is not None:  # pipeline/tied.py: the first stage's copy starts as the last's
         tied.start()

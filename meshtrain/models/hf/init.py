@@ -95,7 +95,9 @@ def seeded_init(model: nn.Module, seed: int, *, dry_run: bool = False,
         mine = {id(t) for t in own.values()}
         others = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in mine]
         versions = [t._version for t in others]
-        full = {n: _blank(t, meta=dry_run) for n, t in own.items()}
+        split = _split_rows(module)  # under ep: {parameter: the rows of the whole it holds}
+        full = {n: _blank(t, meta=dry_run, rows=module.whole_rows if n in split else None)
+                for n, t in own.items()}
         before = {n: t._version for n, t in full.items()}
         saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
         try:
@@ -125,8 +127,17 @@ def seeded_init(model: nn.Module, seed: int, *, dry_run: bool = False,
             if full[n].is_floating_point() and torch.isnan(full[n]).any():
                 raise ConfigError(f"{type(model).__name__}._init_weights does not initialise "
                                   f"{name}.{n}; it cannot be built sharded from the start")
-            copy_full_into(tensor, full[n])
+            copy_full_into(tensor, full[n], split.get(n))
     return reaching
+
+
+def _split_rows(module: nn.Module) -> dict[str, slice]:
+    """The parameters of an expert holder that ep split (meshtrain/parallel/expert/apply.py:
+    each holds rows ``module.rows`` of a whole tensor of ``module.whole_rows`` rows), by name."""
+    rows = getattr(module, "rows", None)
+    if not isinstance(rows, slice) or getattr(module, "whole_rows", None) is None:
+        return {}
+    return {n: rows for n, p in module._parameters.items() if p is not None}
 
 
 def _children_first(module: nn.Module, prefix: str = ""):
@@ -142,10 +153,12 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _blank(tensor: torch.Tensor, meta: bool = False) -> torch.Tensor:
-    """A full-size CPU stand-in for ``tensor`` (its global shape if sharded): NaN where it is
+def _blank(tensor: torch.Tensor, meta: bool = False, rows: int | None = None) -> torch.Tensor:
+    """A full-size CPU stand-in for ``tensor`` (its global shape if sharded; ``rows``: the
+    whole tensor's first dimension, of which ep left ``tensor`` a slice): NaN where it is
     floating point, so that what no initialiser writes shows; an integer buffer keeps 0."""
-    blank = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta" if meta else "cpu")
+    shape = tuple(tensor.shape) if rows is None else (rows, *tensor.shape[1:])
+    blank = torch.empty(shape, dtype=tensor.dtype, device="meta" if meta else "cpu")
     if meta:
         return blank
     return blank.fill_(math.nan) if blank.is_floating_point() else blank.zero_()

@@ -69,11 +69,18 @@ def initializer_of(factory):
 
 
 @torch.no_grad()
-def copy_full_into(tensor: torch.Tensor, values: torch.Tensor) -> None:
+def copy_full_into(tensor: torch.Tensor, values: torch.Tensor, rows: slice | None = None) -> None:
     """Copy ``values`` (the whole tensor, the same on every rank) into ``tensor``: a DTensor keeps
-    its own part (split locally, no communication), a plain tensor takes them all."""
+    its own part (split locally, no communication), a plain tensor takes them all. ``rows``:
+    ``tensor`` holds only those rows of the whole (an expert holder's under ep, its ``rows``).
+    While the set-up checks the initial values (init_check.py), the whole is noted."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from meshtrain.parallel.data.init_check import note_whole
+
+    note_whole(tensor, values)
+    if rows is not None:
+        values = values[rows]
     if isinstance(tensor, DTensor):
         part = distribute_tensor(values.to(tensor.device), tensor.device_mesh, tensor.placements,
                                  src_data_rank=None)
@@ -92,15 +99,32 @@ def materialize(model: nn.Module, device: torch.device | str, init=None) -> None
         _retie(model, ties)
         init(model)
         return
+    _check_has_init_weights(model)
+    model.to_empty(device=torch.device(device))
+    _retie(model, ties)
+    model.init_weights()
+
+
+def materialize_checked(modules: list[nn.Module], device, init, group) -> int:
+    """:func:`materialize` each of this rank's ``modules`` (the model or its pipeline stages),
+    then check over ``group`` (every rank) that the ranks' parts of each tensor the
+    initializer handed to :func:`copy_full_into` make up the whole it drew (init_check.py).
+    Returns the number of tensors checked."""
+    from meshtrain.parallel.data.init_check import check_initial_values, recording
+
+    with recording() as notes:
+        for module in modules:
+            materialize(module, device, init)
+    return check_initial_values(modules, notes, group)
+
+
+def _check_has_init_weights(model: nn.Module) -> None:
     if not callable(getattr(model, "init_weights", None)):
         raise ConfigError(
             f"to build on the meta device a model needs init_weights() to fill its parameters "
             f"(and buffers) after they are allocated; {type(model).__name__} has none. Add an "
             f"init_weights(self) method, or build the model on a real device instead"
         )
-    model.to_empty(device=torch.device(device))
-    _retie(model, ties)
-    model.init_weights()
 
 
 def tied_names(model: nn.Module) -> list[list[str]]:

@@ -66,7 +66,8 @@ def apply_expert_parallel(model: torch.nn.Module, mesh, adapt=None) -> list[torc
     rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
     params = []
     for layer in expert_layers(model, adapt):
-        kept = layer.split_experts(rank, size)
+        kept = layer.split_experts(rank, size)  # (rows ``holder.rows`` of ``whole_rows``)
+        layer.expert_module.whole_rows = layer.num_experts
         layer.dispatch = AllToAllExperts(layer.compute_local, mesh.expert_dispatch, size)
         holder = layer.expert_module
         holder.ep_mesh = ep_mesh  # (plain tensors holding rows of whole ones)
