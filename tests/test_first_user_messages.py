@@ -77,3 +77,20 @@ def test_export_hf_of_meshtrains_gpt_says_it_has_no_hugging_face_architecture(tm
     model = GPT(config)
     model.load_state_dict(torch.load(tmp_path / "model.pt"))
     assert torch.equal(model.head.weight, trained.head.weight)
+
+
+def test_an_unknown_layout_axis_lists_every_name_the_grammar_takes():
+    from meshtrain import LayoutError
+    from meshtrain.parallel.layout import Layout
+
+    with pytest.raises(LayoutError, match="unknown layout axis 'zero'") as error:
+        Layout.parse("zero=2", 2)
+    message = str(error.value)
+    assert message.endswith("(did you mean 'zero3'?)")
+    listed = message.split("known axes: ")[1].split(" (")[0].split(", ")
+    assert {"ep", "ps", "tp", "zero3"} <= set(listed)
+    for name in listed:  # each one listed is one the grammar takes
+        try:
+            Layout.parse(f"{name}=2", 4)
+        except LayoutError as refused:
+            assert "unknown layout axis" not in str(refused), name

@@ -49,6 +49,7 @@ import re
 from dataclasses import dataclass, field
 
 from meshtrain.errors import LayoutError
+from meshtrain.parallel.layout_hints import divisor, unknown_axis
 
 #: Axes in mesh order (outermost first) with a one-line description for error messages.
 AXES: dict[str, str] = {
@@ -65,6 +66,10 @@ DATA_PARALLEL_AXES = ("dp_replicate", "dp", "dp_shard")
 
 #: ZeRO aliases: name -> (axis, ZeRO stage).
 ZERO_ALIASES = {"zero1": ("dp", 1), "zero2": ("dp_shard", 2), "zero3": ("dp_shard", 3)}
+
+#: Counts beside the mesh axes, taken out first: they start (ps) or borrow (ep) processes.
+COUNTS = {"ep": "expert parallel (no process of its own)", "ps": "parameter servers"}
+NAMES = (*AXES, *ZERO_ALIASES, *COUNTS)  # every name a layout may use, as messages list them
 
 _PAIR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\S+)\s*$")
 
@@ -296,7 +301,7 @@ def _check_experts(degree: int, degrees: dict, zero_stage: int, spec) -> int:
     if data % degree:
         raise LayoutError(
             f"layout {spec!r}: ep={degree} borrows its ranks from the data- and context-parallel "
-            f"ranks, which are {data}; ep must divide it (e.g. ep={_divisor(data, degree)}, or more processes)")
+            f"ranks, which are {data}; ep must divide it (e.g. ep={divisor(data, degree)}, or more processes)")
     return degree
 
 
@@ -323,7 +328,6 @@ def _parse_pairs(spec: str) -> dict[str, str]:
 
 
 def _resolve(raw: dict, world_size: int, spec) -> dict[str, int]:
-    known = ", ".join([*AXES, *ZERO_ALIASES])
     degrees: dict[str, int] = {}
     auto_axis = None
     zero_stage = None
@@ -341,7 +345,7 @@ def _resolve(raw: dict, world_size: int, spec) -> dict[str, int]:
             raw = {(axis if k == name else k): v for k, v in raw.items()}
     for axis, value in raw.items():
         if axis not in AXES:
-            raise LayoutError(f"unknown layout axis {axis!r} in {spec!r}; known axes: {known}")
+            raise unknown_axis(axis, spec, NAMES)
         if str(value).strip().lower() in ("auto", "-1"):
             if auto_axis is not None:
                 raise LayoutError(
@@ -395,8 +399,3 @@ def _resolve(raw: dict, world_size: int, spec) -> dict[str, int]:
         zero_stage = 3 if "dp_shard" in raw else 0
     return degrees, zero_stage
 
-
-def _divisor(data: int, degree: int) -> int:
-    """A degree above 1 that divides ``data``: their common divisor, else ``data`` itself."""
-    common = math.gcd(data, degree)
-    return common if common > 1 else data
