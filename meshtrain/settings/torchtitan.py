@@ -4,7 +4,9 @@ ParallelDims fills the world with FSDP), ``[training] steps`` is ``max_steps`` a
 said at start. A torchtitan name meshtrain does another way is refused with that way.
 
 Read by :func:`meshtrain.config.resolve` before meshtrain's own keys, so a job's config may mix
-both (a torchtitan name and the meshtrain setting it stands for together are refused).
+both (a torchtitan name and the meshtrain setting it stands for together are refused). torchtitan's
+way to name the config, ``--job.config_file PATH``, names it for ``meshtrain train`` too
+(:func:`config_file_first`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,29 @@ SCHEDULES = {"1F1B": "1f1b", "Interleaved1F1B": "interleaved-1f1b", "GPipe": "gp
              "ZBVZeroBubble": "zbv", "DualPipeV": "dualpipev"}
 PRECISIONS = {"bfloat16": "bf16-mixed", "float16": "fp16-mixed", "float32": "fp32"}
 AC_MODES = {"none": "none", "full": "full", "selective": "selective"}  # ("none": TOML's None)
+
+
+CONFIG_FILE = "--job.config_file"
+
+
+def config_file_first(argv: list[str]) -> list[str]:
+    """A command's arguments with torchtitan's ``--job.config_file PATH`` (or ``=PATH``) taken
+    as the config path, moved first where meshtrain's commands read it; ``argv`` as it is
+    without one. A config path given both ways is a ``ConfigError``."""
+    for i, arg in enumerate(argv):
+        if arg != CONFIG_FILE and not arg.startswith(CONFIG_FILE + "="):
+            continue
+        path = arg.partition("=")[2] if arg != CONFIG_FILE else (
+            argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "")
+        if not path:
+            raise ConfigError(f"{CONFIG_FILE} needs the config file's path: {CONFIG_FILE} "
+                              "job.toml (or give it first: meshtrain train job.toml)")
+        rest = argv[:i] + argv[i + (1 if arg != CONFIG_FILE else 2):]
+        if rest and not rest[0].startswith("-"):
+            raise ConfigError(f"the config file is given twice: {rest[0]} and {CONFIG_FILE} "
+                              f"{path}; give one")
+        return [path, *rest]
+    return argv
 
 
 def _same(value):
