@@ -6,6 +6,8 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
+from meshtrain import _graveyard
+
 __version__ = "0.1.0"
 
 # Where each public name lives. They are imported on first use (PEP 562), so that `import
@@ -35,6 +37,10 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from meshtrain.parallel.data.batch_gather import gather_batch
     from meshtrain.parallel.layout import Layout
     from meshtrain.trainer import Trainer
+
+
+# Modules that moved keep their old import paths, warning (meshtrain/_graveyard.py)
+_graveyard.install()
 
 
 def __getattr__(name: str):
