@@ -28,6 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+__all__ = ["CrossEntropy", "GlobalMeanLoss", "cross_entropy"]
+
 
 class GlobalMeanLoss:
     """A loss averaged over the items of the global batch: ``sum_fn(output, targets)`` is the

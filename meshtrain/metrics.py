@@ -20,6 +20,8 @@ import torch
 from meshtrain.data.batch import plain
 from meshtrain.errors import ConfigError
 
+__all__ = ["Metric", "Perplexity", "TokenAccuracy", "TorchMetric", "fit_metric_names"]
+
 
 class Metric:
     """Subclass: set ``name`` and ``num_sums``, write ``update`` and ``compute``."""

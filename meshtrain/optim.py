@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["AdamW"]
+
 EMBEDDING_NAMES = ("embed", "wte.", "wpe.", "tok_emb.", "pos_emb.")
 
 
