@@ -9,6 +9,8 @@ micro-step, every data-parallel rank's tokens together (meshtrain.moe.balance): 
 given the global batch computes what plain transformers computes, and so does every layout.
 Before start the model's own ``load_balancing_loss_func`` is compared with meshtrain's on
 random logits: a transformers that changed it is refused rather than trained differently.
+With or without that loss the routers' picks are counted for the expert load
+(models/hf/moe_metrics.py).
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import sys
 import torch
 
 from meshtrain.errors import ConfigError
+from meshtrain.models.hf.moe_metrics import HFRouterCounts, RouterPicks
 from meshtrain.moe.balance import RouterStats, balance_term, router_stats
 
 
 class HFRouterLoss:
     """What the Engine asks of a model's router loss (see meshtrain.moe.balance): ``coef``, the
     keyword arguments of the model's call, ``recording()`` around a forward, ``stats(batch)``
-    of the forward recorded last."""
+    of the forward recorded last; the routers' picks of each step (``after_step``: the expert
+    load)."""
 
     call_kwargs = {"output_router_logits": False}
     field = "config.output_router_logits"  # what turns it on, for a refusal
@@ -39,6 +43,7 @@ class HFRouterLoss:
         self.routers = [m for m in model.modules() if isinstance(m, recorder.target_class)]
         for router in self.routers:  # recomputed forwards (activation checkpointing) not kept
             router.register_forward_hook(self._keep)
+        self.picks = RouterPicks(self.routers, self.num_experts, self.top_k, self._index)
 
     def _keep(self, module, args, output) -> None:
         if self._sink is not None:
@@ -49,9 +54,18 @@ class HFRouterLoss:
     def recording(self):
         self._sink = []
         try:
-            yield
+            with self.picks.recorded():
+                yield
         finally:
             self._recorded, self._sink = self._sink, None
+
+    @property
+    def counted_layers(self) -> int:
+        return len(self.routers)
+
+    def after_step(self, group=None) -> torch.Tensor:
+        """Once a step: the step's picks [routers, E] summed over ``group``."""
+        return self.picks.after_step(group)
 
     def stats(self, batch) -> RouterStats:
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
@@ -134,11 +148,12 @@ def router_recorder(model: torch.nn.Module):
     return None
 
 
-def hf_router_loss(model: torch.nn.Module) -> HFRouterLoss | HFBiasBalance | None:
+def hf_router_loss(model: torch.nn.Module
+                   ) -> HFRouterLoss | HFBiasBalance | HFRouterCounts | None:
     """For ``ParallelOptions.router_loss``: how meshtrain carries a transformers MoE model's
-    load-balancing loss (None when the model adds none: ``output_router_logits`` off), or moves
-    its routers' bias (``config.router_bias_rate``); refuses one it cannot carry exactly,
-    naming the config field."""
+    load-balancing loss, or moves its routers' bias (``config.router_bias_rate``), or (neither
+    on: ``output_router_logits`` off) only counts its routers' picks; None for a model without
+    declared routers. Refuses a loss it cannot carry exactly, naming the config field."""
     from meshtrain.models.hf import is_hf_model
 
     config = getattr(model, "config", None)
@@ -148,7 +163,7 @@ def hf_router_loss(model: torch.nn.Module) -> HFRouterLoss | HFBiasBalance | Non
     if rate:
         return _bias_balance(model, config, rate)
     if not getattr(config, "output_router_logits", False):
-        return None
+        return _counts_only(model)
     cls = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")),
                type(model))  # (FSDP2 makes a subclass of the model's class)
     name = cls.__name__
@@ -166,6 +181,19 @@ def hf_router_loss(model: torch.nn.Module) -> HFRouterLoss | HFBiasBalance | Non
         raise ConfigError(_refusal(name, "its load_balancing_loss_func computes something else "
                                    "than meshtrain's copy (transformers changed it)"))
     return HFRouterLoss(model)
+
+
+def _counts_only(model) -> HFRouterCounts | None:
+    """The routers' picks counted (no loss), for a model that declares its routers."""
+    recorder = router_recorder(model)
+    if recorder is None or not (hasattr(model, "num_experts")
+                                and hasattr(model, "num_experts_per_tok")):
+        return None
+    routers = [m for m in model.modules() if isinstance(m, recorder.target_class)]
+    if not routers:
+        return None
+    return HFRouterCounts(RouterPicks(routers, int(model.num_experts),
+                                      int(model.num_experts_per_tok), recorder.index or 0))
 
 
 def _bias_balance(model, config, rate: float) -> HFBiasBalance:
