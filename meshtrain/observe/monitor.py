@@ -221,7 +221,8 @@ class RunMonitor:
 
     def summary(self, t, wall_s: float) -> str:
         """The lines ``fit`` ends with on rank zero: time, steps, mean throughput, the best
-        checkpoint and its metric, the final metrics."""
+        checkpoint and its metric, the final metrics; an MoE model's most imbalanced expert
+        layer of the last logged steps."""
         from meshtrain.callbacks import ModelCheckpoint
 
         unit = self._unit or "samples"
@@ -238,6 +239,11 @@ class RunMonitor:
                 score = cb.best_k.get(cb.best_model_path)
                 lines.append(f"best checkpoint: {cb.best_model_path}" + (
                     f" ({cb.monitor} {score:.4g})" if score is not None else ""))
+        if (self.run_dir / run_files.EXPERTS).exists():  # an MoE model's last steps
+            from meshtrain.observe.report.experts import worst_layer
+
+            if (worst := worst_layer(run_files.read_expert_load(self.run_dir))) is not None:
+                lines.append(f"experts: {worst.sentence()}")
         return "\n".join(lines)
 
     # -- profiler -------------------------------------------------------------------------------

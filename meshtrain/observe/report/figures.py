@@ -12,6 +12,7 @@ import io
 from collections.abc import Mapping, Sequence
 
 from meshtrain.observe.plots import _finite, _new_figure, _series
+from meshtrain.observe.report.experts import layer_loads, window_counts, worst_layer
 from meshtrain.observe.run_files import PARTS
 
 # one colour per part, the same in every figure and run
@@ -121,7 +122,9 @@ def breakdown_figure(latest: Sequence[Mapping], mean: Sequence[Mapping], step: i
 def expert_load_figure(rows: Sequence[Mapping]) -> dict | None:
     """An MoE model's expert load: per layer (rows) and expert (columns) the tokens it took
     over the mean expert's, summed over the logged steps (1 balanced; E: every token to one
-    expert), beside the same for the last logged step. None without experts.jsonl rows."""
+    expert), beside the same for the last logged step; per layer that over the run and over
+    the last logged steps, and the most imbalanced layer of those (report/experts.py). None
+    without experts.jsonl rows."""
     import numpy as np
 
     if not rows:
@@ -146,9 +149,15 @@ def expert_load_figure(rows: Sequence[Mapping]) -> dict | None:
         ax.set_yticks(range(layers))
     axes[0].set_ylabel("layer")
     fig.colorbar(image, ax=axes, label="tokens / mean expert's", shrink=0.9)
-    worst = share(total).max(axis=1)
+    run_worst = share(total).max(axis=1)
+    recent = layer_loads(window_counts(rows) or last.tolist())
+    named = worst_layer(rows)
     return {"figure": data_uri(fig), "steps": len(rows),
-            "worst": [(i, f"{w:.2f}") for i, w in enumerate(worst)]}
+            "window": named.steps if named else 1,
+            "worst_layer": named.sentence() if named else None,
+            "worst_index": named.layer if named else None,
+            "worst": [(i, f"{w:.2f}", f"{recent[i][0]:.2f}", f"{100 * recent[i][1]:.0f}%")
+                      for i, w in enumerate(run_worst)]}
 
 
 def memory_figure(groups: Sequence[tuple[str, Sequence[tuple[int, float]], float]],
