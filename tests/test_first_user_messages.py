@@ -94,3 +94,28 @@ def test_an_unknown_layout_axis_lists_every_name_the_grammar_takes():
             Layout.parse(f"{name}=2", 4)
         except LayoutError as refused:
             assert "unknown layout axis" not in str(refused), name
+
+
+@pytest.mark.timeout(60)
+def test_ep_that_does_not_divide_the_experts_offers_only_degrees_that_fit(tmp_path):
+    from meshtrain.models.gpt import GPT, GPTConfig
+
+    data = [(torch.randint(0, 32, (16,)), torch.randint(0, 32, (16,))) for _ in range(24)]
+
+    def refusal(layout, devices, num_experts):
+        config = GPTConfig(vocab_size=32, seq_len=16, num_layers=1, num_heads=2, d_model=16,
+                           num_experts=num_experts, experts_per_token=1)
+        trainer = Trainer(**trainer_kwargs(tmp_path, layout=layout, devices=devices,
+                                           max_steps=1, global_batch_size=24))
+        with pytest.raises(ConfigError, match="does not divide the") as error:
+            trainer.check(lambda: GPT(config), data, optimizer=_adamw, loss_fn=lambda out, y:
+                          torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+        return str(error.value)
+
+    # 3 experts on 2 processes: no ep fits (ep=3 needs 3 data-parallel ranks)
+    message = refusal("ep=2", 2, 3)
+    assert "among" not in message
+    assert "drop ep" in message and 'layout="ep=3" on 3 processes' in message
+    # 6 experts: on 4 processes only 2 divides both (not 3 or 6); on 12 all three do
+    assert "pick ep among [2] " in refusal("dp_shard=4,ep=4", 4, 6)
+    assert "pick ep among [2, 3, 6] " in refusal("dp_shard=12,ep=4", 12, 6)

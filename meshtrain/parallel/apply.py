@@ -127,7 +127,8 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
     if layout.expert_degree > 1:
         from meshtrain.parallel.expert import check_expert_parallel
 
-        check_expert_parallel(model, layout.expert_degree, options.expert_layers)
+        check_expert_parallel(model, layout.expert_degree, options.expert_layers,
+                              ranks=layout.loss_degree)
         edp = layout.expert_data_degree
         if options.compile is not None and options.activation_checkpointing == "selective" \
                 and layout.zero_stage == 3 and edp > 1 and any(

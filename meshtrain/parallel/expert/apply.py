@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.expert.dispatch import AllToAllExperts
+from meshtrain.parallel.layout_hints import ep_advice
 
 
 def expert_layers(model: torch.nn.Module, adapt=None) -> list:
@@ -39,9 +40,11 @@ def expert_layers(model: torch.nn.Module, adapt=None) -> list:
     return own or (list(adapt(model)) if adapt is not None else [])
 
 
-def check_expert_parallel(model: torch.nn.Module, ep: int, adapt=None) -> None:
+def check_expert_parallel(model: torch.nn.Module, ep: int, adapt=None,
+                          ranks: int | None = None) -> None:
     """Before start: ``ep`` needs layers that can split their experts, E of each a multiple
-    of ``ep``."""
+    of ``ep``; a refusal offers the degrees that fit E and the ``ranks`` ep borrows (the
+    layout's data- and context-parallel ranks)."""
     layers = expert_layers(model, adapt)
     if not layers:
         raise ConfigError(
@@ -55,8 +58,7 @@ def check_expert_parallel(model: torch.nn.Module, ep: int, adapt=None) -> None:
             raise ConfigError(
                 f"ep={ep} does not divide the {layer.num_experts} experts of "
                 f"{type(layer.expert_module).__name__}: each rank must hold the same number; "
-                f"pick ep among "
-                f"{[d for d in range(2, layer.num_experts + 1) if layer.num_experts % d == 0]}")
+                + ep_advice(layer.num_experts, ranks or ep))
 
 
 def apply_expert_parallel(model: torch.nn.Module, mesh, adapt=None) -> list[torch.nn.Parameter]:
