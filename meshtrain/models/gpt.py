@@ -252,13 +252,12 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Model FLOPs per token, forward and backward: 6 per matmul parameter (embeddings are
         lookups) plus attention's scores and weighted sum, 12·L·d·T (PaLM's MFU count)."""
-        from meshtrain.observe.flops import count_flop_params
+        from meshtrain.observe.flops import active_flop_params
 
         c = self.config
-        params = count_flop_params(self)
-        if c.is_moe:  # a token runs k of the E experts: only they count (active parameters)
-            experts = sum(p.numel() for n, p in self.named_parameters() if ".experts." in n)
-            params -= experts * (1 - c.experts_per_token / c.num_experts)
+        # a token runs k of the E experts: only they count (active parameters; under ep k
+        # experts' rows, whatever rows a rank holds)
+        params = active_flop_params(self)
         return 6.0 * params + 12.0 * c.num_layers * c.d_model * (seq_len or c.seq_len)
 
     # -- mixture of experts: the routers' balancing, carried by meshtrain (meshtrain.moe) -------

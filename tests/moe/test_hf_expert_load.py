@@ -135,3 +135,20 @@ def test_the_report_names_the_layer_that_collapsed_in_the_last_steps(tmp_path):
     assert "2 (most imbalanced)" in text and "0 (most imbalanced)" not in text
     run_total = re.search(r"<td>0</td><td class=\"num\">([\d.]+)</td>", experts)
     assert float(run_total.group(1)) == 1.5  # layer 0 is the run-summed table's busiest
+
+
+def test_a_moe_gpts_flops_count_k_experts_whatever_rows_a_rank_holds():
+    """meshtrain's MoE GPT states its own FLOPs: 6 x active parameters + 12 L d T, the same
+    once ep has left each rank half the experts (MFU under ep=2 was counted on half of k)."""
+    from meshtrain.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, seq_len=SEQ, num_layers=LAYERS, d_model=16,
+                          num_heads=2, num_experts=EXPERTS, experts_per_token=TOP_K))
+    params = dict(model.named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    active = sum(p.numel() for n, p in params.items() if "emb" not in n) - experts / 2
+    whole = model.flops_per_token()
+    assert whole == 6 * active + 12 * LAYERS * 16 * SEQ
+    for block in model.layers:  # what ep=2 leaves rank 1
+        block.mlp.split_experts(1, 2)
+    assert model.flops_per_token() == whole
