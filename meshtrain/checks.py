@@ -114,6 +114,11 @@ def inspect_model(model) -> torch.nn.Module | None:
     except Exception as meta_error:  # noqa: BLE001 - judged below
         if "meta" not in str(meta_error).lower():
             _build_for_real(model)
+        from meshtrain.check_skips import skipped
+
+        skipped("the model's checks against the layout", "the factory cannot build it on the "
+                f"meta device ({type(meta_error).__name__}: {str(meta_error)[:160]}); each "
+                "rank checks it after start")
         return None
     from meshtrain.loop.compiled_model import refuse_compiled_factory
 

@@ -92,7 +92,7 @@ class Trainer(LightningViews):
         self.datamodule = None  # fit(..., datamodule=dm): Lightning's (module/data_hooks.py)
         self.ps_server = self._store = self.ps_stats = None  # ps=S: server index, its counters
         # printed at start: threads, network (launch/world.py); the defaults filled in
-        self.start_notes, self.loader_notes = "", notes
+        self.start_notes, self.loader_notes, self.skipped_checks = "", notes, []
         self._model_shapes = None  # the whole model's state names and shapes (resume.py)
         self._whole_template = None  # what whole_model() fills (parallel/whole_state.py)
         self.run_log = RunLog(self.rank == 0)
@@ -201,13 +201,15 @@ class Trainer(LightningViews):
 
     def check(self, model: ModelLike, train_data: DataLike, val_data: DataLike | None = None,
               *, optimizer: Callable | None = None, loss_fn: Callable | None = None,
-              lr_scheduler: Callable | None = None) -> None:
+              lr_scheduler: Callable | None = None) -> list[str]:
         """Every check ``fit`` makes before any process starts (the inputs, the model against
-        the layout on a meta-device copy) and nothing else; ConfigError names the fix."""
+        the layout on a meta-device copy) and nothing else; ConfigError names the fix. Returns
+        the checks that could not run, each with why ("pipeline check skipped: ...")."""
         from meshtrain.loop.setup import check_before_start
 
         check_before_start(self, model, train_data, val_data, optimizer=optimizer,
                            loss_fn=loss_fn, lr_scheduler=lr_scheduler)
+        return list(self.skipped_checks)
 
     def prepare(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None,
                 lr_scheduler=None) -> None:

@@ -34,6 +34,7 @@ import meshtrain.parallel.context.context_parallel
 import meshtrain.parallel.context.sdpa
 import meshtrain.parallel.data.data_parallel
 import meshtrain.parallel.data.fully_shard
+import meshtrain.parallel.data.init_check
 import meshtrain.parallel.data.meta_init
 import meshtrain.parallel.expert
 import meshtrain.parallel.data.local_sgd

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 
 from meshtrain import checks
+from meshtrain.check_skips import collecting
 from meshtrain.checkpoint.hf_weights import load_hf_weights
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.resume import callback_states, model_shapes, resolve_run_dir, resume_fit
@@ -67,8 +68,8 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
             val_data = val_data()
             checks.dataset_of(val_data, "val_data")
         t._val_data = val_data
-        for note in t.loader_notes:  # (once: a Trainer fitted again keeps its start notes)
-            if note not in t.start_notes:
+        for note in [*t.loader_notes, *t.skipped_checks]:  # (once: a Trainer fitted again
+            if note not in t.start_notes:  # keeps its start notes)
                 t.start_notes += "\n" + note
         setup_model(t, model, meta_model, optimizer, lr_scheduler, loss_fn,
                     checks.first_inputs(train_set, t.micro_batch_size))
@@ -103,7 +104,15 @@ def check_before_start(t, model, train_data, val_data=None, *, optimizer=None, l
                        lr_scheduler=None):
     """Every check ``fit`` makes before any process starts (``Trainer.check``; ``--dry-run``):
     the inputs, then the model against the layout on a meta-device copy of a factory's model
-    (no weights). Returns (the training dataset, that copy or None)."""
+    (no weights). Returns (the training dataset, that copy or None); ``t.skipped_checks``: the
+    checks that could not run, and why (check_skips.py; printed at start)."""
+    with collecting() as t.skipped_checks:
+        return _check_before_start(t, model, train_data, val_data, optimizer=optimizer,
+                                   loss_fn=loss_fn, lr_scheduler=lr_scheduler)
+
+
+def _check_before_start(t, model, train_data, val_data=None, *, optimizer=None, loss_fn=None,
+                        lr_scheduler=None):
     model = unwrap_compiled(t, model)
     take_loader_settings(t, train_data)  # (a DataLoader's batch size and order)
     train_set = checks.check_fit_inputs(model, train_data, val_data, optimizer=optimizer,
@@ -231,7 +240,8 @@ def setup_model(t, model, meta_model, optimizer_factory, scheduler_factory, loss
     with linked(model, t):  # a factory built for real
         check_module(model, optimizer=optimizer_factory, loss_fn=loss_fn, val_data=t._val_data,
                      pp=t.layout.degree("pp"), metrics=t.metrics)
-    check_model_layout(t, model, loss_fn)
+    with collecting():  # (what could not be checked was said before start)
+        check_model_layout(t, model, loss_fn)
     t._model_shapes = model_shapes(model)  # before a pipeline keeps only its stages
     # what Trainer.whole_model fills with the trained weights (a factory: built again)
     t._whole_template = factory if on_meta else skeleton(model)

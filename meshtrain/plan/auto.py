@@ -164,9 +164,12 @@ def plan_layout(trainer, model, meta_model, sample_inputs, check_model, *, loss_
     before = dict(t.__dict__)
 
     def accepts(chosen: dict) -> None:
+        from meshtrain.check_skips import collecting
+
         try:
             use_layout(t, {**t._settings, **chosen}, t.world_size)
-            check_model(t)
+            with collecting():  # (what a refused candidate could not check is not said)
+                check_model(t)
         except ConfigError:
             t.__dict__.update(before)
             raise

@@ -35,6 +35,7 @@ import sys
 import traceback
 
 from meshtrain import settings
+from meshtrain.check_skips import collecting
 from meshtrain.config import dumps_toml, load_toml, resolve
 from meshtrain.errors import ConfigError
 
@@ -133,16 +134,19 @@ def run_config(path: str, overrides: list[str], mode: str = "train", dry_run: bo
     if not dry_run:
         return recipe.run(config, mode=mode)
     check, summary = getattr(recipe, "check", None), None
-    if check is not None:
-        summary = check(config, mode=mode)
-    elif flat:
-        from meshtrain.trainer import Trainer
+    with collecting() as skipped:  # (the checks that could not run, said below)
+        if check is not None:
+            summary = check(config, mode=mode)
+        elif flat:
+            from meshtrain.trainer import Trainer
 
-        trainer = Trainer(**flat)
-        if callable(getattr(recipe, "job", None)):  # the model against the layout, and the data
-            job = recipe.job(config)
-            trainer.check(job["model"], job["train_data"], optimizer=job["optimizer"],
-                          loss_fn=job.get("loss_fn"), lr_scheduler=job.get("lr_scheduler"))
+            trainer = Trainer(**flat)
+            if callable(getattr(recipe, "job", None)):  # the model against the layout, the data
+                job = recipe.job(config)
+                trainer.check(job["model"], job["train_data"], optimizer=job["optimizer"],
+                              loss_fn=job.get("loss_fn"), lr_scheduler=job.get("lr_scheduler"))
+    for line in skipped:
+        print(f"# {line}", flush=True)
     print(f"config OK{f': {summary}' if summary else ''} (dry run: nothing was trained)",
           flush=True)
     return None

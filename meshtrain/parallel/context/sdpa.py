@@ -10,20 +10,24 @@ the model runs:
   every rank's keys and values (grouped-query attention, ``enable_gqa``, included);
   ``nn.MultiheadAttention``'s causal self-attention likewise (mha.py: the mode cannot see the
   SDPA call inside it, so it computes the whole call);
-- positions: ``torch.arange(n)`` for the local length ``n``, and a slice ``[:n]`` of one of the
-  model's parameters or buffers along a dimension (``self.pos[:T]``, ``self.freqs[:, :T]``), give
-  the global positions of this rank's tokens instead (``local_positions``), so a learned or
-  rotary position table is read at the right rows, and its gradient goes to them.
+- positions (positions.py): ``torch.arange(n)`` for the local length ``n``, and a slice
+  ``[:n]`` along a dimension of a table (a parameter, a buffer or a tensor attribute of a
+  module: ``self.pos[:T]``, ``self.freqs[:, :T]``, ``self.cos[:T]``) give the global positions
+  of this rank's tokens instead (``local_positions``), so a learned or rotary position table is
+  read at the right rows, and its gradient goes to them; the same slice of a tensor the forward
+  builds for itself is refused (meshtrain cannot see that it is a table).
 
 A block that activation checkpointing recomputes in the backward runs outside the model's
 forward; the mode is entered around it again (hooks on the model's inner modules).
 
-Before any process starts the forward runs once on the meta device on a training sample
-(:meth:`SDPAContextParallel.check_context_parallel`): a model whose forward calls no SDPA is
-refused (meshtrain cannot see its attention: it needs ``enable_context_parallel``), and so is an
-SDPA call that is not causal or passes a mask (what ``cp_attention`` would not compute), and an
+Before any process starts the forward runs once on the meta device on one rank's share of a
+training sample (:meth:`SDPAContextParallel.check_context_parallel`): a model whose forward
+calls no SDPA is refused (meshtrain cannot see its attention: it needs
+``enable_context_parallel``), and so is an SDPA call that is not causal or passes a mask (what
+``cp_attention`` would not compute; an ALiBi-style bias is such a mask), an
 ``nn.MultiheadAttention`` call mha.py cannot split (cross-attention, attention weights, a padding
-mask).
+mask), and a position table meshtrain cannot see. A forward that fails there is not judged:
+the start says that this check was skipped, and why (meshtrain/check_skips.py).
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from meshtrain.check_skips import skipped
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.context import mha
+from meshtrain.parallel.context.positions import Positions
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -57,12 +63,16 @@ def _refusal(name: str, call: dict) -> str | None:
 
 
 class _Probe(TorchFunctionMode):
-    """Records the attention calls of one forward: SDPA's and ``nn.MultiheadAttention``'s
-    (as ``("mha", arguments)``; its inner SDPA call is not seen, see mha.py)."""
+    """Records the attention calls of one forward on one rank's share: SDPA's and
+    ``nn.MultiheadAttention``'s (as ``("mha", arguments)``; its inner SDPA call is not seen,
+    see mha.py), and refusals of position tables meshtrain cannot see (``untracked``)."""
 
-    def __init__(self):
+    def __init__(self, model: nn.Module, local_len: int):
         super().__init__()
         self.calls: list = []
+        self.untracked: list[str] = []
+        self.positions = Positions(model)
+        self.positions.start(local_len)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -70,7 +80,14 @@ class _Probe(TorchFunctionMode):
             self.calls.append(_sdpa_args(args, kwargs))
         elif func is mha.MHA:
             self.calls.append(("mha", mha.mha_args(args, kwargs)))
-        return func(*args, **kwargs)
+        elif func is torch.Tensor.__getitem__ and len(args) == 2:
+            dim = self.positions.cut(*args)
+            if dim is not None and not self.positions.is_table(args[0]):
+                self.untracked.append(self.positions.untracked(
+                    type(self.positions.model).__name__, args[0], dim))
+        result = func(*args, **kwargs)
+        self.positions.track(func, args, result)
+        return result
 
 
 class _ContextParallelMode(TorchFunctionMode):
@@ -78,8 +95,8 @@ class _ContextParallelMode(TorchFunctionMode):
 
     def __init__(self, model: nn.Module, cp_mesh):
         super().__init__()
-        self.model, self.cp_mesh, self.local_len = model, cp_mesh, None
-        self.tables: set[int] = set()
+        self.model, self.cp_mesh = model, cp_mesh
+        self.tables = Positions(model)  # (started by each forward with its local length)
         self.active = False
         self.reentered: list[nn.Module] = []  # blocks recomputed in the backward (see below)
 
@@ -94,8 +111,8 @@ class _ContextParallelMode(TorchFunctionMode):
     def positions(self, device=None) -> torch.Tensor:
         from meshtrain.parallel.context.context_parallel import local_positions
 
-        return local_positions(self.local_len, self.cp_mesh.get_local_rank(), self.cp_mesh.size(),
-                               device=device)
+        return local_positions(self.tables.local_len, self.cp_mesh.get_local_rank(),
+                               self.cp_mesh.size(), device=device)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -118,34 +135,18 @@ class _ContextParallelMode(TorchFunctionMode):
                 raise ConfigError(refusal)
             return mha.forward(call, lambda q, k, v, dropout_p: cp_attention(
                 q, k, v, self.cp_mesh, dropout_p=dropout_p))
-        if func is torch.arange and self._is_local_range(args, kwargs):
+        if func is torch.arange and self.tables.is_local_range(args, kwargs):
             positions = self.positions(kwargs.get("device"))
             return positions.to(kwargs["dtype"]) if kwargs.get("dtype") else positions
         if func is torch.Tensor.__getitem__ and len(args) == 2:
-            dim = self._table_slice(*args)
-            if dim is not None:
+            dim = self.tables.cut(*args)
+            if dim is not None and self.tables.is_table(args[0]):
                 return args[0].index_select(dim, self.positions(args[0].device))
-        return func(*args, **kwargs)
-
-    def _is_local_range(self, args, kwargs) -> bool:
-        if kwargs.get("step") not in (None, 1) or kwargs.get("start") not in (None, 0):
-            return False
-        ends = [a for a in args if not isinstance(a, torch.Tensor)]
-        return (ends == [self.local_len] or ends == [0, self.local_len]) and len(args) <= 2
-
-    def _table_slice(self, tensor, index) -> int | None:
-        """The dim that ``tensor[index]`` cuts to the local length from 0, when ``tensor`` is
-        one of the model's parameters or buffers and the index only does that."""
-        if not (isinstance(tensor, nn.Parameter) or id(tensor) in self.tables):
-            return None
-        index = index if isinstance(index, tuple) else (index,)
-        cuts = [d for d, i in enumerate(index) if isinstance(i, slice) and i.start in (None, 0)
-                and i.stop == self.local_len and i.step in (None, 1)]
-        whole = [d for d, i in enumerate(index) if i == slice(None)]
-        if len(cuts) == 1 and len(cuts) + len(whole) == len(index) and \
-                tensor.size(cuts[0]) >= self.local_len:
-            return cuts[0]
-        return None
+            if dim is not None:  # (refused before start: the probe saw the same cut)
+                raise ConfigError(self.tables.untracked(type(self.model).__name__, args[0], dim))
+        result = func(*args, **kwargs)
+        self.tables.track(func, args, result)
+        return result
 
 
 def _sequence_length(args, kwargs) -> int | None:
@@ -165,6 +166,8 @@ class SDPAContextParallel:
 
         name = type(self.model).__name__
         if sample_inputs is None:  # (checked before the processes started, on a sample)
+            skipped("context-parallel check", f"no training sample to run {name} on before "
+                    "start (its attention and position tables are seen at the first step)")
             return
         inputs = sample_inputs()
         if not isinstance(inputs, torch.Tensor):
@@ -174,13 +177,20 @@ class SDPAContextParallel:
                 "which needs (inputs, targets) samples whose inputs are a tensor; give the model "
                 "enable_context_parallel (see meshtrain.models.gpt), or drop cp")
         check_cp(inputs.size(1), cp_degree)
-        probe = _Probe()
+        local = inputs[:, :inputs.size(1) // cp_degree]  # (one rank's share: its length)
+        probe = _Probe(self.model, local.size(1))
         device = next(self.model.parameters()).device  # (a meta copy: new tensors there too)
         try:
             with torch.no_grad(), torch.device(device), probe:
-                self.model(inputs.to(device))
-        except Exception:  # noqa: BLE001 - not cp's to report (the first step says why)
+                self.model(local.to(device))
+        except Exception as error:  # noqa: BLE001 - not cp's to report (the first step says why)
+            skipped("context-parallel check", f"{name}'s forward failed on one rank's share of "
+                    f"a training sample on the meta device ({type(error).__name__}: "
+                    f"{str(error)[:200]}); its attention and position tables are not checked "
+                    "before start")
             return
+        if probe.untracked:
+            raise ConfigError(probe.untracked[0])
         if not probe.calls:
             raise ConfigError(
                 f"{name} does not support context parallel (cp): its forward calls no "
@@ -200,8 +210,7 @@ class SDPAContextParallel:
         mode = _ContextParallelMode(self.model, cp_mesh)
 
         def enter(module, args, kwargs):
-            mode.local_len = _sequence_length(args, kwargs)
-            mode.tables = {id(b) for b in module.buffers()}
+            mode.tables.start(_sequence_length(args, kwargs))
             mode.__enter__()
 
         def leave(module, args, kwargs, output):

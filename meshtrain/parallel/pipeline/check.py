@@ -36,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from meshtrain.check_skips import skipped
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.pipeline.stages import _POST, pipeline_blocks
 
@@ -203,7 +204,11 @@ def check_stage_forward(model: nn.Module, inputs: torch.Tensor, adapter=None) ->
             try:
                 expected = model(inputs)
                 expected = adapter.model_output(expected) if adapter is not None else expected
-            except Exception:  # noqa: BLE001 - not this check's to report (the data's format?)
+            except Exception as error:  # noqa: BLE001 - not this check's to report (the data?)
+                skipped("pipeline check", f"{type(model).__name__}'s forward failed on a "
+                        f"training sample{' on the meta device' if on_meta else ''} "
+                        f"({type(error).__name__}: {str(error)[:200]}), so its stages were "
+                        "not compared with model(x) before start")
                 return
             model_uses = recorder.take()
             try:
@@ -223,7 +228,10 @@ def check_stage_forward(model: nn.Module, inputs: torch.Tensor, adapter=None) ->
             recorder.stand_ins = None  # (its cache's tensors freed, then handed back)
             trim_heap()
     if on_meta and failure is not None and "meta tensors" in str(failure):
-        return  # the stages need a value (an .item()) the meta device has not: nothing to compare
+        skipped("pipeline check", f"the stages of {type(model).__name__} need a value (an "
+                ".item()) that its meta-device copy has not, so they were not compared with "
+                "model(x) before start")
+        return
     findings, shared = [], []
     for pid in dict.fromkeys(itertools.chain(model_uses, stage_uses)):
         used = model_uses.get(pid, set()) | stage_uses.get(pid, set())
@@ -324,14 +332,20 @@ def check_before_start(model: nn.Module | None, original, sample_inputs, adapter
     checked."""
     checked = model_for_check(model, original)
     if checked is None:
+        skipped("pipeline check", "the model could not be built before start, so its stages "
+                "were not compared with its forward")
         return
+    why = "its inputs are not a tensor"
     try:
         inputs = sample_inputs()
         if isinstance(inputs, dict):
             inputs = adapter.split_batch(inputs)[0] if adapter is not None else None
-    except Exception:  # noqa: BLE001 - samples the stack cannot batch: nothing to check on
-        inputs = None
+    except Exception as error:  # noqa: BLE001 - samples the stack cannot batch: nothing to check on
+        inputs, why = None, f"they cannot be batched ({type(error).__name__})"
     if inputs is None and adapter is not None:
         inputs = adapter.example_inputs(checked)
     if isinstance(inputs, torch.Tensor):
         check_stage_forward(checked, inputs, *([adapter] if adapter is not None else []))
+    else:
+        skipped("pipeline check", f"no training sample to run {type(checked).__name__} on "
+                f"before start ({why}), so its stages were not compared with its forward")

@@ -105,6 +105,11 @@ def check_pipeline_layout(model, layout, options: PipelineOptions, *, loss_fn,
         from meshtrain.parallel.pipeline.check import check_before_start
 
         check_before_start(model, original, sample_inputs, adapter)
+    else:
+        from meshtrain.check_skips import skipped
+
+        skipped("pipeline check", "no training sample before start (data built by a "
+                "function), so the stages were not compared with the model's forward")
 
 
 def _sample_block_input(model, options: PipelineOptions, sample_inputs, device, adapter):

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from meshtrain.check_skips import skipped
 from meshtrain.errors import ConfigError
 
 
@@ -91,15 +92,21 @@ def check_local_shapes(model: nn.Module, plan: dict, tp: int, sample_inputs) -> 
     module. ``sample_inputs``: a function giving the first samples' inputs (a tensor; other
     inputs, e.g. a dict of a Hugging Face batch, are not checked)."""
     inputs = sample_inputs() if sample_inputs is not None else None
-    if not isinstance(inputs, torch.Tensor):
-        return
     shapes, column = local_shapes(model, plan, tp)
     if not column:
+        return
+    name = type(model).__name__
+    if not isinstance(inputs, torch.Tensor):
+        skipped("tp shape check", f"{name} was not run with one tp rank's shapes before start "
+                f"({'no training sample' if inputs is None else 'its inputs are not a tensor'})")
         return
     inputs, stack = inputs.to("meta"), []
     try:
         _forward(model, inputs, {}, stack)
-    except Exception:  # noqa: BLE001 - not tp's doing: the run (or another check) says why
+    except Exception as error:  # noqa: BLE001 - not tp's doing: the run (or another check) says why
+        skipped("tp shape check", f"{name}'s forward failed on the meta device "
+                f"({type(error).__name__}: {str(error)[:200]}), so it was not run with one tp "
+                "rank's shapes before start")
         return
     stack.clear()
     try:
