@@ -61,7 +61,9 @@ class EarlyStopping(Callback):
     Lightning's options too: ``check_finite`` (stop at a NaN or infinite value),
     ``stopping_threshold`` (stop once the value is that good), ``divergence_threshold`` (stop
     once it is worse than that), ``strict=False`` (a validation without the value is skipped,
-    not an error); ``verbose`` changes nothing (the stop is always said)."""
+    not an error); ``verbose`` changes nothing (the stop is always said). A ``monitor`` the
+    run's validation does not log is refused before start, naming the closest it does
+    (``meshtrain.checks.check_monitors``)."""
 
     def __init__(self, monitor: str = "val/loss", patience: int = 3, mode: str = "min",
                  min_delta: float = 0.0, *, check_finite: bool = True,

@@ -262,6 +262,41 @@ def check_fit_inputs(model, train_data, val_data, *, optimizer, lr_scheduler,
     return check_data(train_data, global_batch_size, max_steps)
 
 
+def check_monitors(callbacks, model, val_data, settings: dict) -> None:
+    """Before start: what an ``EarlyStopping`` (strict, the default) or a ``ModelCheckpoint``
+    keeping the best monitors must be a value the run's validation logs
+    (``meshtrain.metrics.fit_metric_names``: ``val/loss`` and ``val/<metric>``), else a typo
+    (``"val/los"``) would stop the run at its first validation; the closest name is offered.
+    Not checked: a run without validation data (no monitor is consulted), and a model that logs
+    values of its own (``self.log``: a TrainingModule or LightningModule may add any name, so
+    its monitors are checked at validation)."""
+    import difflib
+
+    from meshtrain.callbacks import EarlyStopping, ModelCheckpoint
+    from meshtrain.metrics import fit_metric_names
+
+    if val_data is None or model is None or callable(getattr(model, "log", None)):
+        return
+    logged = [name for name in fit_metric_names(settings) if name.startswith("val/")]
+    for callback in callbacks:
+        if isinstance(callback, EarlyStopping):
+            consulted = callback.strict
+        elif isinstance(callback, ModelCheckpoint):
+            consulted = callback.monitor is not None and callback.save_top_k != 0
+        else:
+            continue
+        if not consulted or callback.monitor in logged:
+            continue
+        close = difflib.get_close_matches(str(callback.monitor), logged, n=1)
+        raise ConfigError(
+            f"{type(callback).__name__} monitors {callback.monitor!r}, which this run's "
+            f"validation does not log (it logs {', '.join(map(repr, logged))})"
+            + (f"; did you mean {close[0]!r}?" if close else ";")
+            + f" set monitor= to one of those ({type(callback).__name__}(monitor="
+            f"{(close or logged)[0]!r}); a value of your own: self.log(...) in a "
+            "TrainingModule's validation_step, or metrics=[...])")
+
+
 def check_data(train_data, global_batch_size: int, max_steps: int | None) -> Dataset:
     """The training data against the global batch; returns its dataset."""
     train_set = dataset_of(train_data, "train_data")

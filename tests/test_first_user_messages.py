@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import trainer_kwargs
 
-from meshtrain import ConfigError, Trainer
+from meshtrain import ConfigError, Trainer, TrainingModule
 from meshtrain.models.hf import random_token_data, tiny_causal_lm
 
 torch.set_num_threads(1)
@@ -119,3 +119,42 @@ def test_ep_that_does_not_divide_the_experts_offers_only_degrees_that_fit(tmp_pa
     # 6 experts: on 4 processes only 2 divides both (not 3 or 6); on 12 all three do
     assert "pick ep among [2] " in refusal("dp_shard=4,ep=4", 4, 6)
     assert "pick ep among [2, 3, 6] " in refusal("dp_shard=12,ep=4", 12, 6)
+
+
+@pytest.mark.timeout(60)
+def test_a_misspelt_monitor_is_refused_before_start_naming_the_closest(tmp_path):
+    from meshtrain import EarlyStopping, ModelCheckpoint
+
+    gen = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=gen),
+                                          torch.randn(16, 2, generator=gen))
+
+    def check(*callbacks, val_data=data, model=None, **settings):
+        trainer = Trainer(**trainer_kwargs(tmp_path, max_steps=2, global_batch_size=8,
+                                           callbacks=list(callbacks), **settings))
+        trainer.check(model or torch.nn.Linear(4, 2), data, val_data, optimizer=_adamw,
+                      loss_fn=None if model else torch.nn.functional.mse_loss)
+
+    with pytest.raises(ConfigError, match=r"EarlyStopping monitors 'val/los', which this run's "
+                                          r"validation does not log .*did you mean 'val/loss'\?"):
+        check(EarlyStopping("val/los"))
+    with pytest.raises(ConfigError, match=r"ModelCheckpoint monitors 'val/acc'.*'val/loss', "
+                                          r"'val/token_accuracy'"):
+        check(ModelCheckpoint(monitor="val/acc"), metrics=["token_accuracy"])
+    check(EarlyStopping("val/loss"), ModelCheckpoint(monitor="val/token_accuracy", mode="max"),
+          metrics=["token_accuracy"])  # what the run logs passes
+    check(EarlyStopping("val/los", strict=False))  # (not strict: a missing value is skipped)
+    check(EarlyStopping("val/los"), val_data=None)  # (no validation: nothing is monitored)
+    check(EarlyStopping("val/acc"), model=_LogsItsOwn())  # (self.log: checked at validation)
+
+
+class _LogsItsOwn(TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.linear(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/acc", -self.training_step(batch, batch_idx))

@@ -124,6 +124,7 @@ def _check_before_start(t, model, train_data, val_data=None, *, optimizer=None, 
         raise ConfigError(f"{type(meta_model).__name__}.setup(stage) would not run on a model "
                           "fit builds from a function; pass the module object (its setup runs "
                           "before its own train_dataloader()), or move it to __init__")
+    checks.check_monitors(t.callbacks, meta_model, val_data, t._settings)  # (a typo: now)
     layout = t.layout or Layout()  # (layout="auto": checked again once planned)
     t._train_size = len(train_set) if hasattr(train_set, "__len__") else \
         "later" if train_set is None else None  # (None: a stream)
