@@ -208,8 +208,8 @@ def test_a_token_id_outside_the_vocabulary_is_refused_by_the_dry_run(corpus, tmp
 def test_a_hugging_face_moe_model_logs_the_routing_names_the_recipe_lists(corpus, tmp_path,
                                                                            family):
     """A Hugging Face MoE model from model.hf_config: its router loss (output_router_logits)
-    or its routers' bias balancing (router_bias_rate) is logged under the names
-    ``metrics(config)`` gives, so a sweep may take one as its objective."""
+    or its routers' bias balancing (router_bias_rate), and its expert load, are logged under
+    the names ``metrics(config)`` gives, so a sweep may take one as its objective."""
     from meshtrain.models.hf import _transformers
 
     t = _transformers()
@@ -236,8 +236,10 @@ def test_a_hugging_face_moe_model_logs_the_routing_names_the_recipe_lists(corpus
                                                          *extra])[1]
     names = causal_lm.metrics(config)
     routing = {n for n in names if n.startswith(("moe/", "train/router"))}
-    if family.endswith("aux loss"):
-        assert routing == {"train/router_aux_loss"}
+    if family.endswith("aux loss"):  # and both layers' expert load
+        assert routing == {"train/router_aux_loss", "moe/imbalance"} | {
+            f"moe/layer{i}/{s}" for i in (0, 1)
+            for s in ("tokens_min", "tokens_mean", "tokens_max", "imbalance")}
     else:  # the one MoE layer (the first is dense) counted
         assert "moe/layer0/imbalance" in routing and "moe/layer1/imbalance" not in routing
     assert set(header) == set(names), header
