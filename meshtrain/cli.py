@@ -60,6 +60,9 @@ USAGE = ("usage: meshtrain COMMAND [ARGS ...]   (meshtrain COMMAND --help: its a
 def _recipe(argv: list[str], mode: str) -> int:
     from meshtrain.recipes import resolve_config, run_config
     from meshtrain.settings.reference import help_text
+    from meshtrain.settings.torchtitan import config_file_first
+
+    argv = config_file_first(argv)  # torchtitan's --job.config_file PATH: the config
 
     if not argv or "-h" in argv or "--help" in argv:
         config = None

@@ -158,3 +158,14 @@ class _LogsItsOwn(TrainingModule):
 
     def validation_step(self, batch, batch_idx):
         self.log("val/acc", -self.training_step(batch, batch_idx))
+
+
+def test_torchtitans_config_file_flag_given_with_a_config_path_too_is_refused(capsys):
+    from meshtrain import cli
+
+    # (--job.config_file alone trains: tests/test_torchtitan_names.py dry-runs the main job so)
+    assert cli.main(["train", "a.toml", "--job.config_file", "b.toml"]) == 2
+    assert "the config file is given twice: a.toml and --job.config_file b.toml" in \
+        capsys.readouterr().err
+    assert cli.main(["train", "--dry-run", "--job.config_file"]) == 2
+    assert "--job.config_file needs the config file's path" in capsys.readouterr().err

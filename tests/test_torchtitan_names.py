@@ -40,8 +40,9 @@ def test_torchtitan_names_resolve_to_meshtrains_settings():
 
 def test_the_resolved_config_says_what_each_torchtitan_name_became(tmp_path, monkeypatch,
                                                                    capsys):
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["train", CONFIG, "--dry-run", "--trainer.devices=2", *TITAN[:4]]) == 0
+    monkeypatch.chdir(tmp_path)  # (the config named as torchtitan names it)
+    assert cli.main(["train", "--job.config_file", CONFIG, "--dry-run", "--trainer.devices=2",
+                     *TITAN[:4]]) == 0
     out = capsys.readouterr().out
     assert '# torchtitan: [parallelism]\'s degrees (-1: the processes left) is trainer.layout="dp_shard=1,tp=2"' in out
     assert "config OK" in out
