@@ -76,13 +76,13 @@ def _part(tensor: torch.Tensor, rows: slice | None) -> tuple[tuple, int]:
     """(which part of the whole tensor this rank holds, that part's fingerprint): a DTensor's
     coordinates on the mesh dimensions that shard it (replicas share them), the expert rows
     ``ep`` kept."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     local, where = tensor, ()
-    if isinstance(tensor, DTensor):
+    if isinstance(tensor, DTensor):  # (any placement but Replicate cuts: Shard, _StridedShard)
         coords = tensor.device_mesh.get_coordinate() or ()
         where = tuple((dim, coords[dim]) for dim, p in enumerate(tensor.placements)
-                      if isinstance(p, Shard))
+                      if not p.is_replicate())
         local = tensor.to_local()
     if rows is not None:
         where = (("rows", rows.start), *where)
