@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                           "(see meshtrain --help)")
     except ConfigError as error:
         print(f"meshtrain: error: {error}", file=sys.stderr)
+        from meshtrain.launch.endings import ends_with
+
+        ends_with(error, 2)  # (a rank of a job: its exit code, and its launcher names it)
         return 2
 
 

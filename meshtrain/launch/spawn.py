@@ -110,9 +110,12 @@ def flight_recorder_defaults(environ, run_dir=None) -> None:
 
 def register_shutdown() -> None:
     """End this process as :func:`_shutdown` says (once per process)."""
+    from meshtrain.launch.endings import install
+
     if not _state["hooked"]:
         atexit.register(_shutdown)
-    _record_uncaught_exceptions()
+        _state["hooked"] = True
+    install()
 
 
 def job_store(env: DistEnv, timeout: timedelta):
@@ -166,38 +169,29 @@ def _attempt_store(env: DistEnv, timeout: timedelta):
 # is done ("terminate called without an active exception", SIGABRT, in C++ static destructors),
 # and a launcher then reports a failed job. Processes that a meshtrain launcher started therefore
 # end like this: wait for the other ranks (rank 0 of Trainer(devices=N)), flush, and leave with
-# os._exit, skipping those destructors. Other processes destroy the process group. The exit code is 1 after an
-# uncaught exception, else 0 (a script's own sys.exit(code) code is not seen here).
+# os._exit, skipping those destructors. Other processes destroy the process group. The exit code
+# is the one Python would have exited with (launch/endings.py), or 1 where another rank failed.
 # ---------------------------------------------------------------------------------------------
 LAUNCHER_ENV = "MESHTRAIN_LAUNCHER"
-_state = {"uncaught": False, "workers": None, "hooked": False}
-
-
-def _record_uncaught_exceptions() -> None:
-    if _state["hooked"]:
-        return
-    previous = sys.excepthook
-
-    def hook(*exc_info):
-        _state["uncaught"] = True
-        previous(*exc_info)
-
-    sys.excepthook = hook
-    _state["hooked"] = True
+_state = {"workers": None, "hooked": False}
 
 
 def _shutdown() -> None:
     import torch.distributed as dist
 
+    from meshtrain.launch.endings import exit_code
+
+    code = exit_code()
     workers = _state["workers"]
-    if workers is not None:
-        workers.join()
+    if workers is not None:  # (stopped, unblamed, when this process fails itself)
+        joined = workers.join(failing=code != 0)
+        code = code or joined
     if STORE_ENV in os.environ or LAUNCHER_ENV in os.environ:
         # No destroy_process_group here: with DDP or ZeRO objects still alive it can deadlock
         # with gloo's worker threads, and os._exit leaves nothing for it to clean up.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1 if _state["uncaught"] else 0)
+        os._exit(code)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -277,7 +271,9 @@ def _run_one(fn, args, environ: dict, cwd: str, rank: int, out_dir: str, threads
         result_path.write_bytes(pickle.dumps(("error", traceback.format_exc())))
         # multiprocessing catches the exception (no sys.excepthook): without this, _shutdown's
         # os._exit would report success and run_workers would wait for the others to finish
-        _state["uncaught"] = True
+        from meshtrain.launch.endings import mark_uncaught
+
+        mark_uncaught()
         raise
     result_path.write_bytes(pickle.dumps(("ok", value)))
 

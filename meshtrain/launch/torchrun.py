@@ -278,34 +278,35 @@ def _is_local(host: str) -> bool:
 
 
 def failure_summary(err, log_dir: str | None = None) -> str:
-    """One paragraph on the first worker that failed (a torchrun `ChildFailedError`)."""
-    rank, failure = err.get_first_failure()
-    if failure.exitcode < 0:
-        how = f"was killed by signal {failure.signal_name()}"
-    else:
-        how = f"exited with code {failure.exitcode}"
+    """One paragraph on the worker that failed first (of a torchrun `ChildFailedError`): the
+    one the others' errors followed from, by what each recorded in its error file
+    (launch/endings.py), not torchrun's "first observed" (its clock counts whole seconds)."""
+    from meshtrain.launch.endings import Failure, first_failure, read_record
+
+    failures = {rank: Failure(rank, f.exitcode, read_record(f.error_file),
+                              stopped=f.exitcode == -signal.SIGTERM)  # torchrun stops with it
+                for rank, f in err.failures.items()}
+    first = first_failure(list(failures.values()))
+    failure = err.failures[first.rank]
     # Workers that torchrun itself stopped show up as killed by SIGTERM; count only the others.
-    others = sum(1 for r, f in err.failures.items() if r != rank and f.exitcode > 0)
-    also = f" ({others} more worker(s) exited with errors too)" if others else ""
-    return (
-        f"meshtrain run: the job failed: rank {rank} (local rank {failure.local_rank}, "
-        f"pid {failure.pid}) {how} first{also}. "
-        f"{_traceback_location(failure, log_dir)}"
-    )
+    others = sum(1 for r, f in failures.items() if r != first.rank and not f.stopped)
+    also = f" ({others} more worker(s) failed after it)" if others else ""
+    return (f"meshtrain run: the job failed: rank {first.rank} (local rank {failure.local_rank}, "
+            f"pid {failure.pid}) {first.how()} first{also}"
+            f"{first.what(where=_output_location(failure, log_dir))}.")
 
 
-def _traceback_location(failure, log_dir: str | None) -> str:
+def _output_location(failure, log_dir: str | None) -> str:
+    """Where a failed worker's error or output is, after "is"."""
     if failure.error_file and os.path.isfile(failure.error_file):
-        return f"Its traceback is in the report above and in {failure.error_file}."
+        return f"in the report above and in {failure.error_file}"
     if log_dir:
         pattern = os.path.join(log_dir, "*", "attempt_*", str(failure.local_rank), "stderr.log")
         logs = [p for p in glob.glob(pattern) if os.path.getsize(p) > 0]
         if logs:
-            return f"Its stderr, traceback included, is in {max(logs, key=os.path.getmtime)}."
-    return (
-        "Its traceback is printed above, in this terminal's stderr (to keep it in a file too, "
-        "add --tee 3 --log-dir DIR)."
-    )
+            return f"in {max(logs, key=os.path.getmtime)}"
+    return ("above, in this terminal's stderr (to keep it in a file too, add --tee 3 "
+            "--log-dir DIR)")
 
 
 @contextlib.contextmanager

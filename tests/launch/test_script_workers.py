@@ -97,7 +97,9 @@ def test_failure_on_rank_1_ends_the_job(tmp_path):
     assert done.returncode != 0
     assert "boom on rank 1" in done.stderr  # rank 1's traceback reaches the user
     # and rank 0 names the culprit with its own exit code (not the SIGTERM that stopped it)
-    assert "worker rank 1 exited with code 1;" in done.stderr.split("boom on rank 1")[-1]
+    blame = ("worker rank 1 exited with code 1 first: RuntimeError: boom on rank 1 (its "
+             "traceback is above)")
+    assert done.stderr.index("boom on rank 1") < done.stderr.index(blame), done.stderr
     assert "SAVED" not in done.stdout and not list((tmp_path / "pids").glob("state_rank*.pt"))
 
 
