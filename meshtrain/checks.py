@@ -47,10 +47,19 @@ def check_stop(settings: dict) -> None:
 def trainer_settings(keywords: dict) -> tuple[dict, frozenset, list[str]]:
     """(every setting's value, the names the user set, the lines to print at start) from
     ``Trainer(**keywords)``: Lightning's names taken as meshtrain's (settings/lightning.py),
-    each value checked, the default stop filled in."""
+    without seed= the user's own torch.manual_seed (loop/seeding.py), each value checked, the
+    default stop filled in."""
     from meshtrain.settings import check
 
     keywords, notes = from_lightning(keywords)
+    if "seed" not in keywords:  # the user's torch.manual_seed(N) before Trainer() (seeding.py)
+        from meshtrain.loop.seeding import seed_from_torch
+
+        seed = seed_from_torch()
+        if seed:  # (0 is the default)
+            keywords = dict(keywords, seed=seed)
+            notes.append(f"seed: {seed}, from torch.manual_seed({seed}) before Trainer() "
+                         "(Trainer(seed=N) sets another)")
     settings, stop_note = default_stop(check(keywords))
     return settings, frozenset(keywords), notes + ([stop_note] if stop_note else [])
 

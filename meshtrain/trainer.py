@@ -36,7 +36,7 @@ from meshtrain.loop.evaluation import evaluate_and_log
 from meshtrain.loop.layout_settings import use_layout
 from meshtrain.loop.lightning_views import LightningViews
 from meshtrain.loop.prediction import predict as predict_all
-from meshtrain.loop.seeding import seed_everything
+from meshtrain.loop.seeding import remember_seed, seed_everything
 from meshtrain.loop.state import RESUMABLE_STOPS, LoopState, MetricWindow
 from meshtrain.module.data_hooks import eval_data, fit_data, needed
 from meshtrain.module.hooks import after_callbacks
@@ -174,6 +174,7 @@ class Trainer(LightningViews):
                 self._workers.raise_if_failed(error)
             raise
         finally:
+            remember_seed()  # what fit left of torch's seed is meshtrain's (loop/seeding.py)
             self.run_log.finish()
             release_workers(self.train_loader)  # the DataLoader's worker processes, if any
             self.print(f"run folder: {self.run_dir}")  # again, below the training output
@@ -217,8 +218,11 @@ class Trainer(LightningViews):
         resume when a checkpoint is due (what ``fit`` does before its loop; loop/setup.py)."""
         from meshtrain.loop.setup import prepare
 
-        prepare(self, model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
-                lr_scheduler=lr_scheduler)
+        try:
+            prepare(self, model, train_data, val_data, optimizer=optimizer, loss_fn=loss_fn,
+                    lr_scheduler=lr_scheduler)
+        finally:
+            remember_seed()  # (its reseeding too, also for lr_find)
 
     # -- the loop ---------------------------------------------------------------------------------
     def _fit_loop(self) -> None:

@@ -6,7 +6,6 @@ import torch
 from conftest import trainer_kwargs
 
 from meshtrain import ConfigError, Trainer, TrainingModule
-from meshtrain.models.hf import random_token_data, tiny_causal_lm
 
 torch.set_num_threads(1)
 
@@ -19,6 +18,8 @@ def _adamw(params):
 def test_tp_on_a_hugging_face_moe_model_says_experts_are_split_by_ep(tmp_path):
     """Not a tp_plan key the user never wrote: the reason (experts are not split by tp) and
     the layouts that work."""
+    from meshtrain.models.hf import random_token_data, tiny_causal_lm
+
     moe = tiny_causal_lm("Qwen3Moe", vocab_size=32, hidden_size=16, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                          max_position_embeddings=16, moe_intermediate_size=8, num_experts=4,
@@ -43,7 +44,7 @@ def _fit_one_step(run_dir, model_fn, data, **fit):
 @pytest.mark.timeout(120)
 def test_export_takes_a_run_folder_and_says_which_folder_to_give(tmp_path, capsys):
     from meshtrain import cli
-    from meshtrain.models.hf import tiny_llama
+    from meshtrain.models.hf import random_token_data, tiny_llama
 
     run = tmp_path / "runs" / "job" / "20260101-000000"
     trained = _fit_one_step(run, tiny_llama, random_token_data(num_samples=8))
@@ -169,3 +170,62 @@ def test_torchtitans_config_file_flag_given_with_a_config_path_too_is_refused(ca
         capsys.readouterr().err
     assert cli.main(["train", "--dry-run", "--job.config_file"]) == 2
     assert "--job.config_file needs the config file's path" in capsys.readouterr().err
+
+
+def _regression(n=16):
+    gen = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, 4, generator=gen),
+                                          torch.randn(n, 2, generator=gen))
+
+
+@pytest.fixture
+def torch_seed_restored():
+    """torch's global seed and meshtrain's record of it as they were (later tests' Trainer()
+    must not take this test's torch.manual_seed)."""
+    from meshtrain.loop import seeding
+
+    saved, state = dict(seeding._SEEDS), torch.get_rng_state()
+    yield
+    seeding._SEEDS.update(saved)
+    torch.set_rng_state(state)
+
+
+@pytest.mark.timeout(60)
+def test_a_torch_manual_seed_before_the_trainer_is_its_seed(tmp_path, torch_seed_restored):
+    kwargs = trainer_kwargs(tmp_path, max_steps=1, global_batch_size=8)
+    del kwargs["seed"]
+    torch.manual_seed(123)
+    trainer = Trainer(**kwargs)
+    assert trainer.seed == 123
+    assert "seed: 123, from torch.manual_seed(123) before Trainer() (Trainer(seed=N) sets " \
+        "another)" in trainer.loader_notes
+    trainer.fit(torch.nn.Linear(4, 2), _regression(), optimizer=_adamw,
+                loss_fn=torch.nn.functional.mse_loss)
+    assert torch.initial_seed() != 123  # (fit reseeds torch for each rank's dropout)
+    assert Trainer(**kwargs).seed == 123  # what fit left is meshtrain's, not the user's
+    assert Trainer(**kwargs, seed=3).seed == 3  # seed= wins
+    torch.manual_seed(7)
+    assert Trainer(**kwargs).seed == 7
+    torch.manual_seed(2**40)  # (not told from the 64 random bits torch seeds a process with)
+    assert Trainer(**kwargs).seed == 0
+
+
+def _fit_seeded_per_rank(run_dir):
+    import os
+
+    torch.set_num_threads(1)
+    torch.manual_seed(10 + int(os.environ["RANK"]))  # (a seed per rank: ranks would split
+    kwargs = trainer_kwargs(run_dir, max_steps=1, global_batch_size=8)  # the data wrongly)
+    del kwargs["seed"]
+    Trainer(**kwargs).fit(torch.nn.Linear(4, 2), _regression(), optimizer=_adamw,
+                          loss_fn=torch.nn.functional.mse_loss)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_whose_seeds_differ_are_refused(tmp_path):
+    from meshtrain.errors import WorkerFailed
+    from meshtrain.launch.spawn import run_workers
+
+    with pytest.raises(WorkerFailed, match=r"the ranks' seeds differ \(rank 0: 10, rank 1: "
+                                           r"11\).*Pass the same Trainer\(seed=N\)"):
+        run_workers(_fit_seeded_per_rank, 2, (str(tmp_path),), timeout=90)

@@ -26,7 +26,7 @@ from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
 from meshtrain.launch.world import start_world
 from meshtrain.loop.compiled_model import unwrap_compiled
 from meshtrain.loop.layout_settings import take_loader_settings
-from meshtrain.loop.seeding import agree_on_initial_state
+from meshtrain.loop.seeding import agree_on_initial_state, check_seed_agrees
 from meshtrain.loop.state import loader_options
 from meshtrain.module.configure import Schedule
 from meshtrain.module.core import (
@@ -188,6 +188,7 @@ def setup_world(t) -> None:
 
     agree(t)  # layout="auto": rank 0's pick
     t.mesh = ParallelMesh(t.layout, t.device_type, local_comm=t._settings["local_comm"])
+    check_seed_agrees(t.seed, t.mesh.everyone())  # (a seed per rank would split data wrongly)
     if t.world_size > 1:  # the mesh's sub-groups get torch's 30-minute default
         set_collective_timeout(timedelta(seconds=t.init_timeout_s))
 

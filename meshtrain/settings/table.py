@@ -131,7 +131,10 @@ DEFINITIONS = [
        "after it starts the same on every rank and in one process), a factory's model, the data "
        "order and each rank's dropout (alike on the ranks of a tp or cp group, which compute "
        "the same samples; loader workers alike on the ranks that read the same samples). Ranks "
-       "whose models still differ get rank 0's weights, with a warning."),
+       "whose models still differ get rank 0's weights, with a warning. Not given: the seed of "
+       "a torch.manual_seed(N) made before the Trainer (N below 2**32; said at start) or of "
+       "lightning.seed_everything(N), else 0. Every rank must have the same seed (checked "
+       "at start)."),
     _S("shuffle", "trainer", True, "bool",
        "Shuffle the training data each epoch (one seeded order, independent of the number of "
        "ranks); unset, a DataLoader given as training data lends its own (shuffle=)."),
