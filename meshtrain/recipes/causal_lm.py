@@ -229,8 +229,7 @@ def run(config: dict, mode: str = "train"):
     trainer.fit(parts["model"], train_set, val_set, lr_scheduler=parts["lr_scheduler"], **fit)
     val_loss = trainer.callback_metrics.get("val/loss")
     baseline = unigram_baseline(train_set, val_set, meta["vocab_size"])
-    model = trainer.whole_model()  # (collective) sample from one whole model, on rank 0
-    model = model.to(trainer.device) if trainer.is_global_zero else None
+    model = sampling_model(trainer, parts["model"])  # (collective) None but on rank 0
     if trainer.is_global_zero:
         if val_loss is not None:
             accuracy = trainer.callback_metrics.get("val/token_accuracy")
@@ -241,6 +240,22 @@ def run(config: dict, mode: str = "train"):
         print(sample(model, tokenizer_path, config["sample"], trainer, config["data"]["seq_len"]))
         print("--------------------------------------------------------------------")
     return {"val_loss": val_loss, "baseline": baseline, "run_dir": trainer.run_dir}
+
+
+def sampling_model(trainer, factory):
+    """Collective: on rank 0, the trained model as a plain one-process module (None elsewhere),
+    to sample from alone. ``Trainer.whole_model`` gathers a sharded or split one (zero3, tp,
+    pp, ep) into a new module; where it gives back the trained module itself (dp, zero1/2,
+    cp), rank 0 copies its weights into a fresh one from ``factory``: under cp the trained
+    module's attention gathers keys and values from the other ranks, which do not sample."""
+    whole = trainer.whole_model()
+    if not trainer.is_global_zero:
+        return None
+    if whole is trainer.model and trainer.world_size > 1:
+        plain = factory()
+        plain.load_state_dict(whole.state_dict())
+        whole = plain
+    return whole.to(trainer.device)
 
 
 @torch.no_grad()
