@@ -10,6 +10,9 @@ import pytest
 from records import assert_equal_weights, attempts, checkpoints_are_finite, final_weights, steps
 from fault_job import mlp
 
+from meshtrain.observe.loggers import read_metrics_csv
+from meshtrain.observe.run_files import read_breakdown
+
 JOB = str(Path(__file__).with_name("fault_job.py"))
 STEPS, EVERY = 8, 2
 
@@ -44,6 +47,13 @@ def _check_same_run(run_dir, reference, resumed_at):
         s: r["samples"] for s, r in expected.items()}
     checkpoints_are_finite(run_dir, mlp)
     assert not list((Path(run_dir) / "checkpoints").glob(".tmp-*"))
+    # the per-step files hold each step once, as the uninterrupted run's do: the rows an attempt
+    # logged past the checkpoint it was resumed from were dropped (and logged again)
+    logged = [(r["step"], r["train/loss"]) for r in read_metrics_csv(Path(run_dir, "metrics.csv"))]
+    assert logged == [(r["step"], r["train/loss"])
+                      for r in read_metrics_csv(Path(reference, "metrics.csv"))], logged
+    assert [(r["step"], r["rank"]) for r in read_breakdown(run_dir)] == [
+        (r["step"], r["rank"]) for r in read_breakdown(reference)]
 
 
 @pytest.mark.timeout(240)

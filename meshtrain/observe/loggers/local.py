@@ -1,10 +1,13 @@
 """The loggers that write files in the run folder: ``CSVLogger`` (a plain ``metrics.csv`` that
 survives a crash: every row is flushed; :func:`read_metrics_csv` reads it back) and
-``TensorBoardLogger`` (event files for ``tensorboard --logdir``)."""
+``TensorBoardLogger`` (event files for ``tensorboard --logdir``). Both forget the steps after a
+checkpoint that a run resumes from (``drop_after``), as :func:`drop_steps_after` does for the
+run folder's other per-step files."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,6 +65,16 @@ class CSVLogger(Logger):
         csv.writer(f).writerow(self._cells(row))
         f.flush()
 
+    def drop_after(self, step: int) -> int:
+        """Forget the rows of steps after ``step`` (the file is rewritten without them): a run
+        resumed from that step's checkpoint logs them again. Returns how many were dropped."""
+        kept = [row for row in self._rows if row["step"] <= step]
+        dropped = len(self._rows) - len(kept)
+        if dropped:
+            self._rows = kept
+            self._rewrite()
+        return dropped
+
     def finalize(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -87,6 +100,52 @@ class CSVLogger(Logger):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+
+
+def drop_steps_after(path: str | os.PathLike, step: int) -> int:
+    """Rewrite a per-step file of the run folder (a CSV file with a ``step`` column, or JSON
+    lines with a ``step`` field) without the rows of steps after ``step``, and without a last
+    row cut short by a kill; returns how many rows went. A missing file is left missing."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    if path.suffix == ".csv":
+        with path.open(newline="") as f:
+            rows = list(csv.reader(f))
+        if not rows or "step" not in rows[0]:
+            return 0
+        column = rows[0].index("step")
+        kept = [rows[0]] + [r for r in rows[1:] if len(r) == len(rows[0])
+                            and _step_at_most(r[column], step)]
+        text = None
+    else:
+        rows = path.read_text().splitlines()
+        kept = [line for line in rows if _step_at_most(_json_step(line), step)]
+        text = "".join(line + "\n" for line in kept)
+    if len(kept) == len(rows):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        if text is None:
+            csv.writer(f).writerows(kept)
+        else:
+            f.write(text)
+    os.replace(tmp, path)
+    return len(rows) - len(kept)
+
+
+def _json_step(line: str):
+    try:
+        return json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _step_at_most(value, step: int) -> bool:
+    try:
+        return int(float(value)) <= step
+    except (TypeError, ValueError):
+        return False
 
 
 def read_metrics_csv(path: str | os.PathLike) -> list[dict]:
@@ -141,7 +200,18 @@ class TensorBoardLogger(Logger):
 
         self.log_dir = Path(run_dir) / "tensorboard"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._flush_secs = flush_secs
         self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+
+    def drop_after(self, step: int) -> None:
+        """TensorBoard is to hide what earlier event files hold of the steps after ``step``
+        (its ``purge_step``): a run resumed from that step's checkpoint logs them again."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._require_open()
+        self._writer.close()
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=self._flush_secs,
+                                     purge_step=step + 1)
 
     def log_hparams(self, params: dict) -> None:
         self._require_open()
