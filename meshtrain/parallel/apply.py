@@ -302,13 +302,15 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
     if mesh.layout.num_servers:  # the optimizer (ps/layout.py's ServerOptimizer) ends the training
         log(f"parameter servers: {mesh.layout.num_servers} server(s), "
             f"{mesh.layout.world_size} worker(s); the optimizer runs on the servers")
+    tied = getattr(engine, "tied", None)
     if on_meta:  # (under pp each stage: it holds its modules under their full-model names)
         from meshtrain.parallel.data.meta_init import materialize_checked
 
-        runner = getattr(engine, "runner", None)  # (checked: the ranks' parts make the whole)
-        materialize_checked(runner.modules if runner is not None else [engine.model], device,
-                            options.initializer, mesh.everyone())
-    tied = getattr(engine, "tied", None)
+        runner = getattr(engine, "runner", None)  # (checked: the ranks' parts make the whole;
+        materialize_checked(  # a tied copy on the first stage takes the last's: not checked)
+            runner.modules if runner is not None else [engine.model], device,
+            options.initializer, mesh.everyone(),
+            skip={n for g in tied.ties for n in g} if tied is not None else ())
     if tied is not None:  # pipeline/tied.py: the first stage's copy starts as the last's
         tied.start()
     return engine

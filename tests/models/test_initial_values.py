@@ -102,8 +102,13 @@ def _train(job: str, layout: str | None, perturb: str | None = None) -> dict:
 
 
 def _ranks(job: str, layout: str | None, devices: int, perturb: str | None = None) -> list:
-    if devices == 1:
-        return [_train(job, layout)]
+    if devices == 1:  # (in this process: its default dtype and thread count restored after)
+        dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+        try:
+            return [_train(job, layout)]
+        finally:
+            torch.set_default_dtype(dtype)
+            torch.set_num_threads(threads)
     return run_workers(_train, devices, (job, layout, perturb), timeout=300)
 
 

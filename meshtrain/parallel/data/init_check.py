@@ -89,19 +89,21 @@ def _part(tensor: torch.Tensor, rows: slice | None) -> tuple[tuple, int]:
     return where, whole_fingerprint(local)
 
 
-def check_initial_values(modules: list[torch.nn.Module], notes: dict, group) -> int:
+def check_initial_values(modules: list[torch.nn.Module], notes: dict, group,
+                         skip=()) -> int:
     """Collective over ``group`` (every rank of the job; None: this process alone): raise
     :class:`InitialValuesDiffer` unless every noted tensor's parts, over the ranks, add up to
-    the whole its initializer drew on every rank. Returns the number of tensors checked."""
+    the whole its initializer drew on every rank (a tensor of a name in ``skip`` left out).
+    Returns the number of tensors checked."""
     mine: dict[str, tuple] = {}
     for module in modules:
         for holder_name, holder in module.named_modules():
             rows = getattr(holder, "rows", None)
             own = {**holder._parameters, **holder._buffers}
             for name, tensor in own.items():
-                if tensor is None or id(tensor) not in notes:
-                    continue
                 full = f"{holder_name}.{name}" if holder_name else name
+                if tensor is None or id(tensor) not in notes or full in skip:
+                    continue
                 where, part = _part(tensor, rows if isinstance(rows, slice) else None)
                 mine[full] = (notes[id(tensor)][1], where, part)
     everyone = [mine]

@@ -105,17 +105,18 @@ def materialize(model: nn.Module, device: torch.device | str, init=None) -> None
     model.init_weights()
 
 
-def materialize_checked(modules: list[nn.Module], device, init, group) -> int:
+def materialize_checked(modules: list[nn.Module], device, init, group, skip=()) -> int:
     """:func:`materialize` each of this rank's ``modules`` (the model or its pipeline stages),
     then check over ``group`` (every rank) that the ranks' parts of each tensor the
-    initializer handed to :func:`copy_full_into` make up the whole it drew (init_check.py).
-    Returns the number of tensors checked."""
+    initializer handed to :func:`copy_full_into` make up the whole it drew (init_check.py),
+    but those named in ``skip`` (a weight tied across pipeline stages: the first stage's copy
+    takes the last's after this). Returns the number of tensors checked."""
     from meshtrain.parallel.data.init_check import check_initial_values, recording
 
     with recording() as notes:
         for module in modules:
             materialize(module, device, init)
-    return check_initial_values(modules, notes, group)
+    return check_initial_values(modules, notes, group, skip)
 
 
 def _check_has_init_weights(model: nn.Module) -> None:
