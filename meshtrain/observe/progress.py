@@ -152,8 +152,10 @@ class ProgressBar:
             return
         self._closed = True
         if self._progress is not None:
-            self._progress.stop()
-            self._restore_handlers()
+            try:
+                self._progress.stop()
+            finally:
+                self._restore_handlers()
         elif self._step is not None and self._printed_step != self._step:
             self._print_line()
 
@@ -260,7 +262,11 @@ class ProgressBar:
         )
         self._task = self._progress.add_task("train", total=self.total_steps, metrics={})
         self._replace_handlers(console)  # before the bar proxies sys.stdout and sys.stderr
-        self._progress.start()
+        try:
+            self._progress.start()
+        except BaseException:
+            self._restore_handlers()
+            raise
 
     # -- a logger's terminal handlers while the rich bar is live --
     def _replace_handlers(self, console) -> None:
