@@ -238,3 +238,46 @@ def float32_norm_bug_job() -> dict:
     job = float32_norm_job()
     job["settings"]["callbacks"] = [DoubledGradients()]
     return job
+
+
+# A user's attention block with a hand-written tp plan's shapes (heads reshaped with the local
+# sizes), as source text: a `meshtrain parity` job module (tests/test_parity_command.py) and a
+# script run under tp=2 (tests/test_public_api.py) are written from it.
+TP_USER_BLOCK = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.head_dim = dim // heads
+        # no biases: a key bias has an exactly zero true gradient (softmax ignores a shift
+        # shared by all keys), which AdamW turns from rounding noise into lr-sized steps
+        self.q, self.k, self.v, self.out = (torch.nn.Linear(dim, dim, bias=False)
+                                            for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))  # local heads under tp
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.attn = Attention(dim)
+        self.fc_in, self.fc_out = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(x)))
+
+
+def data():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, 16, generator=gen)
+    return TensorDataset(x, x.roll(1, dims=1))
+"""

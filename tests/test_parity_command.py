@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from parity_models import TP_USER_BLOCK
 
 from meshtrain import cli
 from meshtrain.errors import ConfigError
@@ -138,47 +139,14 @@ def test_batch_coupled_jobs_are_reported_correctly():
 
 
 TP_PLAN_JOB = """
-import torch
-from torch.utils.data import TensorDataset
-
-from meshtrain.parallel.tensor.tensor_parallel import attention_plan, mlp_plan
-
-
-class Attention(torch.nn.Module):
-    def __init__(self, dim=16, heads=2):
-        super().__init__()
-        self.head_dim = dim // heads
-        # no biases: a key bias has an exactly zero true gradient (softmax ignores a shift
-        # shared by all keys), which AdamW turns from rounding noise into lr-sized steps
-        self.q, self.k, self.v, self.out = (torch.nn.Linear(dim, dim, bias=False)
-                                            for _ in range(4))
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-                   for f in (self.q, self.k, self.v))  # local heads under tp
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim=16):
-        super().__init__()
-        self.attn = Attention(dim)
-        self.fc_in, self.fc_out = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        x = x + self.attn(x)
-        return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(x)))
-
+from meshtrain.parallel.tensor import attention_plan, mlp_plan
+""" + TP_USER_BLOCK + """
 
 PLAN = {**attention_plan("attn", "q", "k", "v", "out"), **mlp_plan("", "fc_in", "fc_out")}
 
 
 def job():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 6, 16, generator=gen)
-    return dict(model=Block, train_data=TensorDataset(x, x.roll(1, dims=1)),
+    return dict(model=Block, train_data=data(),
                 optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
                 loss_fn=torch.nn.functional.mse_loss,
                 settings=dict(global_batch_size=16, tp_plan=PLAN))

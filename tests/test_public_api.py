@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, run_script, script_env
+from parity_models import TP_USER_BLOCK
 
 from meshtrain._graveyard import MOVED
 from meshtrain._public import API_HEADING, PUBLIC_MODULES
@@ -197,42 +198,7 @@ def test_names_that_left_observe_memory_are_read_there_with_a_warning(probe):
 
 # A user's model and its tp plan (heads reshaped with local sizes), trained by a script under
 # tp=2 and in this process as one process
-USER_MODEL = """
-import torch
-from torch.utils.data import TensorDataset
-
-
-class Attention(torch.nn.Module):
-    def __init__(self, dim=16, heads=2):
-        super().__init__()
-        self.head_dim = dim // heads
-        self.q, self.k, self.v, self.out = (torch.nn.Linear(dim, dim, bias=False)
-                                            for _ in range(4))
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-                   for f in (self.q, self.k, self.v))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim=16):
-        super().__init__()
-        self.attn = Attention(dim)
-        self.fc_in, self.fc_out = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        x = x + self.attn(x)
-        return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(x)))
-
-
-def data():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 6, 16, generator=gen)
-    return TensorDataset(x, x.roll(1, dims=1))
-
+USER_MODEL = TP_USER_BLOCK + """
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1)

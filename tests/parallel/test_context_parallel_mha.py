@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from parity import adamw_gpt, assert_parity
 
-from test_context_parallel_sdpa import HEADS, SEQ, VOCAB, WIDTH, lm_loss, tokens
+from test_context_parallel_sdpa import (HEADS, SEQ, VOCAB, WIDTH, assert_refused_under_cp,
+                                        lm_loss, tokens)
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.context import mha
@@ -118,14 +119,7 @@ def test_the_call_is_computed_as_torch_computes_it(separate, batched):
 ], ids=["weights", "padding", "cross-attention"])
 def test_attention_context_parallel_cannot_split_is_refused_before_any_process(
         tmp_path, no_processes, model_fn, match):
-    from conftest import trainer_kwargs
-
-    from meshtrain import Trainer
-
-    trainer = Trainer(**trainer_kwargs(tmp_path, layout="cp=2", devices=2, max_steps=1,
-                                       global_batch_size=8))
-    with pytest.raises(ConfigError, match=match):
-        trainer.fit(model_fn, tokens(), optimizer=adamw_gpt, loss_fn=lm_loss)
+    assert_refused_under_cp(tmp_path, model_fn, match)
 
 
 def _evaluated(run_dir, layout):

@@ -11,9 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from parity import adamw_gpt, assert_parity
 
-from test_context_parallel_sdpa import HEADS, SEQ, VOCAB, WIDTH, Block, lm_loss, tokens
-
-from meshtrain.errors import ConfigError
+from test_context_parallel_sdpa import (HEADS, SEQ, VOCAB, WIDTH, Block,
+                                        assert_refused_under_cp, lm_loss, tokens)
 
 
 def _rotate(x, cos, sin):
@@ -109,11 +108,4 @@ def test_positions_are_read_at_each_ranks_global_positions(model_fn):
                  r"rank\).*neither a parameter or buffer.*register_buffer")])
 def test_positions_meshtrain_cannot_read_are_refused_before_any_process(
         tmp_path, no_processes, model_fn, refusal):
-    from conftest import trainer_kwargs
-
-    from meshtrain import Trainer
-
-    trainer = Trainer(**trainer_kwargs(tmp_path, layout="cp=2", devices=2, max_steps=1,
-                                       global_batch_size=8))
-    with pytest.raises(ConfigError, match=refusal):
-        trainer.fit(model_fn, tokens(), optimizer=adamw_gpt, loss_fn=lm_loss)
+    assert_refused_under_cp(tmp_path, model_fn, refusal)

@@ -89,15 +89,21 @@ class MaskedAttention(MyTransformer):
         return self.head(y.transpose(1, 2).flatten(2))
 
 
-def test_attention_meshtrain_cannot_split_is_refused_before_any_process(tmp_path, no_processes):
+def assert_refused_under_cp(run_dir, model_fn, match: str) -> None:
+    """``fit(model_fn)`` under cp=2 is refused with ``match`` (with the ``no_processes``
+    fixture: before any process starts)."""
     from conftest import trainer_kwargs
 
     from meshtrain import Trainer
 
-    trainer = Trainer(**trainer_kwargs(tmp_path, layout="cp=2", devices=2, max_steps=1,
+    trainer = Trainer(**trainer_kwargs(run_dir, layout="cp=2", devices=2, max_steps=1,
                                        global_batch_size=8))
-    with pytest.raises(ConfigError, match="with an attn_mask"):
-        trainer.fit(MaskedAttention, tokens(), optimizer=adamw_gpt, loss_fn=lm_loss)
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(model_fn, tokens(), optimizer=adamw_gpt, loss_fn=lm_loss)
+
+
+def test_attention_meshtrain_cannot_split_is_refused_before_any_process(tmp_path, no_processes):
+    assert_refused_under_cp(tmp_path, MaskedAttention, "with an attn_mask")
 
 
 @pytest.mark.timeout(300)
