@@ -57,7 +57,8 @@ class PipelineRunner:
                        for m, i in zip(self.modules, self.indices)]
         for stage in self.stages:  # (which micro-batch a forward is of: set_side_inputs)
             stage.forward_one_chunk = _numbered(stage.forward_one_chunk, stage.submod)
-        cls = lean(SCHEDULES[schedule])  # torch's schedule, its action loop made leaner
+        # torch's schedule; on CPU stages its action loop made leaner (runtime.py)
+        cls = lean(SCHEDULES[schedule], device)
         target = self.stages[0] if schedule in SINGLE_STAGE else self.stages
         self.schedule = cls(target, num_microbatches, loss_fn=self._train_loss,
                             scale_grads=False)

@@ -15,12 +15,13 @@ actions do work), no custom action functions, no fused OVERLAP_F_B actions, and 
 running (torch's loop names each action for it); anything else runs torch's own loop. The
 private pieces it uses are torch 2.13's; on another torch the schedule runs its own loop.
 
-Why it is kept (issue 55 asked: only if the gain holds): measured on 2026-11-28 on this 2-core
-CPU (`python benchmarks/pipeline.py --microbatches 8`, results/pipeline_loops_m8.json),
-interleaved 1F1B at p = 2, m = 8 took 0.898x torch's loop's step time on the same stages
-(paired; 197.9 against 213.5 ms), bubble 0.137 against 0.205, host time per action 0.28
-against 0.55 ms. Not yet measured on a GPU, where the host work hides behind the kernels: if
-the gain is gone there, torch's loop should run on CUDA stages.
+Used on CPU stages only (:func:`lean_loop_for`): that is where it was measured faster. On
+2026-11-28 on a 2-core CPU (`python benchmarks/pipeline.py --microbatches 8`, kept as
+benchmarks/results/pipeline_loops_m8.json; benchmarks/README.md, "meshtrain's action loop
+against torch's, again"), interleaved 1F1B at p = 2, m = 8 took 0.898x torch's loop's step time
+on the same stages (paired; 197.9 against 213.5 ms), bubble 0.137 against 0.205, host time per
+action 0.28 against 0.55 ms. It was never measured on a GPU, where the host work overlaps the
+kernels, so CUDA (and any other device's) stages run torch's own ``_PipelineScheduleRuntime``.
 """
 
 from __future__ import annotations
@@ -169,11 +170,19 @@ class LeanRuntime:
 _LEAN: dict[type, type] = {}
 
 
-def lean(schedule_class: type) -> type:
+def lean_loop_for(device: torch.device | str) -> bool:
+    """Whether stages on ``device`` run meshtrain's action loop: on CPU, where it was measured
+    faster than torch's (the module's docstring); elsewhere torch's own runtime."""
+    return torch.device(device).type == "cpu"
+
+
+def lean(schedule_class: type, device: torch.device | str) -> type:
     """``schedule_class`` with :class:`LeanRuntime`'s loop where it runs torch's runtime (the
-    multi-stage schedules); a single-stage schedule (GPipe, 1F1B: a loop of its own) as it is."""
+    multi-stage schedules) on stages of ``device`` that :func:`lean_loop_for` gives it; a
+    single-stage schedule (GPipe, 1F1B: a loop of its own), or stages on another device, get
+    ``schedule_class`` as it is."""
     runtime = getattr(_torch, "_PipelineScheduleRuntime", None)
-    if runtime is None or not issubclass(schedule_class, runtime):
+    if runtime is None or not issubclass(schedule_class, runtime) or not lean_loop_for(device):
         return schedule_class
     if schedule_class not in _LEAN:
         _LEAN[schedule_class] = type(schedule_class.__name__, (LeanRuntime, schedule_class),
