@@ -1,6 +1,6 @@
-"""Context parallelism (all-gather of K/V, zig-zag chunks): the sharding helpers are exact
-inverses and balance causal work, and cp_attention on 2 and 3 gloo ranks reproduces one process's
-causal attention, outputs and q/k/v gradients."""
+"""Context parallelism (ring attention, zig-zag chunks): the sharding helpers are exact
+inverses and balance causal work, the blocks reproduce dense attention, and cp_attention on 2 and
+3 gloo ranks reproduces one process's causal attention, outputs and q/k/v gradients."""
 
 from datetime import timedelta
 
@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from meshtrain.errors import ConfigError
 from meshtrain.launch.spawn import DistEnv, init_process_group, run_workers
-from meshtrain.parallel.context import context_parallel as cp_mod
 from meshtrain.parallel.context.context_parallel import (
     check_cp,
     chunk_order,
@@ -80,42 +79,64 @@ def test_no_mesh_is_plain_causal_attention():
     assert torch.equal(cp_attention(q, k, v, None), expected)
 
 
-@pytest.mark.parametrize("cp", [1, 2, 3])
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("documents", [False, True])
-def test_blocks_are_exact_in_float64(cp, window, documents):
-    """blockwise.py: each rank's queries over the whole sequence's keys, block by block (fused
-    kernel, merged by log-sum-exp; its own backward), against one dense masked attention:
-    outputs and gradients (summed over the ranks) equal to rounding."""
+def _packed_documents(n):
+    """Document ids of two rows of ``n`` tokens: a document crossing the cut between ranks and
+    one spanning most of the row."""
     from meshtrain.packing import document_ids
-    from meshtrain.parallel.context.blockwise import block_attention
 
-    gen = torch.Generator().manual_seed(cp)
-    n = 24
-    q, k, v = (torch.randn(2, 3, n, 8, generator=gen, dtype=torch.float64,
-                           requires_grad=True) for _ in range(3))
+    return document_ids(torch.stack([
+        torch.cat([torch.arange(7), torch.arange(n - 14), torch.arange(7)]),
+        torch.cat([torch.arange(3), torch.arange(n - 3)])]))
+
+
+def _dense_reference(q, k, v, window, docs):
+    """One process's attention under the same mask, with one dense boolean mask."""
+    n = q.size(-2)
     pos = torch.arange(n)
     mask = (pos[:, None] >= pos[None, :]) & ((pos[:, None] - pos[None, :] < window)
                                              if window else True)
-    mask, docs = mask[None, None].expand(2, 1, n, n), None
-    if documents:  # a document crossing the cut between ranks, and one spanning most
-        docs = document_ids(torch.stack([torch.cat([torch.arange(7), torch.arange(10),
-                                                    torch.arange(7)]),
-                                         torch.cat([torch.arange(3), torch.arange(21)])]))
+    mask = mask[None, None]
+    if docs is not None:
         mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
-    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("cp, pieces", [(1, 1), (2, 2), (3, 1)])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("documents", [False, True])
+def test_blocks_are_exact_in_float64(cp, pieces, window, documents, monkeypatch):
+    """blockwise.py: each rank's query pieces over every key piece, block by block (the fused
+    CPU kernel, and the plain-matmul kernel other devices use; merged by log-sum-exp; each
+    block's own backward), with grouped-query heads, against one dense masked attention:
+    outputs and gradients (summed over the ranks) equal to rounding."""
+    from meshtrain.parallel.context import blockwise
+
+    gen = torch.Generator().manual_seed(cp)
+    n, size = 24, 24 // (2 * cp * pieces)
+    q = torch.randn(2, 4, n, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, n, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    docs = _packed_documents(n) if documents else None
+    reference = _dense_reference(q, k, v, window, docs)
     weights = torch.randn(reference.shape, generator=gen, dtype=torch.float64)
     expected = torch.autograd.grad(reference, (q, k, v), weights)
-    got = [torch.zeros_like(t) for t in (q, k, v)]
-    for rank in range(cp):
-        mine = local_positions(n // cp, rank, cp)
-        out = block_attention(q[..., mine, :], k, v, mine, chunk=n // cp // 2, window=window,
-                              q_docs=docs[:, mine] if documents else None, k_docs=docs)
-        assert (out - reference[..., mine, :]).abs().max() < 1e-13
-        for total, grad in zip(got, torch.autograd.grad(out, (q, k, v), weights[..., mine, :])):
-            total += grad
-    for total, want in zip(got, expected):
-        assert (total - want).abs().max() < 1e-13
+    for kernel in ("fused", "math"):
+        if kernel == "math":
+            monkeypatch.setattr(blockwise, "_fused", lambda q: False)
+        got = [torch.zeros_like(t) for t in (q, k, v)]
+        for rank in range(cp):
+            mine = local_positions(n // cp, rank, cp)
+            chunks = chunk_order(rank, cp)
+            out = blockwise.block_attention(q[..., mine, :], k, v,
+                                            [c * pieces + i for c in chunks
+                                             for i in range(pieces)], size, window=window,
+                                            documents=docs)
+            assert (out - reference[..., mine, :]).abs().max() < 1e-13, kernel
+            for total, grad in zip(got, torch.autograd.grad(out, (q, k, v),
+                                                            weights[..., mine, :])):
+                total += grad
+        for total, want in zip(got, expected):
+            assert (total - want).abs().max() < 1e-13, kernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,33 +157,41 @@ def run_attention(attend, q, k, v, weights):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _local_only_gather(local, dim, group):
-    """A gather whose backward does not sum over ranks: only the own slice gets a gradient,
-    and only from this rank's queries (what a plain, non-autograd all-gather would give)."""
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.detach().contiguous(), group=group)
-    parts[dist.get_rank(group)] = local
-    return torch.cat(parts, dim)
+def _float64_case(cp):
+    """q (4 heads), k, v (2 heads), loss weights of a ``24 * cp``-token float64 sequence and its
+    packed documents, identical on every rank."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 24 * cp, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 24 * cp, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    weights = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    return q, k, v, weights, _packed_documents(24 * cp)
 
 
 def _cp_rank():
     from torch.distributed.device_mesh import init_device_mesh
 
+    from meshtrain.parallel.context import ring
+
     env = DistEnv.from_environ()
     init_process_group(env, "gloo", timedelta(seconds=60))
+    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("cp",))
     rank, cp = mesh.get_local_rank(), mesh.size()
     shards = [shard_sequence(t, rank, cp, dim=2) for t in full_inputs()]
+    *qkvw, docs = _float64_case(cp)
+    qkvw = [shard_sequence(t, rank, cp, dim=2) for t in qkvw]
     result = {
         "cp": run_attention(lambda q, k, v: cp_attention(q, k, v, mesh), *shards),
-        # negative controls: causal attention over the local keys only; a gather whose
-        # backward does not sum the K/V gradients over ranks
+        # the ring in pieces of 2 tokens (4 a chunk), grouped-query heads, a sliding window
+        # and packed documents, in float64
+        "pieces": run_attention(lambda q, k, v: ring.ring_attention(
+            q, k, v, mesh, window=9, documents=docs, pieces=2), *qkvw),
+        # negative controls: causal attention over the local keys only; a ring that does not
+        # pass the K/V gradients on with their piece
         "local_only": run_attention(
             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *shards),
     }
-    cp_mod._gather_sequence = _local_only_gather
+    ring._Ring.shift = lambda self, tensor, tag: tensor
     result["no_grad_sum"] = run_attention(lambda q, k, v: cp_attention(q, k, v, mesh), *shards)
     return result
 
@@ -174,17 +203,23 @@ def test_cp_attention_matches_one_process(cp):
     reference = run_attention(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *full_inputs())
     names = ("out", "q.grad", "k.grad", "v.grad")
+    q, k, v, weights, docs = _float64_case(cp)
+    float64 = run_attention(lambda q, k, v: _dense_reference(q, k, v, 9, docs), q, k, v,
+                            weights)
     for rank, result in enumerate(results):  # (fp32: the blocks sum in another order, 1e-6;
-        # test_blocks_are_exact_in_float64 shows the same path equal to 1e-15)
+        # float64 below: equal to rounding)
         for name, got, full in zip(names, result["cp"], reference, strict=True):
             torch.testing.assert_close(got, shard_sequence(full, rank, cp, dim=2), atol=5e-6,
                                        rtol=0, msg=f"rank {rank} {name}")
+        for name, got, full in zip(names, result["pieces"], float64, strict=True):
+            assert (got - shard_sequence(full, rank, cp, dim=2)).abs().max() < 1e-13, \
+                f"rank {rank} {name} (pieces)"
     # the comparison can fail: rank 0's second chunk (the sequence's end) needs the other keys
     local_out = torch.cat([r["local_only"][0] for r in results], 2)
     cp_out = torch.cat([r["cp"][0] for r in results], 2)
     assert (local_out - cp_out).abs().max() > 1e-2
     # ... and the K/V gradients need the sum over ranks in the backward: every rank's keys are
-    # also seen by the later queries of the other ranks
+    # also seen by the later queries of the other ranks (the sums travel with their pieces)
     for rank, result in enumerate(results):
         same_out, same_q_grad, k_grad, v_grad = result["no_grad_sum"]
         torch.testing.assert_close(same_out, result["cp"][0], atol=1e-6, rtol=0)

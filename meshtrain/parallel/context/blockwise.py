@@ -1,122 +1,236 @@
-"""Context-parallel attention block by block: memory that falls with ``cp``.
+"""Attention one block at a time: what context parallel's ring (ring.py) computes for each
+(query piece, key piece) pair it meets.
 
-A rank's queries (two runs of the zig-zag split) attend to the whole sequence's keys, which the
-all-gather brings as ``2 * cp`` chunks. Attending to all of them at once with a
-``(local_len x seq_len)`` mask costs memory quadratic in the sequence at exactly the lengths
-context parallelism is for, and keeps the fused kernels out. Here each (query run, key chunk)
-pair that the mask does not hide entirely is one call of torch's fused CPU attention kernel
-(``_scaled_dot_product_flash_attention_for_cpu``: causal on the diagonal chunk, unmasked below
-it, an explicit mask of one block only where a sliding window or document boundaries cut it),
-which also returns each row's log-sum-exp; the blocks' outputs are merged by their
-log-sum-exps (the online softmax of flash and ring attention). The backward runs the fused
-kernel's backward per block with the merged output and log-sum-exp, which gives each block's
-exact share of the gradients, so nothing of size ``local_len x seq_len`` is kept between forward
-and backward: the largest transient is one block's scores (``(seq_len / (2 cp))**2`` per head).
-Chunks wholly above the diagonal or outside the window are skipped (half the work of the
-causal mask).
+The sequence is cut into pieces of ``size`` positions (each chunk of the zig-zag split is one
+piece or several); piece ``i`` holds positions ``i * size .. (i + 1) * size - 1``. A block is one
+query piece against one key piece, and :func:`plan` says how the causal mask, a sliding window
+and packed documents cut it: not at all visible (above the diagonal, outside the window, no
+shared document: skipped), the diagonal (causal), below it (whole), or else an explicit mask of
+that one block. :func:`forward_block` computes a block's output and each row's log-sum-exp, and
+:func:`merge_` folds it into the running output by their log-sum-exps (the online softmax of
+flash and ring attention). :func:`backward_block` gives a block's exact share of the gradients
+from the merged output and log-sum-exp, so nothing larger than one block's scores is ever held.
+
+The kernels: on CPU torch's fused attention kernel
+(``_scaled_dot_product_flash_attention_for_cpu``, grouped-query heads included, which returns
+each row's log-sum-exp) and its backward; on other devices (CUDA) plain matrix products over
+one block (:func:`_math_forward`, :func:`_math_backward`; scores in float32 or wider).
+:func:`block_attention` runs the same blocks in one process with every key at hand.
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 
-#: False: the dense path (one SDPA call with a local_len x seq_len mask), which
-#: benchmarks/cp_memory.py measures beside this one
-ENABLED = True
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
-    """Can the blocks run here? CPU tensors of one head width, no dropout."""
-    return (q.device.type == "cpu" and dropout_p == 0.0 and q.size(-1) == k.size(-1) == v.size(-1)
-            and q.dtype in (torch.float32, torch.float64, torch.bfloat16))
+class Block(NamedTuple):
+    """How one (query piece, key piece) block is masked: ``causal`` (the diagonal piece), or an
+    additive ``mask`` (``(batch or 1, 1, size, size)``, 0 or -inf) with ``visible`` the rows
+    that see any key of the block (None: all of them); neither: the whole block is visible."""
+
+    causal: bool
+    mask: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
 
 
-def _blocks(q_pos: torch.Tensor, num_chunks: int, chunk: int, window: int | None,
-            q_docs: torch.Tensor | None, k_docs: torch.Tensor | None, dtype: torch.dtype):
-    """(query slice, key slice, causal?, additive mask or None, rows seeing any key or None)
-    for every block the mask does not hide entirely. Queries are runs of ``chunk`` positions
-    (``q_pos``: this rank's, zig-zag order), keys the sequence cut into ``num_chunks``."""
-    runs = q_pos.numel() // chunk
-    for r in range(runs):
-        q_slice = slice(r * chunk, (r + 1) * chunk)
-        i = int(q_pos[r * chunk]) // chunk  # this run's chunk index in the sequence
-        for j in range(min(i, num_chunks - 1) + 1):  # later chunks: above the diagonal
-            k_slice = slice(j * chunk, (j + 1) * chunk)
-            if window is not None and (i - j - 1) * chunk + 1 >= window:
-                continue  # every key of the chunk is a window or more behind every query
-            mask = None
-            if window is not None or q_docs is not None:
-                qp = q_pos[q_slice]
-                kp = torch.arange(j * chunk, (j + 1) * chunk, device=q_pos.device)
-                distance = qp[:, None] - kp[None, :]
-                mask = distance >= 0
-                if window is not None:
-                    mask = mask & (distance < window)
-                mask = mask[None, None]
-                if q_docs is not None:
-                    mask = mask & (q_docs[:, None, q_slice, None] == k_docs[:, None, None, k_slice])
-                if not bool(mask.any()):
-                    continue
-            if mask is None:
-                yield q_slice, k_slice, i == j, None, None
-            else:
-                additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-                yield q_slice, k_slice, False, additive.masked_fill_(~mask, float("-inf")), \
-                    mask.any(-1)
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype outputs, log-sum-exps and gradients are summed in (float32 for 16-bit)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def default_scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+
+
+def plan(q_piece: int, k_piece: int, size: int, window: int | None,
+         q_docs: torch.Tensor | None, k_docs: torch.Tensor | None, dtype: torch.dtype,
+         device: torch.device) -> Block | None:
+    """The block of query piece ``q_piece`` against key piece ``k_piece`` (None: nothing of it
+    is visible). ``window``: a query sees the ``window`` latest keys up to itself;
+    ``q_docs`` / ``k_docs``: ``(batch, size)`` document ids of the pieces' tokens; a mask is
+    built in ``dtype`` on ``device``."""
+    if k_piece > q_piece:
+        return None
+    diagonal = k_piece == q_piece
+    cut = False
+    if window is not None:
+        nearest = 0 if diagonal else (q_piece - k_piece - 1) * size + 1
+        if nearest >= window:
+            return None
+        farthest = (q_piece - k_piece + 1) * size - 1
+        cut = farthest >= window
+    same = None
+    if q_docs is not None:
+        same = q_docs[:, None, :, None] == k_docs[:, None, None, :]
+        if bool(same.all()):
+            same = None
+    if not cut and same is None:
+        return Block(diagonal)
+    q_pos = torch.arange(q_piece * size, (q_piece + 1) * size, device=device)
+    distance = q_pos[:, None] - (q_pos[None, :] - (q_piece - k_piece) * size)
+    seen = distance >= 0
+    if window is not None:
+        seen = seen & (distance < window)
+    seen = seen[None, None] if same is None else seen & same
+    if not bool(seen.any()):
+        return None
+    visible = seen.any(-1)
+    additive = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
+    return Block(False, additive.masked_fill_(~seen, float("-inf")),
+                 None if bool(visible.all()) else visible)
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in _FUSED_DTYPES
+
+
+def _scores(q, k, block: Block, scale: float) -> torch.Tensor:
+    """One block's scores in the accumulation dtype, masked (-inf where not visible)."""
+    acc = accumulate_dtype(q.dtype)
+    groups = q.size(1) // k.size(1)
+    k = k.repeat_interleave(groups, dim=1) if groups > 1 else k
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (matmul's own output
+    # may be kept by selective activation checkpointing: not changed in place)
+    if block.causal:
+        upper = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
+        s.masked_fill_(upper, float("-inf"))
+    if block.mask is not None:
+        s = s + block.mask.to(acc)
+    return s
+
+
+def _math_forward(q, k, v, block: Block, scale: float):
+    s = _scores(q, k, block, scale)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(lse.isinf(), 0.0)[..., None])
+    groups = q.size(1) // v.size(1)
+    v = v.repeat_interleave(groups, dim=1) if groups > 1 else v
+    return torch.matmul(p, v.to(p.dtype)).to(q.dtype), lse
+
+
+def _math_backward(grad, q, k, v, out, lse, block: Block, scale: float):
+    acc = accumulate_dtype(q.dtype)
+    groups = q.size(1) // k.size(1)
+    p = torch.exp(_scores(q, k, block, scale) - lse[..., None])
+    vv = v.repeat_interleave(groups, dim=1) if groups > 1 else v
+    kk = k.repeat_interleave(groups, dim=1) if groups > 1 else k
+    grad = grad.to(acc)
+    dv = torch.matmul(p.transpose(-1, -2), grad)
+    dp = torch.matmul(grad, vv.to(acc).transpose(-1, -2))
+    ds = p.mul_(dp.sub_((grad * out.to(acc)).sum(-1, keepdim=True))).mul_(scale)
+    dq = torch.matmul(ds, kk.to(acc))
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
+    if groups > 1:
+        dk = dk.unflatten(1, (k.size(1), groups)).sum(2)
+        dv = dv.unflatten(1, (v.size(1), groups)).sum(2)
+    return dq, dk, dv
+
+
+def forward_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's output (``q``'s dtype) and log-sum-exp per row (accumulation dtype; -inf
+    for a row that sees no key of the block)."""
+    if _fused(q):
+        out, lse = _FORWARD(q, k, v, 0.0, block.causal, attn_mask=block.mask, scale=scale)
+        lse = lse.to(accumulate_dtype(q.dtype))
+    else:
+        out, lse = _math_forward(q, k, v, block, scale)
+    if block.visible is not None:  # (the kernel says 0 for a row that sees nothing here)
+        lse = lse.masked_fill(~block.visible, float("-inf"))
+    return out, lse
+
+
+def backward_block(grad, q, k, v, out, lse, block: Block, scale: float):
+    """A block's share of the gradients of q, k, v, from the whole attention's (merged)
+    ``out`` and ``lse`` over this block's rows."""
+    if _fused(q):
+        return _BACKWARD(grad, q, k, v, out.contiguous(), lse.contiguous(), 0.0, block.causal,
+                         attn_mask=block.mask, scale=scale)
+    return _math_backward(grad, q, k, v, out, lse, block, scale)
+
+
+def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> None:
+    """Fold one block's output and log-sum-exp into the running ``out`` and ``lse`` (views of
+    the same rows), in place. ``block_out`` is left as it is (selective activation checkpointing
+    may keep a kernel's output, and refuses one that changed)."""
+    merged = torch.logaddexp(lse, block_lse)
+    safe = merged.masked_fill(merged.isinf(), 0.0)
+    before = torch.exp(lse - safe)[..., None].to(out.dtype)
+    here = torch.exp(block_lse - safe)[..., None].to(out.dtype)
+    out.mul_(before).addcmul_(block_out, here)
+    lse.copy_(merged)
 
 
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, chunk, window, q_docs, k_docs, scale):
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device,
-                         dtype=torch.promote_types(q.dtype, torch.float32))
-        num_chunks = k.size(-2) // chunk
-        for qs, ks, causal, mask, visible in _blocks(q_pos, num_chunks, chunk, window, q_docs,
-                                                     k_docs, q.dtype):
-            o_b, l_b = _FORWARD(q[..., qs, :], k[..., ks, :], v[..., ks, :], 0.0, causal,
-                                attn_mask=mask, scale=scale)
-            l_b = l_b.to(lse.dtype)
-            if visible is not None:  # (a row that sees no key here: the kernel says lse 0)
-                l_b = l_b.masked_fill(~visible, float("-inf"))
-            before = lse[..., qs]
-            merged = torch.logaddexp(before, l_b)
-            safe = torch.where(merged.isinf(), 0.0, merged)
-            a = torch.where(before.isinf(), 0.0, torch.exp(before - safe))
-            b = torch.where(l_b.isinf(), 0.0, torch.exp(l_b - safe))
-            out[..., qs, :] = out[..., qs, :] * a[..., None].to(q.dtype) + \
-                o_b * b[..., None].to(q.dtype)
-            lse[..., qs] = merged
-        ctx.save_for_backward(q, k, v, out, lse, q_pos, q_docs, k_docs)
-        ctx.chunk, ctx.window, ctx.scale = chunk, window, scale
+    def forward(ctx, q, k, v, q_pieces, size, window, documents, scale):
+        acc = accumulate_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        for qi, qp, kp, block in _blocks(q_pieces, k.size(-2) // size, size, window, documents,
+                                         q):
+            rows = slice(qi * size, (qi + 1) * size)
+            keys = slice(kp * size, (kp + 1) * size)
+            o_b, l_b = forward_block(q[..., rows, :], k[..., keys, :], v[..., keys, :], block,
+                                     scale)
+            merge_(out[..., rows, :], lse[..., rows], o_b, l_b)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.q_pieces, ctx.size, ctx.window, ctx.scale = q_pieces, size, window, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, q_pos, q_docs, k_docs = ctx.saved_tensors
-        grad = grad.contiguous()
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        num_chunks = k.size(-2) // ctx.chunk
-        for qs, ks, causal, mask, _ in _blocks(q_pos, num_chunks, ctx.chunk, ctx.window, q_docs,
-                                               k_docs, q.dtype):
-            g_q, g_k, g_v = _BACKWARD(grad[..., qs, :], q[..., qs, :], k[..., ks, :],
-                                      v[..., ks, :], out[..., qs, :].contiguous(),
-                                      lse[..., qs].contiguous(), 0.0, causal, attn_mask=mask,
-                                      scale=ctx.scale)
-            dq[..., qs, :] += g_q
-            dk[..., ks, :] += g_k
-            dv[..., ks, :] += g_v
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        grad, size = grad.contiguous(), ctx.size
+        acc = accumulate_dtype(q.dtype)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+        for qi, qp, kp, block in _blocks(ctx.q_pieces, k.size(-2) // size, size, ctx.window,
+                                         documents, q):
+            rows = slice(qi * size, (qi + 1) * size)
+            keys = slice(kp * size, (kp + 1) * size)
+            g_q, g_k, g_v = backward_block(grad[..., rows, :], q[..., rows, :], k[..., keys, :],
+                                           v[..., keys, :], out[..., rows, :], lse[..., rows],
+                                           block, ctx.scale)
+            dq[..., rows, :] += g_q
+            dk[..., keys, :] += g_k
+            dv[..., keys, :] += g_v
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, *,
-                    chunk: int, window: int | None = None, q_docs: torch.Tensor | None = None,
-                    k_docs: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Causal attention of queries at sequence positions ``q_pos`` (runs of ``chunk``) over the
-    whole sequence's keys and values (``(batch, heads, seq_len, dim)``, as many heads as the
-    queries), block by block (see the module's doc). ``window``: a sliding window;
-    ``q_docs`` / ``k_docs``: ``(batch, len)`` document ids of the queries and of the keys."""
-    return _BlockAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), q_pos, chunk,
-                                 window, q_docs, k_docs, scale)
+def _blocks(q_pieces, num_pieces, size, window, documents, q):
+    """(local query piece, its sequence piece, key piece, Block) of every visible block."""
+    for qi, qp in enumerate(q_pieces):
+        for kp in range(num_pieces):
+            block = plan(qp, kp, size, window, *piece_documents(documents, qp, kp, size), q.dtype,
+                         q.device)
+            if block is not None:
+                yield qi, qp, kp, block
+
+
+def piece_documents(documents: torch.Tensor | None, q_piece: int, k_piece: int, size: int):
+    """The document ids of a query piece's and a key piece's tokens (None, None without)."""
+    if documents is None:
+        return None, None
+    return (documents[:, q_piece * size:(q_piece + 1) * size],
+            documents[:, k_piece * size:(k_piece + 1) * size])
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pieces: list[int],
+                    size: int, *, window: int | None = None,
+                    documents: torch.Tensor | None = None,
+                    scale: float | None = None) -> torch.Tensor:
+    """The ring's blocks in one process, every key at hand: queries ``q`` ``(batch, heads,
+    len(q_pieces) * size, dim)`` are the sequence pieces ``q_pieces`` (in that order), ``k``,
+    ``v`` the whole sequence (as many heads, or fewer: grouped-query attention);
+    ``documents``: ``(batch, seq_len)`` document ids of the whole sequence."""
+    return _BlockAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), list(q_pieces),
+                                 size, window, documents, default_scale(q, scale))

@@ -1,10 +1,13 @@
 """Context parallelism: the sequence split over a ``cp`` mesh axis.
 
-The scheme is the all-gather of K/V of Llama 3 ("The Llama 3 Herd of Models", Meta, 2024, §3.3.2):
-each rank keeps the queries of its own tokens, gathers the keys and values of the whole sequence
-from the cp group, and attends with a causal mask built from global positions. The collective is
-an all-gather of K/V in the forward and its adjoint, a reduce-scatter (sum) of the K/V gradients,
-in the backward (``_functional_collectives.all_gather_single``, autograd-aware; runs on gloo).
+Each rank keeps the queries, keys and values of its own tokens; its attention meets the other
+ranks' keys and values as they pass around the cp group piece by piece (ring attention,
+ring.py: each piece's partial attention merged by log-sum-exp, the backward passing the pieces
+again with their K/V gradients), so a rank's memory is its share of the sequence plus the piece
+in flight. Attention with dropout gathers the whole sequence's K/V instead (Llama 3's all-gather,
+"The Llama 3 Herd of Models", Meta, 2024, §3.3.2: ``_functional_collectives.all_gather_single``,
+its backward a reduce-scatter) and applies a ``local_len x seq_len`` mask built from global
+positions.
 
 Load balancing (zig-zag): under a causal mask later tokens attend to more keys, so a contiguous
 split gives the last rank the most work. The sequence is cut into ``2 * cp`` equal chunks and rank
@@ -25,7 +28,6 @@ except ImportError:  # torch < 2.13 (e.g. the 2.11 of the GPU image): the same a
     )
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.context import blockwise
 
 
 def check_cp(seq_len: int, cp_degree: int) -> None:
@@ -94,10 +96,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
 
     ``q``, ``k``, ``v``: this rank's ``(batch, heads, local_len, head_dim)``, tokens in
     :func:`shard_sequence` order; the output keeps that order. ``cp_mesh``: the 1-D cp
-    ``DeviceMesh`` (``None`` or size 1: plain causal attention). ``kv_groups``: grouped-query
-    attention, each K/V head serves that many query heads (repeated after the gather, so the
-    collective carries the K/V heads only). ``window``: a sliding window, a query attends to the
-    ``window`` latest keys up to itself (``0 <= q_pos - k_pos < window``, as transformers'
+    ``DeviceMesh`` (``None`` or size 1: plain causal attention). Without dropout, ring attention
+    (ring.py); with it, the all-gather of K/V and a dense mask. ``kv_groups``: grouped-query
+    attention, each K/V head serves that many query heads (only the K/V heads travel).
+    ``window``: a sliding window, a query attends to the ``window`` latest keys up to itself (``0 <= q_pos - k_pos < window``, as transformers'
     sliding-window masks). ``documents``: ``(batch, seq_len)`` document ids of the whole window
     in sequence order (packed documents, meshtrain.packing.document_ids; computed once per batch
     before the cut): a query attends only to keys of its own document.
@@ -128,8 +130,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     if k.size(-2) != local_len or v.size(-2) != local_len:
         raise ConfigError(f"q, k, v must hold the same tokens; got lengths "
                           f"{local_len}, {k.size(-2)}, {v.size(-2)}")
-    # One collective for K and V: (2, B, H, L, D) gathered on the sequence dim. Values narrower
-    # than keys (DeepSeek's MLA: 128 < 192) travel zero-padded and are cut back after.
+    if dropout_p == 0.0:
+        return _ring(q, k, v, cp_mesh, scale, window, documents)
+    # dropout: the keys and values of the whole sequence gathered, one SDPA call with a
+    # local_len x seq_len mask. Values narrower than keys travel zero-padded and are cut back.
     width = v.size(-1)
     kv = torch.stack((k, F.pad(v, (0, k.size(-1) - width)) if width != k.size(-1) else v))
     kv = _gather_sequence(kv, 3, cp_mesh.get_group())
@@ -138,16 +142,28 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     v_full = v_full[..., :width]
     q_pos = local_positions(local_len, cp_rank, cp_degree, device=q.device)
     k_pos = torch.arange(local_len * cp_degree, device=q.device)
-    if blockwise.ENABLED and blockwise.supported(q, k, v, dropout_p):  # (blockwise.py)
-        return blockwise.block_attention(
-            q, repeat(k_full), repeat(v_full), q_pos, chunk=local_len // 2, window=window,
-            q_docs=documents[:, q_pos] if documents is not None else None, k_docs=documents,
-            scale=scale)
-    mask = _causal_mask(q_pos, k_pos, window)  # (dropout, GPU, unequal head widths)
+    mask = _causal_mask(q_pos, k_pos, window)
     if documents is not None:
         mask = mask & _same_document(documents, q_pos, k_pos)
     return F.scaled_dot_product_attention(q, repeat(k_full), repeat(v_full), attn_mask=mask,
                                           dropout_p=dropout_p, scale=scale)
+
+
+def _ring(q, k, v, cp_mesh, scale, window, documents):
+    """ring.py's attention, on one head width: values narrower than the keys (DeepSeek's MLA:
+    128 < 192) padded with zeros and the output cut back; wider ones: queries and keys padded
+    (zeros add nothing to the scores; the scale stays the keys' own)."""
+    from meshtrain.parallel.context.ring import ring_attention
+
+    qk, width = q.size(-1), v.size(-1)
+    if scale is None and width > qk:
+        scale = qk ** -0.5
+    if width < qk:
+        v = F.pad(v, (0, qk - width))
+    elif width > qk:
+        q, k = F.pad(q, (0, width - qk)), F.pad(k, (0, width - qk))
+    out = ring_attention(q, k, v, cp_mesh, scale=scale, window=window, documents=documents)
+    return out[..., :width] if width < qk else out
 
 
 def _same_document(documents: torch.Tensor, q_pos: torch.Tensor,

@@ -1,0 +1,180 @@
+"""Ring attention: context parallel's attention with keys and values passed around the cp group
+piece by piece, so a rank holds its own share of the sequence and one piece in flight.
+
+Each rank holds two chunks of the zig-zag split (context_parallel.py: rank ``r`` chunks ``r``
+and ``2 cp - 1 - r``); each chunk is cut into ``pieces`` pieces of ``size`` tokens
+(:func:`pieces_per_chunk`), so rank ``r``'s ``2 pieces`` local pieces are sequence pieces
+(blockwise.py numbering) ``r * pieces + i`` and ``(2 cp - 1 - r) * pieces + i``.
+
+Forward: for each of its local pieces in turn (a "slot"), every rank sends that slot's K/V piece
+to the next rank and receives the previous rank's while it attends to the piece it holds (one
+``batch_isend_irecv`` pair a step, overlapped with the blocks), ``cp`` steps, so every query meets
+every key piece once. Each (query piece, key piece) block the causal mask does not hide is one
+call of the block kernel (blockwise.py), merged into the running output by log-sum-exp; blocks
+wholly above the diagonal or outside the sliding window are skipped, and the zig-zag split gives
+every rank the same number of blocks. Saved for the backward: this rank's q, k, v, output and
+log-sum-exps, nothing of the other ranks'.
+
+Backward: the same ring again. The K/V pieces travel as in the forward (recomputed transport,
+not kept), and with each piece travels the sum of the K/V gradients the ranks it has visited
+computed for it; after its ``cp``-th step it is back on the rank that owns it, complete. The
+query gradients stay local. Per rank the extra memory is the piece in hand and the one arriving,
+and in the backward their gradient sums (``8 * size`` tokens of K/V width), against the
+``local_len x seq_len`` that gathering the whole sequence kept.
+
+On gloo a CUDA tensor travels through host memory (a copy each way); NCCL sends device
+tensors. Only plain tensors and ``torch.distributed``'s point-to-point calls: no global state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.parallel.context import blockwise
+from meshtrain.parallel.context.blockwise import accumulate_dtype
+
+#: a piece is at least this many tokens (the block kernels' efficiency) ...
+MIN_PIECE = 512
+#: ... and a chunk is cut into at most this many pieces (the memory in flight: 1/pieces of it)
+MAX_PIECES = 4
+_TAG_KV, _TAG_GRAD = 7, 8
+
+
+def pieces_per_chunk(chunk: int) -> int:
+    """How many pieces a chunk of ``chunk`` tokens travels in: the most (up to
+    :data:`MAX_PIECES`) that divide it into pieces of at least :data:`MIN_PIECE` tokens."""
+    for pieces in range(MAX_PIECES, 1, -1):
+        if chunk % pieces == 0 and chunk // pieces >= MIN_PIECE:
+            return pieces
+    return 1
+
+
+class _Ring:
+    """Sends to the next rank of the cp group and receives from the previous one."""
+
+    def __init__(self, group, rank: int, degree: int):
+        self.group, self.next, self.prev = group, (rank + 1) % degree, (rank - 1) % degree
+        self.staged = dist.get_backend(group) == "gloo"
+
+    def start(self, tensor: torch.Tensor, tag: int):
+        """Post this step's send and receive; returns what :meth:`finish` takes."""
+        device = tensor.device
+        if self.staged and device.type != "cpu":  # (gloo moves host tensors only)
+            tensor = tensor.cpu()
+        incoming = torch.empty_like(tensor)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, tensor, group=self.group, tag=tag, group_peer=self.next),
+            dist.P2POp(dist.irecv, incoming, group=self.group, tag=tag, group_peer=self.prev)])
+        return works, incoming, tensor, device
+
+    @staticmethod
+    def finish(pending) -> torch.Tensor:
+        """Wait for the step posted by :meth:`start`; the tensor received."""
+        works, incoming, _sent, device = pending  # (the sent tensor lives until its send ends)
+        for work in works:
+            work.wait()
+        return incoming.to(device)
+
+    def shift(self, tensor: torch.Tensor, tag: int) -> torch.Tensor:
+        """Send ``tensor`` on and receive the previous rank's (waits)."""
+        return self.finish(self.start(tensor, tag))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, documents, group, rank, degree, pieces, window, scale):
+        size = q.size(-2) // (2 * pieces)
+        ring = _Ring(group, rank, degree)
+        acc = accumulate_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        mine = _local_pieces(rank, degree, pieces)
+        for slot in range(2 * pieces):
+            hand = torch.stack((k[..., _rows(slot, size), :], v[..., _rows(slot, size), :]))
+            for step in range(degree):
+                pending = ring.start(hand, _TAG_KV) if step < degree - 1 else None
+                held = _local_pieces((rank - step) % degree, degree, pieces)[slot]
+                for qi, block in _blocks(mine, held, size, window, documents, q):
+                    o_b, l_b = blockwise.forward_block(q[..., _rows(qi, size), :], hand[0],
+                                                       hand[1], block, scale)
+                    blockwise.merge_(out[..., _rows(qi, size), :], lse[..., _rows(qi, size)],
+                                     o_b, l_b)
+                if pending is not None:
+                    hand = ring.finish(pending)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.ring, ctx.rank, ctx.degree, ctx.pieces = ring, rank, degree, pieces
+        ctx.window, ctx.scale = window, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        ring, rank, degree, pieces = ctx.ring, ctx.rank, ctx.degree, ctx.pieces
+        size = q.size(-2) // (2 * pieces)
+        grad = grad.contiguous()
+        acc = accumulate_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        mine = _local_pieces(rank, degree, pieces)
+        for slot in range(2 * pieces):
+            hand = torch.stack((k[..., _rows(slot, size), :], v[..., _rows(slot, size), :]))
+            sums = torch.zeros(hand.shape, dtype=acc, device=hand.device)
+            for step in range(degree):
+                pending = ring.start(hand, _TAG_KV) if step < degree - 1 else None
+                held = _local_pieces((rank - step) % degree, degree, pieces)[slot]
+                for qi, block in _blocks(mine, held, size, ctx.window, documents, q):
+                    rows = _rows(qi, size)
+                    g_q, g_k, g_v = blockwise.backward_block(
+                        grad[..., rows, :], q[..., rows, :], hand[0], hand[1], out[..., rows, :],
+                        lse[..., rows], block, ctx.scale)
+                    dq[..., rows, :] += g_q
+                    sums[0] += g_k
+                    sums[1] += g_v
+                if pending is not None:
+                    hand = ring.finish(pending)
+                sums = ring.shift(sums, _TAG_GRAD)  # on with its piece; the last shift: home
+            dk[..., _rows(slot, size), :] = sums[0]
+            dv[..., _rows(slot, size), :] = sums[1]
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
+
+
+def _rows(piece: int, size: int) -> slice:
+    return slice(piece * size, (piece + 1) * size)
+
+
+def _local_pieces(rank: int, degree: int, pieces: int) -> list[int]:
+    """The sequence pieces rank ``rank`` holds, in local order."""
+    return [chunk * pieces + i for chunk in (rank, 2 * degree - 1 - rank) for i in range(pieces)]
+
+
+def _blocks(mine, held, size, window, documents, q):
+    """(local query piece, Block) of every block of this rank's queries over key piece
+    ``held`` that the mask does not hide entirely."""
+    for qi, qp in enumerate(mine):
+        block = blockwise.plan(qp, held, size, window,
+                               *blockwise.piece_documents(documents, qp, held, size), q.dtype,
+                               q.device)
+        if block is not None:
+            yield qi, block
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
+                   scale: float | None = None, window: int | None = None,
+                   documents: torch.Tensor | None = None,
+                   pieces: int | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence, K/V passed around the cp
+    group (see the module's doc). ``q`` ``(batch, heads, local_len, dim)``, ``k``, ``v`` with as
+    many heads or fewer (grouped-query attention: each K/V head serves ``heads / kv_heads``
+    query heads; only the K/V heads travel), all of one head width, tokens in the zig-zag order;
+    ``window``: a sliding window; ``documents``: ``(batch, seq_len)`` document ids of the whole
+    sequence; ``pieces``: pieces per chunk (default :func:`pieces_per_chunk`)."""
+    degree, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    chunk = q.size(-2) // 2
+    pieces = pieces_per_chunk(chunk) if pieces is None else pieces
+    assert chunk * 2 == q.size(-2) and chunk % pieces == 0, (q.shape, pieces)
+    assert q.size(-1) == k.size(-1) == v.size(-1) and q.size(1) % k.size(1) == 0
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), documents,
+                                cp_mesh.get_group(), rank, degree, pieces, window,
+                                blockwise.default_scale(q, scale))
