@@ -93,6 +93,23 @@ def test_the_flexattention_block_mask_is_the_same_attention():
     # the first window (queries 32-63 see none of keys 0-15, all of the first document)
     kept = block_mask.to_dense().sum(dim=(-1, -2)).flatten().tolist()
     assert kept == [8, 10], kept
+    # built from each block's first and last document (no L x L mask), the blocks are torch's
+    # create_block_mask's, also where the window is not a whole number of blocks
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    for cut in (64, 57):
+        docs = document_ids(positions[:, :cut])
+        ours = document_block_mask(positions[:, :cut], block_size=16)
+        theirs = create_block_mask(lambda b, h, q, k: (k <= q) & (docs[b, q] == docs[b, k]),
+                                   2, None, cut, cut, device="cpu", BLOCK_SIZE=16)
+        assert torch.equal(ours.to_dense(), theirs.to_dense()), cut
+        # (the blocks the kernel runs without the mask: the same; past the window's end none)
+        whole = ours.full_kv_num_blocks, theirs.full_kv_num_blocks
+        assert torch.equal(*whole) if cut == 64 else bool((whole[0] <= whole[1]).all()), whole
+        out = flex_attention(q[..., :cut, :], k[..., :cut, :], v[..., :cut, :], block_mask=ours)
+        want = F.scaled_dot_product_attention(q[..., :cut, :], k[..., :cut, :], v[..., :cut, :],
+                                              attn_mask=document_mask(positions[:, :cut]))
+        assert (out - want).abs().max() < 1e-13, cut
 
 
 def test_a_token_has_zero_gradient_from_earlier_documents():

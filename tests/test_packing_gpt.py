@@ -60,12 +60,25 @@ def test_documents_and_positions_start_after_each_eos():
     assert document_positions(docs).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
 
 
-def test_each_document_of_a_window_computes_as_if_alone():
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_each_document_of_a_window_computes_as_if_alone(monkeypatch):
+    from meshtrain.models import gpt_attention
+
     model = gpt().double()
     first, second = documents(5)
     window = model(torch.cat([first, second])[None])[0]
     assert (window[:len(first)] - model(first[None])[0]).abs().max() < 1e-13
     assert (window[len(first):] - model(second[None])[0]).abs().max() < 1e-13
+    # FlexAttention with the documents' BlockMask (a GPU's default; on a CPU forward only)
+    # computes what the SDPA boolean mask does
+    for layer in model.layers:
+        layer.attn.flex_documents = True
+    kernel, calls = gpt_attention._flex_attention, []
+    monkeypatch.setattr(gpt_attention, "_flex_attention",
+                        lambda device: calls.append(device) or kernel(device))
+    with torch.no_grad():
+        flex = model(torch.cat([first, second])[None])[0]
+    assert (flex - window).abs().max() < 1e-13 and len(calls) == 2  # (each layer's)
     plain = gpt(document_eos=None).double()  # one causal window: the second sees the first
     mixed = plain(torch.cat([first, second])[None])[0, len(first):]
     assert (mixed - plain(second[None])[0]).abs().max() > 1e-3

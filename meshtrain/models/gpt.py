@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.errors import ConfigError
+from meshtrain.models.gpt_attention import CausalSelfAttention
 
 INIT_STD = 0.02
 
@@ -104,45 +105,6 @@ class GPTConfig:
     @property
     def mlp_hidden_dim(self) -> int:
         return self.mlp_ratio * self.d_model
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention; the number of heads follows ``wq``'s output width."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.head_dim = config.head_dim
-        self.dropout = config.dropout
-        self.wq = nn.Linear(config.d_model, config.d_model, bias=config.bias)
-        self.wk = nn.Linear(config.d_model, config.d_model, bias=config.bias)
-        self.wv = nn.Linear(config.d_model, config.d_model, bias=config.bias)
-        self.wo = nn.Linear(config.d_model, config.d_model, bias=config.bias)
-        self.resid_drop = nn.Dropout(config.dropout)
-        self.cp_mesh = None  # set by GPT.enable_context_parallel
-
-    @property
-    def num_local_heads(self) -> int:
-        """Heads held by this module (all of them, or this rank's shard under tensor parallel)."""
-        return self.wq.out_features // self.head_dim
-
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        """``documents``: the document ids of the whole window (packed documents, GPT.documents)."""
-        batch, seq, _ = x.shape
-
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
-        dropout = self.dropout if self.training else 0.0
-        if self.cp_mesh is not None or documents is not None:
-            # this rank's queries over the whole sequence's keys (cp), in their documents
-            from meshtrain.parallel.context.context_parallel import cp_attention
-
-            out = cp_attention(q, k, v, self.cp_mesh, dropout_p=dropout, documents=documents)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        out = out.transpose(1, 2).reshape(batch, seq, -1)
-        return self.resid_drop(self.wo(out))
 
 
 class MLP(nn.Module):

@@ -2,8 +2,8 @@
 
 from meshtrain.packing.documents import (
     cut_targets, document_block_mask, document_ids, document_mask, document_positions,
-    eos_documents,
+    documents_block_mask, eos_documents,
 )
 
 __all__ = ["cut_targets", "document_block_mask", "document_ids", "document_mask",
-           "document_positions", "eos_documents"]
+           "document_positions", "documents_block_mask", "eos_documents"]

@@ -63,20 +63,46 @@ def document_mask(position_ids: torch.Tensor, q_index: torch.Tensor | None = Non
 
 def document_block_mask(position_ids: torch.Tensor, block_size: int = 128):
     """:func:`document_mask` as a FlexAttention ``BlockMask`` (causal, the same document) for
-    ``flex_attention(q, k, v, block_mask=...)``, built on ``position_ids``' device. Blocks no
-    query may see are skipped by the compiled kernel: a window of many short documents costs
-    about the sum of their squares, not the window's. In torch 2.13 FlexAttention trains on GPUs
-    only (on a CPU it runs forward without gradients; use :func:`document_mask` with SDPA)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    ``flex_attention(q, k, v, block_mask=...)``, built on ``position_ids``' device
+    (:func:`documents_block_mask` of their document ids). Blocks no query may see are skipped by
+    the compiled kernel: a window of many short documents costs about the sum of their squares,
+    not the window's. In torch 2.13 FlexAttention trains on GPUs only (on a CPU it runs forward
+    without gradients; use :func:`document_mask` with SDPA)."""
+    return documents_block_mask(document_ids(position_ids), block_size)
 
-    docs = document_ids(position_ids)
-    batch, length = docs.shape
+
+def documents_block_mask(documents: torch.Tensor, block_size: int = 128):
+    """The FlexAttention ``BlockMask`` of causal attention within documents, from a window's
+    ``(batch, L)`` document ids (nondecreasing along the window, as :func:`document_ids` and
+    :func:`eos_documents` give them). Built from each block's first and last document id, so
+    no ``L x L`` mask is ever made: a block of keys before a block of queries is seen in part
+    when its last document is the queries' first, whole when both blocks lie in one document;
+    the diagonal blocks in part (causal)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, length = documents.shape
+    blocks = -(-length // block_size)
+    padded = torch.cat([documents, documents[:, -1:].expand(batch, blocks * block_size - length)],
+                       1)
+    ends = padded.view(batch, blocks, block_size)
+    first, last = ends[..., 0], ends[..., -1]
+    index = torch.arange(blocks, device=documents.device)
+    below, diagonal = index[:, None] > index[None, :], index[:, None] == index[None, :]
+    seen = (below | diagonal) & (last[:, None, :] >= first[:, :, None])
+    whole = below & (first[:, None, :] == last[:, :, None])
+    if blocks * block_size != length:  # the last block runs past the window: never whole
+        whole[:, :, -1] = whole[:, -1, :] = False
+    part = seen & ~whole
+
+    def listed(m):  # (counts, indices): each row's blocks in m first, in order
+        order = torch.sort((~m).to(torch.int8), dim=-1, stable=True).indices
+        return m.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 
     def same_document_causal(b, h, q, k):
-        return (k <= q) & (docs[b, q] == docs[b, k])
+        return (k <= q) & (padded[b, q] == padded[b, k])
 
-    return create_block_mask(same_document_causal, batch, None, length, length,
-                             device=str(docs.device), BLOCK_SIZE=block_size)
+    return BlockMask.from_kv_blocks(*listed(part), *listed(whole), BLOCK_SIZE=block_size,
+                                    mask_mod=same_document_causal, seq_lengths=(length, length))
 
 
 def cut_targets(labels: torch.Tensor, position_ids: torch.Tensor,
