@@ -45,8 +45,8 @@ def cp_attention_function(module, query, key, value, attention_mask, dropout: fl
                           scaling: float | None = None, sliding_window: int | None = None,
                           **kwargs):
     """The function registered with transformers: ``query`` ``(batch, heads, local_len, dim)``
-    of this rank's tokens, ``key``/``value`` with the model's K/V heads (grouped-query attention
-    repeats them after the gather). ``attention_mask`` (built by the model for the local
+    of this rank's tokens, ``key``/``value`` with the model's K/V heads (only they travel between
+    the ranks; grouped-query attention serves each to its query heads). ``attention_mask`` (built by the model for the local
     tokens) is not used: the mask comes from the global positions; padding is refused when the
     batch is cut."""
     from meshtrain.parallel.context.context_parallel import cp_attention

@@ -1,5 +1,5 @@
-"""Context parallelism: each sequence split over ranks, attention over all-gathered keys and
-values.
+"""Context parallelism: each sequence split over ranks, keys and values passed around them
+(ring attention).
 
 What a model's own ``enable_context_parallel(cp_mesh)`` uses, importable from here
 (docs/model_parallel.md, meshtrain's GPT does the same): :func:`cp_attention` (causal attention

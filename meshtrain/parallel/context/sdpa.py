@@ -55,7 +55,7 @@ def _refusal(name: str, call: dict) -> str | None:
     if call.get("attn_mask") is not None:
         return (f"{name} calls F.scaled_dot_product_attention with an attn_mask, which "
                 "meshtrain's context parallel does not split (it computes causal attention over "
-                "the gathered keys); use is_causal=True without a mask, or drop cp")
+                "every rank's keys); use is_causal=True without a mask, or drop cp")
     if not call.get("is_causal", False):
         return (f"{name} calls F.scaled_dot_product_attention without is_causal=True; "
                 "meshtrain's context parallel computes causal attention only; drop cp")
