@@ -24,12 +24,18 @@ def resolve_accelerator(accelerator: str) -> str:
 
 
 def resolve_device_type(settings: dict) -> str:
-    """"cpu" or "cuda" from ``accelerator``, with the precision and offload that need one."""
+    """"cpu" or "cuda" from ``accelerator``, with the precision, float8 and offload that need
+    one."""
     from meshtrain.parallel.data.fully_shard import check_offload
     from meshtrain.precision import check_precision
 
     device_type = resolve_accelerator(settings["accelerator"])
     check_precision(settings["precision"], device_type)
+    if settings["float8"] is not None:  # float8 matmuls on this hardware (or emulated)
+        from meshtrain.parallel.float8 import check_float8
+
+        check_float8(settings["float8"], settings["float8_emulate"], device_type,
+                     settings["precision"])
     if settings["offload"] is not None:
         check_offload(settings["offload"], device_type)
     if settings["compile"]:

@@ -157,6 +157,7 @@ def test_choices_agree_with_the_code_that_implements_them():
     from meshtrain.parallel.pipeline.partition import BALANCES
     from meshtrain.parallel.pipeline import SCHEDULES
     from meshtrain.parallel.shm.p2p import MODES as P2P_MODES
+    from meshtrain.parallel.float8 import RECIPES as FLOAT8_RECIPES
     from meshtrain.precision import PRECISIONS
 
     assert SETTINGS["nan_policy"].choices == tuple(NAN_POLICIES)
@@ -166,6 +167,7 @@ def test_choices_agree_with_the_code_that_implements_them():
     assert SETTINGS["pp_schedule"].choices == tuple(SCHEDULES)
     assert SETTINGS["local_comm"].choices == P2P_MODES
     assert SETTINGS["precision"].choices == tuple(PRECISIONS)
+    assert SETTINGS["float8"].choices == FLOAT8_RECIPES
     assert SETTINGS["compile"].choices == (False, True, *COMPILE_MODES)
 
 
@@ -278,6 +280,7 @@ NEEDS_SAMPLES = {
     "sync_batchnorm": False, "keep_last_k": 2, "async_checkpoint": True,
     "checkpoint_every_n_steps": 10, "collective_timeout_s": 500.0, "init_timeout_s": 100.0,
     "stall_timeout_s": None, "debug_collectives": True, "mtbf_hours": 5.0,
+    "float8_emulate": True, "float8": "tensorwise",
 }
 # layouts that have a layout fact, and ones that lack it (an axis: "axis=2", and left out)
 WITH_FACT = {"ddp": "dp=2", "plain_dp": "dp=2", "sharded": "zero3=2", "ps": "ps=1,dp=2",

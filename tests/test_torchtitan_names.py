@@ -49,7 +49,7 @@ def test_the_resolved_config_says_what_each_torchtitan_name_became(tmp_path, mon
 
 
 @pytest.mark.parametrize("override, says", [
-    ("--float8.enable_fsdp_float8_all_gather=true", "meshtrain's precisions are"),
+    ("--float8.enable_fsdp_float8_all_gather=true", 'trainer.float8 = "tensorwise"'),
     ("--checkpoint.initial_load_path=x", "checkpoint.init_from"),
     ("--parallelism.fsdp_reshard_after_forward=never", "zero2=N"),
     ("--parallelism.pipeline_parallel_schedule=Nope", "no such value of pipeline.pp_schedule"),

@@ -1,9 +1,9 @@
 """Turning a plain model into a parallel one, in one fixed order; the result is an Engine.
 
 The order (as in torchtitan) is: pipeline split (:func:`apply_layout`, then :func:`parallelize`
-on each stage), tensor parallel, context parallel, synchronised BatchNorm, activation
-checkpointing, ``torch.compile``, then the data-parallel wrapper (FSDP or DDP) last, because it
-must see the final parameters.
+on each stage), the float8 swap (float8.py), tensor parallel, context parallel, synchronised
+BatchNorm, activation checkpointing, ``torch.compile``, then the data-parallel wrapper (FSDP or
+DDP) last, because it must see the final parameters.
 Each strategy is one ``apply_*`` function in its own module; this file only decides which ones
 run, and in what order.
 """
@@ -32,6 +32,8 @@ class ParallelOptions:
     comm_hook: str | None = None
     powersgd_rank: int = 1
     precision: str = "fp32"
+    float8: str | None = None  # torchao's recipe: "tensorwise", "rowwise" (float8.py)
+    float8_emulate: bool = False
     offload: str | None = None
     shard_unit_mb: float | None = None  # FSDP units of at least this many MiB (fully_shard.py)
     activation_checkpointing: str | None = None
@@ -72,6 +74,7 @@ class ParallelOptions:
         return cls(bucket_cap_mb=25.0 if s["bucket_cap_mb"] is None else s["bucket_cap_mb"],
                    comm_hook=s["comm_hook"], powersgd_rank=s["powersgd_rank"],
                    precision=s["precision"], offload=s["offload"],
+                   float8=s["float8"], float8_emulate=s["float8_emulate"],
                    shard_unit_mb=s["shard_unit_mb"],
                    activation_checkpointing=s["activation_checkpointing"], blocks=s["blocks"],
                    compile=compile_mode(s["compile"]),
@@ -122,6 +125,10 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
                       activation_checkpointing=options.activation_checkpointing)
     if model is None:
         return
+    if options.float8 is not None:
+        from meshtrain.parallel.float8 import check_float8_model
+
+        check_float8_model(model, options.float8)
     if loss_fn is None and options.loss_items is not None:  # the model's own loss: one it can
         options.loss_items(model)  # carry (a term meshtrain would scale wrongly is refused)
     if layout.expert_degree > 1:
@@ -207,12 +214,22 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.dev
     on the meta device: DDP holds no model state of its own, its gradients are bucket views).
     """
     layout = mesh.layout
+    styles = None  # the plan's styles as they are
+    if options.float8 is not None:
+        from meshtrain.parallel.float8 import apply_float8, float8_tp_plan, uses_float8_styles
+
+        apply_float8(model, options.float8, emulate=options.float8_emulate,
+                     sharded=layout.is_sharded)
+        if uses_float8_styles(options.float8, sequence_parallel=options.sequence_parallel,
+                              device=device):
+            styles = float8_tp_plan
     if layout.degree("tp") > 1:
         from meshtrain.parallel.tensor.tensor_parallel import apply_tp
 
         apply_tp(model, mesh.axis("tp"), plan=tp_plan_of(model, options),
                  sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel,
-                 grads_per_step=True)  # summed once per step: Engine.sync_gradients
+                 grads_per_step=True,  # summed once per step: Engine.sync_gradients
+                 styles=styles)
     if layout.degree("cp") > 1:
         from meshtrain.parallel.context.context_parallel import apply_cp
 
@@ -296,6 +313,11 @@ def apply_layout(model: torch.nn.Module, mesh: ParallelMesh, *, device: torch.de
             log(f"local SGD: parameters averaged every {options.local_sgd_every} steps, "
                 f"{engine.averager.bytes_per_step / 2**20:.3f} MiB per step on average (DDP: "
                 f"{engine.averager.param_bytes / 2**20:.3f} MiB of gradients every step)")
+    if options.float8 is not None:
+        from meshtrain.parallel.float8 import describe_float8
+
+        log(describe_float8(getattr(getattr(engine, "runner", None), "modules", None)
+                            or [engine.model], options, mesh.layout, device))
     if options.compile is not None:
         what = "each repeated block" if options.compile == "blocks" else "the whole forward"
         log(f"torch.compile: {what} (Inductor); the first steps include compiling")

@@ -57,6 +57,12 @@ def _check_metrics(value) -> None:
     resolve(value)
 
 
+def _check_float8(value) -> None:
+    from meshtrain.parallel.float8 import check_torchao  # installed? (no import of torchao)
+
+    check_torchao()
+
+
 def _check_init_from(value) -> None:
     from meshtrain.checkpoint.hf_weights import weight_files  # safetensors in the folder?
 
@@ -67,6 +73,7 @@ def _check_init_from(value) -> None:
 # they agree).
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")  # "gpu": Lightning's name for "cuda"
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 COMM_HOOKS = ("fp16", "bf16", "powersgd")
 OFFLOADS = ("cpu",)
 ACTIVATION_CHECKPOINTING = ("full", "selective")
@@ -126,6 +133,18 @@ DEFINITIONS = [
        "GPU). Parity with fp32: docs/precision.md.",
        choices=PRECISIONS,
        error="unknown precision {value!r}; choose one of fp32, bf16-mixed, fp16-mixed"),
+    _S("float8", "trainer", None, "choice",
+       'Train the nn.Linear layers whose sizes are multiples of 16 (not the output head) in '
+       'float8 through torchao: "tensorwise" (a scale per tensor; under zero2/zero3 weights '
+       'all-gathered in float8) or "rowwise" (a scale per row); with fp32 or bf16-mixed, '
+       "under every layout and compile. Needs a CUDA GPU of compute capability >= 8.9 (or "
+       "float8_emulate) and pip install 'meshtrain[float8]'; none: off (docs/precision.md).",
+       choices=FLOAT8_RECIPES, none=True, check=_check_float8,
+       error="unknown float8 recipe {value!r}; choose one of tensorwise, rowwise or None"),
+    _S("float8_emulate", "trainer", False, "bool",
+       "float8 in torchao's emulation: the same float8 casts and scales, the matmuls in high "
+       "precision, on any device (CPU included); for checking numerics, not for speed.",
+       needs=("float8",)),
     _S("seed", "trainer", 0, "int",
        "Seeds Python's random, NumPy and torch when the Trainer is built (a model object built "
        "after it starts the same on every rank and in one process), a factory's model, the data "

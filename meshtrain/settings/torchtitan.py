@@ -83,7 +83,9 @@ RENAMED = {
 }
 SECTIONS = {s for s, _ in RENAMED} | {"parallelism", "metrics", "float8", "profiling"}
 REFUSED = {
-    "float8": "meshtrain's precisions are fp32, bf16-mixed and fp16-mixed (trainer.precision)",
+    "float8": "trainer.float8 = \"tensorwise\" or \"rowwise\" (torchao's recipes; "
+              "trainer.float8_emulate for emulate; under zero2/zero3 tensorwise weights are "
+              "all-gathered in float8 with no setting)",
     "profiling": "logging.profile_steps = [...] writes torch.profiler traces of those steps",
     ("training", "gradient_accumulation_steps"): "meshtrain accumulates as global_batch_size / "
     "(data-parallel degree x micro_batch_size) says",

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from meshtrain.observe.memory.zero_formulas import (
     ModelStateBytes,
@@ -39,7 +40,11 @@ class _StorageSet:
         self._seen: set[tuple[str, int]] = set()
 
     def add(self, tensor: torch.Tensor) -> int:
-        storage = _local(tensor).untyped_storage()
+        tensor = _local(tensor)
+        if is_traceable_wrapper_subclass(tensor):  # torchao's float8 weights: what they hold
+            return sum(self.add(getattr(tensor, name))
+                       for name in tensor.__tensor_flatten__()[0])
+        storage = tensor.untyped_storage()
         size = storage.nbytes()
         if size == 0:  # e.g. FSDP2's freed (resharded) full parameter
             return 0

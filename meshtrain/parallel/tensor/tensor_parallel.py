@@ -247,7 +247,7 @@ def check_plan_keys(model: nn.Module, plan: dict) -> None:
 # --- Applying ----------------------------------------------------------------------------------
 def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None = None,
              sequence_parallel: bool = False, loss_parallel: bool = False,
-             grads_per_step: bool = False) -> nn.Module:
+             grads_per_step: bool = False, styles=None) -> nn.Module:
     """Split ``model`` in place over the 1-D ``tp_mesh`` and return it.
 
     ``plan=None`` takes the model's own (``model.tp_plan``, after its ``check_tp``); a given
@@ -262,6 +262,9 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
     through the micro-batches of a step, and the caller sums them all at once with
     :func:`complete_partial_grads` before using them (the Trainer: one all-reduce per step, as
     Megatron-LM's ``finalize_model_grads``).
+
+    ``styles``: a function (model, plan) -> the plan to apply (the float8 layers' styles,
+    parallel/float8.py), called on the given or the model's plan.
     """
     if tp_mesh.ndim != 1:
         raise ConfigError(
@@ -274,6 +277,8 @@ def apply_tp(model: nn.Module, tp_mesh, *, plan: dict[str, ParallelStyle] | None
                              loss_parallel=loss_parallel)
         if sequence_parallel:
             model.register_forward_pre_hook(functools.partial(_check_length, tp_mesh.size()))
+    if styles is not None:
+        plan = styles(model, plan)
     # keys checked against the whole model before any process started; a pipeline stage holds
     # some of the modules. What the plan leaves out is replicated, so that no plain tensor meets
     # a DTensor (clipping, foreach optimizers)
