@@ -139,6 +139,24 @@ def test_blocks_are_exact_in_float64(cp, pieces, window, documents, monkeypatch)
             assert (total - want).abs().max() < 1e-13, kernel
 
 
+def test_block_dropout_gradients_are_exact():
+    """Dropout in the blocks (the plain-matmul kernel, each block's drawn from its own seed,
+    again in the backward): gradients equal finite differences of the same draws (float64)."""
+    from meshtrain.parallel.context.blockwise import block_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    mine = local_positions(6, 1, 2)
+
+    def attend(q, k, v):
+        torch.manual_seed(3)  # (the same draws at every call)
+        return block_attention(q[..., mine, :], k, v, [1, 2], 3, dropout_p=0.4)
+
+    assert torch.autograd.gradcheck(attend, (q, k, v))
+    assert (attend(q, k, v) - block_attention(q[..., mine, :], k, v, [1, 2], 3)).abs().max() > 0.1
+
+
 # ---------------------------------------------------------------------------------------------
 # gloo ranks against one process
 # ---------------------------------------------------------------------------------------------
@@ -201,12 +219,13 @@ def _cp_rank():
         # pass the K/V gradients on with their piece
         "local_only": run_attention(
             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *shards),
-        # memory: 512 tokens a rank in pieces of 64; the all-gather (dropout's path) beside it
+        # memory: 512 tokens a rank in pieces of 64
         "bytes": _attention_bytes(lambda q, k, v: ring.ring_attention(q, k, v, mesh, pieces=4),
                                   512),
-        "gather_bytes": _attention_bytes(
-            lambda q, k, v: cp_attention(q, k, v, mesh, dropout_p=1e-9), 512),
     }
+    torch.manual_seed(5)  # dropout: each block's drawn from its own seed, one call's alike
+    result["dropout"] = run_attention(lambda q, k, v: ring.ring_attention(
+        q, k, v, mesh, window=9, documents=docs, pieces=2, dropout_p=0.3), *qkvw)
     ring._Ring.shift = lambda self, tensor, tag: tensor
     result["no_grad_sum"] = run_attention(lambda q, k, v: cp_attention(q, k, v, mesh), *shards)
     return result
@@ -237,13 +256,29 @@ def test_cp_attention_matches_one_process(cp):
     # memory divides: a rank's peak of live tensors (its q, k, v, output and their gradients,
     # a piece in hand and one arriving, in the backward their K/V gradient sums: 9.6 of its
     # 512-token tensors) against one process's (7 of the whole sequence's): 0.69 of it at cp=2,
-    # 0.46 at cp=3. Keeping every ring step's K/V for the backward measured 0.97 and 0.74; the
-    # all-gather with dropout (its dense scores) 5.4.
+    # 0.46 at cp=3. Keeping every ring step's K/V for the backward measured 0.97 and 0.74.
     whole = _attention_bytes(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), 512 * cp)
     for rank, result in enumerate(results):
         assert result["bytes"] <= 1.5 / cp * whole, (rank, result["bytes"] / whole)
-        assert result["gather_bytes"] > 1.5 / cp * whole, (rank, result["gather_bytes"] / whole)
+    # dropout: the ring draws what the same blocks in one process draw from the same seed
+    # (whose gradients test_block_dropout_gradients_are_exact checks), and drops something
+    from meshtrain.parallel.context.blockwise import block_attention
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    for rank, result in enumerate(results):
+        torch.manual_seed(5)
+        pieces = [c * 2 + i for c in chunk_order(rank, cp) for i in range(2)]
+        mine = local_positions(24, rank, cp)
+        out = block_attention(q[..., mine, :], k, v, pieces, 6, window=9, documents=docs,
+                              dropout_p=0.3)
+        (out * weights[..., mine, :]).sum().backward()
+        assert (result["dropout"][0] - out).abs().max() < 1e-13, rank
+        assert (result["dropout"][1] - q.grad[..., mine, :]).abs().max() < 1e-13, rank
+        assert (out - result["pieces"][0]).abs().max() > 0.1, rank
+    for i, total in ((2, k.grad), (3, v.grad)):  # the ranks' K/V gradients, each its own part
+        got = unshard_sequence([r["dropout"][i] for r in results], cp, dim=2)
+        assert (got - total).abs().max() < 1e-13
     # ... and the K/V gradients need the sum over ranks in the backward: every rank's keys are
     # also seen by the later queries of the other ranks (the sums travel with their pieces)
     for rank, result in enumerate(results):

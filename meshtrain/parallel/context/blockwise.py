@@ -13,8 +13,9 @@ from the merged output and log-sum-exp, so nothing larger than one block's score
 
 The kernels: on CPU torch's fused attention kernel
 (``_scaled_dot_product_flash_attention_for_cpu``, grouped-query heads included, which returns
-each row's log-sum-exp) and its backward; on other devices (CUDA) plain matrix products over
-one block (:func:`_math_forward`, :func:`_math_backward`; scores in float32 or wider).
+each row's log-sum-exp) and its backward; on other devices (CUDA), and with attention dropout,
+plain matrix products over one block (:func:`_math_forward`, :func:`_math_backward`; scores in
+float32 or wider; a block's dropout drawn from its own seed, again alike in the backward).
 :func:`block_attention` runs the same blocks in one process with every key at hand.
 """
 
@@ -106,24 +107,37 @@ def _scores(q, k, block: Block, scale: float) -> torch.Tensor:
     return s
 
 
-def _math_forward(q, k, v, block: Block, scale: float):
+def _kept(shape, dropout: tuple[float, int], device) -> torch.Tensor:
+    """One block's dropout as a factor (0 or ``1 / (1 - p)``), drawn from the block's own seed:
+    the forward and the backward draw the same."""
+    p, seed = dropout
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return (torch.rand(shape, generator=gen, device=device) >= p) / (1.0 - p)
+
+
+def _math_forward(q, k, v, block: Block, scale: float, dropout=None):
     s = _scores(q, k, block, scale)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.masked_fill(lse.isinf(), 0.0)[..., None])
+    if dropout is not None:  # (of the normalised weights: merged by lse as they are)
+        p = p * _kept(p.shape, dropout, p.device)
     groups = q.size(1) // v.size(1)
     v = v.repeat_interleave(groups, dim=1) if groups > 1 else v
     return torch.matmul(p, v.to(p.dtype)).to(q.dtype), lse
 
 
-def _math_backward(grad, q, k, v, out, lse, block: Block, scale: float):
+def _math_backward(grad, q, k, v, out, lse, block: Block, scale: float, dropout=None):
     acc = accumulate_dtype(q.dtype)
     groups = q.size(1) // k.size(1)
     p = torch.exp(_scores(q, k, block, scale) - lse[..., None])
     vv = v.repeat_interleave(groups, dim=1) if groups > 1 else v
     kk = k.repeat_interleave(groups, dim=1) if groups > 1 else k
     grad = grad.to(acc)
-    dv = torch.matmul(p.transpose(-1, -2), grad)
+    kept = _kept(p.shape, dropout, p.device) if dropout is not None else None
+    dv = torch.matmul((p if kept is None else p * kept).transpose(-1, -2), grad)
     dp = torch.matmul(grad, vv.to(acc).transpose(-1, -2))
+    if kept is not None:
+        dp = dp * kept
     ds = p.mul_(dp.sub_((grad * out.to(acc)).sum(-1, keepdim=True))).mul_(scale)
     dq = torch.matmul(ds, kk.to(acc))
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
@@ -134,26 +148,27 @@ def _math_backward(grad, q, k, v, out, lse, block: Block, scale: float):
 
 
 def forward_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, dropout: tuple[float, int] | None = None):
     """One block's output (``q``'s dtype) and log-sum-exp per row (accumulation dtype; -inf
-    for a row that sees no key of the block)."""
-    if _fused(q):
+    for a row that sees no key of the block). ``dropout``: (probability, the block's seed),
+    computed by the plain-matmul kernel (the fused CPU kernel has none)."""
+    if _fused(q) and dropout is None:
         out, lse = _FORWARD(q, k, v, 0.0, block.causal, attn_mask=block.mask, scale=scale)
         lse = lse.to(accumulate_dtype(q.dtype))
     else:
-        out, lse = _math_forward(q, k, v, block, scale)
+        out, lse = _math_forward(q, k, v, block, scale, dropout)
     if block.visible is not None:  # (the kernel says 0 for a row that sees nothing here)
         lse = lse.masked_fill(~block.visible, float("-inf"))
     return out, lse
 
 
-def backward_block(grad, q, k, v, out, lse, block: Block, scale: float):
+def backward_block(grad, q, k, v, out, lse, block: Block, scale: float, dropout=None):
     """A block's share of the gradients of q, k, v, from the whole attention's (merged)
-    ``out`` and ``lse`` over this block's rows."""
-    if _fused(q):
+    ``out`` and ``lse`` over this block's rows (``dropout`` as the forward's)."""
+    if _fused(q) and dropout is None:
         return _BACKWARD(grad, q, k, v, out.contiguous(), lse.contiguous(), 0.0, block.causal,
                          attn_mask=block.mask, scale=scale)
-    return _math_backward(grad, q, k, v, out, lse, block, scale)
+    return _math_backward(grad, q, k, v, out, lse, block, scale, dropout)
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
@@ -171,7 +186,8 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pieces, size, window, documents, scale):
+    def forward(ctx, q, k, v, q_pieces, size, window, documents, scale, dropout_p):
+        seed = draw_seed() if dropout_p else None
         acc = accumulate_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -180,11 +196,12 @@ class _BlockAttention(torch.autograd.Function):
             rows = slice(qi * size, (qi + 1) * size)
             keys = slice(kp * size, (kp + 1) * size)
             o_b, l_b = forward_block(q[..., rows, :], k[..., keys, :], v[..., keys, :], block,
-                                     scale)
+                                     scale, block_dropout(dropout_p, seed, qp, kp))
             merge_(out[..., rows, :], lse[..., rows], o_b, l_b)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, documents)
         ctx.q_pieces, ctx.size, ctx.window, ctx.scale = q_pieces, size, window, scale
+        ctx.dropout = dropout_p, seed
         return out
 
     @staticmethod
@@ -199,11 +216,22 @@ class _BlockAttention(torch.autograd.Function):
             keys = slice(kp * size, (kp + 1) * size)
             g_q, g_k, g_v = backward_block(grad[..., rows, :], q[..., rows, :], k[..., keys, :],
                                            v[..., keys, :], out[..., rows, :], lse[..., rows],
-                                           block, ctx.scale)
+                                           block, ctx.scale, block_dropout(*ctx.dropout, qp, kp))
             dq[..., rows, :] += g_q
             dk[..., keys, :] += g_k
             dv[..., keys, :] += g_v
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def draw_seed() -> int:
+    """A call's dropout seed, from torch's global generator (alike on the ranks of a cp group,
+    whose blocks differ)."""
+    return int(torch.randint(0, 2**62, ()))
+
+
+def block_dropout(p: float, seed: int | None, q_piece: int, k_piece: int):
+    """The ``dropout`` of block (``q_piece``, ``k_piece``): its own seed, None without."""
+    return None if not p else (p, seed + q_piece * (1 << 20) + k_piece)
 
 
 def _blocks(q_pieces, num_pieces, size, window, documents, q):
@@ -226,11 +254,12 @@ def piece_documents(documents: torch.Tensor | None, q_piece: int, k_piece: int, 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pieces: list[int],
                     size: int, *, window: int | None = None,
-                    documents: torch.Tensor | None = None,
-                    scale: float | None = None) -> torch.Tensor:
+                    documents: torch.Tensor | None = None, scale: float | None = None,
+                    dropout_p: float = 0.0) -> torch.Tensor:
     """The ring's blocks in one process, every key at hand: queries ``q`` ``(batch, heads,
     len(q_pieces) * size, dim)`` are the sequence pieces ``q_pieces`` (in that order), ``k``,
     ``v`` the whole sequence (as many heads, or fewer: grouped-query attention);
-    ``documents``: ``(batch, seq_len)`` document ids of the whole sequence."""
+    ``documents``: ``(batch, seq_len)`` document ids of the whole sequence; ``dropout_p``: on
+    the attention weights, each block's drawn from its own seed."""
     return _BlockAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), list(q_pieces),
-                                 size, window, documents, default_scale(q, scale))
+                                 size, window, documents, default_scale(q, scale), dropout_p)

@@ -4,10 +4,7 @@ Each rank keeps the queries, keys and values of its own tokens; its attention me
 ranks' keys and values as they pass around the cp group piece by piece (ring attention,
 ring.py: each piece's partial attention merged by log-sum-exp, the backward passing the pieces
 again with their K/V gradients), so a rank's memory is its share of the sequence plus the piece
-in flight. Attention with dropout gathers the whole sequence's K/V instead (Llama 3's all-gather,
-"The Llama 3 Herd of Models", Meta, 2024, §3.3.2: ``_functional_collectives.all_gather_single``,
-its backward a reduce-scatter) and applies a ``local_len x seq_len`` mask built from global
-positions.
+in flight, and no ``local_len x seq_len`` mask or score matrix is made.
 
 Load balancing (zig-zag): under a causal mask later tokens attend to more keys, so a contiguous
 split gives the last rank the most work. The sequence is cut into ``2 * cp`` equal chunks and rank
@@ -20,12 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-try:
-    from torch.distributed._functional_collectives import all_gather_single
-except ImportError:  # torch < 2.13 (e.g. the 2.11 of the GPU image): the same autograd-aware gather
-    from torch.distributed._functional_collectives import (
-        all_gather_tensor_autograd as all_gather_single,
-    )
 
 from meshtrain.errors import ConfigError
 
@@ -82,12 +73,6 @@ def unshard_sequence(parts: list[torch.Tensor], cp_degree: int, dim: int) -> tor
     return torch.cat(chunks, dim)
 
 
-def _gather_sequence(local: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """All-gather over ``group`` concatenated along ``dim`` (rank order); backward sums the
-    gradients of all ranks and hands each its own slice (reduce-scatter)."""
-    return all_gather_single(local.contiguous(), dim, group)
-
-
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
                  dropout_p: float = 0.0, scale: float | None = None,
                  kv_groups: int = 1, window: int | None = None,
@@ -96,9 +81,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
 
     ``q``, ``k``, ``v``: this rank's ``(batch, heads, local_len, head_dim)``, tokens in
     :func:`shard_sequence` order; the output keeps that order. ``cp_mesh``: the 1-D cp
-    ``DeviceMesh`` (``None`` or size 1: plain causal attention). Without dropout, ring attention
-    (ring.py); with it, the all-gather of K/V and a dense mask. ``kv_groups``: grouped-query
-    attention, each K/V head serves that many query heads (only the K/V heads travel).
+    ``DeviceMesh`` (``None`` or size 1: plain causal attention; else ring attention, ring.py).
+    ``kv_groups``: grouped-query attention, each K/V head serves that many query heads (only the
+    K/V heads travel). ``dropout_p``: on the attention weights (under cp each block's drawn
+    from its own seed: random as one process's, not the same draws).
     ``window``: a sliding window, a query attends to the ``window`` latest keys up to itself (``0 <= q_pos - k_pos < window``, as transformers'
     sliding-window masks). ``documents``: ``(batch, seq_len)`` document ids of the whole window
     in sequence order (packed documents, meshtrain.packing.document_ids; computed once per batch
@@ -125,31 +111,14 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
                                               dropout_p=dropout_p, scale=scale)
     if cp_mesh.ndim != 1:
         raise ConfigError(f"cp_mesh must be a 1-D DeviceMesh (the cp axis), got {cp_mesh.ndim}-D")
-    cp_degree, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
     local_len = q.size(-2)
     if k.size(-2) != local_len or v.size(-2) != local_len:
         raise ConfigError(f"q, k, v must hold the same tokens; got lengths "
                           f"{local_len}, {k.size(-2)}, {v.size(-2)}")
-    if dropout_p == 0.0:
-        return _ring(q, k, v, cp_mesh, scale, window, documents)
-    # dropout: the keys and values of the whole sequence gathered, one SDPA call with a
-    # local_len x seq_len mask. Values narrower than keys travel zero-padded and are cut back.
-    width = v.size(-1)
-    kv = torch.stack((k, F.pad(v, (0, k.size(-1) - width)) if width != k.size(-1) else v))
-    kv = _gather_sequence(kv, 3, cp_mesh.get_group())
-    kv = unshard_sequence(list(kv.chunk(cp_degree, 3)), cp_degree, 3)
-    k_full, v_full = kv.unbind(0)
-    v_full = v_full[..., :width]
-    q_pos = local_positions(local_len, cp_rank, cp_degree, device=q.device)
-    k_pos = torch.arange(local_len * cp_degree, device=q.device)
-    mask = _causal_mask(q_pos, k_pos, window)
-    if documents is not None:
-        mask = mask & _same_document(documents, q_pos, k_pos)
-    return F.scaled_dot_product_attention(q, repeat(k_full), repeat(v_full), attn_mask=mask,
-                                          dropout_p=dropout_p, scale=scale)
+    return _ring(q, k, v, cp_mesh, scale, window, documents, dropout_p)
 
 
-def _ring(q, k, v, cp_mesh, scale, window, documents):
+def _ring(q, k, v, cp_mesh, scale, window, documents, dropout_p):
     """ring.py's attention, on one head width: values narrower than the keys (DeepSeek's MLA:
     128 < 192) padded with zeros and the output cut back; wider ones: queries and keys padded
     (zeros add nothing to the scores; the scale stays the keys' own)."""
@@ -162,7 +131,8 @@ def _ring(q, k, v, cp_mesh, scale, window, documents):
         v = F.pad(v, (0, qk - width))
     elif width > qk:
         q, k = F.pad(q, (0, width - qk)), F.pad(k, (0, width - qk))
-    out = ring_attention(q, k, v, cp_mesh, scale=scale, window=window, documents=documents)
+    out = ring_attention(q, k, v, cp_mesh, scale=scale, window=window, documents=documents,
+                         dropout_p=dropout_p)
     return out[..., :width] if width < qk else out
 
 

@@ -83,8 +83,9 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, documents, group, rank, degree, pieces, window, scale):
+    def forward(ctx, q, k, v, documents, group, rank, degree, pieces, window, scale, dropout_p):
         size = q.size(-2) // (2 * pieces)
+        seed = blockwise.draw_seed() if dropout_p else None
         ring = _Ring(group, rank, degree)
         acc = accumulate_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -96,8 +97,9 @@ class _RingAttention(torch.autograd.Function):
                 pending = ring.start(hand, _TAG_KV) if step < degree - 1 else None
                 held = _local_pieces((rank - step) % degree, degree, pieces)[slot]
                 for qi, block in _blocks(mine, held, size, window, documents, q):
-                    o_b, l_b = blockwise.forward_block(q[..., _rows(qi, size), :], hand[0],
-                                                       hand[1], block, scale)
+                    o_b, l_b = blockwise.forward_block(
+                        q[..., _rows(qi, size), :], hand[0], hand[1], block, scale,
+                        blockwise.block_dropout(dropout_p, seed, mine[qi], held))
                     blockwise.merge_(out[..., _rows(qi, size), :], lse[..., _rows(qi, size)],
                                      o_b, l_b)
                 if pending is not None:
@@ -105,7 +107,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, documents)
         ctx.ring, ctx.rank, ctx.degree, ctx.pieces = ring, rank, degree, pieces
-        ctx.window, ctx.scale = window, scale
+        ctx.window, ctx.scale, ctx.dropout = window, scale, (dropout_p, seed)
         return out
 
     @staticmethod
@@ -128,7 +130,8 @@ class _RingAttention(torch.autograd.Function):
                     rows = _rows(qi, size)
                     g_q, g_k, g_v = blockwise.backward_block(
                         grad[..., rows, :], q[..., rows, :], hand[0], hand[1], out[..., rows, :],
-                        lse[..., rows], block, ctx.scale)
+                        lse[..., rows], block, ctx.scale,
+                        blockwise.block_dropout(*ctx.dropout, mine[qi], held))
                     dq[..., rows, :] += g_q
                     sums[0] += g_k
                     sums[1] += g_v
@@ -137,7 +140,7 @@ class _RingAttention(torch.autograd.Function):
                 sums = ring.shift(sums, _TAG_GRAD)  # on with its piece; the last shift: home
             dk[..., _rows(slot, size), :] = sums[0]
             dv[..., _rows(slot, size), :] = sums[1]
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None, None
 
 
 def _rows(piece: int, size: int) -> slice:
@@ -162,14 +165,16 @@ def _blocks(mine, held, size, window, documents, q):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
                    scale: float | None = None, window: int | None = None,
-                   documents: torch.Tensor | None = None,
+                   documents: torch.Tensor | None = None, dropout_p: float = 0.0,
                    pieces: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, K/V passed around the cp
     group (see the module's doc). ``q`` ``(batch, heads, local_len, dim)``, ``k``, ``v`` with as
     many heads or fewer (grouped-query attention: each K/V head serves ``heads / kv_heads``
     query heads; only the K/V heads travel), all of one head width, tokens in the zig-zag order;
     ``window``: a sliding window; ``documents``: ``(batch, seq_len)`` document ids of the whole
-    sequence; ``pieces``: pieces per chunk (default :func:`pieces_per_chunk`)."""
+    sequence; ``dropout_p``: dropout of the attention weights (each block's drawn from its own
+    seed; the plain-matmul kernel); ``pieces``: pieces per chunk (default
+    :func:`pieces_per_chunk`)."""
     degree, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     chunk = q.size(-2) // 2
     pieces = pieces_per_chunk(chunk) if pieces is None else pieces
@@ -177,4 +182,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *
     assert q.size(-1) == k.size(-1) == v.size(-1) and q.size(1) % k.size(1) == 0
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), documents,
                                 cp_mesh.get_group(), rank, degree, pieces, window,
-                                blockwise.default_scale(q, scale))
+                                blockwise.default_scale(q, scale), dropout_p)
