@@ -8,6 +8,9 @@
   function the schedule calls), the gradients are divided by it before clipping and the step, and
   a step whose gradients hold an inf/NaN is skipped (the scale halves).
 
+float8 matmuls (torchao, the ``float8`` setting) are a model transformation applied with the
+layout, beside these precisions: meshtrain/parallel/float8.py.
+
 Every rank must skip the same steps: ranks hold different gradients under FSDP (shards), TP and
 ``pp`` (stages), so :class:`CollectiveGradScaler` takes the largest "found inf" over the world
 before the step. Measured parity with one process: docs/precision.md.

@@ -8,7 +8,7 @@ emulation, which runs on CPU): one job for the numerics against bf16, one for th
   float32 scales, so a layout that splits a matmul (tp) lands float32 rounding away from one
   process (measured 2.5e-8), where an exact fp32 layout is 1e-16 away; in fp32 those last-bit
   differences flip float8 roundings of later layers and tp=2 lands 5.8e-5 away, as far as
-  float8 itself is from fp32 (1.6e-4), so only float64 separates a layout bug from the format.
+  float8 itself is from fp32 (2.0e-4), so only float64 separates a layout bug from the format.
 """
 
 from __future__ import annotations

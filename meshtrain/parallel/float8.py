@@ -25,8 +25,8 @@ float8 matmul's requirement), except the output head (a module named ``head``, `
 Hardware: float8 matmuls need a CUDA GPU of compute capability 8.9 or higher (Ada, Hopper,
 Blackwell). Anywhere else float8 is refused before start unless ``float8_emulate=True``
 (torchao's ``emulate``: the same casts and scales, the matmul in high precision; the CPU tests
-run it). torch 2.13's CPU build does run a float8 ``_scaled_mm``, but measured 2600x slower than
-fp32 (docs/precision.md), so the CPU is refused too.
+run it). torch 2.13's CPU build does run a float8 ``_scaled_mm``, but measured 1800-2300x slower
+than fp32 (docs/precision.md), so the CPU is refused too.
 """
 
 from __future__ import annotations
