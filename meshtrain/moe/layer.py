@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.errors import ConfigError
+from meshtrain.moe import grouped
 from meshtrain.moe.balance import RouterStats
 
 SCORES = ("softmax", "sigmoid")
@@ -59,7 +60,10 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """E two-layer GELU MLPs as grouped weights: ``w_in`` [E, d, h], ``w_out`` [E, h, d].
     ``forward(tokens, counts)``: ``tokens`` sorted by expert, ``counts[e]`` of them for expert
-    e (this module's experts: all of them, or a rank's slice under ep)."""
+    e (a tensor on their device; this module's experts: all of them, or a rank's slice under
+    ep), computed as one grouped GEMM per weight (meshtrain/moe/grouped.py), or where the
+    kernel has none for the dtype (float64) each expert in turn, masked; no host sync either
+    way. Under autocast both compute in its dtype, as a matmul would."""
 
     rows: slice | None = None  # under ep: the rows of the whole [E, ...] weights held here
     ep_mesh = None  # under ep: the ranks the experts are split over
@@ -69,10 +73,34 @@ class GroupedExperts(nn.Module):
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, d_model))
 
-    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs = [F.gelu(part @ w_in) @ w_out for part, w_in, w_out in
-                zip(tokens.split(counts), self.w_in, self.w_out)]
-        return torch.cat(outs) if outs else tokens[:0]
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w_in, w_out = self.w_in, self.w_out
+        if tokens.is_meta:  # a planner's probe: counts on the host, each expert's matmuls
+            return grouped.looped_experts(tokens, w_in, w_out, counts.tolist(), F.gelu)
+        device = tokens.device.type
+        if torch.is_autocast_enabled(device):  # (_grouped_mm is not autocast's: cast here)
+            dtype = torch.get_autocast_dtype(device)
+            tokens, w_in, w_out = tokens.to(dtype), w_in.to(dtype), w_out.to(dtype)
+        counts = counts.to(tokens.device)
+        why = grouped.fallback_reason(tokens.dtype, *w_in.shape[1:], device=tokens.device)
+        if why is None:
+            return grouped.grouped_experts(tokens, w_in, w_out, counts, F.gelu)
+        if not torch.compiler.is_compiling():  # (compiled: said by MoERouting.recording)
+            grouped.say_fallback(why)
+        return grouped.masked_experts(tokens, w_in, w_out, counts, F.gelu)
+
+    def say_kernel(self) -> None:
+        """Once, outside any graph: the experts' fallback and why, if they take it in this
+        context (autocast's dtype, else the weights')."""
+        w_in = self.w_in
+        local = w_in.to_local() if hasattr(w_in, "to_local") else w_in
+        device = local.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+            else w_in.dtype
+        why = None if local.is_meta else grouped.fallback_reason(dtype, *local.shape[1:],
+                                                                device=local.device)
+        if why is not None:
+            grouped.say_fallback(why)
 
 
 class MoE(nn.Module):
@@ -103,7 +131,7 @@ class MoE(nn.Module):
     def expert_module(self) -> nn.Module:
         return self.experts
 
-    def compute_local(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def compute_local(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return self.experts(tokens, counts)
 
     def split_experts(self, rank: int, size: int) -> list[nn.Parameter]:
@@ -120,17 +148,13 @@ class MoE(nn.Module):
         self.experts.rows = rows  # which rows of the whole tensors (an init fills only them)
         return kept
 
-    @torch.compiler.disable(reason="the experts' token counts change every step")
     def run_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The routed tokens through their experts (here, or dispatched under ep), outside
-        torch.compile's graphs: each expert's slice has a size read from the data, so a graph
-        around them would be recompiled as the counts change (static, then dynamic) and a block
-        recomputed under activation checkpointing could pick another graph than its forward
-        (torch 2.13: "Recomputed values ... have different metadata"). The router, attention
-        and the rest of the block stay compiled, their shapes fixed."""
+        """The routed tokens through their experts: here (one grouped GEMM per weight, shapes
+        fixed by the batch: compiled with the block), or dispatched under ep (its all-to-alls
+        outside the graphs, the local experts in them: meshtrain/parallel/expert/dispatch.py)."""
         if self.dispatch is not None:
             return self.dispatch(routed, counts)
-        return self.experts(routed, counts.tolist())
+        return self.experts(routed, counts)
 
     @torch.compiler.disable(reason="a pipeline's balancing hook reads how it is called")
     def balanced(self, out, counts, logits) -> torch.Tensor:
@@ -152,7 +176,9 @@ class MoE(nn.Module):
             counts = torch.tensor(sizes, device="cpu")
         else:
             order = picks.argsort(stable=True)  # (token, slot) pairs grouped by expert
-            counts = torch.bincount(picks, minlength=self.num_experts)
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=picks.device
+                                 ).scatter_add_(0, picks, torch.ones_like(picks))  # (a fixed
+            # shape, unlike bincount's: the layer compiles whole)
         done = self.run_experts(flat[order // self.router.top_k], counts)
         if self.hidden_split is not None:  # (the weights' gradient: each rank's share, summed)
             weights = self.hidden_split.shares_in(weights)
@@ -189,6 +215,7 @@ class MoERouting:
         counts added to the step's (for ``after_step``)."""
         for layer in self.layers:
             layer.sink = []
+            layer.experts.say_kernel()
         try:
             yield
         finally:

@@ -93,13 +93,37 @@ def test_tensor_parallel_reduces_the_combined_output_not_the_routed_tokens():
         [tokens * d * 4] * 3 + [tokens * k * d * 4, tokens * k * 4])
 
 
+def experts_compiled():
+    """(``assert_parity``'s set-up, on each rank of the layout's run) The experts' calls that
+    run eagerly on real tensors are counted; at the end of fit none may have."""
+    from meshtrain import Callback
+    from meshtrain.moe.layer import GroupedExperts
+
+    eager, forward = [0], GroupedExperts.forward
+
+    def counted(self, tokens, counts):
+        if not tokens.is_meta and not torch.compiler.is_compiling():
+            eager[0] += 1
+        return forward(self, tokens, counts)
+
+    class NoneEager(Callback):
+        def on_fit_end(self, trainer):
+            assert eager[0] == 0, f"the experts ran eagerly {eager[0]} times"
+
+    GroupedExperts.forward = counted
+    return [NoneEager()]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout, checkpointing", [("dp=2", "full"), ("zero3=2", "selective")])
+@pytest.mark.parametrize("layout, checkpointing", [("dp=2", "full"), ("zero3=2", "selective"),
+                                                   ("dp_shard=2,ep=2", "full")])
 def test_compiled_moe_blocks_with_checkpointing_match_one_eager_process(layout, checkpointing):
-    """compile=True compiles each block but runs the experts (token counts read from the data)
-    eagerly: a graph around them was recompiled as the counts changed, and the recompute under
-    checkpointing picked another graph than the forward (failed in the first steps)."""
-    assert_parity(layout, 2, steps=4, global_batch_size=16, fns=MOE_FNS,
+    """compile=True compiles each block with its experts (one grouped GEMM per weight over
+    token offsets: shapes fixed by the batch); under ep the all-to-alls run between graphs and
+    the local experts inside one. Before, the experts ran eagerly: a graph around their
+    per-expert slices was recompiled as the counts changed, and the recompute under
+    checkpointing picked another graph than the forward."""
+    assert_parity(layout, 2, steps=4, global_batch_size=16, fns=MOE_FNS, setup=experts_compiled,
                   parallel_kwargs=dict(compile=True, activation_checkpointing=checkpointing))
 
 
@@ -229,20 +253,19 @@ def test_bad_expert_layouts_are_refused_before_start(tmp_path):
             trainer = quiet_trainer(tmp_path, layout=layout, devices=devices, max_steps=1,
                                     global_batch_size=8)
             trainer.check(model, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
-    # compiled blocks with selective checkpointing, experts FSDP-sharded over 2 ranks and
-    # resharded after forward: the recompute's gathers differ from the forward's (every rank
-    # failed the first backward; zero2, which keeps them gathered, trains)
+    # compiled blocks with selective checkpointing, the experts FSDP2 units inside them: their
+    # hooks ran differently in the recompute (every rank failed the first backward; before
+    # and after the experts compiled with their blocks)
     compiled = dict(layout="dp_shard=4,ep=2", devices=4, max_steps=1, global_batch_size=8,
-                    compile=True)
-    with pytest.raises(ConfigError, match=r"'selective' fails .* sharded over the 2 ranks "
-                                          r"holding the same experts"):
-        quiet_trainer(tmp_path, activation_checkpointing="selective", **compiled).check(
-            moe_gpt, token_data(), optimizer=adamw_gpt, loss_fn=lm_loss)
+                    compile=True, activation_checkpointing="selective")
+    for refused in (compiled, dict(compiled, layout="dp_shard=2,ep=2", devices=2),
+                    dict(compiled, layout="zero2=2,ep=2", devices=2)):
+        with pytest.raises(ConfigError, match=r"'selective' fails .* FSDP2 units of their own"):
+            quiet_trainer(tmp_path, **refused).check(moe_gpt, token_data(), optimizer=adamw_gpt,
+                                                     loss_fn=lm_loss)
     for allowed in (dict(compiled, activation_checkpointing="full"),  # (each trained, by hand)
-                    dict(compiled, activation_checkpointing="selective", compile=False),
-                    dict(compiled, activation_checkpointing="selective", layout="zero2=4,ep=2"),
-                    dict(compiled, activation_checkpointing="selective", layout="dp_shard=2,ep=2",
-                         devices=2)):
+                    dict(compiled, compile=False), dict(compiled, layout="zero2=4,ep=2"),
+                    dict(compiled, layout="ep=2", devices=2)):
         quiet_trainer(tmp_path, **allowed).check(moe_gpt, token_data(), optimizer=adamw_gpt,
                                                  loss_fn=lm_loss)
 

@@ -22,6 +22,7 @@ import torch
 
 from meshtrain.errors import ConfigError
 from meshtrain.models.hf.moe_metrics import HFRouterCounts, RouterPicks
+from meshtrain.moe import grouped
 from meshtrain.moe.balance import RouterStats, balance_term, router_stats
 
 
@@ -268,11 +269,28 @@ class HFExperts:
         self.expert_module.forward = self._forward
         return kept
 
-    def compute_local(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        ids = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device),
-                                      torch.tensor(counts, device=tokens.device))
+    def compute_local(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on ``tokens`` grouped by local expert (``counts`` [L], a device
+        tensor: the expert ids are built on the device, no host sync), each with weight 1,
+        through the model's own experts forward (:meth:`local_forward`)."""
+        ids = torch.repeat_interleave(torch.arange(counts.numel(), device=tokens.device),
+                                      counts.to(tokens.device), output_size=tokens.shape[0])
         ones = torch.ones(len(ids), 1, dtype=tokens.dtype, device=tokens.device)
-        return self._own_forward(tokens, ids[:, None], ones)
+        return self.local_forward(tokens.dtype)(tokens, ids[:, None], ones)
+
+    def local_forward(self, dtype: torch.dtype):
+        """The experts forward the model's config picks (transformers' ``experts_implementation``:
+        "grouped_mm" by default, one grouped GEMM per weight), except where torch's grouped
+        GEMM has no kernel for ``dtype`` (float64): there the model's eager loop, said once."""
+        module = self.expert_module
+        config = getattr(module, "config", None)
+        eager = getattr(type(module).forward, "__wrapped__", None)  # (use_experts_implementation)
+        asked = getattr(config, "_experts_implementation", None)
+        if eager is None or asked in (None, "eager") or dtype in grouped.KERNEL_DTYPES:
+            return self._own_forward
+        grouped.say_once(f"{type(module).__name__}: {dtype} has no grouped GEMM kernel "
+                         f"(experts_implementation={asked!r}); under ep its eager experts run")
+        return eager.__get__(module)
 
     def _forward(self, hidden_states, top_k_index, top_k_weights):
         top_k = top_k_index.shape[-1]
