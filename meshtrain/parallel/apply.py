@@ -138,17 +138,17 @@ def check_model(model: torch.nn.Module | None, layout: Layout, options: Parallel
                               ranks=layout.loss_degree)
         edp = layout.expert_data_degree
         if options.compile is not None and options.activation_checkpointing == "selective" \
-                and layout.zero_stage == 3 and edp > 1 and any(
+                and (layout.zero_stage == 3 or layout.zero_stage == 2 and edp == 1) and any(
                     callable(getattr(m, "split_experts", None)) for m in model.modules()):
-            raise ConfigError(
+            raise ConfigError(  # (seen: dp_shard=2,ep=2, zero2=2,ep=2, dp_shard=4,ep=2 failed)
                 f"compile={options.compile!r} with activation_checkpointing='selective' fails "
                 f"in the first backward under '{layout}' in torch 2.13: meshtrain's MoE "
-                f"experts, sharded over the {edp} ranks holding the same experts, run outside "
-                "the compiled graphs, and their FSDP2 gathers in the recompute differ from the "
-                "forward's ('... encountered during backward but not found in storage'). Use "
-                "activation_checkpointing='full', compile=False, zero2 (the experts stay "
-                "gathered from forward to backward), or a layout whose experts no other rank "
-                f"shares (dp_shard={layout.expert_degree},ep={layout.expert_degree})")
+                f"experts are FSDP2 units of their own (over the {edp} rank(s) holding the "
+                "same experts) inside each checkpointed block, and their hooks run differently "
+                "in the recompute than in the forward ('... encountered during backward but "
+                "not found in storage'). Use activation_checkpointing='full', compile=False, "
+                "dp instead of dp_shard/zero2/zero3 beside ep (e.g. dp=2,ep=2), or zero2 with "
+                "each expert on several ranks (e.g. zero2=4,ep=2: kept gathered)")
     from meshtrain.moe.balance import check_router_loss
 
     check_router_loss(model, layout, options.router_loss if loss_fn is None else None,
