@@ -65,10 +65,15 @@ def test_the_eligible_linears_are_swapped_and_the_head_and_odd_sizes_stay():
 
 def test_tensorwise_tp_gives_the_float8_layers_torchaos_styles_with_the_same_layouts():
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    class OwnStyle(ColwiseParallel):  # a style with a behaviour of its own: kept
+        pass
 
     model = tiny_gpt_4_layers()
     plan = model.tp_plan(2, sequence_parallel=True, loss_parallel=False)
+    plan["layers.3.mlp.fc_in"] = OwnStyle()
     apply_float8(model, "tensorwise", emulate=True, sharded=False)
     styles = float8_tp_plan(model, plan)
     assert type(styles["layers.0.attn.wq"]) is Float8ColwiseParallel
@@ -76,6 +81,7 @@ def test_tensorwise_tp_gives_the_float8_layers_torchaos_styles_with_the_same_lay
     assert type(fc_in) is Float8ColwiseParallel and fc_in.input_layouts == (Shard(1),)
     assert type(wo) is Float8RowwiseParallel and wo.output_layouts == (Shard(1),)
     assert styles["head"] is plan["head"] and styles["layers.0.attn"] is plan["layers.0.attn"]
+    assert styles["layers.3.mlp.fc_in"] is plan["layers.3.mlp.fc_in"]
     assert fc_in.desired_input_layouts == (Replicate(),)
 
 

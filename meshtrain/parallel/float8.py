@@ -144,21 +144,27 @@ def uses_float8_styles(recipe: str | None, *, sequence_parallel: bool, device: t
 
 def float8_tp_plan(model: nn.Module, plan: dict) -> dict:
     """``plan`` with each column/row-parallel style of a float8 layer replaced by torchao's float8
-    style with the same layouts (a key matching a layer that is not float8 stays as it is)."""
+    style with the same layouts: torch's ``ColwiseParallel`` / ``RowwiseParallel`` and meshtrain's
+    versions of them with their own sequence collectives. Another subclass (a style of its own
+    making), and a key matching a layer that is not float8, stay as they are."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel, Float8RowwiseParallel)
 
+    from meshtrain.parallel.tensor.sequence_parallel import (
+        ColwiseFromSequence, RowwiseToSequence)
     from meshtrain.parallel.tensor.tensor_parallel import module_matches
+
+    swaps = {ColwiseParallel: Float8ColwiseParallel, ColwiseFromSequence: Float8ColwiseParallel,
+             RowwiseParallel: Float8RowwiseParallel, RowwiseToSequence: Float8RowwiseParallel}
 
     modules = dict(model.named_modules())
     out = {}
     for key, style in plan.items():
         matched = [m for n, m in modules.items() if module_matches(n, key)]
         float8 = bool(matched) and all(isinstance(m, Float8Linear) for m in matched)
-        kind = (Float8ColwiseParallel if isinstance(style, ColwiseParallel) else
-                Float8RowwiseParallel if isinstance(style, RowwiseParallel) else None)
+        kind = swaps.get(type(style))
         if not float8 or kind is None:
             out[key] = style
             continue
