@@ -8,8 +8,10 @@ experts, moved once per step from the global token counts (DeepSeek-V3; torchtit
 
 The forward (B, T, d) -> (B, T, d): the router scores each token, the (token, slot) pairs are
 sorted by expert, ``dispatch`` runs the experts on them (the experts alone, or under ``ep`` an
-all-to-all to the ranks that hold them and back: meshtrain/parallel/expert.py), and each token's
-outputs are summed with its router weights.
+all-to-all to the ranks that hold them and back: meshtrain/parallel/expert/dispatch.py), and
+each token's outputs are summed with its router weights. The experts are one grouped GEMM per
+weight (meshtrain/moe/grouped.py); the counts stay on the device, so the layer reads no value
+on the host (under ep its all-to-all reads its split sizes, once a forward) and compiles whole.
 """
 
 from __future__ import annotations

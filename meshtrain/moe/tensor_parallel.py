@@ -12,8 +12,8 @@ column-parallel input's). The shared expert is a dense MLP split the same way.
 Under sequence parallel the layer gathers the sequence on entry and hands back this rank's
 part (its output is whole on every rank: the slice costs no communication).
 
-The experts run on their local shards (:func:`run_on_local_params`), as the rest of the layer
-runs on plain tensors: a rank's expert slices have sizes read from the data.
+The experts run on their local shards (:func:`run_on_local_params`): the grouped GEMM
+(meshtrain/moe/grouped.py) on plain tensors, as the rest of the layer runs.
 """
 
 from __future__ import annotations
