@@ -15,9 +15,10 @@ and fixed shapes, for float64 parity runs. Which one runs is chosen from the dty
 widths, and a fallback is said once (:func:`say_fallback`, outside compiled graphs).
 
 torch 2.13's meta function of ``_grouped_mm`` (what ``torch.compile`` traces with) accepts
-bfloat16 only, so float32 and float16 go through ``meshtrain::grouped_mm``, a custom operator
-around the same kernel with its own shape function and backward (two more grouped GEMMs).
-bfloat16 calls ``torch._grouped_mm`` itself (on a GPU Inductor has its own kernels for it).
+bfloat16 only, so inside a compiled graph float32 and float16 go through
+``meshtrain::grouped_mm``, a custom operator around the same kernel with its own shape function
+and backward (two more grouped GEMMs). Eagerly, and for bfloat16 (on a GPU Inductor has its
+own kernels for it), ``torch._grouped_mm`` is called itself.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def grouped_mm(tokens: torch.Tensor, weights: torch.Tensor, offsets: torch.Tenso
     """``tokens`` [M, K] (rows sorted by group) x ``weights`` [G, K, N] -> [M, N]: rows
     ``offsets[g-1]:offsets[g]`` times ``weights[g]``; rows past ``offsets[-1]`` are not
     computed (left as the kernel leaves them: the caller covers every row)."""
-    if tokens.dtype == torch.bfloat16:
+    if tokens.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
         return torch._grouped_mm(tokens, weights, offs=offsets)
     return torch.ops.meshtrain.grouped_mm(tokens, weights, offsets)
 

@@ -181,7 +181,7 @@ class MoE(nn.Module):
             counts = torch.zeros(self.num_experts, dtype=torch.int64, device=picks.device
                                  ).scatter_add_(0, picks, torch.ones_like(picks))  # (a fixed
             # shape, unlike bincount's: the layer compiles whole)
-        done = self.run_experts(flat[order // self.router.top_k], counts)
+        done = self.run_experts(flat.index_select(0, order // self.router.top_k), counts)
         if self.hidden_split is not None:  # (the weights' gradient: each rank's share, summed)
             weights = self.hidden_split.shares_in(weights)
         out = torch.empty_like(done).index_copy(0, order, done)  # back to (token, slot) order
