@@ -8,8 +8,8 @@ and ``2 cp - 1 - r``); each chunk is cut into ``pieces`` pieces of ``size`` toke
 
 Forward: for each of its local pieces in turn (a "slot"), every rank sends that slot's K/V piece
 to the next rank and receives the previous rank's while it attends to the piece it holds (one
-``batch_isend_irecv`` pair a step, overlapped with the blocks), ``cp`` steps, so every query meets
-every key piece once. Each (query piece, key piece) block the causal mask does not hide is one
+asynchronous shift a step, overlapped with the blocks: :class:`_Ring`), ``cp`` steps, so every
+query meets every key piece once. Each (query piece, key piece) block the causal mask does not hide is one
 call of the block kernel (blockwise.py), merged into the running output by log-sum-exp; blocks
 wholly above the diagonal or outside the sliding window are skipped, and the zig-zag split gives
 every rank the same number of blocks. Saved for the backward: this rank's q, k, v, output and
@@ -23,13 +23,14 @@ and in the backward their gradient sums (``8 * size`` tokens of K/V width), agai
 ``local_len x seq_len`` that gathering the whole sequence kept.
 
 On gloo a CUDA tensor travels through host memory (a copy each way); NCCL sends device
-tensors. Only plain tensors and ``torch.distributed``'s point-to-point calls: no global state.
+tensors.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single
 
 from meshtrain.parallel.context import blockwise
 from meshtrain.parallel.context.blockwise import accumulate_dtype
@@ -38,7 +39,6 @@ from meshtrain.parallel.context.blockwise import accumulate_dtype
 MIN_PIECE = 512
 #: ... and a chunk is cut into at most this many pieces (the memory in flight: 1/pieces of it)
 MAX_PIECES = 4
-_TAG_KV, _TAG_GRAD = 7, 8
 
 
 def pieces_per_chunk(chunk: int) -> int:
@@ -51,34 +51,38 @@ def pieces_per_chunk(chunk: int) -> int:
 
 
 class _Ring:
-    """Sends to the next rank of the cp group and receives from the previous one."""
+    """Shifts a tensor one rank on around the cp group: each rank's goes to the next, the
+    previous rank's comes in. One ``all_to_all_single`` (functional, so asynchronous until
+    :meth:`finish`; torch's own context parallel rotates the same way) whose only non-empty
+    parts go to the next rank and come from the previous one: a send and a receive, and a
+    collective that shape-only runs on the meta device (the planner's probe) also see."""
 
     def __init__(self, group, rank: int, degree: int):
-        self.group, self.next, self.prev = group, (rank + 1) % degree, (rank - 1) % degree
+        self.group, self.degree = group, degree
+        self.next, self.prev = (rank + 1) % degree, (rank - 1) % degree
         self.staged = dist.get_backend(group) == "gloo"
 
-    def start(self, tensor: torch.Tensor, tag: int):
-        """Post this step's send and receive; returns what :meth:`finish` takes."""
-        device = tensor.device
-        if self.staged and device.type != "cpu":  # (gloo moves host tensors only)
-            tensor = tensor.cpu()
-        incoming = torch.empty_like(tensor)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, tensor, group=self.group, tag=tag, group_peer=self.next),
-            dist.P2POp(dist.irecv, incoming, group=self.group, tag=tag, group_peer=self.prev)])
-        return works, incoming, tensor, device
+    def start(self, tensor: torch.Tensor):
+        """Post this step's shift; returns what :meth:`finish` takes."""
+        device, flat = tensor.device, tensor.reshape(-1)
+        if self.staged and device.type not in ("cpu", "meta"):  # (gloo moves host tensors)
+            flat = flat.cpu()
+        sizes_out, sizes_in = [0] * self.degree, [0] * self.degree
+        sizes_out[self.next] = sizes_in[self.prev] = flat.numel()
+        received = all_to_all_single(flat, sizes_in, sizes_out, self.group)
+        return received, tensor.shape, device
 
     @staticmethod
     def finish(pending) -> torch.Tensor:
-        """Wait for the step posted by :meth:`start`; the tensor received."""
-        works, incoming, _sent, device = pending  # (the sent tensor lives until its send ends)
-        for work in works:
-            work.wait()
-        return incoming.to(device)
+        """Wait for the shift posted by :meth:`start`; the tensor received."""
+        received, shape, device = pending
+        if isinstance(received, AsyncCollectiveTensor):
+            received = received.wait()
+        return received.view(shape).to(device)
 
-    def shift(self, tensor: torch.Tensor, tag: int) -> torch.Tensor:
+    def shift(self, tensor: torch.Tensor) -> torch.Tensor:
         """Send ``tensor`` on and receive the previous rank's (waits)."""
-        return self.finish(self.start(tensor, tag))
+        return self.finish(self.start(tensor))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -94,7 +98,7 @@ class _RingAttention(torch.autograd.Function):
         for slot in range(2 * pieces):
             hand = torch.stack((k[..., _rows(slot, size), :], v[..., _rows(slot, size), :]))
             for step in range(degree):
-                pending = ring.start(hand, _TAG_KV) if step < degree - 1 else None
+                pending = ring.start(hand) if step < degree - 1 else None
                 held = _local_pieces((rank - step) % degree, degree, pieces)[slot]
                 for qi, block in _blocks(mine, held, size, window, documents, q):
                     o_b, l_b = blockwise.forward_block(
@@ -124,7 +128,7 @@ class _RingAttention(torch.autograd.Function):
             hand = torch.stack((k[..., _rows(slot, size), :], v[..., _rows(slot, size), :]))
             sums = torch.zeros(hand.shape, dtype=acc, device=hand.device)
             for step in range(degree):
-                pending = ring.start(hand, _TAG_KV) if step < degree - 1 else None
+                pending = ring.start(hand) if step < degree - 1 else None
                 held = _local_pieces((rank - step) % degree, degree, pieces)[slot]
                 for qi, block in _blocks(mine, held, size, ctx.window, documents, q):
                     rows = _rows(qi, size)
@@ -137,7 +141,7 @@ class _RingAttention(torch.autograd.Function):
                     sums[1] += g_v
                 if pending is not None:
                     hand = ring.finish(pending)
-                sums = ring.shift(sums, _TAG_GRAD)  # on with its piece; the last shift: home
+                sums = ring.shift(sums)  # on with its piece; the last shift: home
             dk[..., _rows(slot, size), :] = sums[0]
             dv[..., _rows(slot, size), :] = sums[1]
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None, None
