@@ -109,7 +109,7 @@ class HFBiasBalance:
         if self._counts is None:
             self._counts = torch.zeros(len(self.routers), self.num_experts, dtype=torch.float64,
                                        device=picks.device)
-        self._counts[index] += torch.bincount(picks.reshape(-1), minlength=self.num_experts)
+        self._counts[index] += expert_counts(picks.reshape(-1), self.num_experts)
 
     @contextlib.contextmanager
     def recording(self):
@@ -138,6 +138,13 @@ class HFBiasBalance:
             bias += (self.rate * torch.sign(c.mean() - c)).to(bias.dtype)
         self._counts = None
         return counts
+
+
+def expert_counts(picks: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of ``picks`` name each expert, on their device ([E], int64; bincount's output
+    size is read from the values: a host sync on a GPU)."""
+    return torch.zeros(num_experts, dtype=torch.int64, device=picks.device).scatter_add_(
+        0, picks, torch.ones_like(picks))
 
 
 def router_recorder(model: torch.nn.Module):
@@ -296,7 +303,7 @@ class HFExperts:
         top_k = top_k_index.shape[-1]
         picks = top_k_index.reshape(-1)
         order = picks.argsort(stable=True)
-        counts = torch.bincount(picks, minlength=self.num_experts)
+        counts = expert_counts(picks, self.num_experts)
         done = self.dispatch(hidden_states[order // top_k], counts)
         out = torch.empty_like(done).index_copy(0, order, done)
         weights = top_k_weights.unsqueeze(-1).to(out.dtype)
