@@ -74,9 +74,14 @@ def grouped_mm(tokens: torch.Tensor, weights: torch.Tensor, offsets: torch.Tenso
     """``tokens`` [M, K] (rows sorted by group) x ``weights`` [G, K, N] -> [M, N]: rows
     ``offsets[g-1]:offsets[g]`` times ``weights[g]``; rows past ``offsets[-1]`` are not
     computed (left as the kernel leaves them: the caller covers every row)."""
-    if tokens.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
-        return torch._grouped_mm(tokens, weights, offs=offsets)
-    return torch.ops.meshtrain.grouped_mm(tokens, weights, offsets)
+    if torch.compiler.is_compiling():
+        if tokens.dtype == torch.bfloat16:
+            return torch._grouped_mm(tokens, weights, offs=offsets)
+        return torch.ops.meshtrain.grouped_mm(tokens, weights, offsets)
+    out = torch._grouped_mm(tokens, weights, offs=offsets)
+    if out.requires_grad:  # (its backward refuses a gradient that is not contiguous: sum()'s)
+        out.register_hook(torch.Tensor.contiguous)
+    return out
 
 
 @torch.library.custom_op("meshtrain::grouped_mm", mutates_args=())

@@ -65,6 +65,28 @@ def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward():
         assert ((a - b).abs().max() / b.abs().max()) < 1e-6, name
 
 
+def test_the_grouped_experts_alone_take_a_gradient_of_any_layout():
+    """``sum()``'s gradient is a broadcast (not contiguous), which torch._grouped_mm's CPU
+    backward refuses ("Invalid strides/sizes"): the experts hand it a contiguous one."""
+    from meshtrain.moe.layer import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 32)
+    for w in (experts.w_in, experts.w_out):
+        torch.nn.init.normal_(w)
+    tokens = torch.randn(10, 16, requires_grad=True)
+    counts = torch.tensor([3, 0, 4, 3])
+    grads = []
+    for run in (experts, lambda t, c: looped(t, experts.w_in, experts.w_out, c,
+                                              torch.nn.functional.gelu)):
+        tokens.grad = experts.w_in.grad = experts.w_out.grad = None
+        run(tokens, counts).sum().backward()
+        grads.append([tokens.grad, experts.w_in.grad, experts.w_out.grad])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert grads[0][1][1].abs().max() == 0 < grads[0][1][0].abs().max()  # (expert 1: none)
+
+
 def test_float64_runs_each_expert_masked_and_says_so_once():
     """No float64 kernel: the masked fallback, equal to the loop (1e-12), said once."""
     torch.manual_seed(0)
