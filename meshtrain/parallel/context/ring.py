@@ -1,26 +1,30 @@
 """Ring attention: context parallel's attention with keys and values passed around the cp group
-piece by piece, so a rank holds its own share of the sequence and one piece in flight.
+piece by piece, so a rank holds its own share of the sequence and the pieces in flight.
 
 Each rank holds two chunks of the zig-zag split (context_parallel.py: rank ``r`` chunks ``r``
 and ``2 cp - 1 - r``); each chunk is cut into ``pieces`` pieces of ``size`` tokens
 (:func:`pieces_per_chunk`), so rank ``r``'s ``2 pieces`` local pieces are sequence pieces
 (blockwise.py numbering) ``r * pieces + i`` and ``(2 cp - 1 - r) * pieces + i``.
 
-Forward: for each of its local pieces in turn (a "slot"), every rank sends that slot's K/V piece
-to the next rank and receives the previous rank's while it attends to the piece it holds (one
-asynchronous shift a step, overlapped with the blocks: :class:`_Ring`), ``cp`` steps, so every
-query meets every key piece once. Each (query piece, key piece) block the causal mask does not hide is one
-call of the block kernel (blockwise.py), merged into the running output by log-sum-exp; blocks
-wholly above the diagonal or outside the sliding window are skipped, and the zig-zag split gives
-every rank the same number of blocks. Saved for the backward: this rank's q, k, v, output and
-log-sum-exps, nothing of the other ranks'.
+Forward: in turn for each ``i`` (a "slot"), every rank sends K/V of its ``i``-th piece of each
+chunk (a pair: one piece of the sequence's first half, one of its second) to the next rank and
+receives the previous rank's while it attends to the pair it holds (one asynchronous shift a
+step, overlapped with the blocks: :class:`_Ring`), ``cp`` steps, so every query meets every key
+piece once. Each (query piece, key piece) block the causal mask does not hide is one call of the
+block kernel (blockwise.py), merged into the running output by log-sum-exp; blocks wholly above
+the diagonal or outside the sliding window are skipped. The zig-zag split gives every rank the
+same number of blocks in all, and the pairs the same at every step (a piece of the first half is
+seen by the later ranks' first chunks, one of the second half by the earlier ranks' second
+chunks), so no rank waits for another at a step's shift. Saved for the backward: this rank's
+q, k, v, output and log-sum-exps, nothing of the other ranks'.
 
-Backward: the same ring again. The K/V pieces travel as in the forward (recomputed transport,
-not kept), and with each piece travels the sum of the K/V gradients the ranks it has visited
+Backward: the same ring again. The K/V pairs travel as in the forward (recomputed transport,
+not kept), and with each pair travels the sum of the K/V gradients the ranks it has visited
 computed for it; after its ``cp``-th step it is back on the rank that owns it, complete. The
-query gradients stay local. Per rank the extra memory is the piece in hand and the one arriving,
-and in the backward their gradient sums (``8 * size`` tokens of K/V width), against the
-``local_len x seq_len`` that gathering the whole sequence kept.
+query gradients stay local. Per rank the extra memory is the pair in hand and the one arriving,
+and in the backward their gradient sums (``16 * size`` rows of K/V width: as much as this rank's
+own K at 8 pieces a chunk), against the whole sequence's K/V and gradients that gathering it
+kept.
 
 On gloo a CUDA tensor travels through host memory (a copy each way); NCCL sends device
 tensors.
@@ -37,8 +41,8 @@ from meshtrain.parallel.context.blockwise import accumulate_dtype
 
 #: a piece is at least this many tokens (the block kernels' efficiency) ...
 MIN_PIECE = 512
-#: ... and a chunk is cut into at most this many pieces (the memory in flight: 1/pieces of it)
-MAX_PIECES = 4
+#: ... and a chunk is cut into at most this many pieces (the memory in flight: 2/pieces of it)
+MAX_PIECES = 8
 
 
 def pieces_per_chunk(chunk: int) -> int:
@@ -95,17 +99,17 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         mine = _local_pieces(rank, degree, pieces)
-        for slot in range(2 * pieces):
-            hand = torch.stack((k[..., _rows(slot, size), :], v[..., _rows(slot, size), :]))
+        for slot in range(pieces):
+            hand = _pair(k, v, slot, pieces, size)
             for step in range(degree):
                 pending = ring.start(hand) if step < degree - 1 else None
-                held = _local_pieces((rank - step) % degree, degree, pieces)[slot]
-                for qi, block in _blocks(mine, held, size, window, documents, q):
-                    o_b, l_b = blockwise.forward_block(
-                        q[..., _rows(qi, size), :], hand[0], hand[1], block, scale,
-                        blockwise.block_dropout(dropout_p, seed, mine[qi], held))
-                    blockwise.merge_(out[..., _rows(qi, size), :], lse[..., _rows(qi, size)],
-                                     o_b, l_b)
+                for j, held in enumerate(_held(rank, step, degree, pieces, slot)):
+                    for qi, block in _blocks(mine, held, size, window, documents, q):
+                        rows = _rows(qi, size)
+                        o_b, l_b = blockwise.forward_block(
+                            q[..., rows, :], hand[2 * j], hand[2 * j + 1], block, scale,
+                            blockwise.block_dropout(dropout_p, seed, mine[qi], held))
+                        blockwise.merge_(out[..., rows, :], lse[..., rows], o_b, l_b)
                 if pending is not None:
                     hand = ring.finish(pending)
         out = out.to(q.dtype)
@@ -124,27 +128,42 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         mine = _local_pieces(rank, degree, pieces)
-        for slot in range(2 * pieces):
-            hand = torch.stack((k[..., _rows(slot, size), :], v[..., _rows(slot, size), :]))
+        for slot in range(pieces):
+            hand = _pair(k, v, slot, pieces, size)
             sums = torch.zeros(hand.shape, dtype=acc, device=hand.device)
             for step in range(degree):
                 pending = ring.start(hand) if step < degree - 1 else None
-                held = _local_pieces((rank - step) % degree, degree, pieces)[slot]
-                for qi, block in _blocks(mine, held, size, ctx.window, documents, q):
-                    rows = _rows(qi, size)
-                    g_q, g_k, g_v = blockwise.backward_block(
-                        grad[..., rows, :], q[..., rows, :], hand[0], hand[1], out[..., rows, :],
-                        lse[..., rows], block, ctx.scale,
-                        blockwise.block_dropout(*ctx.dropout, mine[qi], held))
-                    dq[..., rows, :] += g_q
-                    sums[0] += g_k
-                    sums[1] += g_v
+                for j, held in enumerate(_held(rank, step, degree, pieces, slot)):
+                    for qi, block in _blocks(mine, held, size, ctx.window, documents, q):
+                        rows = _rows(qi, size)
+                        g_q, g_k, g_v = blockwise.backward_block(
+                            grad[..., rows, :], q[..., rows, :], hand[2 * j], hand[2 * j + 1],
+                            out[..., rows, :], lse[..., rows], block, ctx.scale,
+                            blockwise.block_dropout(*ctx.dropout, mine[qi], held))
+                        dq[..., rows, :] += g_q
+                        sums[2 * j] += g_k
+                        sums[2 * j + 1] += g_v
                 if pending is not None:
                     hand = ring.finish(pending)
-                sums = ring.shift(sums)  # on with its piece; the last shift: home
-            dk[..., _rows(slot, size), :] = sums[0]
-            dv[..., _rows(slot, size), :] = sums[1]
+                sums = ring.shift(sums)  # on with its pieces; the last shift: home
+            for j, local in enumerate((slot, pieces + slot)):
+                dk[..., _rows(local, size), :] = sums[2 * j]
+                dv[..., _rows(local, size), :] = sums[2 * j + 1]
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None, None
+
+
+def _pair(k, v, slot: int, pieces: int, size: int) -> torch.Tensor:
+    """What travels in a slot: K and V of this rank's piece ``slot`` of each chunk (one of the
+    first, one of the second: every step then holds as many visible blocks on every rank)."""
+    first, second = _rows(slot, size), _rows(pieces + slot, size)
+    return torch.stack((k[..., first, :], v[..., first, :], k[..., second, :],
+                        v[..., second, :]))
+
+
+def _held(rank: int, step: int, degree: int, pieces: int, slot: int) -> tuple[int, int]:
+    """The sequence pieces in hand at ``step`` of ``slot``: the previous ``step``-th rank's."""
+    theirs = _local_pieces((rank - step) % degree, degree, pieces)
+    return theirs[slot], theirs[pieces + slot]
 
 
 def _rows(piece: int, size: int) -> slice:
