@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 from meshtrain.errors import ConfigError
@@ -58,3 +59,32 @@ def check_port_free(host: str, port: int) -> None:
             f"port {port} on {host} is in use ({exc.strerror or exc}): pick another with "
             "--master-port / --rdzv-endpoint or leave it out to get a free one"
         ) from exc
+
+
+def port_holder(port: int) -> str | None:
+    """Which process on this machine listens on TCP ``port``: "pid N (name)", or None when it
+    cannot be told (not Linux, another user's process, nothing listening)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # local address "ADDR:PORT" in hex, state 0A = LISTEN
+            if len(fields) > 9 and fields[3] == "0A" and \
+                    int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+                with open(f"/proc/{pid}/comm") as f:
+                    return f"pid {pid} ({f.read().strip()})"
+        except OSError:
+            continue
+    return None

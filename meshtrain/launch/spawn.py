@@ -72,14 +72,21 @@ def restart_count() -> int:
 def init_process_group(env: DistEnv, backend: str, timeout: timedelta, store=None) -> None:
     """Create the default process group for ``env``.
 
-    From the store given, else from our own launcher's store (``MESHTRAIN_STORE``), else under
-    torchelastic from the job's store namespaced per restart attempt (see :func:`_attempt_store`),
-    else env:// (MASTER_ADDR/MASTER_PORT).
+    From the store given, else the job's (:func:`job_store`: our own launcher's, torchelastic's
+    namespaced per restart attempt, or one rank 0 hosts at MASTER_ADDR:MASTER_PORT). Before the
+    group, every rank joins the store (launch/waits.py): rank 0 says within seconds which ranks
+    it waits for, and a rank missing after ``timeout`` is named.
     """
     import torch.distributed as dist
 
-    if store is None and (STORE_ENV in os.environ or RESTART_COUNT_ENV in os.environ):
+    from meshtrain.launch.waits import address, join
+
+    if store is None:
         store = job_store(env, timeout)
+    if env.world_size > 1:
+        _state["joins"] = _state.get("joins", 0) + 1
+        join(store, env.rank, env.world_size, timeout.total_seconds(), where=address(store),
+             generation=_state["joins"])
     if "nccl" in backend:
         flight_recorder_defaults(os.environ)
     dist.init_process_group(
@@ -120,12 +127,15 @@ def register_shutdown() -> None:
 
 def job_store(env: DistEnv, timeout: timedelta):
     """The job's key-value store: our launcher's (``MESHTRAIN_STORE``), torchelastic's (per
-    restart attempt), or else one that rank 0 hosts at MASTER_ADDR:MASTER_PORT (as env://)."""
-    import torch.distributed as dist
+    restart attempt), or else one that rank 0 hosts at MASTER_ADDR:MASTER_PORT (as env://). A
+    client waits for it saying so (launch/waits.py)."""
+    from meshtrain.launch.waits import connect
 
     if STORE_ENV in os.environ:
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
-        return dist.TCPStore(host, int(port), env.world_size, is_master=False, timeout=timeout)
+        return connect(host, int(port), env.world_size, timeout,
+                       who="the store of the process that started this one",
+                       fix=f"it has ended; {STORE_ENV} points at it")
     if RESTART_COUNT_ENV in os.environ:
         return _attempt_store(env, timeout)
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -156,7 +166,11 @@ def _attempt_store(env: DistEnv, timeout: timedelta):
             "not: start the script with torchrun or `meshtrain run`"
         )
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
-        store = dist.TCPStore(host, int(port), env.world_size, is_master=False, timeout=timeout)
+        from meshtrain.launch.waits import connect
+
+        store = connect(host, int(port), env.world_size, timeout,
+                        who="the store of this job's rank-0 node",
+                        fix="its agent has ended (see its output)")
     else:
         store = _rank0_store(host, int(port), env, timeout)
     rendezvous_round = os.environ.get(ROUND_ENV)  # set by `meshtrain run` (launch/torchrun.py)
@@ -209,16 +223,24 @@ def _host_store(world_size: int, timeout: timedelta):
 
 def _rank0_store(host: str, port: int, env: DistEnv, timeout: timedelta):
     """The job's store at host:port, hosted by rank 0 on ``host``'s own address (not on every
-    interface, as torch would), joined by the others."""
+    interface, as torch would), joined by the others: they wait for it saying so, and rank 0
+    does not wait in the store's constructor (silently) but in :func:`init_process_group`'s
+    join, which names the ranks it waits for."""
     import torch.distributed as dist
 
     if env.rank != 0:
-        return dist.TCPStore(host, port, env.world_size, is_master=False, timeout=timeout)
+        from meshtrain.launch.waits import connect
+
+        return connect(host, port, env.world_size, timeout,
+                       who="the store rank 0 hosts (MASTER_ADDR:MASTER_PORT)",
+                       fix="is rank 0 started, and do all ranks have the same MASTER_ADDR and "
+                       "MASTER_PORT?")
     from meshtrain.launch.network import listening_socket
 
     sock = listening_socket(host, port)
     return dist.TCPStore(host, port, env.world_size, is_master=True, timeout=timeout,
-                         multi_tenant=True, master_listen_fd=sock.detach())
+                         multi_tenant=True, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
 
 
 def _worker_environ(rank: int, world_size: int, store_port: int) -> dict[str, str]:
