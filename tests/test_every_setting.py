@@ -125,6 +125,7 @@ PROBES = {
     "stall_timeout_s": Probe(None),
     "debug_collectives": Probe(True, effect={"world": "fresh"}),
     "mtbf_hours": Probe(5.0, base={"checkpoint_every_n_steps": 1}),
+    "sdc_check_every_n_steps": Probe(1),  # (the replay's forward calls)
     # -- logging
     "log_every_n_steps": Probe(10),
     "log_grad_norm": Probe(True),

@@ -71,7 +71,7 @@ def test_sections_hold_every_config_setting_and_python_only_ones_are_marked():
                        "async_checkpoint", "resume", "init_from", "save_final_checkpoint",
                        "stop_on_signal"},
         "fault": {"nan_policy", "collective_timeout_s", "init_timeout_s", "stall_timeout_s",
-                  "debug_collectives", "mtbf_hours"},
+                  "debug_collectives", "mtbf_hours", "sdc_check_every_n_steps"},
     }
     for section, names in expected.items():
         assert set(sections[section]) == names, section
@@ -280,13 +280,13 @@ NEEDS_SAMPLES = {
     "sync_batchnorm": False, "keep_last_k": 2, "async_checkpoint": True,
     "checkpoint_every_n_steps": 10, "collective_timeout_s": 500.0, "init_timeout_s": 100.0,
     "stall_timeout_s": None, "debug_collectives": True, "mtbf_hours": 5.0,
-    "float8_emulate": True, "float8": "tensorwise",
+    "float8_emulate": True, "float8": "tensorwise", "sdc_check_every_n_steps": 2,
 }
 # layouts that have a layout fact, and ones that lack it (an axis: "axis=2", and left out)
 WITH_FACT = {"ddp": "dp=2", "plain_dp": "dp=2", "sharded": "zero3=2", "ps": "ps=1,dp=2",
-             "batch": "dp=2", "ranks": "dp=2", "processes": "dp=2"}
+             "batch": "dp=2", "ranks": "dp=2", "processes": "dp=2", "replayable": "dp=2"}
 WITHOUT_FACT = {"ddp": "zero3=2", "plain_dp": "zero1=2", "sharded": "dp=2", "ps": "dp=2",
-                "batch": "tp=2", "ranks": "dp=1", "processes": "dp=1"}
+                "batch": "tp=2", "ranks": "dp=1", "processes": "dp=1", "replayable": "zero3=2"}
 
 
 def _meet(need: str, parts: list, values: dict) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -45,16 +46,21 @@ from meshtrain.checkpoint.state import (
     tmp_path,
     write_extras,
 )
+from meshtrain.checkpoint.save_errors import (
+    CheckpointWriteError,
+    FaultWriter,
+    any_rank_failed,
+    describe_failure,
+    failures_of,
+    refused_write,
+)
 from meshtrain.checkpoint.staging import CheckedStager, NonFiniteState
-from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.errors import ConfigError
+from meshtrain.fault.inject import ARMED
 
 DCP_METADATA = ".metadata"
 _now = time.monotonic  # (the tests replace it)
 _STEP_NAME = re.compile(r"step_(\d+)$")
-
-
-class CheckpointWriteError(MeshtrainError, RuntimeError):
-    """An asynchronous checkpoint write failed in the background."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -231,7 +237,9 @@ class CheckpointManager:
         Every save goes through here: periodic, best-k, last and final. A folder that holds
         NaN/Inf values is never written (None is returned, with a warning); the folder this
         writer last wrote is not written again for the same step. ``background``: an
-        asynchronous write, committed by :meth:`commit` or :meth:`wait`.
+        asynchronous write, committed by :meth:`commit` or :meth:`wait`. A write the file
+        system refuses (full, no permission) raises CheckpointWriteError on every rank, with
+        the path and the space (save_errors.py); the last complete checkpoint is kept.
         """
         path, start = Path(path), _now()
         self.wait()
@@ -248,15 +256,27 @@ class CheckpointManager:
         if background and self.process_group is None and dist.is_initialized():
             self.process_group = dist.new_group(backend="gloo")
         tmp = tmp_path(path)
-        prepare_tmp(tmp)
-        write_extras(tmp, trainer_state, summary)
         state = checkpoint_state(model, optimizer)
         if self.extra_state is not None and (extra := self.extra_state()):
             state["callbacks"] = extra
+        device = next((_local(p).device for p in model.parameters()), torch.device("cpu"))
+        for part in (lambda: prepare_tmp(tmp, agree=False),  # each rank's own files first,
+                     lambda: write_extras(tmp, trainer_state, summary)):  # then agreed
+            failed = any_rank_failed(refused_write(part), device)
+            if failed:
+                self._write_failed(step, tmp, failed, state)
         where = dict(checkpoint_id=tmp, process_group=self.process_group)
+        if "checkpoint_shard" in ARMED:  # MESHTRAIN_FAULT (fault/inject.py)
+            where = dict(storage_writer=FaultWriter(tmp, step), process_group=self.process_group)
         with _quiet_single_process():  # (an async save's thread may still warn, once)
             if not background:
-                dcp.save(state, **where)
+                try:
+                    dcp.save(state, **where)
+                except (Exception, CheckpointException) as error:  # on every rank, by DCP
+                    failed = failures_of(error, _rank())
+                    if failed is None:  # not the file system's
+                        raise
+                    self._write_failed(step, tmp, failed, state, error)
             else:
                 stager = self._host_stager(model)
                 future = dcp.async_save(
@@ -277,6 +297,14 @@ class CheckpointManager:
         if not background:
             self.last_save_s = self.last_blocking_s
         return path
+
+    def _write_failed(self, step: int, tmp: Path, failed: dict[int, str], state: dict,
+                      error: BaseException | None = None):
+        """(Every rank, alike.) Remove the partial folder (rank 0) and raise the error."""
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(describe_failure(
+            step, tmp, failed, state, latest_complete(self.directory))) from error
 
     def _host_stager(self, model) -> CheckedStager:
         """The stager of background saves (its host buffers reused from save to save; pinned
@@ -335,6 +363,10 @@ class CheckpointManager:
         except BaseException as exc:
             if _rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            failed = failures_of(exc, _rank())
+            if failed is not None:  # the file system's: said as a sync save says it
+                raise CheckpointWriteError(describe_failure(
+                    step, tmp, failed, None, latest_complete(self.directory))) from exc
             raise CheckpointWriteError(
                 f"the asynchronous checkpoint of step {step} could not be written to {tmp}: "
                 f"{exc}") from exc

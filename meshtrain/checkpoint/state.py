@@ -129,12 +129,14 @@ def tmp_path(path: str | os.PathLike) -> Path:
     return path.with_name(f".tmp-{path.name}")
 
 
-def prepare_tmp(tmp: Path) -> None:
-    """Collective: rank 0 empties and creates ``tmp``; every rank then may write into it."""
+def prepare_tmp(tmp: Path, agree: bool = True) -> None:
+    """Collective: rank 0 empties and creates ``tmp``; every rank then may write into it.
+    ``agree=False``: no barrier (the caller's agreement that it worked is one)."""
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    if agree:
+        _barrier()
 
 
 def write_extras(tmp: Path, trainer_state: dict, summary: dict) -> None:

@@ -38,6 +38,11 @@ def check_settings(settings: dict) -> None:
                           .replace("async_save", "async_checkpoint")) from None
     check_resume(s["resume"])
     check_nan_policy(s["nan_policy"])
+    if s.get("sdc_check_every_n_steps") and s["nan_policy"] is None:
+        raise ConfigError(
+            "sdc_check_every_n_steps acts on a mismatch as nan_policy says, and nan_policy is "
+            "None: set nan_policy ('error', 'skip' or 'rollback'), or sdc_check_every_n_steps="
+            "None")
     if s["nan_policy"] == "rollback" and not (every_n_steps or every_n_minutes):
         raise ConfigError(
             "nan_policy='rollback' restores the last checkpoint, so it needs periodic "

@@ -10,6 +10,10 @@
 * :meth:`~StepGuard.rollback` restores the last checkpoint and remembers the batch to skip;
 * the stall watchdog is armed for every step but the first, after which the collective timeout
   drops from ``init_timeout_s`` to ``collective_timeout_s``;
+* with ``sdc_check_every_n_steps``, :meth:`~StepGuard.decide` first replays a micro-batch and
+  compares its gradients (``sdc.py``); a mismatch is one more flag of the exchange;
+* faults armed by name (``inject.py``, ``MESHTRAIN_FAULT``) fire at their points; a failure
+  that ends the loop is recorded, so that a restart repeating it stops (``restarts.py``);
 * with ``stop_on_signal``, a signal handler marks the request; a one-int all-reduce on a gloo
   group of its own, started each step and read at the next, tells every rank (no wait for the
   device), and all stop after the same step (the loop then saves a resumable checkpoint).
@@ -63,6 +67,7 @@ class FaultOptions:
     checkpoint_every_n_minutes: float | None
     save_final_checkpoint: bool
     stop_on_signal: str | None
+    sdc_check_every_n_steps: int | None = None
 
     @classmethod
     def from_settings(cls, settings) -> FaultOptions:
@@ -106,6 +111,17 @@ class StepGuard:
         self.pending: tuple[torch.Tensor, str] | None = None  # (flag, "step N (epoch E)")
         if rank == 0:
             checkpoints.cleanup_partial()
+        from meshtrain.fault import inject
+
+        inject.load()  # MESHTRAIN_FAULT (a malformed one is refused here)
+        inject.set_rank(rank)
+        self.rank = rank
+        self.sdc = None  # the GradientReplay of sdc_check_every_n_steps (sdc.py)
+        if options.sdc_check_every_n_steps:
+            from meshtrain.fault.sdc import GradientReplay
+
+            self.sdc = GradientReplay(loop.engine, options.sdc_check_every_n_steps)
+        self.current_step = 0  # the step under way (its checkpoint's too)
         self.flags = StepFlags(rank, world_size, device)
         self.watchdog = None
         if options.stall_timeout_s is not None:
@@ -125,6 +141,11 @@ class StepGuard:
 
     # -- around each step ---------------------------------------------------------------------
     def start(self) -> None:
+        from meshtrain.fault.inject import ARMED, fault_point
+
+        if "optimizer_step" in ARMED and self.loop.optimizer is not None:
+            self.loop.optimizer.register_step_pre_hook(
+                lambda *_: fault_point("optimizer_step"))
         if self.watchdog is not None:
             self.watchdog.start()
         if self.stop_signal is not None and threading.current_thread() is threading.main_thread():
@@ -136,8 +157,18 @@ class StepGuard:
         self.signalled = True
 
     def step_begins(self) -> None:
+        from meshtrain.fault import inject
+
+        step = self.current_step = self.loop.state.global_step + 1
         if self.watchdog is not None and self.steps_here > 0:  # not the slow first step
-            self.watchdog.arm(self.loop.state.global_step + 1)
+            self.watchdog.arm(step)
+        if self.sdc is not None:
+            self.sdc.begin_step(step)
+        if inject.ARMED:
+            inject.set_step(step)
+            inject.fault_point("step_start")
+            if inject.armed("gradient_allreduce", corrupting=True):
+                inject.corrupt_first_gradient(self.loop.model)
 
     def step_ends(self, outcome: str) -> None:
         if self.watchdog is not None:
@@ -153,6 +184,13 @@ class StepGuard:
                                    skip=self.checkpoints.process_group)
 
     def stop(self) -> None:
+        import sys
+
+        error = sys.exc_info()[1]  # (in the loop's finally: what ends it, if anything)
+        if error is not None and not isinstance(error, KeyboardInterrupt):
+            from meshtrain.fault.restarts import record_failure
+
+            record_failure(error, self.current_step, self.rank)
         if self.watchdog is not None:
             self.watchdog.stop()
         if self._stop_exchange is not None:  # the last step's, not to be left in flight
@@ -171,7 +209,9 @@ class StepGuard:
         what = f"step {state.global_step + 1} (epoch {state.current_epoch})"
         if self.stop_signal is not None:
             self._exchange_stop(what)
-        need_flags = bool(self.options.checkpoint_every_n_minutes or manager.in_flight)
+        replayed = self.sdc is not None and self.sdc.captured  # (the same step on every rank)
+        need_flags = bool(self.options.checkpoint_every_n_minutes or manager.in_flight
+                          or replayed)
         self.settle()
         if not (policy or need_flags):
             return "ok"
@@ -180,6 +220,9 @@ class StepGuard:
             # under fp16 the grad scaler itself skips steps with inf gradients: check the loss
             flag = nonfinite_flag(loss, self.loop.model.parameters(),
                                   check_grads=not self.grad_scaler)
+            if replayed:
+                self.sdc_mismatch = self.sdc.verify()
+                flag = flag + 4 * int(self.sdc_mismatch is not None)
             if not need_flags and self.gradients_identical:
                 # every rank holds the same averaged gradients, so this local check is already
                 # everyone's answer: no all-reduce (a NaN found here is exchanged, by all)
@@ -193,13 +236,24 @@ class StepGuard:
         if not bad_ranks:
             return "ok"
         if policy == "error":
-            _raise_nonfinite(what, bad_ranks)
+            _raise_nonfinite(what, bad_ranks, self._sdc_note(bad_ranks))
         if policy == "skip":
             state.num_skipped_steps += 1
             self.loop.print(f"{what}: {describe(bad_ranks)}; update skipped on every rank "
                             "(nan_policy='skip')")
             return "skip"
+        self.rollback_reason = describe(bad_ranks)
         return "rollback"
+
+    sdc_mismatch: str | None = None  # the parameter this rank's last replay found different
+    rollback_reason = "non-finite loss or gradients"
+
+    def _sdc_note(self, bad_ranks: dict[int, int]) -> str:
+        """What this rank's replay found, when it found something."""
+        if not bad_ranks.get(self.rank, 0) & 4:
+            return ""
+        return (f"; on rank {self.rank} {self.sdc_mismatch}'s gradient differed first (a "
+                "faulty device, or a non-deterministic kernel)")
 
     def _exchange_stop(self, what: str) -> None:
         """Alone: stop after this step if signalled. Several ranks: read the stop flags that
@@ -257,7 +311,7 @@ class StepGuard:
                 "problem is not a few bad batches: lower the learning rate or clip gradients")
         self.bad_batches.add((epoch, state.sampler.consumed_samples))
         self.loop.load_checkpoint(path)
-        self.loop.print(f"step {step}: non-finite loss or gradients; rolled back to {path} (step "
+        self.loop.print(f"step {step}: {self.rollback_reason}; rolled back to {path} (step "
                         f"{self.loop.state.global_step}); the batch of step {step} will be "
                         "skipped")
 
@@ -309,9 +363,13 @@ def stop_signal(setting: str | None, world_size: int) -> signal.Signals | None:
     return None if setting is None else signal.Signals[setting]
 
 
-def _raise_nonfinite(what: str, bad_ranks: dict[int, int]):
-    from meshtrain.fault.nonfinite import NonFiniteError, describe
+def _raise_nonfinite(what: str, bad_ranks: dict[int, int], note: str = ""):
+    from meshtrain.fault.nonfinite import NonFiniteError, SilentDataCorruption, describe
 
+    if any(flag & 4 for flag in bad_ranks.values()):
+        raise SilentDataCorruption(
+            f"{what}: {describe(bad_ranks)}{note}. Take the rank's device out of service (or "
+            "run it again to see whether it repeats), or set nan_policy='skip' or 'rollback'")
     raise NonFiniteError(
         f"{what}: {describe(bad_ranks)}. Lower the learning rate, clip gradients "
         "(grad_clip_norm=1.0), check the data of this step, or set nan_policy='skip' or "

@@ -8,6 +8,9 @@ non-finite value and takes the same decision:
 * ``"error"``: stop with :class:`NonFiniteError` naming the step and the ranks;
 * ``"skip"``: drop this step's update on every rank (the batch counts as consumed);
 * ``"rollback"``: restore the last checkpoint and replay, skipping the offending batch.
+
+The silent-data-corruption check (``sdc.py``) rides on the same flags (bit 4: a replayed
+micro-batch gave other gradients) and the same policy.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ NAN_POLICIES = ("error", "skip", "rollback")
 
 class NonFiniteError(MeshtrainError, FloatingPointError):
     """A loss or gradient was NaN or infinite and ``nan_policy='error'``."""
+
+
+class SilentDataCorruption(MeshtrainError, RuntimeError):
+    """``sdc_check_every_n_steps``: a rank computed other gradients for the same micro-batch
+    the second time, and ``nan_policy='error'``."""
 
 
 def check_nan_policy(policy: str | None) -> None:
@@ -87,12 +95,18 @@ def nonfinite_flag(loss: torch.Tensor, params: Iterable[torch.nn.Parameter],
 
 
 def describe(flags: dict[int, int]) -> str:
-    """``{rank: flag}`` of the ranks that saw something -> "loss on rank(s) [1], ..."."""
+    """``{rank: flag}`` of the ranks that saw something -> "non-finite loss on rank(s) [1]
+    ...", "silent data corruption on rank(s) [1] ..." or both."""
     loss = [r for r, f in flags.items() if f & 1]
     grads = [r for r, f in flags.items() if f & 2]
+    replayed = [r for r, f in flags.items() if f & 4]
     parts = ([f"loss on rank(s) {loss}"] if loss else []) + (
         [f"gradients on rank(s) {grads}"] if grads else [])
-    return "non-finite " + " and ".join(parts)
+    found = ["non-finite " + " and ".join(parts)] if parts else []
+    if replayed:
+        found.append(f"silent data corruption on rank(s) {replayed} (its first micro-batch, "
+                     "computed again, gave other gradients: sdc_check_every_n_steps)")
+    return "; ".join(found)
 
 
 class StepFlags:

@@ -27,6 +27,7 @@ from meshtrain.data.batch import (
     throughput_unit,
     to_device,
 )
+from meshtrain.fault.inject import fault_point
 from meshtrain.module.core import has_steps, is_manual, step_loss
 from meshtrain.moe.balance import (added_router_loss, end_of_step, recording, router_loss_of,
                                    routing_metrics)
@@ -168,6 +169,8 @@ class Engine:
         items = None
         if self.counter is not None:
             items = self.global_items(sum(self.counter(batch) for batch in micro))
+        if self.replay is not None:  # sdc_check_every_n_steps (meshtrain/fault/sdc.py)
+            self.replay.capture(micro[0], items, accum)
         for micro_step, batch in enumerate(micro):
             batch = self.shard(batch)
             last = micro_step == accum - 1
@@ -193,6 +196,8 @@ class Engine:
                                                  self.layout.loss_degree, accum, loss)
                 if last and self.timer is not None:  # the wait for reductions: exposed comm
                     self.timer.watch_backward(loss)
+                if last:
+                    fault_point("gradient_allreduce")  # MESHTRAIN_FAULT (fault/inject.py)
                 self.precision.backward(loss)
                 if last and self.timer is not None:
                     self.timer.backward_returned()
@@ -228,6 +233,7 @@ class Engine:
             allreduce_gradients(self.parameters(), self.mesh.loss.get_group())
 
     timer = None  # the Trainer's StepTimer (meshtrain/observe/step_timer.py), when measuring
+    replay = None  # sdc_check_every_n_steps' GradientReplay (meshtrain/fault/sdc.py)
 
     # local SGD (local_sgd.py): parameters averaged after some steps instead; under ps the
     # ServerOptimizer (ps/layout.py), which leaves the servers when training ends

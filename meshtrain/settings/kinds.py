@@ -75,6 +75,7 @@ _WHAT = {
 # runs whose layout lacks it. A need is one of:
 #   "pp", "tp", "cp", "dp", "dp_shard", "dp_replicate"   that axis in the layout (degree > 1)
 #   "ddp", "plain_dp", "sharded", "ps", "batch",         a layout fact (LAYOUT_FACTS, from Layout)
+#   "replayable",
 #   "ranks", "processes"
 #   "<setting>"                                          another setting set (not at its default)
 #   "<setting>=<value>"                                  another setting with that value (a string
@@ -117,6 +118,15 @@ LAYOUT_FACTS: dict[str, tuple[str, Callable, str, Callable]] = {
               "{shown} is a data-parallel setting, but the layout {layout} has no data-parallel "
               "ranks, so it would do nothing; add dp=N to the layout (e.g. devices=2, "
               "layout='dp=2'), or drop {name}", lambda layout: ""),
+    "replayable": ("one process or plain data parallel (dp, zero1; no ep)",
+                   lambda layout: layout.gradients_identical_after_sync
+                   and layout.expert_degree == 1,
+                   "{shown} replays a micro-batch on the rank that computed it and compares its "
+                   "gradients, which needs one process or plain data parallel, but the layout "
+                   "{layout} is not ({why}); use layout='dp=N', or drop {name}",
+                   lambda layout: "ep splits the experts" if layout.expert_degree > 1 else
+                   "pp, tp or cp splits the model or the sequence" if {"pp", "tp", "cp"} &
+                   set(layout.degrees) else layout.why_not_ddp()),
     "ranks": ("several ranks (devices=N)", lambda layout: layout.world_size > 1,
               "{shown} compares the ranks, but the layout {layout} has one rank, so it would do "
               "nothing; train on several (e.g. devices=2), or drop {name}", lambda layout: ""),

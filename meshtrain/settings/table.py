@@ -340,6 +340,13 @@ DEFINITIONS = [
     _S("debug_collectives", "fault", False, "bool",
        "Check every collective across ranks first and name the ranks and call sites of a "
        "desync (a few ms per collective: for debugging).", needs=("processes",)),
+    _S("sdc_check_every_n_steps", "fault", None, "int",
+       "Every N steps each rank computes its first micro-batch's gradients again and compares "
+       "them bit for bit with the step's (a 64-bit positional checksum per parameter): a "
+       "difference is silent data corruption, named by rank and step and handled by "
+       "nan_policy; costs one more forward and backward of a micro-batch every N steps. One "
+       "process and dp/zero1 (docs/fault_tolerance.md); none: off.", none=True, minimum=1,
+       needs=("replayable",)),
     _S("mtbf_hours", "fault", 3.0, "number",
        "Expected hours between failures, for the Young/Daly checkpoint interval fit prints "
        "at the first periodic checkpoint.",

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from meshtrain.fault.inject import fault_point
+
 
 class AllToAllExperts:
     """``MoE.dispatch`` under ep: ``(tokens, counts [E]) -> outputs`` for every token, computed
@@ -48,6 +50,7 @@ class AllToAllExperts:
         counts = counts.to(torch.int64)
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)
+        fault_point("moe_all_to_all")  # MESHTRAIN_FAULT (meshtrain/fault/inject.py)
         matrix = received_counts.view(size, local)  # [source rank, my expert]
         # the layer's one host sync: how many tokens go to and come from each rank
         sizes = torch.cat([counts.view(size, local).sum(1), matrix.sum(1)]).tolist()

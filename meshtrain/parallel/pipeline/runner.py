@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from meshtrain.data.batch import describe
 from meshtrain.errors import ConfigError
+from meshtrain.fault.inject import fault_point
 from meshtrain.parallel.pipeline.runtime import lean
 from meshtrain.parallel.pipeline.stages import SCHEDULES, SINGLE_STAGE, rank_stages
 from meshtrain.parallel.pipeline.timeline import TimelineEvent
@@ -225,6 +226,7 @@ def _numbered(forward_one_chunk, module):
     """A stage's ``forward_one_chunk`` that first tells its module which micro-batch it runs."""
     def run(fwd_chunk_id, *args, **kwargs):
         module._pp_chunk = fwd_chunk_id
+        fault_point("pipeline_p2p")  # MESHTRAIN_FAULT (meshtrain/fault/inject.py)
         return forward_one_chunk(fwd_chunk_id, *args, **kwargs)
     return run
 
