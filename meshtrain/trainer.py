@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from meshtrain import checks
+from meshtrain.checkpoint.run_lock import release as release_run_lock
 from meshtrain.data.sampler import release_workers
 from meshtrain.fault import StepGuard
 from meshtrain.launch.spawn import DistEnv
@@ -180,6 +181,7 @@ class Trainer(LightningViews):
             self.print(f"run folder: {self.run_dir}")  # again, below the training output
             if self.report:  # run_dir/report.html, also after a failure
                 self.run_log.report(self.monitor)
+            release_run_lock(self.run_dir)  # another job may write it now (checkpoint/run_lock.py)
         return self.model
 
     def whole_model(self) -> torch.nn.Module:

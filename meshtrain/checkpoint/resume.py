@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.checkpoint.manager import latest_complete
-from meshtrain.checkpoint.safe_load import load_plain, read_metadata
+from meshtrain.checkpoint.safe_load import check_complete, load_plain, read_metadata
 from meshtrain.checkpoint.state import TRAINER_STATE
 from meshtrain.errors import ConfigError
 from meshtrain.loop.state import RESUMABLE_STOPS
@@ -44,11 +44,10 @@ def check_resume(resume) -> None:
             f"resume={str(resume)!r} does not exist; give a checkpoint folder such as "
             "runs/<name>/<time>/checkpoints/step_00000100, resume='auto' or resume=None"
         )
-    if not (path / TRAINER_STATE).is_file():
-        raise ConfigError(
-            f"resume={str(resume)!r} is not a complete meshtrain checkpoint (no {TRAINER_STATE}; "
-            "an interrupted save?); pick another folder in its checkpoints/ or use resume='auto'"
-        )
+    try:
+        check_complete(path)  # an unfinished save (.tmp-*), a missing or truncated file
+    except ConfigError as error:
+        raise ConfigError(f"resume={str(resume)!r}: {error}") from None
 
 
 def job_name(name: str) -> str:
@@ -170,34 +169,54 @@ def find_checkpoint(resume, *, run_dir: Path | None, root_dir: Path, name: str,
 
 
 def new_run_dir(job: Path) -> Path:
-    """A run folder of its own: ``job/<time>``, with ``-2``, ``-3``... if that one exists."""
+    """A run folder of its own, created: ``job/<time>``, with ``-2``, ``-3``... if that one
+    exists (created here, so that two jobs starting in the same second get two folders)."""
     from datetime import datetime
 
     path = base = job / datetime.now().strftime("%Y%m%d-%H%M%S")
     number = 1
-    while path.exists():
-        number += 1
-        path = base.with_name(f"{base.name}-{number}")
-    return path
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            number += 1
+            path = base.with_name(f"{base.name}-{number}")
 
 
 def resolve_run_dir(resume, *, run_dir, root_dir, name: str, rank: int,
                     shapes: Shapes | None = None) -> tuple[Path, Path | None]:
-    """(the run folder, the checkpoint to resume from or None): rank 0 decides, every rank
-    follows (collective when a process group exists), and rank 0 creates the folder."""
+    """(the run folder, the checkpoint to resume from or None): rank 0 decides, creates the
+    folder and takes its lock (run_lock.py: another job writing it is refused, on every rank,
+    before anything is written), every rank follows (collective when a process group exists).
+    A restarted job continues the folder of its earlier attempt (restarted.py)."""
     import torch.distributed as dist
 
-    path, resume_from = Path(run_dir) if run_dir else None, None
+    from meshtrain.checkpoint import run_lock
+    from meshtrain.checkpoint.restarted import earlier_attempt
+
+    path, resume_from, refusal = Path(run_dir) if run_dir else None, None, None
     if rank == 0:
-        resume_from, resumed_run = find_checkpoint(resume, run_dir=path, root_dir=Path(root_dir),
-                                                   name=name, shapes=shapes)
-        path = path or resumed_run or new_run_dir(Path(root_dir) / name)
+        try:
+            earlier = earlier_attempt(resume, run_dir, Path(root_dir) / name)
+            if earlier is not None:
+                path, resume_from = earlier
+            else:
+                resume_from, resumed_run = find_checkpoint(
+                    resume, run_dir=path, root_dir=Path(root_dir), name=name, shapes=shapes)
+                path = path or resumed_run or new_run_dir(Path(root_dir) / name)
+            path.mkdir(parents=True, exist_ok=True)
+            note = run_lock.acquire(path)
+            if note:
+                print(note, flush=True)
+        except ConfigError as error:  # told to every rank: none waits for rank 0 in vain
+            refusal = str(error)
     if dist.is_initialized():  # every rank writes checkpoints into rank 0's folder
-        box = [str(path), resume_from and str(resume_from)]
+        box = [str(path), resume_from and str(resume_from), refusal]
         dist.broadcast_object_list(box, src=0)
-        path, resume_from = Path(box[0]), box[1] and Path(box[1])
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
+        path, resume_from, refusal = Path(box[0]), box[1] and Path(box[1]), box[2]
+    if refusal is not None:
+        raise ConfigError(refusal)
     return path, resume_from
 
 

@@ -14,6 +14,10 @@ never be read with plain ``pickle`` or ``torch.load(weights_only=False)``. Here:
 A file that needs more is refused with :data:`TRUST_HINT`: checkpoints written by meshtrain before
 this change stored NumPy's RNG state as an array; ``meshtrain upgrade-checkpoint DIR --trust``
 converts such a checkpoint once, after its owner says it is theirs (docs/security.md).
+
+A folder whose save never finished (``.tmp-*``), a missing file, or a shard shorter than the
+metadata says is refused before loading, naming the file (:func:`check_complete`); a shard that
+cannot be read (replaced, damaged) is named when its read fails (:meth:`SafeReader.read_data`).
 """
 
 from __future__ import annotations
@@ -145,8 +149,66 @@ def read_metadata(folder: str | Path):
             raise _refusal(file, str(error), older=False) from None
 
 
+def check_complete(folder: str | Path) -> None:
+    """Refuse (ConfigError, naming the file) a checkpoint folder that a load would fail on: one
+    whose save did not finish, a missing file, a shard shorter than its entries."""
+    folder = Path(folder)
+    unfinished = folder.name.startswith(".tmp-")
+    missing = [name for name in ("trainer_state.pt", ".metadata") if not (folder / name).is_file()]
+    if unfinished or missing:
+        why = (f"its save did not finish (a checkpoint is written as .tmp-<name> and renamed "
+               f"when every rank has written it){'; ' if missing else ''}" if unfinished else "")
+        lacks = f"{', '.join(missing)} missing" if missing else ""
+        done = sorted(p for p in folder.parent.glob("*") if not p.name.startswith(".")
+                      and (p / "trainer_state.pt").is_file() and (p / ".metadata").is_file())
+        other = f" (in that folder: {', '.join(p.name for p in done[-3:])})" if done else ""
+        raise ConfigError(f"{folder} is not a complete meshtrain checkpoint: {why}{lacks}; "
+                          f"resume from a complete one{other}, or use resume='auto'")
+    sizes: dict[str, int] = {}
+    for item in read_metadata(folder).storage_data.values():
+        end = item.offset + item.length
+        sizes[item.relative_path] = max(sizes.get(item.relative_path, 0), end)
+    for name, needed in sorted(sizes.items()):
+        file = folder / name
+        if not file.is_file():
+            raise ConfigError(f"{file} is missing: the checkpoint's metadata lists entries in "
+                              "it. Resume from another checkpoint (or restore the file)")
+        if file.stat().st_size < needed:
+            raise ConfigError(
+                f"{file} holds {file.stat().st_size} bytes but the checkpoint's metadata "
+                f"places entries up to byte {needed}: it was truncated or replaced after the "
+                "save. Resume from another checkpoint (or restore the file)")
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file reader with :func:`read_metadata` in place of ``pickle.load``."""
+    """DCP's file reader with :func:`read_metadata` in place of ``pickle.load``, naming the
+    shard file whose read fails."""
+
+    def read_data(self, plan, planner):
+        import dataclasses as dc
+
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                                []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dc.replace(plan, items=items), planner).wait()
+            except ConfigError:
+                raise
+            except Exception as error:  # noqa: BLE001 - named, with what it said
+                file = Path(str(self.path)) / name
+                said = (str(error).strip().splitlines() or [""])[0]
+                raise ConfigError(
+                    f"{file} could not be read ({type(error).__name__}: {said}): it is damaged "
+                    "or was replaced after the save (it does not hold what the checkpoint's "
+                    "metadata says). Resume from another checkpoint (or restore the file)"
+                ) from error
+        from torch.futures import Future
+
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
     def read_metadata(self):  # (no **kwargs: DCP then does not look for per-rank metadata)
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -206,7 +268,7 @@ def load_dcp(state: dict, folder: str | Path) -> None:
     """``dcp.load(state, checkpoint_id=folder)`` (collective), reading only plain data."""
     import torch.distributed.checkpoint as dcp
 
-    read_metadata(folder)  # refused here with its reason (DCP would wrap the error)
+    check_complete(folder)  # refused here with its reason (DCP would wrap the error)
     with _refusals_unwrapped():
         dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(folder))
 

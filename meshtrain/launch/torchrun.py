@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 
 from meshtrain.errors import ConfigError
+from meshtrain.fault.restarts import repeated_failures_stop_restarts
 from meshtrain.launch.ports import check_port_free, find_free_port
 from meshtrain.launch.rendezvous import LOCAL_HOST, loopback_rendezvous_store, round_in_worker_env
 from meshtrain.launch.spawn import NNODES_ENV
@@ -83,7 +84,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         for sig in FORWARDED:  # a stop signal (Trainer's stop_on_signal) goes to the workers
             signal.signal(sig, _forward_to_workers)
         try:
-            with loopback_rendezvous_store(args), round_in_worker_env():
+            with loopback_rendezvous_store(args), round_in_worker_env(), \
+                    repeated_failures_stop_restarts(args.log_dir):  # (fault/restarts.py)
                 torchrun(args)
         except ChildFailedError as err:
             # torchrun's CLI would print this report as an uncaught exception; keep it.

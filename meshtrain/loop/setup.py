@@ -18,11 +18,13 @@ from meshtrain import checks
 from meshtrain.check_skips import collecting
 from meshtrain.checkpoint.hf_weights import load_hf_weights
 from meshtrain.checkpoint.manager import CheckpointManager
+from meshtrain.checkpoint.restarted import note_start
 from meshtrain.checkpoint.resume import callback_states, model_shapes, resolve_run_dir, resume_fit
 from meshtrain.checkpoint.safe_load import check_plain
 from meshtrain.data.sampler import train_loaders
 from meshtrain.errors import ConfigError
 from meshtrain.fault import FaultOptions, StepGuard, set_collective_timeout
+from meshtrain.fault.restarts import start_failed
 from meshtrain.launch.world import start_world
 from meshtrain.loop.compiled_model import unwrap_compiled
 from meshtrain.loop.layout_settings import take_loader_settings
@@ -94,7 +96,9 @@ def prepare(trainer, model, train_data, val_data=None, *, optimizer=None, loss_f
             resume_fit(t, t._resume_from)
             t.monitor.event("restart", f"resumed at step {t.global_step}", t.global_step,
                             t._resume_from)
+        note_start(t)  # a restart with no checkpoint says what is lost (checkpoint/restarted.py)
     except BaseException as error:
+        start_failed(t, error)  # recorded (a repeat stops restarts), run folder given back
         if t._workers is not None:
             t._workers.raise_if_failed(error)
         raise
