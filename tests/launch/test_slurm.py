@@ -96,10 +96,12 @@ def test_script_runs_torchrun_at_the_head_node_under_fake_slurm(tmp_path):
     _executable(
         bin_dir / "scontrol", 'test "$*" = "show hostnames n[1-2]" && printf "n1\\nn2\\n"\n'
     )
-    _executable(
+    _executable(  # getent as on a host whose name maps to 127.0.1.1 in /etc/hosts
         bin_dir / "srun",
-        'if [ "${*: -2}" = "hostname --ip-address" ]; then\n'
-        '  printf "%s\\n" "$@" > "$OUT/ip_call"; echo "10.1.2.3 10.9.9.9"\n'
+        'if [ "${*: -2:1}" = "ahostsv4" ]; then\n'
+        '  printf "%s\\n" "$@" > "$OUT/ip_call"\n'
+        '  printf "127.0.1.1 STREAM n1\\n127.0.1.1 DGRAM\\n10.1.2.3 STREAM n1\\n'
+        '10.1.2.3 DGRAM\\n10.9.9.9 STREAM\\n"\n'
         'else printf "%s\\n" "$@" > "$OUT/launch"; fi\n',
     )
     script = tmp_path / "job.sbatch"
@@ -116,18 +118,66 @@ def test_script_runs_torchrun_at_the_head_node_under_fake_slurm(tmp_path):
     subprocess.run(["bash", str(script)], env=env, check=True, timeout=20)
 
     ip_call = (tmp_path / "ip_call").read_text().splitlines()
-    assert ip_call == ["--nodes=1", "--ntasks=1", "-w", "n1", "hostname", "--ip-address"]
+    assert ip_call == ["--nodes=1", "--ntasks=1", "-w", "n1", "getent", "ahostsv4", "n1"]
     launch = (tmp_path / "launch").read_text().splitlines()
     assert launch == [
-        "--cpus-per-task=32",
-        "python", "-m", "meshtrain", "run",
+        "--kill-on-bad-exit=1", "--cpus-per-task=32",
+        "python", "-P", "-m", "meshtrain", "run",
         "--nnodes", "2",
         "--nproc-per-node", "8",
         "--rdzv-id", "777",
         "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "10.1.2.3:29511",
+        "--rdzv-endpoint", "10.1.2.3:29511",  # the first address that is not loopback
         "train.py", *USER_ARGS,
     ]  # fmt: skip
+
+
+def _fake_slurm(tmp_path, addresses: str):
+    """scontrol and srun stand-ins: the node list n[1-2], getent printing ``addresses``, the
+    launch's argv written to OUT/launch."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    _executable(bin_dir / "scontrol", 'printf "n1\\nn2\\n"\n')
+    _executable(bin_dir / "srun", 'if [ "${*: -2:1}" = "ahostsv4" ]; then printf "%b" '
+                f"'{addresses}'; [ -n '{addresses}' ] || exit 2\n"
+                'else printf "%s\\n" "$@" > "$OUT/launch"; fi\n')
+    return bin_dir
+
+
+def _run_script(tmp_path, text: str, job_id: str, nodes: str) -> subprocess.CompletedProcess:
+    script = tmp_path / f"job{job_id}.sbatch"
+    script.write_text(text)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(tmp_path),
+               SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES=nodes, SLURM_JOB_ID=job_id)
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                          timeout=20)
+
+
+@pytest.mark.timeout(30)
+def test_two_jobs_get_different_ports_derived_from_their_ids(tmp_path):
+    """Without --port the port is 20000 + job id % 10000 (below the ephemeral ports): two jobs
+    that share a node do not collide (tests/launch/test_slurm_cluster.py runs two at once)."""
+    _fake_slurm(tmp_path, "10.1.2.3 STREAM n1\\n")
+    text = render_sbatch(script="t.py", nodes=2, nproc_per_node=1)
+    endpoints = []
+    for job_id in ("41234", "41235"):
+        assert _run_script(tmp_path, text, job_id, "2").returncode == 0
+        launch = (tmp_path / "launch").read_text().splitlines()
+        endpoints.append(launch[launch.index("--rdzv-endpoint") + 1])
+    assert endpoints == ["10.1.2.3:21234", "10.1.2.3:21235"]
+
+
+@pytest.mark.timeout(30)
+def test_a_head_node_known_only_by_loopback_is_refused_on_several_nodes(tmp_path):
+    _fake_slurm(tmp_path, "127.0.1.1 STREAM n1\\n")
+    text = render_sbatch(script="t.py", nodes=2, nproc_per_node=1, port=29511)
+    done = _run_script(tmp_path, text, "7", "2")
+    assert done.returncode == 1 and not (tmp_path / "launch").exists()
+    assert "n1 resolves to no address but loopback ones on itself" in done.stderr
+    # one node: loopback is enough
+    assert _run_script(tmp_path, text, "7", "1").returncode == 0
+    launch = (tmp_path / "launch").read_text().splitlines()
+    assert launch[launch.index("--rdzv-endpoint") + 1] == "127.0.0.1:29511"
 
 
 @pytest.mark.parametrize(
