@@ -11,7 +11,7 @@ step it saves); ``rank`` the global rank, or ``*`` for every rank; ``attempts``:
 default: only before any restart, so a restarted job recovers) or ``all`` (every attempt: a
 failure that a restart cannot fix). From Python, :func:`arm` does the same (tests).
 
-Off by default: :func:`fault_point` is then one dict lookup. Each fault fires once per
+Off by default: :func:`fault_point` is then a call and one dict lookup. Each fault fires once per
 process. The points (:data:`POINTS`) and what they can do (:data:`KINDS`) are listed below;
 docs/fault_tolerance.md shows them in use.
 """
