@@ -72,11 +72,12 @@ def threads_per_process(local_processes: int, environ=None,
 
 def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
                 init_timeout_s: float, debug_collectives: bool = False, log=print,
-                num_servers: int = 0) -> World:
+                num_servers: int = 0, collective_timeout_s: float | None = None) -> World:
     """Start the other processes if needed (a plain script becomes rank 0), pick the device
     and create the default process group (gloo on CPU, NCCL on GPU). With ``num_servers``
     (layout ps=S) the last S processes are parameter servers: in no process group, only in the
-    RPC world that every process then joins (meshtrain/parallel/ps/layout.py)."""
+    RPC world that every process then joins (meshtrain/parallel/ps/layout.py). The notes
+    printed at start say the threads, the network and, with several processes, the timeouts."""
     workers = None
     if world_size > 1 and env is None:
         _refuse_after_one_process_fit(world_size)
@@ -88,6 +89,7 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
     notes = f"threads: {threads} per process ({why})"
     if world_size > 1:  # before any process group or RPC world listens
         notes += "\n" + choose_interfaces(os.environ.get("MASTER_ADDR") or "127.0.0.1")
+        notes += "\n" + timeouts_note(init_timeout_s, collective_timeout_s)
     device = torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
@@ -120,6 +122,14 @@ def start_world(world_size: int, env: DistEnv | None, device_type: str, *,
         init_process_group(env, "nccl" if device_type == "cuda" else "gloo",
                            timedelta(seconds=init_timeout_s))
     return World(env.rank, device, env, workers, notes=notes)
+
+
+def timeouts_note(init_timeout_s: float, collective_timeout_s: float | None) -> str:
+    """What the ranks wait for at most, said at start."""
+    after = f", then {collective_timeout_s:.0f} s (collective_timeout_s)" \
+        if collective_timeout_s is not None else ""
+    return (f"timeouts: a rank waits {init_timeout_s:.0f} s for the others to start and for "
+            f"a collective of the first step (init_timeout_s){after}")
 
 
 def _refuse_after_one_process_fit(world_size: int) -> None:

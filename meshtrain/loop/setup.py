@@ -180,6 +180,7 @@ def setup_world(t) -> None:
         return
     world = start_world(t.layout.num_processes, t._env, t.device_type,
                         init_timeout_s=t.init_timeout_s, num_servers=t.layout.num_servers,
+                        collective_timeout_s=t.collective_timeout_s,
                         debug_collectives=t.debug_collectives, log=t.print)
     t.rank, t.device, t._env, t._workers = world.rank, world.device, world.env, world.workers
     t.start_notes = world.notes  # threads and network, printed by fit below the run folder

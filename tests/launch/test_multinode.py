@@ -158,6 +158,10 @@ def test_two_nodes_train_like_one_process(agents, reference, layout):
     agents.start("a", "2", job)
     for name in ("a", "b"):
         assert agents.wait(name) == 0, agents.log(name)[-3000:]
+    # the timeouts said at start (by rank 0, on either node)
+    assert "timeouts: a rank waits 600 s for the others to start and for a collective of the " \
+        "first step (init_timeout_s), then 300 s (collective_timeout_s)" in \
+        agents.log("a") + agents.log("b")
 
     workers = records(agents.out)
     assert sorted(workers) == [(0, 0), (0, 1)]  # one round, two ranks
