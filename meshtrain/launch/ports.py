@@ -56,8 +56,10 @@ def check_port_free(host: str, port: int) -> None:
             _bind(*address).close()
     except OSError as exc:
         raise ConfigError(
-            f"port {port} on {host} is in use ({exc.strerror or exc}): pick another with "
-            "--master-port / --rdzv-endpoint or leave it out to get a free one"
+            f"port {port} on {host} is in use ({exc.strerror or exc}"
+            f"{f'; {holder}' if (holder := port_holder(port)) else ''}): pick another with "
+            "--master-port / --rdzv-endpoint or leave it out to get a free one (in a script "
+            "`meshtrain slurm` wrote: meshtrain slurm --port PORT, or no --port)"
         ) from exc
 
 

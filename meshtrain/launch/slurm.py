@@ -106,7 +106,8 @@ def render_sbatch(
     port_value = port if port is not None else \
         f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))"
     port_why = "meshtrain slurm --port" if port is not None else \
-        "derived from the job id, so that jobs sharing a node\n# differ; meshtrain slurm --port sets one"
+        "derived from the job id, so that jobs sharing a node\n" \
+        "# differ; meshtrain slurm --port sets one"
     user_part = " ".join(shlex.quote(a) for a in [*(["-m"] if module else []), script,
                                                    *script_args])
     per_node = f"{gpus_per_node} workers (one per GPU)" if gpus_per_node else \
