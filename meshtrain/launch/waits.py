@@ -129,15 +129,17 @@ def wait_for_store(host: str, port: int, timeout_s: float, *, who: str, fix: str
 
 def join(store, rank: int, world_size: int, timeout_s: float, *, where: str,
          say: Callable[[str], None] = stderr_line, generation: int = 0) -> None:
-    """Every rank of ``world_size`` marks itself in ``store``, then waits for the others. Rank
-    0 says which ranks it waits for within seconds and then periodically; after ``timeout_s``
-    each rank raises ``WaitTimedOut`` naming the missing ranks."""
+    """Every rank of ``world_size`` marks itself in ``store``, then waits for the others,
+    polling a counter (every 0.1 s at most for 10 s, then every second: a timed-out
+    ``store.wait`` would log a C++ warning each time). Rank 0 says which ranks it waits for
+    after 10 s and then every 30 s; after ``timeout_s`` each rank raises ``WaitTimedOut``
+    naming the missing ranks."""
     prefix = f"meshtrain_join/{generation}"
     store.set(f"{prefix}/rank{rank}", "1")
     count = store.add(f"{prefix}/count", 1)
     # (first said after 10 s: ranks that start together arrive within seconds of each other)
     progress = Progress(say, timeout_s, prefix=f"meshtrain: rank {rank}: ", first=10.0)
-    pause = 0.02
+    pause = 0.01
     while count < world_size:
         if progress.left() <= 0:
             missing = _missing(store, prefix, world_size)
@@ -150,7 +152,7 @@ def join(store, rank: int, world_size: int, timeout_s: float, *, where: str,
             missing = _missing(store, prefix, world_size)
             progress.tick(f"{_ranks(missing, world_size)} to join the job's store at {where}")
         time.sleep(pause)
-        pause = min(0.5, pause * 2)
+        pause = min(0.1 if progress.elapsed() < 10 else 1.0, pause * 2)
         count = store.add(f"{prefix}/count", 0)
 
 
@@ -160,8 +162,8 @@ def _missing(store, prefix: str, world_size: int) -> list[int]:
 
 def _ranks(missing: list[int], world_size: int) -> str:
     shown = ", ".join(str(r) for r in missing[:8]) + (", ..." if len(missing) > 8 else "")
-    return f"{len(missing)} of {world_size} ranks (rank {shown})" if len(missing) != 1 else \
-        f"1 of {world_size} ranks (rank {shown})"
+    return f"{len(missing)} of {world_size} ranks (rank{'s' if len(missing) > 1 else ''} " \
+        f"{shown})"
 
 
 def _me() -> str:
