@@ -255,8 +255,8 @@ def test_cp_attention_matches_one_process(cp):
     assert (local_out - cp_out).abs().max() > 1e-2
     # memory divides: a rank's peak of live tensors (its q, k, v, output and their gradients,
     # a pair of pieces in hand and one arriving, in the backward their K/V gradient sums)
-    # against one process's: 0.66-0.69 of it at cp=2, 0.44 at cp=3. Keeping every ring step's
-    # K/V for the backward measured 0.94 and 0.72.
+    # against one process's: 0.68 of it at cp=2, 0.45 at cp=3. Keeping every ring step's K/V
+    # for the backward measured 0.96 and 0.74.
     whole = _attention_bytes(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), 512 * cp)
     for rank, result in enumerate(results):

@@ -166,8 +166,8 @@ def backward_block(grad, q, k, v, out, lse, block: Block, scale: float, dropout=
     """A block's share of the gradients of q, k, v, from the whole attention's (merged)
     ``out`` and ``lse`` over this block's rows (``dropout`` as the forward's)."""
     if _fused(q) and dropout is None:
-        return _BACKWARD(grad, q, k, v, out.contiguous(), lse.contiguous(), 0.0, block.causal,
-                         attn_mask=block.mask, scale=scale)
+        return _BACKWARD(grad, q, k, v, out, lse, 0.0, block.causal, attn_mask=block.mask,
+                         scale=scale)
     return _math_backward(grad, q, k, v, out, lse, block, scale, dropout)
 
 
@@ -191,9 +191,8 @@ class _BlockAttention(torch.autograd.Function):
         acc = accumulate_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        for qi, qp, kp, block in _blocks(q_pieces, k.size(-2) // size, size, window, documents,
-                                         q):
-            rows = slice(qi * size, (qi + 1) * size)
+        for kp, rows, qp, block in _all_blocks(q_pieces, k.size(-2) // size, size, window,
+                                               documents, q):
             keys = slice(kp * size, (kp + 1) * size)
             o_b, l_b = forward_block(q[..., rows, :], k[..., keys, :], v[..., keys, :], block,
                                      scale, block_dropout(dropout_p, seed, qp, kp))
@@ -210,9 +209,8 @@ class _BlockAttention(torch.autograd.Function):
         grad, size = grad.contiguous(), ctx.size
         acc = accumulate_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-        for qi, qp, kp, block in _blocks(ctx.q_pieces, k.size(-2) // size, size, ctx.window,
-                                         documents, q):
-            rows = slice(qi * size, (qi + 1) * size)
+        for kp, rows, qp, block in _all_blocks(ctx.q_pieces, k.size(-2) // size, size,
+                                               ctx.window, documents, q):
             keys = slice(kp * size, (kp + 1) * size)
             g_q, g_k, g_v = backward_block(grad[..., rows, :], q[..., rows, :], k[..., keys, :],
                                            v[..., keys, :], out[..., rows, :], lse[..., rows],
@@ -223,6 +221,13 @@ class _BlockAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
+def _all_blocks(q_pieces, num_pieces, size, window, documents, q):
+    """(key piece, rows, first query piece, Block) over every key piece (:func:`key_blocks`)."""
+    for kp in range(num_pieces):
+        for rows, qp, block in key_blocks(q_pieces, kp, size, window, documents, q):
+            yield kp, rows, qp, block
+
+
 def draw_seed() -> int:
     """A call's dropout seed, from torch's global generator (alike on the ranks of a cp group,
     whose blocks differ)."""
@@ -230,18 +235,36 @@ def draw_seed() -> int:
 
 
 def block_dropout(p: float, seed: int | None, q_piece: int, k_piece: int):
-    """The ``dropout`` of block (``q_piece``, ``k_piece``): its own seed, None without."""
+    """The ``dropout`` of the block (or run) from query piece ``q_piece`` over key piece
+    ``k_piece``: its own seed, None without."""
     return None if not p else (p, seed + q_piece * (1 << 20) + k_piece)
 
 
-def _blocks(q_pieces, num_pieces, size, window, documents, q):
-    """(local query piece, its sequence piece, key piece, Block) of every visible block."""
+def key_blocks(q_pieces: list[int], k_piece: int, size: int, window: int | None,
+               documents: torch.Tensor | None, q: torch.Tensor):
+    """(rows of ``q``, the rows' first sequence piece, Block) of every block of the query pieces
+    ``q_pieces`` (``q``'s rows, in that order) over key piece ``k_piece`` that the mask does not
+    hide entirely. Neighbouring pieces that see the whole key piece are one run, one kernel call
+    (fewer, larger calls: less CPU time), of at most a quarter of the queries (a call's
+    transient memory grows with its rows)."""
+    longest = max(1, len(q_pieces) // 4)
+    run = None  # (first local piece, its sequence piece, pieces in the run)
     for qi, qp in enumerate(q_pieces):
-        for kp in range(num_pieces):
-            block = plan(qp, kp, size, window, *piece_documents(documents, qp, kp, size), q.dtype,
-                         q.device)
-            if block is not None:
-                yield qi, qp, kp, block
+        block = plan(qp, k_piece, size, window, *piece_documents(documents, qp, k_piece, size),
+                     q.dtype, q.device)
+        whole = block is not None and not block.causal and block.mask is None
+        if run is not None and whole and run[0] + run[2] == qi and run[2] < longest:
+            run = (run[0], run[1], run[2] + 1)
+            continue
+        if run is not None:
+            yield slice(run[0] * size, (run[0] + run[2]) * size), run[1], Block(False)
+            run = None
+        if whole:
+            run = (qi, qp, 1)
+        elif block is not None:
+            yield slice(qi * size, (qi + 1) * size), qp, block
+    if run is not None:
+        yield slice(run[0] * size, (run[0] + run[2]) * size), run[1], Block(False)
 
 
 def piece_documents(documents: torch.Tensor | None, q_piece: int, k_piece: int, size: int):
