@@ -40,7 +40,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor, all
 from meshtrain.parallel.context import blockwise
 from meshtrain.parallel.context.blockwise import accumulate_dtype
 
-#: a piece is at least this many tokens (the block kernels' efficiency: 256 took 15 % more CPU
+#: a piece is at least this many tokens (the block kernels' efficiency: 256 took more CPU time
 #: than 512 at 16k tokens, cp=4) ...
 MIN_PIECE = 512
 #: ... and a chunk is cut into at most this many pieces: what is in flight, 16 pieces of K/V
