@@ -166,7 +166,7 @@ class Trainer(LightningViews):
             with collective_checks(self.debug_collectives):
                 self._fit_loop()
             drain_collectives()
-            self.monitor.finish()
+            self.monitor.finish(stop_reason=self.stop_reason, step=self.global_step)
             self.print(self.monitor.summary(self, time.perf_counter() - start))
         except BaseException as error:
             self._call("on_exception", error)

@@ -11,15 +11,18 @@ train`` exits 2 after a refused setting, on any rank), else 0.
 torchrun's ``TORCHELASTIC_ERROR_FILE`` (in torchrun's own format, so its report shows the
 error), or the one ``Trainer(devices=N)`` gives each rank (``MESHTRAIN_ERROR_FILE``).
 
-**The first failure** (:func:`first_failure`): a rank killed by a signal that the launcher did not
-send (SIGKILL from ``kill -9`` or the out-of-memory killer: it records nothing), else the earliest
-error that is not a lost peer, else a rank that exited non-zero without a record, else the
-earliest lost peer. Errors are timed when they reach the top of their process, so between two
+**The first failure** (:func:`first_failure`): the rank the stall watchdog named, when a rank's
+record says the watchdog stopped the job (:func:`record_stall`; the ranks it named stopped
+advancing, the others only waited for them), else a rank killed by a signal that the launcher
+did not send (SIGKILL from ``kill -9`` or the out-of-memory killer: it records nothing), else the
+earliest error that is not a lost peer, else a rank that exited non-zero without a record, else
+the earliest lost peer. Errors are timed when they reach the top of their process, so between two
 ranks that failed by themselves within a moment of each other "first" is approximate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 
 ERROR_FILE_ENV = "MESHTRAIN_ERROR_FILE"  # Trainer(devices=N)'s ranks (launch/script_workers.py)
 TORCHRUN_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # torchrun's (`meshtrain run`)
-_exit = {"uncaught": False, "code": None, "installed": False}
+_exit = {"uncaught": False, "code": None, "installed": False, "forced": None}
 
 #: what a gloo / NCCL / store error says when the process at the other end has gone away
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -76,8 +79,16 @@ def ends_with(error: BaseException, code: int) -> None:
     record_failure(error, shown="message")
 
 
+def force_exit_code(code: int) -> None:
+    """This process ends with ``code`` whatever else happens (the stall watchdog's)."""
+    _exit["forced"] = code
+
+
 def exit_code() -> int:
-    """The code this process exits with: 1 after an uncaught exception, else sys.exit's, else 0."""
+    """The code this process exits with: one forced, else 1 after an uncaught exception, else
+    sys.exit's, else 0."""
+    if _exit["forced"] is not None:
+        return _exit["forced"]
     code = 1 if _exit["uncaught"] else (_exit["code"] or 0)
     return code if 0 <= code <= 255 else 1  # (os._exit(256) would say success)
 
@@ -119,16 +130,40 @@ def record_failure(error: BaseException, *, shown: str, tb=None) -> None:
         pass
 
 
+def record_stall(message: str, ranks: list[int]) -> None:
+    """The stall watchdog stopped the job: ``ranks`` stopped advancing (``message`` says how);
+    written to this rank's error file, if the launcher gave one and nothing is there yet."""
+    path = os.environ.get(ERROR_FILE_ENV) or os.environ.get(TORCHRUN_ERROR_FILE_ENV)
+    if not path or os.path.exists(path):
+        return
+    now = time.time()
+    info = {"timestamp": str(int(now)), "meshtrain": {
+        "time": now, "lost_peer": False, "shown": "message",
+        "stall": {"ranks": list(ranks), "cause": message}}}
+    try:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"message": {"message": f"StallWatchdog: {message}",
+                                   "extraInfo": info}}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def read_record(path) -> dict | None:
-    """(message, time, lost_peer, shown) of a rank's error file, or None."""
+    """(message, time, lost_peer, shown, traceback, stall) of a rank's error file, or None;
+    ``stall``: {"ranks", "cause"} when the stall watchdog stopped the job."""
     try:
         with open(path) as f:
             data = json.load(f)["message"]
         ours = data["extraInfo"].get("meshtrain", {})
+        stall = ours.get("stall")
         return {"message": data["message"], "time": float(ours.get("time",
                 data["extraInfo"].get("timestamp", 0))),
                 "lost_peer": bool(ours.get("lost_peer", False)),
-                "shown": ours.get("shown", "traceback")}
+                "shown": ours.get("shown", "traceback"),
+                "traceback": data["extraInfo"].get("py_callstack"),
+                "stall": stall if isinstance(stall, dict) and stall.get("ranks") else None}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -141,8 +176,13 @@ class Failure:
     exitcode: int
     record: dict | None = None
     stopped: bool = False  # ended by the launcher itself (its SIGTERM), after another failure
+    stall: str | None = None  # the stall watchdog's finding, when it stopped the job
 
     def how(self) -> str:
+        if self.stall is not None:
+            named = self.record is not None and self.record.get("stall") is not None and \
+                self.rank in self.record["stall"]["ranks"]
+            return "stalled" if named else "was stopped by the stall watchdog"
         if self.exitcode < 0:
             return f"was killed by signal {_signal_name(-self.exitcode)}"
         return f"exited with code {self.exitcode}"
@@ -150,6 +190,8 @@ class Failure:
     def what(self, where: str = "above") -> str:
         """Its error, and where its traceback or message is: the end of a sentence after
         :meth:`how` (``f"rank 1 {f.how()} first{f.what()}"``)."""
+        if self.stall is not None:
+            return f": {self.stall}"
         if self.record is not None:
             return f": {self.record['message']} (its {self.record['shown']} is {where})"
         if self.exitcode == -signal.SIGKILL:
@@ -167,6 +209,16 @@ def _signal_name(number: int) -> str:
 
 def first_failure(failures: list[Failure]) -> Failure | None:
     """The failure the others followed from (see the module's doc), or None if there is none."""
+    stalls = [f for f in failures if f.record is not None and f.record.get("stall")]
+    if stalls:  # the ranks the watchdog named, if the launcher knows them, else its finder
+        finder = min(stalls, key=lambda f: f.record["time"])
+        stall = finder.record["stall"]
+        by_rank = {f.rank: f for f in failures}
+        named = [by_rank[r] for r in stall["ranks"] if r in by_rank]
+        first = named[0] if named else finder
+        return Failure(first.rank, first.exitcode, finder.record, first.stopped,
+                       stall=stall["cause"])
+
     def rank_of(f: Failure):
         if f.exitcode < 0 and f.record is None and not f.stopped:
             return (0, 0.0, f.rank)  # killed from outside
@@ -179,3 +231,45 @@ def first_failure(failures: list[Failure]) -> Failure | None:
         return (4, 0.0, f.rank)  # stopped by the launcher
 
     return min(failures, key=rank_of, default=None)
+
+
+@contextlib.contextmanager
+def agent_records(args):
+    """Around torchrun in `meshtrain run`'s agent: rank 0 announces its run folder in a file
+    (``MESHTRAIN_RUN_DIR_FILE``); when the workers fail (or the agent is interrupted), the
+    run's ending is written there from what every local rank recorded, with the report
+    (observe/ending.py), where no worker recorded more. A log folder the agent made itself
+    (``args.meshtrain_temp_log_dir``) is removed after a success without restarts: it holds
+    only empty folders then (after a failure or a restart, the failed workers' error files)."""
+    import glob
+    import shutil
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from meshtrain.observe import ending
+
+    fd, path = tempfile.mkstemp(prefix="meshtrain-run-dir-", suffix=".json")
+    os.close(fd)
+    before = os.environ.get(ending.RUN_DIR_FILE_ENV)
+    os.environ[ending.RUN_DIR_FILE_ENV] = path
+    try:
+        yield
+    except ChildFailedError as err:
+        ending.record_agent_ending(err, path)
+        raise
+    except SignalException as exc:
+        ending.record_interrupted(path, int(exc.sigval))
+        raise
+    else:
+        if getattr(args, "meshtrain_temp_log_dir", False) and args.log_dir and not [
+                p for p in glob.glob(os.path.join(glob.escape(args.log_dir), "*", "attempt_*"))
+                if not p.endswith("attempt_0")]:
+            shutil.rmtree(args.log_dir, ignore_errors=True)
+    finally:
+        os.unlink(path)
+        if before is None:
+            os.environ.pop(ending.RUN_DIR_FILE_ENV, None)
+        else:
+            os.environ[ending.RUN_DIR_FILE_ENV] = before

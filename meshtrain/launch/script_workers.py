@@ -25,6 +25,8 @@ from meshtrain.launch import endings
 from meshtrain.launch.endings import Failure
 from meshtrain.launch.spawn import _host_store, _state, _worker_environ
 
+STALL_GRACE_S = 60.0  # a worker the stall watchdog stopped: rank 0's watchdog ends the job
+
 
 def script_command() -> list[str]:
     """The command that started this process, to run it again for the other ranks."""
@@ -83,26 +85,52 @@ class ScriptWorkers:
                 if code not in (None, 0)]
 
     def _watch(self) -> None:
+        stall_seen = None
         while not self._stop.wait(0.2):
             first = endings.first_failure(self.failures())
+            if first is not None and first.stall is not None and (
+                    stall_seen is None or time.monotonic() - stall_seen < STALL_GRACE_S):
+                # the stall watchdog stops every rank, this one too, and records the ending
+                stall_seen = stall_seen or time.monotonic()
+                continue
             if first is not None:
                 self.failed = first
                 print(f"meshtrain: worker rank {first.rank} {first.how()}{first.what()}; "
                       "stopping the job.", file=sys.stderr, flush=True)
                 self.terminate()
                 # Rank 0 normally fails fast on the broken connection; if it is stuck
-                # elsewhere, give it a moment to report, then end the job.
+                # elsewhere, give it a moment to report, then end the job, recording why.
                 time.sleep(10)
+                self._record_ending(first)
                 os._exit(1)
 
+    @staticmethod
+    def _record_ending(first: Failure) -> None:
+        from meshtrain.observe.ending import announced, from_failure, record_ending
+
+        run_dir = announced()
+        if run_dir is not None:
+            record_ending(run_dir, **from_failure(first, "the launcher (rank 0's process)"))
+
     def terminate(self) -> None:
+        """SIGTERM to every worker still running, and SIGCONT, so that a stopped one (SIGSTOP)
+        gets it too."""
         self.stopped = True
         for proc in self.procs:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                for sig in (signal.SIGTERM, signal.SIGCONT):
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
+
+    def abandon(self) -> None:
+        """This process leaves now (the stall watchdog): end the workers still running, a
+        stopped one included, without waiting."""
+        self._stop.set()
+        self._joined = True
+        self.terminate()
+        shutil.rmtree(self.errors, ignore_errors=True)
 
     def _wait(self, seconds: float) -> bool:
         deadline = time.monotonic() + seconds

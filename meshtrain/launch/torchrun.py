@@ -39,6 +39,7 @@ from collections.abc import Iterator, Sequence
 
 from meshtrain.errors import ConfigError
 from meshtrain.fault.restarts import repeated_failures_stop_restarts
+from meshtrain.launch.endings import agent_records
 from meshtrain.launch.ports import check_port_free, find_free_port
 from meshtrain.launch.rendezvous import LOCAL_HOST, loopback_rendezvous_store, round_in_worker_env
 from meshtrain.launch.spawn import NNODES_ENV
@@ -85,7 +86,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             signal.signal(sig, _forward_to_workers)
         try:
             with loopback_rendezvous_store(args), round_in_worker_env(), \
-                    repeated_failures_stop_restarts(args.log_dir):  # (fault/restarts.py)
+                    repeated_failures_stop_restarts(args.log_dir), \
+                    agent_records(args):  # the run's ending, if the workers fail (endings.py)
                 torchrun(args)
         except ChildFailedError as err:
             # torchrun's CLI would print this report as an uncaught exception; keep it.
@@ -152,11 +154,19 @@ def _report_restarts(args: argparse.Namespace, before: set[str], failed: bool) -
     outcome = "the last attempt failed too" if failed else "the last attempt succeeded"
     print(
         f"meshtrain run: the workers were restarted {times} (--max-restarts "
-        f"{args.max_restarts}); {outcome}. Each attempt's logs are in "
-        f"{os.path.join(args.log_dir, '*', 'attempt_N')}.",
+        f"{args.max_restarts}); {outcome}. {_attempt_logs(args)}",
         file=sys.stderr,
         flush=True,
     )
+
+
+def _attempt_logs(args: argparse.Namespace) -> str:
+    """Where torchrun kept what each attempt left (its output only with --tee/--redirects)."""
+    folder = os.path.join(args.log_dir, "*", "attempt_N", "LOCAL_RANK")
+    if str(args.tee) != "0" or str(args.redirects) != "0":
+        return f"Each attempt's output and failed workers' error.json are in {folder}."
+    return (f"Each attempt's failed workers' error.json are in {folder} (add --tee 3 to keep "
+            "their output there too).")
 
 
 def _local_processes(nproc_per_node: str) -> int:
@@ -202,6 +212,7 @@ def prepare_args(args: argparse.Namespace) -> None:
         # torchrun makes a temporary log folder anyway; making it here lets the failure
         # summary say where a worker's stderr.log / error.json lie.
         args.log_dir = tempfile.mkdtemp(prefix="meshtrain_run_")
+        args.meshtrain_temp_log_dir = True  # removed after a success (launch/endings.py)
 
 
 def _use_local_rendezvous(args: argparse.Namespace) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.launch.spawn import DistEnv
-from meshtrain.observe import run_files, stragglers
+from meshtrain.launch.spawn import DistEnv, _state
+from meshtrain.observe import ending, run_files, stragglers
 from meshtrain.observe.memory.limit import limit_description, memory_peak_and_limit
 from meshtrain.observe.run_files import PARTS
 from meshtrain.observe.step_timer import make_step_timer
@@ -69,6 +69,7 @@ class RunMonitor:
         env = DistEnv.from_environ()
         device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                        else platform.processor() or platform.machine())
+        ending.announce(self.run_dir)  # (for the launcher: observe/ending.py)
         run_files.update_environment(
             self.run_dir, torch=torch.__version__, python=platform.python_version(),
             platform=platform.platform(), hostname=socket.gethostname(),
@@ -76,7 +77,8 @@ class RunMonitor:
             nodes=env.nodes if env else 1,
             processes_per_node=env.local_world_size if env else self.world_size, layout=layout,
             flops_per_item=flops_per_item, started=run_files.now(), finished=None,
-            status="running", error=None, settings=settings, **limit_description(self.device))
+            status="running", error=None, ending=None, settings=settings,
+            **limit_description(self.device))
         if flops_per_item:
             self._find_peak()
 
@@ -87,17 +89,26 @@ class RunMonitor:
         run_files.update_environment(self.run_dir, peak_tflops=self.peak,
                                      peak_source=self.peak_source)
 
-    def finish(self, error: BaseException | None = None) -> None:
-        """The run ended (``error``: how it failed); stops a profiler still running."""
+    def finish(self, error: BaseException | None = None, *, stop_reason: str | None = None,
+               step: int | None = None) -> None:
+        """The run ended: ``error`` how it failed, ``stop_reason`` why the loop stopped early
+        ("signal": preempted); stops a profiler still running. Rank zero records the ending
+        (observe/ending.py): a lost connection's cause is the first failing rank's error;
+        other ranks put their error in the job's store for it."""
         self._stop_profiler()
-        if self.is_zero and (self.run_dir / run_files.ENVIRONMENT).exists():
-            run_files.update_environment(
-                self.run_dir, finished=run_files.now(),
-                status="failed" if error is not None else "finished",
-                error=None if error is None else f"{type(error).__name__}: {error}")
-            if error is not None:  # a desync: ranks called different collectives
-                kind = "desync" if type(error).__name__ == "CollectiveMismatch" else "failure"
-                self.event(kind, f"{type(error).__name__}: {error}")
+        if error is not None and not self.is_zero:
+            ending.publish_failure(error, self.rank, step)
+        if not self.is_zero or not (self.run_dir / run_files.ENVIRONMENT).exists():
+            return
+        if error is not None:
+            found = ending.failure_ending(error, self.rank, step, workers=_state["workers"])
+            ending.record_ending(self.run_dir, **found, report=False)  # (fit writes it)
+        elif stop_reason == "signal":
+            ending.record_ending(self.run_dir, "preempted", step=step,
+                                 cause="stopped on a signal (stop_on_signal) after a "
+                                       "resumable checkpoint")
+        else:
+            ending.record_ending(self.run_dir, "finished", step=step, cause=stop_reason)
 
     def event(self, kind: str, message: str, step: int | None = None, path=None) -> None:
         """One line in the run's events (rank zero)."""

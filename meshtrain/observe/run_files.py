@@ -12,8 +12,11 @@ files.
   "samples"), ``flops_per_item`` (model FLOPs per token or sample, forward and backward),
   ``peak_tflops`` and ``peak_source`` (the peak MFU is measured against, per rank),
   ``started``/``finished`` (ISO times),
-  ``status`` ("running", "finished" or "failed"), ``error`` (the exception, or null) and
-  ``settings`` (the Trainer's settings, shown when there is no ``config.toml``).
+  ``status`` ("running", then "finished", "preempted", "failed", "stopped_by_watchdog" or
+  "killed"), ``error`` (the cause, ``"Type: message"``, or null), ``ending`` (how it ended: the
+  rank, cause, exception, traceback, signal, step and who recorded it; meshtrain/observe/
+  ending.py, which writes these three) and ``settings`` (the Trainer's settings, shown when
+  there is no ``config.toml``).
 * ``breakdown.csv``: one row per rank per logging interval: ``step``, ``rank``, then seconds
   per optimizer step averaged over the interval: ``wall_s`` (the loop's own clock: the
   interval's wall time, validation excepted, over its steps), ``step_s`` (the measured steps)
@@ -56,7 +59,7 @@ PART_DOCS = {
 BREAKDOWN_COLUMNS = ("step", "rank", "wall_s", "step_s", *(f"{p}_s" for p in PARTS),
                      "mem_peak_bytes", "mem_limit_bytes")
 EVENT_KINDS = ("checkpoint", "restart", "skip", "rollback", "watchdog", "desync",
-               "straggler", "profile", "failure", "pruned", "removed")
+               "straggler", "profile", "failure", "killed", "preempted", "pruned", "removed")
 # metrics meshtrain logs that the run's summaries (the report's, the lines fit ends with) leave
 # to the throughput section and the fit line; every other metric, the user's own
 # (self.log / trainer.log) included, is summarised with its last value

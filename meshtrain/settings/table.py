@@ -334,9 +334,10 @@ DEFINITIONS = [
        needs=("processes|stall_timeout_s",)),
     _S("init_timeout_s", "fault", 600.0, "number",
        "Collective timeout for start-up and the first step.", needs=("processes",)),
-    _S("stall_timeout_s", "fault", 240.0, "number",
-       "A step running this long writes every rank's Python stacks to run_dir/stacks/ and ends "
-       "the job (below collective_timeout_s); none: no watchdog.", none=True),
+    _S("stall_timeout_s", "fault", 120.0, "number",
+       "A step running this long ends the job naming the rank that stopped advancing, with "
+       "every rank's stacks in run_dir/stacks/ (below collective_timeout_s); none: no watchdog.",
+       none=True),
     _S("debug_collectives", "fault", False, "bool",
        "Check every collective across ranks first and name the ranks and call sites of a "
        "desync (a few ms per collective: for debugging).", needs=("processes",)),

@@ -115,6 +115,8 @@ class Faults(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if hit and args.fault == "stall":
             time.sleep(600)  # a rank stuck inside a step
+        if hit and args.fault == "stop":  # a frozen rank: it cannot run Python any more
+            os.kill(os.getpid(), signal.SIGSTOP)
         if hit and args.fault == "signal":  # as `scancel --signal=USR1` or Slurm's --signal
             os.kill(os.getpid(), signal.SIGUSR1)
         if hit and args.fault == "desync":  # a collective the other ranks do not run
@@ -172,7 +174,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nan-index", type=int, default=None)
     p.add_argument("--nan-policy", default="error")
     p.add_argument("--defer-nan-check", action="store_true")
-    p.add_argument("--fault", choices=("kill", "stall", "desync", "kill-in-save", "signal"),
+    p.add_argument("--fault", choices=("kill", "stall", "stop", "desync", "kill-in-save",
+                                       "signal"),
                    default=None)
     p.add_argument("--stop-on-signal", default="auto")
     p.add_argument("--fault-step", type=int, default=None)

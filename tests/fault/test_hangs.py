@@ -4,11 +4,15 @@ mechanism ended the job (the watchdog's exit code, the timeout value in gloo's e
 collective checker's report) and that the job ended by itself (``run_workers`` did not have to
 kill a hung job)."""
 
+import json
+import re
+
 import pytest
 from fault_job import train
 
 from meshtrain.errors import WorkerFailed
 from meshtrain.launch.spawn import run_workers
+from meshtrain.observe.run_files import read_events
 
 HUNG = "did not finish within"  # run_workers' words when it had to kill a hung job
 
@@ -22,15 +26,42 @@ def _fails(argv, budget=120):
 
 
 @pytest.mark.timeout(150)
-def test_a_stalled_rank_gets_every_rank_stack_written_and_a_non_zero_exit(tmp_path):
+def test_a_stopped_rank_is_named_by_the_watchdog_and_recorded_as_the_runs_ending(
+        tmp_path, capfd):
+    # rank 1 SIGSTOPs itself inside step 4 (it cannot run Python, not even its watchdog);
+    # rank 0 waits for it in the gradient all-reduce. (A rank asleep in Python, which answers:
+    # tests/fault/test_watchdog.py.)
     text = _fails(["--run-dir", str(tmp_path), "--layout", "dp=2", "--max-steps", "8",
-                   "--fault", "stall", "--fault-step", "4", "--stall-timeout", "3",
+                   "--fault", "stop", "--fault-step", "4", "--stall-timeout", "3",
                    "--collective-timeout", "60"])
-    assert "exited with code 3" in text  # the watchdog's code, on both ranks
-    stalled = (tmp_path / "stacks" / "rank1.txt").read_text()
-    waiting = (tmp_path / "stacks" / "rank0.txt").read_text()
-    assert "step 4" in stalled and "on_train_step_start" in stalled  # where it sleeps
-    assert "_fit_loop" in waiting  # the other rank: inside the step, waiting for rank 1
+    assert "rank 0: exited with code 3" in text  # the watchdog's code; rank 1 was killed
+    out, err = capfd.readouterr()
+    stopped = re.compile(r"rank 1 did not answer: its process \(pid (\d+)\) is stopped \(state T "
+                         r"in /proc/\d+/status: SIGSTOP or job control\), so it cannot run Python")
+    line = re.search(r"meshtrain: step 4 stalled for [\d.]+ s \(limit 3 s, found by rank 0\): "
+                     + stopped.pattern + r".*; the others wait: rank 0 is in step 4\. Every "
+                     r"rank's stack is in ", err)
+    assert line, err[-3000:]
+    assert "stall watchdog: a step (after the first) running over 3 s (stall_timeout_s) stops " \
+        "the job" in out  # said at start (rank 0's lines)
+    # rank 1's stacks file: what could be read from outside (it cannot write its own)
+    outside = (tmp_path / "stacks" / "rank1.txt").read_text()
+    assert f"Rank 1, pid {line.group(1)} on " in outside and "state: T (stopped)" in outside
+    assert "do_signal_stop" in outside  # its kernel wait channel
+    assert "Python stack: " in outside, outside
+    assert "_fit_loop" in (tmp_path / "stacks" / "rank0.txt").read_text()  # waiting for rank 1
+    # the run's status, its events and its report say the same, with rank 1
+    environment = json.loads((tmp_path / "environment.json").read_text())
+    ending = environment["ending"]
+    assert environment["status"] == ending["status"] == "stopped_by_watchdog", environment
+    assert ending["rank"] == 1 and ending["ranks"] == [1] and ending["step"] == 4, ending
+    assert stopped.search(ending["cause"]) and environment["finished"], ending
+    assert ending["recorded_by"] == "the stall watchdog on rank 0"
+    events = [e for e in read_events(tmp_path) if e["kind"] == "watchdog"]
+    assert len(events) == 1 and stopped.search(events[0]["message"]), events
+    assert events[0]["path"] == "stacks" and events[0]["step"] == 4
+    report = (tmp_path / "report.html").read_text()
+    assert "stopped_by_watchdog</span>" in report and stopped.search(report), report[:2000]
 
 
 @pytest.mark.timeout(150)

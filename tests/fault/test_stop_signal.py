@@ -23,6 +23,13 @@ def _unfinished(run_dir) -> int:
     return summary["step"]
 
 
+def _status(run_dir) -> tuple[str, int]:
+    """environment.json's status and the step its ending names."""
+    environment = json.loads((run_dir / "environment.json").read_text())
+    assert environment["ending"]["status"] == environment["status"], environment
+    return environment["status"], environment["ending"]["step"]
+
+
 @pytest.mark.timeout(150)
 def test_a_signal_to_one_rank_stops_all_after_the_same_step_and_the_run_continues(tmp_path):
     stopped = run_workers(train, 2, (_job(tmp_path / "run", "--fault", "signal", "--fault-step",
@@ -31,8 +38,10 @@ def test_a_signal_to_one_rank_stops_all_after_the_same_step_and_the_run_continue
     # in step 4 by both ranks, which stop after it
     assert [(r["global_step"], r["stop_reason"]) for r in stopped] == [(4, "signal")] * 2
     assert _unfinished(tmp_path / "run") == 4
+    assert _status(tmp_path / "run") == ("preempted", 4)  # what a monitor reads
     again = run_workers(train, 2, (_job(tmp_path / "run"),), timeout=100)
     assert [(r["global_step"], r["stop_reason"]) for r in again] == [(8, None)] * 2
+    assert _status(tmp_path / "run") == ("finished", 8)
     straight = run_workers(train, 2, (_job(tmp_path / "straight"),), timeout=100)
     assert [r["global_step"] for r in straight] == [8, 8]
     assert_equal_weights(final_weights(tmp_path / "run", mlp),

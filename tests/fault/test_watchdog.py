@@ -50,12 +50,20 @@ def test_stall_dumps_every_rank_and_stops_the_job(tmp_path):
     assert STALL_EXIT_CODE in codes, (codes, stderr)
     assert not any("finished without a stall" in out for out, _ in outputs)
 
+    # whichever rank noticed first, the line names rank 1, which stopped calling collectives,
+    # and where it is; the waiting rank 0 is not blamed
     line = re.search(
-        r"meshtrain: step 3 stalled for ([\d.]+) s on rank ([01]) \(limit 2 s\); every rank's "
-        r"Python stack is in (.+); stopping the job", stderr)
+        r"meshtrain: step 3 stalled for ([\d.]+) s \(limit 2 s, found by rank ([01])\): rank 1 "
+        r"stopped before a collective the others wait in: it is in step 3 \(for [\d.]+ s\) in "
+        r"sleep_inside_step \(stall_worker.py:\d+\) and has started (\d+) collectives on group "
+        r"\S+, the others (\d+)\. Every rank's stack is in (.+); stopping the job", stderr)
     assert line, stderr
     assert float(line.group(1)) >= LIMIT_S  # it fired past the limit, not before
-    assert Path(line.group(3)) == stacks_dir
+    assert int(line.group(3)) + 1 == int(line.group(4))  # rank 0 waits in the next all_reduce
+    assert Path(line.group(5)) == stacks_dir
+    other = 1 - int(line.group(2))  # the rank that answered says the same before it stops
+    assert f"meshtrain: rank {other} stopping: step 3 stalled" in stderr and stderr.count(
+        "rank 1 stopped before a collective") == 2, stderr
 
     rank0 = (stacks_dir / "rank0.txt").read_text()
     rank1 = (stacks_dir / "rank1.txt").read_text()
@@ -184,7 +192,8 @@ def test_one_process_stall_writes_stacks(tmp_path, stops, capsys):
     assert text.startswith("meshtrain stall watchdog: rank 0, step 7 stalled for 1.5 s (limit "
                            "0.3 s)"), text
     assert "_stalled_step" in text
-    assert "meshtrain: step 7 stalled for 1.5 s on rank 0 (limit 0.3 s)" in capsys.readouterr().err
+    assert ("meshtrain: step 7 stalled for 1.5 s (limit 0.3 s, found by rank 0): rank 0 (one "
+            "process) is in step 7 (for 1.5 s)") in capsys.readouterr().err
 
 
 BACKSTOP_SCRIPT = """

@@ -6,7 +6,9 @@ sets the Trainer's settings).
 
 KIND: ``refuse`` (every rank raises a ConfigError at its first step, as a check of the data
 against the layout does), ``raise`` (the model raises ValueError at step 2 on rank 1), ``kill``
-(rank 1 is SIGKILLed at step 2), ``none``.
+(rank 1 is SIGKILLed at step 2), ``stop`` (rank 1 SIGSTOPs itself at step 2; the stall watchdog
+is set to 2 s), ``none``. The report is written when ``FAILING_JOB_REPORT=1``
+(the ``train`` entry: the config's ``[logging] report``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from parity import adamw, mlp, regression_data
 
 from meshtrain import ConfigError, Trainer, settings
 
-KINDS = ("refuse", "raise", "kill", "none")
+KINDS = ("refuse", "raise", "kill", "stop", "none")
+REPORT_ENV = "FAILING_JOB_REPORT"  # "1": the Trainer's report on
 REFUSAL = "this job refuses its data after start (a made-up check); fix: give it other data"
 
 
@@ -42,6 +45,8 @@ class Failing(torch.nn.Module):
             raise ValueError("rank 1's model raised at step 2 (made up)")
         if self.kind == "kill" and rank == 1 and self.calls == 2:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "stop" and rank == 1 and self.calls == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)
         return self.net(x)
 
 
@@ -53,7 +58,10 @@ def train(kind: str, **settings_) -> None:
     (pids / f"{os.getpid()}.pid").write_text(str(os.getpid()))
     keywords = dict(layout="dp=2", devices=2, accelerator="cpu", max_steps=3,
                     global_batch_size=16, loggers=(), progress_bar=False, model_summary=False,
-                    report=False, save_final_checkpoint=False, seed=0)
+                    report=os.environ.get(REPORT_ENV) == "1", save_final_checkpoint=False,
+                    seed=0)
+    if kind == "stop":  # the stall watchdog finds it (from step 2 on: it skips the first)
+        keywords["stall_timeout_s"] = 2.0
     trainer = Trainer(**{**keywords, **settings_})
     trainer.fit(Failing(kind), regression_data(), optimizer=adamw, loss_fn=F.mse_loss)
     trainer.print(f"TRAINED {trainer.global_step} steps")

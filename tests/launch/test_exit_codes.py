@@ -4,8 +4,13 @@ that failed first with its real error: ``meshtrain train``, ``meshtrain run`` an
 on every rank after start), rank 1's model raising at step 2, and rank 1 SIGKILLed at step 2
 (tests/launch/failing_job.py). One subprocess per pair, each entry point ending a job its own
 way (rank 0's atexit, the command line's exit code 2, torchrun's agent), but for ``python`` with
-a rank 1 raising: tests/launch/test_script_workers.py runs that one."""
+a rank 1 raising: tests/launch/test_script_workers.py runs that one. The runs that raise or
+are killed also check the run folder's record of the ending (environment.json's status and
+ending, events.jsonl, report.html: observe/ending.py), whoever wrote it: rank 0 (``python``,
+``train``) or the agent (``run``)."""
 
+import html
+import json
 import os
 import signal
 import subprocess
@@ -39,17 +44,21 @@ report = false
 
 def _run(entry: str, kind: str, tmp_path: Path) -> subprocess.CompletedProcess:
     run_dir = tmp_path / "run"
+    report = _reports(entry, kind)
     if entry == "python":
         command = [str(HERE / "failing_job.py"), kind, str(run_dir)]
     elif entry == "run":
         command = ["-m", "meshtrain", "run", "--nproc-per-node", "2",
                    str(HERE / "failing_job.py"), kind, str(run_dir)]
     else:
-        (tmp_path / "job.toml").write_text(CONFIG)
+        # the report only where the ending is checked (it takes a second or two)
+        (tmp_path / "job.toml").write_text(CONFIG.replace(
+            "report = false", f"report = {str(report).lower()}"))
         command = ["-m", "meshtrain", "train", "job.toml", f"--failure.kind={kind}",
                    f"--logging.run_dir={run_dir}"]
     env = script_env()
     env["PYTHONPATH"] += os.pathsep + str(HERE)  # the recipe failing_job
+    env["FAILING_JOB_REPORT"] = str(int(report))
     try:
         return subprocess.run([sys.executable, *command], env=env, cwd=tmp_path, text=True,
                               capture_output=True, timeout=TIMEOUT)
@@ -63,6 +72,33 @@ def _run(entry: str, kind: str, tmp_path: Path) -> subprocess.CompletedProcess:
 
 def _last_lines(text: str) -> str:
     return "\n".join(text.strip().splitlines()[-3:])
+
+
+def _reports(entry: str, kind: str) -> bool:
+    """Whether the run writes its report (it takes a second or two): where its ending is
+    checked, but for ``run`` with rank 1 raising, where rank 0's lost connection must fail it
+    before torchrun's agent stops it (the order the summary checks)."""
+    return kind in ("kill", "stop") or (kind == "raise" and entry != "run")
+
+
+def _recorded_ending(tmp_path: Path, status: str, kind: str, message: str,
+                     report: bool = True) -> dict:
+    """The run folder's ending: environment.json, the one event of ``kind`` that says the
+    same, and the report (written by whoever recorded the ending); returns environment.json's
+    ``ending``."""
+    run = tmp_path / "run"
+    environment = json.loads((run / "environment.json").read_text())
+    ending = environment["ending"]
+    assert environment["status"] == ending["status"] == status, environment
+    assert ending["rank"] == 1 and environment["finished"] == ending["time"], ending
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    found = [e for e in events if e["kind"] == kind]
+    assert len(found) == 1 and f"{status}: rank 1: {message}" in found[0]["message"], events
+    if report:
+        page = html.unescape((run / "report.html").read_text())
+        assert f'status-{status}">{status}</span>' in page, page[:3000]
+        assert f"rank 1: {message}" in page, page[:3000]
+    return ending
 
 
 ENTRIES = ("python", "run", "train")
@@ -104,6 +140,14 @@ def test_a_model_raising_on_rank_1_fails_the_job_and_is_named(entry, tmp_path):
     else:  # ... and rank 0's lost connection laid at rank 1's door
         assert (f"WorkerFailed: worker rank 1 exited with code 1 first: {error} (its traceback "
                 "is above)") in summary, err
+    # the run's recorded error is rank 1's, with its traceback, not rank 0's lost connection
+    ending = _recorded_ending(tmp_path, "failed", "failure", error, _reports(entry, "raise"))
+    assert ending["exception"] == "ValueError" and ending["lost_peer"] is False, ending
+    assert 'in forward\n    raise ValueError("rank 1\'s model raised' in ending["traceback"], ending
+    # rank 0 read it from the store (rank 1 put it there) or the error files; under `run` the
+    # agent writes it from the error files when rank 0 was stopped first
+    assert ending["recorded_by"] in ("rank 0", "the launcher (meshtrain run)")[
+        :2 if entry == "run" else 1], ending
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
@@ -114,9 +158,45 @@ def test_a_sigkilled_rank_fails_the_job_and_no_traceback_is_promised(entry, tmp_
     assert done.returncode == 1, err
     killed = ("was killed by signal SIGKILL first; it printed no error: SIGKILL comes from "
               "outside the job")
-    if entry == "run":
-        assert "rank 1 (local rank 1" in summary and killed.replace(
-            " first;", " first (1 more worker(s) failed after it);") in summary, err
+    if entry == "run":  # rank 0 fails on its lost peer, or (writing its report) is stopped
+        assert "rank 1 (local rank 1" in summary and (killed.replace(
+            " first;", " first (1 more worker(s) failed after it);") in summary
+            or killed in summary), err
     else:
         assert f"WorkerFailed: worker rank 1 {killed}" in summary, err
     assert "traceback is above" not in err and "its traceback is in" not in summary, err
+    ending = _recorded_ending(tmp_path, "killed", "killed", "killed by signal SIGKILL; it "
+                              "printed no error")
+    assert ending["signal"] == "SIGKILL" and ending["traceback"] is None, ending
+    # under `run` only the agent sees the SIGKILL (rank 0 saw a lost connection)
+    assert ending["recorded_by"] == "the launcher (meshtrain run)" if entry == "run" else \
+        ending["recorded_by"] in ("rank 0", "the launcher (rank 0's process)"), ending
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_a_stopped_rank_is_named_by_the_stall_watchdog_and_ended(tmp_path):
+    """Rank 1 SIGSTOPped at step 2 under `python script.py`: rank 0 (its launcher) names it,
+    records the ending, writes the report, and ends the stopped process before it exits 3."""
+    done = _run("python", "stop", tmp_path)
+    err = done.stderr
+    assert done.returncode == 3, err  # the watchdog's code, not a lost connection's 1
+    stopped = ("rank 1 did not answer: its process (pid {}) is stopped (state T in "
+               "/proc/{}/status: SIGSTOP or job control), so it cannot run Python")
+    pids = {int(p.read_text()) for p in (tmp_path / "pids").glob("*.pid")}
+    named = [pid for pid in pids if stopped.format(pid, pid) in err]
+    assert len(named) == 1, err[-3000:]
+    assert "(limit 2 s, found by rank 0)" in err and "WorkerFailed" not in err, err[-3000:]
+    ending = _recorded_ending(tmp_path, "stopped_by_watchdog", "watchdog",
+                              "step 2 stalled for ", report=True)
+    assert stopped.format(*named * 2) in ending["cause"] and ending["ranks"] == [1], ending
+    # the stopped rank did not outlive the job (the test's finally would have killed it)
+    assert _gone(named[0]), Path(f"/proc/{named[0]}/status").read_text()
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (a zombie that nothing has reaped yet counts as ended)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "State:\tZ" in status

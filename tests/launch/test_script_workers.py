@@ -2,6 +2,7 @@
 running the script again (ScriptWorkers). A success must match one process; a failure on either
 rank must end the job with a non-zero exit, the traceback, and no hang."""
 
+import json
 import re
 import subprocess
 import textwrap
@@ -101,6 +102,16 @@ def test_failure_on_rank_1_ends_the_job(tmp_path):
              "traceback is above)")
     assert done.stderr.index("boom on rank 1") < done.stderr.index(blame), done.stderr
     assert "SAVED" not in done.stdout and not list((tmp_path / "pids").glob("state_rank*.pt"))
+    _assert_recorded(tmp_path, rank=1)  # rank 1's error, not rank 0's broken connection
+
+
+def _assert_recorded(tmp_path, rank: int) -> None:
+    """The run folder records the failing rank's own error as the run's ending."""
+    environment = json.loads((tmp_path / "pids" / "run" / "environment.json").read_text())
+    ending = environment["ending"]
+    assert environment["status"] == "failed" and ending["rank"] == rank, environment
+    assert environment["error"] == f"RuntimeError: boom on rank {rank}", environment
+    assert "in loss_fn" in ending["traceback"] and not ending["lost_peer"], ending
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
@@ -111,6 +122,7 @@ def test_failure_on_rank_0_ends_the_job(tmp_path):
     # rank 1, stopped because rank 0 failed, is not blamed for it
     assert "WorkerFailed" not in done.stderr and "worker rank 1 exited" not in done.stderr
     assert "SAVED" not in done.stdout and not list((tmp_path / "pids").glob("state_rank*.pt"))
+    _assert_recorded(tmp_path, rank=0)
 
 
 TWO_FITS = """

@@ -24,7 +24,7 @@ RUN_MARKERS = ("config.toml", "metrics.csv", run_files.ENVIRONMENT)
 class Run:
     path: Path
     name: str
-    status: str  # "finished", "failed", "running or killed", or "unknown"
+    status: str  # environment.json's (observe/ending.py), "running or killed", or "unknown"
     error: str | None
     config: dict  # config.toml as read (None settings are absent)
     settings: list[tuple[str, str, str]]  # (section, key, value as TOML), None ones included
@@ -163,10 +163,15 @@ def _read_environment(path: Path, missing: list[str]) -> dict:
 
 def _status(environment: dict, missing: list[str]) -> tuple[str, str | None]:
     status = environment.get("status")
-    if status == "failed":
-        return "failed", str(environment.get("error") or "no error message recorded")
-    if status == "finished":
-        return "finished", None
+    ending = environment.get("ending") if isinstance(environment.get("ending"), dict) else {}
+    if status in ("failed", "stopped_by_watchdog", "killed"):
+        cause = str(environment.get("error") or ending.get("cause")
+                    or "no error message recorded")
+        if ending.get("rank") is not None:
+            cause = f"rank {ending['rank']}: {cause}"
+        return status, cause
+    if status in ("finished", "preempted"):
+        return status, None
     if status == "running" and not environment.get("finished"):
         missing.append(f"{run_files.ENVIRONMENT} says \"running\" and has no finish time: the "
                        "run is still going, or it was killed (a kill leaves no failure "

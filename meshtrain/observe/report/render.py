@@ -52,7 +52,8 @@ def context(run: Run) -> dict:
     """What the template shows, every number already written out."""
     return {"run": run, "sections": SECTIONS, "summary": _summary(run),
             "environment": [(k, _text(v)) for k, v in run.environment.items()
-                            if k != "settings"],  # (shown under config)
+                            if k not in ("settings", "ending")],  # (under config, summary)
+            "ending": _ending(run),
             "loss": figures.loss_figure(run.metrics), "throughput": _throughput(run),
             "breakdown": ranks.breakdown(run.breakdown, ranks.margin(run)),
             "memory": ranks.memory(run),
@@ -96,6 +97,16 @@ def _summary(run: Run) -> list[tuple[str, str]]:
     if run.error is not None:
         rows.insert(3, ("error", run.error))
     return rows
+
+
+def _ending(run: Run) -> dict | None:
+    """Who recorded the ending, and the first failing rank's traceback (observe/ending.py)."""
+    ending = run.environment.get("ending")
+    if not isinstance(ending, dict) or ending.get("status") in (None, "finished"):
+        return None
+    by = ", ".join(str(x) for x in (ending.get("recorded_by"), ending.get("time")) if x)
+    return {"recorded_by": by or None, "signal": ending.get("signal"),
+            "traceback": ending.get("traceback"), "rank": ending.get("rank")}
 
 
 def _final_metrics(rows: Sequence[dict]) -> list[tuple[str, str]]:
