@@ -44,6 +44,7 @@ FAILURES_KEY = "meshtrain/failures"  # store: "r," per rank that published its f
 FAILURE_KEY = "meshtrain/failure/rank{}"
 WAIT_FOR_CAUSE_S = 2.0  # how long rank 0 of Trainer(devices=N) waits for a worker's exit code
 WAIT_FOR_STORE_S = 0.2  # (a rank puts its failure in the store before it dies: at once)
+STORE_TIMEOUT_S = 5.0  # a failing rank's store calls wait no longer than this
 
 _lock = threading.Lock()
 _announced: dict = {"run_dir": None}  # this process's run folder, once announced
@@ -160,13 +161,17 @@ def _store():
 
 
 def publish_failure(error: BaseException, rank: int, step: int | None = None) -> None:
-    """Put this rank's failure in the job's store, for rank 0 to name it (best effort)."""
+    """Put this rank's failure in the job's store, for rank 0 to name it (best effort; a lost
+    connection tells rank 0 nothing, and is left out)."""
     store = _store()
-    if store is None:
-        return
     info = describe(error, rank, step)
+    if store is None or info.get("lost_peer"):
+        return
     info["time"] = time.time()
     try:
+        from datetime import timedelta
+
+        store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))  # (its host may be stopped)
         store.set(FAILURE_KEY.format(rank), json.dumps(info))
         store.append(FAILURES_KEY, f"{rank},")
     except Exception:  # noqa: BLE001 - the store's host is gone: rank 0 cannot be told

@@ -136,3 +136,23 @@ def test_a_launcher_names_the_rank_the_watchdog_found_not_the_one_that_found_it(
     # a launcher that does not see rank 1 (another node) names the rank that recorded it
     alone = endings.first_failure(failures[:1])
     assert (alone.rank, alone.how()) == (0, "was stopped by the stall watchdog")
+
+
+def test_rank_0_names_the_error_a_worker_put_in_the_store(monkeypatch):
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    monkeypatch.setattr(ending, "_store", lambda: store)
+    lost = RuntimeError("Connection closed by peer")
+    ending.publish_failure(lost, 2)  # a survivor's lost connection tells rank 0 nothing
+    assert ending.published_failures(store) == []
+    # nothing in the store: rank 0's own lost connection, marked so (a launcher may replace it)
+    assert ending.failure_ending(lost, 0)["lost_peer"]
+    try:
+        raise ValueError("rank 1's batch")
+    except ValueError as error:
+        ending.publish_failure(error, 1, step=3)
+    found = ending.failure_ending(lost, 0, step=3)
+    assert (found["rank"], found["exception"], found["cause"]) == (1, "ValueError",
+                                                                   "rank 1's batch")
+    assert not found["lost_peer"] and "raise ValueError" in found["traceback_text"]
