@@ -125,11 +125,12 @@ class ScriptWorkers:
                         pass
 
     def abandon(self) -> None:
-        """This process leaves now (the stall watchdog): end the workers still running, a
-        stopped one included, without waiting."""
+        """This process leaves now (the stall watchdog): end the workers still running after a
+        moment (the others leave at the same time), a stopped one included."""
         self._stop.set()
         self._joined = True
-        self.terminate()
+        if not self._wait(1.0):
+            self.terminate()
         shutil.rmtree(self.errors, ignore_errors=True)
 
     def _wait(self, seconds: float) -> bool:
