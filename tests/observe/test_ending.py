@@ -156,3 +156,17 @@ def test_rank_0_names_the_error_a_worker_put_in_the_store(monkeypatch):
     assert (found["rank"], found["exception"], found["cause"]) == (1, "ValueError",
                                                                    "rank 1's batch")
     assert not found["lost_peer"] and "raise ValueError" in found["traceback_text"]
+
+
+def test_an_interrupted_job_is_recorded_as_killed_with_the_signal(tmp_path):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    run = _run(tmp_path)
+    with pytest.raises(SignalException), endings.agent_records(SimpleNamespace(log_dir=None)):
+        ending.announce(run)
+        raise SignalException("got SIGTERM", signal.SIGTERM)
+    found = _environment(run)["ending"]
+    assert (found["status"], found["signal"], found["rank"]) == ("killed", "SIGTERM", None)
+    assert found["cause"] == "the launcher got SIGTERM and stopped the workers"
+    # Ctrl-C in a rank (KeyboardInterrupt) is a kill too, not a failure
+    assert ending.describe(KeyboardInterrupt(), 0)["status"] == "killed"
