@@ -12,6 +12,7 @@ ending, events.jsonl, report.html: observe/ending.py), whoever wrote it: rank 0 
 import html
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -118,11 +119,12 @@ def test_a_refusal_inside_the_ranks_fails_the_job(entry, tmp_path):
         assert "WorkerFailed" not in err and "Traceback" not in err.split("[rank1]")[0], err
     elif entry == "python":  # rank 0's own refusal, not blamed on rank 1
         assert refusal in _last_lines(err) and "WorkerFailed" not in err, err
-    else:  # every rank refused by itself: the first one's error, and where it is
+    else:  # every rank refused by itself: the first one's error, and where it is (the other
+        # exits by itself, or, on a busy machine, torchrun stops it first: 1 in 3 runs here)
         summary = _last_lines(err)
         assert "meshtrain run: the job failed: rank " in summary, err
-        assert f"exited with code 1 first (1 more worker(s) failed after it): {refusal}" in \
-            summary and "error.json" in summary, err
+        assert re.search(r"exited with code 1 first( \(1 more worker\(s\) failed after it\))?: "
+                         + re.escape(refusal), summary) and "error.json" in summary, err
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
@@ -134,9 +136,11 @@ def test_a_model_raising_on_rank_1_fails_the_job_and_is_named(entry, tmp_path):
     error = "ValueError: rank 1's model raised at step 2 (made up)"
     assert err.index("Traceback") < err.index(error), err  # rank 1's own traceback...
     if entry == "run":  # ... and rank 1 named first, though rank 0 failed within the second
+        # (or was stopped by torchrun before it could, on a busy machine)
         assert "meshtrain run: the job failed: rank 1 (local rank 1" in summary, err
-        assert f"exited with code 1 first (1 more worker(s) failed after it): {error} (its " \
-            "traceback is in the report above and in " in summary, err
+        assert re.search(r"exited with code 1 first( \(1 more worker\(s\) failed after it\))?: "
+                         + re.escape(f"{error} (its traceback is in the report above and in "),
+                         summary), err
     else:  # ... and rank 0's lost connection laid at rank 1's door
         assert (f"WorkerFailed: worker rank 1 exited with code 1 first: {error} (its traceback "
                 "is above)") in summary, err
