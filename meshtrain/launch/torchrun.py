@@ -41,7 +41,8 @@ from meshtrain.errors import ConfigError
 from meshtrain.fault.restarts import repeated_failures_stop_restarts
 from meshtrain.launch.endings import agent_records
 from meshtrain.launch.ports import check_port_free, find_free_port
-from meshtrain.launch.rendezvous import LOCAL_HOST, loopback_rendezvous_store, round_in_worker_env
+from meshtrain.launch.rdzv_watch import agent_watch, rendezvous_error_line, watching
+from meshtrain.launch.rendezvous import LOCAL_HOST, rendezvous_store, round_in_worker_env
 from meshtrain.launch.spawn import NNODES_ENV
 from meshtrain.launch.world import threads_per_process
 
@@ -68,12 +69,20 @@ def run(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` like torchrun, start the workers and wait; 0 if all succeeded, else 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run as torchrun
+
+    from meshtrain.launch.waits import WaitTimedOut
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     prepare_args(args)
     if args.max_restarts > 0:
         print(restart_notice(args.max_restarts), file=sys.stderr, flush=True)
+    # several nodes: the waits said, the agents compared, dead nodes found (launch/rdzv_watch.py)
+    watch = agent_watch(args, _local_processes(args.nproc_per_node),
+                        lambda: _forward_to_workers(signal.SIGTERM, None))
+    if watch is not None:
+        print(watch.start_line(), file=sys.stderr, flush=True)
     attempts_before = _attempt_dirs(args.log_dir)
     with _restored_process_state(args.signals_to_handle):
         # the Trainer's rule (launch/world.py), set here: torchrun sets 1 when it is unset
@@ -82,10 +91,14 @@ def run(argv: Sequence[str] | None = None) -> int:
         # Workers that create their group through meshtrain end cleanly (see launch/spawn.py).
         os.environ["MESHTRAIN_LAUNCHER"] = "torchrun"
         os.environ[NNODES_ENV] = str(args.nnodes)  # N or MIN:MAX, for the workers' messages
+        if args.module and args.training_script.split(".")[0] == "meshtrain":
+            # `-m meshtrain ...`: the installed meshtrain, not a meshtrain/ folder in the
+            # working directory (a checkout), which `python -m` would put first on sys.path
+            os.environ["PYTHONSAFEPATH"] = "1"
         for sig in FORWARDED:  # a stop signal (Trainer's stop_on_signal) goes to the workers
             signal.signal(sig, _forward_to_workers)
         try:
-            with loopback_rendezvous_store(args), round_in_worker_env(), \
+            with rendezvous_store(args), round_in_worker_env(), watching(watch), \
                     repeated_failures_stop_restarts(args.log_dir), \
                     agent_records(args):  # the run's ending, if the workers fail (endings.py)
                 torchrun(args)
@@ -93,7 +106,13 @@ def run(argv: Sequence[str] | None = None) -> int:
             # torchrun's CLI would print this report as an uncaught exception; keep it.
             print(str(err), file=sys.stderr)
             _report_restarts(args, attempts_before, failed=True)
-            print(failure_summary(err, args.log_dir), file=sys.stderr, flush=True)
+            summary = f"meshtrain run: the job failed: {watch.failure}." \
+                if watch is not None and watch.failure else failure_summary(err, args.log_dir)
+            print(summary, file=sys.stderr, flush=True)
+            return 1
+        except (RendezvousError, WaitTimedOut) as error:
+            print(rendezvous_error_line(error, watch, args.rdzv_endpoint), file=sys.stderr,
+                  flush=True)
             return 1
         except SignalException as exc:
             name = signal.Signals(exc.sigval).name

@@ -86,7 +86,7 @@ SlurmUser=root
 SlurmdUser=root
 ReturnToService=2
 MpiDefault=none
-KillWait=5
+KillWait=30
 MinJobAge=600
 NodeName={self.host} CPUs={cpus} State=UNKNOWN
 PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
@@ -174,23 +174,29 @@ def _job_port() -> int:
 
 
 def _submit(slurm: SlurmCluster, tmp_path: Path, config: Path, *options: str,
-            workers: int = 2, train_args: tuple = ()) -> str:
-    """`meshtrain slurm --submit` for `meshtrain train CONFIG` on CPU workers; the job id."""
-    command = [sys.executable, "-m", "meshtrain", "slurm", *options, "--nodes", "1",
+            workers: int = 2, cpus: int = 2, train_args: tuple = (), port: str = "free",
+            cwd: Path = ROOT) -> str:
+    """`meshtrain slurm --submit` for `meshtrain train CONFIG` on CPU workers; the job id.
+    ``port``: "free" (a free one), "derived" (none given: the script's, from the job id), or
+    a number."""
+    port = str(_job_port()) if port == "free" else port
+    command = [sys.executable, "-P", "-m", "meshtrain", "slurm", *options, "--nodes", "1",
                "--nproc-per-node", str(workers),
-               "--cpus-per-task", "2", "--job-name", "tiny", "--output",
-               str(tmp_path / "%j.out"), "--port", str(_job_port()),
-               "--python", sys.executable, "--sbatch-out", str(tmp_path / "tiny.sbatch"),
+               "--cpus-per-task", str(cpus), "--job-name", config.stem, "--output",
+               str(tmp_path / "%j.out"), *(["--port", port] if port != "derived" else []),
+               "--python", sys.executable,
+               "--sbatch-out", str(tmp_path / f"{config.stem}.sbatch"),
                "--submit", "-m", "meshtrain", "train", str(config), *train_args]
-    done = subprocess.run(command, cwd=ROOT, env=slurm.env, capture_output=True, text=True,
+    done = subprocess.run(command, cwd=cwd, env=slurm.env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
     return re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
 
 
-def _config(tmp_path: Path, runs: Path, every: str) -> Path:
+def _config(tmp_path: Path, runs: Path, every: str, name: str = "tiny",
+            steps: int = 300) -> Path:
     """A small char_lm job (300 steps), its run folders under ``runs``."""
-    config = tmp_path / "tiny.toml"
+    config = tmp_path / f"{name}.toml"
     config.write_text(f"""\
 [job]
 recipe = "char_lm"
@@ -204,15 +210,15 @@ d_model = 32
 [sample]
 num_chars = 10
 [trainer]
-max_steps = 300
+max_steps = {steps}
 global_batch_size = 8
-val_every_n_steps = 300
+val_every_n_steps = {steps}
 limit_val_batches = 2
 [checkpoint]
 checkpoint_every_n_steps = {every}
 {"keep_last_k = 1" if every != '"none"' else ""}
 [logging]
-name = "tiny"
+name = "{name}"
 root_dir = "{runs}"
 log_every_n_steps = 10
 progress_bar = false
@@ -234,17 +240,23 @@ def test_a_submitted_job_trains_and_a_cancelled_one_resumes_when_submitted_again
             (tmp_path / f"{first}.out").read_text()[-3000:]
         assert time.monotonic() < deadline, slurm.logs()
         time.sleep(0.05)
-    subprocess.run(["scancel", first], env=slurm.env, check=True, timeout=30)
+    subprocess.run(["scancel", first], env=slurm.env, check=True, timeout=30)  # SIGTERM
     assert slurm.wait(first) == "CANCELLED"
+    out = (tmp_path / f"{first}.out").read_text()
+    # SIGTERM is the stop signal: both ranks stop after one step, with a checkpoint
+    assert f"meshtrain: SIGTERM received (Slurm ends job {first}" in out, out[-3000:]
+    stopped = re.search(rf"Slurm job {first}: stopped on SIGTERM after step (\d+) with a "
+                        "checkpoint; submit the job again to continue from it", out)
+    assert stopped and int(stopped.group(1)) < 300, out[-3000:]
     (run,) = runs.glob("tiny/*")
-    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
-    assert saved and not (run / "checkpoints" / "final").exists()  # stopped mid-run
+    assert json.loads((run / "checkpoints" / "final" / "meshtrain.json").read_text())[
+        "step"] == int(stopped.group(1))
 
     second = _submit(slurm, tmp_path, config)
     assert slurm.wait(second) == "COMPLETED", (tmp_path / f"{second}.out").read_text()[-3000:]
     out = (tmp_path / f"{second}.out").read_text()
-    resumed = re.search(r"resumed from \S+/checkpoints/(step_\d+) at step (\d+)", out)
-    assert resumed and resumed.group(1) == saved[-1] and int(resumed.group(2)) < 300, out[-3000:]
+    resumed = re.search(r"resumed from \S+/checkpoints/(final) at step (\d+)", out)
+    assert resumed and resumed.group(2) == stopped.group(1), out[-3000:]
     assert "meshtrain: 1 node(s), rendezvous at" in out
     assert list(runs.glob("tiny/*")) == [run]  # the same run folder, continued
     assert (run / "checkpoints" / "final").is_dir()
@@ -291,3 +303,55 @@ def test_a_signalled_job_saves_requeues_itself_and_continues_from_that_step(slur
     (run,) = runs.glob("tiny/*")
     assert json.loads((run / "checkpoints" / "final" / "meshtrain.json").read_text())[
         "step"] == 300
+
+
+@pytest.mark.timeout(240)
+def test_two_jobs_share_the_node_on_ports_of_their_own_and_a_taken_port_is_named(slurm,
+                                                                                 tmp_path):
+    """Two jobs submitted without --port, from a folder that holds a meshtrain/ package of its
+    own (a stale checkout, which fails when imported): each script takes 20000 + its job id
+    % 10000 as its rendezvous port, both train on the one node at the same time and finish,
+    with the installed meshtrain (``python -P``; `-m meshtrain` workers get PYTHONSAFEPATH). A
+    third job, given a --port another program holds, fails at once with a line naming
+    `meshtrain slurm --port`."""
+    decoy = tmp_path / "meshtrain"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the meshtrain/ folder in the "
+                                       "working directory was imported')\n")
+    runs = tmp_path / "runs"
+    one = dict(workers=1, cpus=1, cwd=tmp_path,
+               train_args=("--trainer.devices=1", "--trainer.layout=dp=1"))
+    jobs = [_submit(slurm, tmp_path, _config(tmp_path, runs, '"none"', name=name, steps=60),
+                    port="derived", **one) for name in ("a", "b")]
+    held = socket.socket()
+    held.bind(("127.0.0.1", _job_port()))
+    held.listen()
+    held_port = held.getsockname()[1]
+    try:
+        taken = _submit(slurm, tmp_path, _config(tmp_path, runs, '"none"', name="c", steps=60),
+                        port=str(held_port), **one)
+        both_running, deadline = False, time.monotonic() + 180
+        while (states := [slurm.job_state(j) for j in jobs]) != ["COMPLETED"] * 2:
+            both_running |= states == ["RUNNING"] * 2
+            assert not set(states) & {"FAILED", "CANCELLED", "TIMEOUT"}, \
+                [(tmp_path / f"{j}.out").read_text()[-2000:] for j in jobs]
+            assert time.monotonic() < deadline, states
+            time.sleep(0.1)
+        assert slurm.wait(taken) == "FAILED"
+    finally:
+        held.close()
+    assert both_running
+    ports = []
+    for job in jobs:
+        out = (tmp_path / f"{job}.out").read_text()
+        said = re.search(r"meshtrain: 1 node\(s\), rendezvous at [\d.]+:(\d+) ", out)
+        assert said and int(said.group(1)) == 20000 + int(job) % 10000, out[-2000:]
+        ports.append(said.group(1))
+    assert ports[0] != ports[1]
+    for name in ("a", "b"):
+        (run,) = runs.glob(f"{name}/*")
+        assert json.loads((run / "checkpoints" / "final" / "meshtrain.json").read_text())[
+            "step"] == 60
+    out = (tmp_path / f"{taken}.out").read_text()
+    assert re.search(rf"port {held_port} on 127\.0\.0\.1 is in use .*meshtrain "
+                     r"slurm --port PORT", out), out[-2000:]
