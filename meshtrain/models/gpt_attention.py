@@ -1,8 +1,9 @@
 """The attention of meshtrain's GPT (models/gpt.py), and how packed documents reach a kernel.
 
-Three paths: under context parallel :func:`~meshtrain.parallel.context.context_parallel.cp_attention`
-(ring attention over the cp group, documents included); packed documents (``document_eos``)
-without cp :func:`document_attention`; otherwise SDPA's own causal attention.
+Three paths: under context parallel
+:func:`~meshtrain.parallel.context.context_parallel.cp_attention` (ring attention over the cp
+group, documents included); packed documents (``document_eos``) without cp
+:func:`document_attention`; otherwise SDPA's own causal attention.
 """
 
 from __future__ import annotations

@@ -85,8 +85,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh, *,
     ``kv_groups``: grouped-query attention, each K/V head serves that many query heads (only the
     K/V heads travel). ``dropout_p``: on the attention weights (under cp each block's drawn
     from its own seed: random as one process's, not the same draws).
-    ``window``: a sliding window, a query attends to the ``window`` latest keys up to itself (``0 <= q_pos - k_pos < window``, as transformers'
-    sliding-window masks). ``documents``: ``(batch, seq_len)`` document ids of the whole window
+    ``window``: a sliding window, a query attends to the ``window`` latest keys up to itself
+    (``0 <= q_pos - k_pos < window``, as transformers' sliding-window masks). ``documents``: ``(batch, seq_len)`` document ids of the whole window
     in sequence order (packed documents, meshtrain.packing.document_ids; computed once per batch
     before the cut): a query attends only to keys of its own document.
     """
