@@ -25,17 +25,28 @@ and H200 989.4 TFLOP/s, H100 PCIe 756, H100/H200 NVL 835.5, A100 312 (NVIDIA dat
 dense); ``--peak-tflops`` overrides; on a CPU no MFU is given. Peak memory is
 torch.cuda.max_memory_allocated / max_memory_reserved over the whole run.
 
+``--float8 tensorwise|rowwise``: the Trainer's ``float8`` setting (torchao's float8 linears,
+every decoder layer's projections, not lm_head; docs/precision.md), everything else the same, so
+float8 against bf16 tokens/s on this model is this one flag. MFU stays against the bf16 dense
+peak (the same FLOPs per token and denominator as the bf16 run: the MFU ratio is the tokens/s
+ratio). Without torchao the run says "torchao not installed", writes ``--out`` with that reason
+and ends with status 2. ``--float8-emulate``: torchao's emulation (the matmuls in high
+precision, any device): a CPU smoke run of the float8 path, not a speed.
+
     python benchmarks/mfu.py --steps 300 --out benchmarks/results/mfu_h100.json
     python benchmarks/mfu.py --steps 300 --compile false --out benchmarks/results/mfu_eager.json
     python benchmarks/mfu.py --micro-batch 8 --activation-checkpointing selective
     python benchmarks/mfu.py --vocab 128256         # Llama 3's vocabulary (~1.5B parameters)
+    python benchmarks/mfu.py --steps 150 --float8 tensorwise --out results/mfu_h100_float8.json
     python benchmarks/mfu.py --tiny                 # CPU smoke run: 2 small layers, a few steps
     python benchmarks/mfu.py --tiny --compile false
+    python benchmarks/mfu.py --tiny --compile false --float8 tensorwise --float8-emulate
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import sys
 import tempfile
@@ -133,21 +144,30 @@ def run(args) -> dict:
         trainer = Trainer(
             accelerator=args.accelerator, devices=1, precision="bf16-mixed",
             micro_batch_size=args.micro_batch, global_batch_size=args.global_batch,
-            max_steps=total, compile=args.compile,
+            max_steps=total, compile=args.compile, float8=args.float8,
+            float8_emulate=args.float8_emulate,
             activation_checkpointing=None if args.activation_checkpointing == "none"
             else args.activation_checkpointing,
             nan_policy=None if args.nan_policy == "none" else args.nan_policy,
             seed=0, shuffle=False, callbacks=[Clock()], loggers=(), progress_bar=False,
-            save_final_checkpoint=False, log_every_n_steps=total, run_dir=run_dir, resume=None)
+            save_final_checkpoint=False, run_dir=run_dir, resume=None,
+            # the first log (where the Trainer counts the model's FLOPs on a meta copy, a
+            # one-off second or more) ends the warm-up, outside the timed steps
+            log_every_n_steps=args.warmup)
         started = time.perf_counter()
-        trainer.fit(model_factory(config), data, loss_fn=None,
-                    optimizer=AdamW(lr=3e-4, weight_decay=0.1, **optimizer_options))
+        model = trainer.fit(model_factory(config), data, loss_fn=None,
+                            optimizer=AdamW(lr=3e-4, weight_decay=0.1, **optimizer_options))
         sync()
         device = trainer.device
+        # the layers that ran in float8 (torchao's Float8Linear), counted on the trained model
+        float8_layers = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        del model
     timing = clock.result("mfu")
     ends, first = clock.ends, marks["first_start"]
     result = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "float8": args.float8, "float8_emulate": args.float8_emulate,
+        "float8_layers": float8_layers,
         "setup_s": first - started,  # build the model, move it, apply the layout
         "first_step_s": ends[0] - first,  # most of the compilation
         "warmup_s": ends[args.warmup - 1] - first,  # the untimed steps, compilation included
@@ -172,6 +192,12 @@ def add_mfu(result: dict, params: dict, config, args) -> None:
                   mfu_causal=result["tokens_per_s"] * causal / peak if peak else None)
 
 
+def precision_name(args) -> str:
+    if not args.float8:
+        return "bf16-mixed"
+    return f"bf16-mixed + float8 {args.float8}" + (" (emulated)" if args.float8_emulate else "")
+
+
 def format_table(result: dict, params: dict, args) -> str:
     def na(value, spec: str, unit: str = "") -> str:  # "n/a" where there is no value (CPU)
         return "n/a" if value is None else format(value, spec) + unit
@@ -183,6 +209,8 @@ def format_table(result: dict, params: dict, args) -> str:
         ("device", r["device"]),
         ("parameters (in matmuls)", f"{params['total']:,} ({params['matmul']:,})"),
         ("compile / act. checkpointing", f"{args.compile} / {args.activation_checkpointing}"),
+        ("precision", precision_name(args)
+         + (f" ({r['float8_layers']} float8 layers)" if args.float8 else "")),
         ("tokens per step", f"{r['tokens_per_step']:,} ({args.global_batch} x {args.seq_len})"),
         ("step time mean (median)", f"{m * r['step_s']:.1f} ms ({m * r['median_step_s']:.1f})"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f}"),
@@ -215,6 +243,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--nan-policy", default="error", choices=("error", "none"),
                         help="meshtrain's per-step NaN/Inf check (default error, the Trainer's)")
     parser.add_argument("--accelerator", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--float8", default=None, choices=("tensorwise", "rowwise"),
+                        help="the Trainer's float8 setting (torchao); default off (bf16-mixed)")
+    parser.add_argument("--float8-emulate", action="store_true",
+                        help="torchao's float8 emulation (any device; numerics, not speed)")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak, overriding the table")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args(argv)
@@ -227,17 +259,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.steps, args.warmup, args.micro_batch) < 1 or args.global_batch % args.micro_batch:
         parser.error("--steps, --warmup, --micro-batch must be >= 1 and --global-batch a "
                      "multiple of --micro-batch")
+    if args.float8_emulate and not args.float8:
+        parser.error("--float8-emulate goes with --float8")
     return args
+
+
+def payload(args, **parts) -> dict:
+    cuda = args.accelerator == "cuda"
+    info = {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda} if cuda else {}
+    return {"command": shlex.join(["python", *sys.argv]),
+            "config": {k: v for k, v in vars(args).items() if k != "out"}, **parts,
+            "machine": machine(**info)}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.float8 and importlib.util.find_spec("torchao") is None:
+        reason = "torchao not installed"
+        print(f"mfu benchmark: --float8 {args.float8}: {reason} (pip install "
+              "'meshtrain[float8]'); no float8 run", flush=True)
+        if args.out:
+            print(f"wrote {write_json(args.out, payload(args, skipped=reason), indent=2)}")
+        return 2
     config = llama_config(args)
     params = count_params(config)
     print(f"mfu benchmark: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
           f"({args.kv_heads} kv), MLP {args.intermediate}, vocabulary {args.vocab}: "
           f"{params['total']:,} parameters; seq_len {args.seq_len}, micro-batch "
-          f"{args.micro_batch}, global batch {args.global_batch}, bf16-mixed, compile="
+          f"{args.micro_batch}, global batch {args.global_batch}, {precision_name(args)}, compile="
           f"{args.compile}, on {args.accelerator}; {args.warmup} warm-up + {args.steps} timed "
           f"steps, torch {torch.__version__}", flush=True)
     result = run(args)
@@ -245,12 +294,8 @@ def main(argv=None) -> int:
     print()
     print(format_table(result, params, args))
     if args.out:
-        cuda = args.accelerator == "cuda"
-        info = {"gpu": result["device"], "cuda": torch.version.cuda} if cuda else {}
-        payload = {"command": shlex.join(["python", *sys.argv]),
-                   "config": {k: v for k, v in vars(args).items() if k != "out"},
-                   "params": params, "result": result, "machine": machine(**info)}
-        print(f"\nwrote {write_json(args.out, payload, indent=2)}")
+        written = write_json(args.out, payload(args, params=params, result=result), indent=2)
+        print(f"\nwrote {written}")
     return 0
 
 
