@@ -308,10 +308,11 @@ class StallWatchdog:
                 self.store.set(DONE_KEY, str(len(answers)))
             except Exception:  # noqa: BLE001
                 pass
+        self._say(f"meshtrain: {cause}. Every rank's stack is in {self.stacks_dir}; stopping "
+                  "the job")
         self._leave(len(answers))
         stall_blame.end_stopped(verdict.stopped)  # (a launcher would wait for them)
-        self._exit(f"meshtrain: {cause}. Every rank's stack is in {self.stacks_dir}; stopping "
-                   "the job")
+        self._exit()
 
     def _publish_verdict(self, ranks: list[int], cause: str) -> None:
         from meshtrain.launch.endings import record_stall
@@ -348,9 +349,10 @@ class StallWatchdog:
         if verdict:
             record_stall(cause, verdict["ranks"])
         answered = self._wait_for_key(DONE_KEY)  # the finder records the ending (the report)
+        self._say(f"meshtrain: rank {self.rank} stopping: {cause}. Every rank's stack is in "
+                  f"{self.stacks_dir}")
         self._leave(int(answered) if isinstance(answered, str) and answered.isdigit() else 0)
-        self._exit(f"meshtrain: rank {self.rank} stopping: {cause}. Every rank's stack is in "
-                   f"{self.stacks_dir}")
+        self._exit()
 
     def _wait_for_key(self, key: str):
         deadline = time.monotonic() + WAIT_FOR_VERDICT_S
@@ -377,12 +379,16 @@ class StallWatchdog:
         except Exception:  # noqa: BLE001 - the store's host left first
             pass
 
-    def _exit(self, line: str) -> None:
-        from meshtrain.launch.spawn import _state
-
+    def _say(self, line: str) -> None:
+        """This rank's last line, said before it joins the others in leaving (once one rank
+        exits, a rank waiting in a collective dies with the connection: its line comes first)."""
         self._file.flush()
         sys.stdout.flush()
         print(line, file=sys.stderr, flush=True)
+
+    def _exit(self) -> None:
+        from meshtrain.launch.spawn import _state
+
         if _state.get("workers") is not None:  # (Trainer(devices=N): this process started them)
             from meshtrain.launch import endings
 

@@ -30,7 +30,10 @@ import meshtrain.observe.model_summary
 import meshtrain.observe.progress
 import meshtrain.optim
 import meshtrain.packing
+import meshtrain.launch.waits
+import meshtrain.parallel.context.blockwise
 import meshtrain.parallel.context.context_parallel
+import meshtrain.parallel.context.ring
 import meshtrain.parallel.context.sdpa
 import meshtrain.parallel.data.data_parallel
 import meshtrain.parallel.data.fully_shard

@@ -130,6 +130,7 @@ class ForwardParamBytes:
         self._model = model
         self._handle = model.register_forward_hook(self._record)
 
+    @torch.compiler.disable(reason="counts storages after the forward: no graph of its own")
     def _record(self, module, args, output) -> None:
         now = _StorageSet().add_all(self._model.parameters())
         self.bytes = now if self.bytes is None else max(self.bytes, now)
