@@ -47,7 +47,7 @@ def note_start(trainer) -> None:
     """(Fit, after the resume or instead of one; rank 0 speaks.) A restart with nothing to
     resume from: the earlier attempts' logged rows dropped, and the loss said. A first attempt
     that may be restarted without periodic checkpoints: said once."""
-    from meshtrain.checkpoint.resume import forget_steps_after
+    from meshtrain.observe.loggers.local import forget_steps_after
 
     t = trainer
     periodic = any(t._settings.get(name) for name in (

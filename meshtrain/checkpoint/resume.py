@@ -352,6 +352,8 @@ def resume_fit(trainer, path) -> None:
             f"{getattr(trainer, setting)}): nothing would be trained; raise {setting} to "
             f"continue that run past step {step}, or start a new run with resume=None{elsewhere}")
     trainer.load_checkpoint(path)
+    from meshtrain.observe.loggers.local import forget_steps_after
+
     dropped = forget_steps_after(trainer, trainer.global_step)
     fresh = ("; resume=None (--checkpoint.resume=none) starts a new run instead"
              if trainer.resume == "auto" else "")
@@ -360,24 +362,3 @@ def resume_fit(trainer, path) -> None:
     if dropped:
         trainer.print(f"metrics.csv: {dropped} row(s) of the steps after {trainer.global_step}, "
                       "logged before the stop, dropped (they are trained and logged again)")
-
-
-def forget_steps_after(trainer, step: int) -> int:
-    """The run's loggers (metrics.csv, TensorBoard) and per-step files without the steps after
-    ``step`` that an earlier attempt logged, as the checkpoint of ``step`` holds no trace of
-    them (rank zero writes them; the others do nothing). ``events.jsonl`` is kept whole: it is
-    the run's history, the stop and the resume included. Returns the metrics.csv rows dropped."""
-    if not trainer.is_global_zero:
-        return 0
-    from meshtrain.observe.loggers.local import CSVLogger, drop_steps_after
-    from meshtrain.observe.run_files import BREAKDOWN, EXPERTS  # (a row per logged step)
-
-    dropped = 0
-    for logger in trainer.run_log.loggers:
-        drop = getattr(logger, "drop_after", None)
-        if drop is not None:
-            result = drop(step)
-            dropped += result if isinstance(logger, CSVLogger) else 0
-    for name in (BREAKDOWN, EXPERTS):
-        drop_steps_after(trainer.run_dir / name, step)
-    return dropped

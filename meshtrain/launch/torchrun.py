@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 
 from meshtrain.errors import ConfigError
 from meshtrain.fault.restarts import repeated_failures_stop_restarts
-from meshtrain.launch.endings import agent_records
+from meshtrain.launch.agent_ending import agent_records
 from meshtrain.launch.ports import check_port_free, find_free_port
 from meshtrain.launch.rdzv_watch import agent_watch, rendezvous_error_line, watching
 from meshtrain.launch.rendezvous import LOCAL_HOST, rendezvous_store, round_in_worker_env
@@ -100,7 +100,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         try:
             with rendezvous_store(args), round_in_worker_env(), watching(watch), \
                     repeated_failures_stop_restarts(args.log_dir), \
-                    agent_records(args):  # the run's ending, if the workers fail (endings.py)
+                    agent_records(args):  # the run's ending, if the workers fail (agent_ending.py)
                 torchrun(args)
         except ChildFailedError as err:
             # torchrun's CLI would print this report as an uncaught exception; keep it.

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from meshtrain.launch import endings
+from meshtrain.launch import agent_ending, endings
 from meshtrain.observe import ending, run_files
 
 
@@ -86,7 +86,7 @@ def test_the_agent_records_the_first_failure_and_the_report(tmp_path, case):
         err = _failures(tmp_path, (0, 1, lost), (1, 1, ValueError("rank 1 failed")))
     else:
         err = _failures(tmp_path, (0, -signal.SIGTERM, None), (1, -signal.SIGKILL, None))
-    with pytest.raises(ChildFailedError), endings.agent_records(args):
+    with pytest.raises(ChildFailedError), agent_ending.agent_records(args):
         ending.announce(run)  # rank 0's side: into the file the agent named
         raise err
     environment = _environment(run)
@@ -109,13 +109,13 @@ def test_the_agent_removes_its_own_empty_log_folder_after_a_success(tmp_path):
         (logs / "job_x" / "attempt_0" / "0").mkdir(parents=True)
         if restarted:  # the restart message points at the failed attempt's error file
             (logs / "job_x" / "attempt_1" / "0").mkdir(parents=True)
-        with endings.agent_records(SimpleNamespace(log_dir=str(logs),
+        with agent_ending.agent_records(SimpleNamespace(log_dir=str(logs),
                                                    meshtrain_temp_log_dir=True)):
             path = os.environ[ending.RUN_DIR_FILE_ENV]
         assert logs.is_dir() == kept and not os.path.exists(path)
     given = tmp_path / "given"  # one the user named stays
     (given / "job_x" / "attempt_0").mkdir(parents=True)
-    with endings.agent_records(SimpleNamespace(log_dir=str(given))):
+    with agent_ending.agent_records(SimpleNamespace(log_dir=str(given))):
         pass
     assert given.is_dir()
 
@@ -162,7 +162,7 @@ def test_an_interrupted_job_is_recorded_as_killed_with_the_signal(tmp_path):
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     run = _run(tmp_path)
-    with pytest.raises(SignalException), endings.agent_records(SimpleNamespace(log_dir=None)):
+    with pytest.raises(SignalException), agent_ending.agent_records(SimpleNamespace(log_dir=None)):
         ending.announce(run)
         raise SignalException("got SIGTERM", signal.SIGTERM)
     found = _environment(run)["ending"]

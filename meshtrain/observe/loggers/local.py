@@ -233,3 +233,23 @@ class TensorBoardLogger(Logger):
             raise ConfigError(
                 "TensorBoardLogger was used after finalize(); create a new logger for a new run"
             )
+
+
+def forget_steps_after(trainer, step: int) -> int:
+    """The run's loggers (metrics.csv, TensorBoard) and per-step files without the steps after
+    ``step`` that an earlier attempt logged, as the checkpoint of ``step`` holds no trace of
+    them (rank zero writes them; the others do nothing). ``events.jsonl`` is kept whole: it is
+    the run's history, the stop and the resume included. Returns the metrics.csv rows dropped."""
+    if not trainer.is_global_zero:
+        return 0
+    from meshtrain.observe.run_files import BREAKDOWN, EXPERTS  # (a row per logged step)
+
+    dropped = 0
+    for logger in trainer.run_log.loggers:
+        drop = getattr(logger, "drop_after", None)
+        if drop is not None:
+            result = drop(step)
+            dropped += result if isinstance(logger, CSVLogger) else 0
+    for name in (BREAKDOWN, EXPERTS):
+        drop_steps_after(trainer.run_dir / name, step)
+    return dropped
